@@ -1,0 +1,90 @@
+//! KV cache events: what a worker tells the router about its prefix cache.
+//!
+//! A worker emits an event whenever blocks enter its prefix cache ([`KvEventKind::Stored`]),
+//! leave it ([`KvEventKind::Removed`]) or the whole cache is dropped ([`KvEventKind::Cleared`]).
+//! Every event carries a per-worker sequence number, starting at 0 and increasing by one per
+//! event, so a consumer detects a lost or reordered event and can resynchronise instead of
+//! keeping a silently wrong index.
+//!
+//! Blocks are named in events by the engine's own block id ([`EngineBlockId`]: vLLM's block
+//! hash, SGLang's node id, or our engine simulator's sequence hash). The index never trusts the
+//! engine's hash function: it recomputes [`SequenceHash`](crate::SequenceHash)es from the
+//! blocks' tokens (or local hashes) and the parent chain, and keeps a per-worker map from engine
+//! block id to sequence hash to resolve parents and removals.
+
+use serde::{Deserialize, Serialize};
+
+use crate::hash::LocalBlockHash;
+
+/// Identifies a worker (one engine instance) across the whole system.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct WorkerId(pub u64);
+
+impl std::fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "worker-{}", self.0)
+    }
+}
+
+/// The engine's own name for a cached block, opaque to the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct EngineBlockId(pub u64);
+
+/// What an event says about a stored block's content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BlockContent {
+    /// The block's token ids (vLLM and SGLang events carry them). The index hashes them.
+    Tokens(Vec<u32>),
+    /// The block's local hash, already computed with this crate's scheme (our own engines).
+    LocalHash(LocalBlockHash),
+}
+
+impl BlockContent {
+    /// The block's local hash under this crate's scheme.
+    pub fn local_hash(&self) -> LocalBlockHash {
+        match self {
+            BlockContent::Tokens(tokens) => LocalBlockHash::of_tokens(tokens),
+            BlockContent::LocalHash(hash) => *hash,
+        }
+    }
+}
+
+/// One block entering a worker's prefix cache.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredBlock {
+    /// The engine's id for this block; later `Removed` events and child `Stored` events use it.
+    pub id: EngineBlockId,
+    /// The block's tokens or local hash.
+    pub content: BlockContent,
+}
+
+/// What happened in a worker's prefix cache.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KvEventKind {
+    /// A run of consecutive blocks was cached. `blocks[0]`'s parent is `parent` (`None` when
+    /// `blocks[0]` is the first block of a prompt); each later block's parent is the one
+    /// before it.
+    Stored {
+        parent: Option<EngineBlockId>,
+        blocks: Vec<StoredBlock>,
+    },
+    /// These blocks were evicted from the worker's cache.
+    Removed { blocks: Vec<EngineBlockId> },
+    /// The worker dropped its whole cache (restart, reset).
+    Cleared,
+}
+
+/// One event from one worker, with its position in that worker's event stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvEvent {
+    /// Who emitted it.
+    pub worker: WorkerId,
+    /// Per-worker sequence number: 0 for a worker's first event, then +1 per event.
+    pub seq: u64,
+    /// What happened.
+    pub kind: KvEventKind,
+}
