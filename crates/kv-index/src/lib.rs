@@ -6,12 +6,15 @@
 //!
 //! - [`hash`]: the block hashing scheme, a wire contract between gateway, router and workers.
 //! - [`event`]: KV cache events (stored / removed / cleared) with per-worker sequence numbers.
+//! - [`overlap`]: per-worker counts of a request's leading blocks found in cache.
 
 pub mod event;
 pub mod hash;
+pub mod overlap;
 
 pub use event::{BlockContent, EngineBlockId, KvEvent, KvEventKind, StoredBlock, WorkerId};
 pub use hash::{
     BlockHasher, DEFAULT_BLOCK_SIZE, LOCAL_HASH_SEED, LocalBlockHash, SEQUENCE_HASH_SEED,
     SequenceHash,
 };
+pub use overlap::OverlapScores;
