@@ -1,1 +1,116 @@
-fn main() {}
+//! `kvroute`: one binary, one subcommand per tool.
+
+use std::io::Read;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use kv_index::BlockHasher;
+
+/// KV-cache-aware routing for LLM fleets.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the block hashes of a token sequence, as workers and the router compute them.
+    ///
+    /// Tokens are integers separated by spaces, commas or newlines, given as arguments or on
+    /// standard input. Use it to check that an engine's KV events hash like kvroute does.
+    Hash(HashArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct HashArgs {
+    /// Tokens per KV block (must match the engines').
+    #[arg(long, default_value_t = kv_index::DEFAULT_BLOCK_SIZE, env = "DYN_KV_CACHE_BLOCK_SIZE")]
+    block_size: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Token ids; read from standard input when none are given.
+    tokens: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Hash(args) => hash(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn parse_tokens(words: &[String]) -> Result<Vec<u32>> {
+    words
+        .iter()
+        .flat_map(|w| w.split(|c: char| c == ',' || c.is_whitespace()))
+        .filter(|w| !w.is_empty())
+        .map(|w| {
+            w.parse::<u32>()
+                .with_context(|| format!("`{w}` is not a token id (expected an integer 0..2^32)"))
+        })
+        .collect()
+}
+
+fn hash(args: HashArgs) -> Result<()> {
+    let Some(hasher) = BlockHasher::new(args.block_size) else {
+        bail!("--block-size must be at least 1");
+    };
+    let words = if args.tokens.is_empty() {
+        let mut input = String::new();
+        std::io::stdin()
+            .read_to_string(&mut input)
+            .context("reading tokens from standard input")?;
+        vec![input]
+    } else {
+        args.tokens
+    };
+    let tokens = parse_tokens(&words)?;
+    let local = hasher.local_hashes(&tokens);
+    let seq = hasher.sequence_hashes(&tokens);
+    let tail = tokens.len() % hasher.block_size();
+    if args.json {
+        let blocks: Vec<_> = local
+            .iter()
+            .zip(&seq)
+            .enumerate()
+            .map(|(i, (l, s))| {
+                serde_json::json!({
+                    "block": i,
+                    "local_hash": format!("{:#018x}", l.0),
+                    "sequence_hash": format!("{:#018x}", s.0),
+                })
+            })
+            .collect();
+        let out = serde_json::json!({
+            "block_size": hasher.block_size(),
+            "tokens": tokens.len(),
+            "uncached_tail_tokens": tail,
+            "blocks": blocks,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("{:>6}  {:<18}  {:<18}", "block", "local hash", "sequence hash");
+        for (i, (l, s)) in local.iter().zip(&seq).enumerate() {
+            println!("{i:>6}  {:#018x}  {:#018x}", l.0, s.0);
+        }
+        println!(
+            "{} tokens, {} full blocks of {}, {} tail tokens not cacheable",
+            tokens.len(),
+            seq.len(),
+            hasher.block_size(),
+            tail
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,56 @@
+//! The `kvroute` binary as a user runs it.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+fn kvroute() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvroute"))
+}
+
+#[test]
+fn hash_prints_the_pinned_test_vectors() {
+    let tokens: Vec<String> = (0..70).map(|t| t.to_string()).collect();
+    let out = kvroute().arg("hash").args(&tokens).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    // The crate docs' test vectors for tokens 0..63, block size 32.
+    assert!(stdout.contains("0x7949379a13dba8d2"), "{stdout}");
+    assert!(stdout.contains("0xa6316d8655c998ff"), "{stdout}");
+    assert!(stdout.contains("70 tokens, 2 full blocks of 32, 6 tail tokens"), "{stdout}");
+}
+
+#[test]
+fn hash_reads_stdin_and_writes_json() {
+    let mut child = kvroute()
+        .args(["hash", "--json", "--block-size", "2"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"1, 2,3\n4 5")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["tokens"], 5);
+    assert_eq!(json["blocks"].as_array().unwrap().len(), 2);
+    assert_eq!(json["uncached_tail_tokens"], 1);
+}
+
+#[test]
+fn hash_rejects_bad_input_with_a_clear_error() {
+    let out = kvroute().args(["hash", "12", "x7"]).output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stderr.contains("`x7` is not a token id"), "{stderr}");
+    let out = kvroute()
+        .args(["hash", "--block-size", "0", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8(out.stderr).unwrap().contains("--block-size"));
+}

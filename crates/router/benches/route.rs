@@ -1,0 +1,117 @@
+//! One routing decision for an 8k-token request, hashing included, against a realistically
+//! filled index: `cargo bench -p router --bench route`.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use kv_index::{
+    BlockContent, BlockHasher, EngineBlockId, IndexConfig, KvEvent, KvEventKind, StoredBlock,
+    WorkerId,
+};
+use nanotime::Nanos;
+use router::{PolicyKind, RequestId, Router, RouterConfig, WorkerLimits};
+
+const BLOCK: usize = 32;
+const REQUEST_TOKENS: usize = 8192;
+const PASSAGES: u32 = 10;
+const PASSAGE_BLOCKS: usize = 110;
+
+/// Tokens of conversation `conv`: one of 10 shared passages, then its own history.
+fn conversation(conv: u32, blocks: usize) -> Vec<u32> {
+    let passage = conv % PASSAGES;
+    (0..blocks * BLOCK)
+        .map(|i| {
+            if i < PASSAGE_BLOCKS * BLOCK {
+                passage * 1_000_003 + i as u32
+            } else {
+                0x8000_0000 | (conv.wrapping_mul(7919) ^ i as u32)
+            }
+        })
+        .collect()
+}
+
+fn stored(hasher: &BlockHasher, worker: u64, seq: u64, tokens: &[u32]) -> KvEvent {
+    let locals = hasher.local_hashes(tokens);
+    let seqs = kv_index::hash::chain_local_hashes(None, locals.iter().copied());
+    KvEvent {
+        worker: WorkerId(worker),
+        seq,
+        kind: KvEventKind::Stored {
+            parent: None,
+            blocks: seqs
+                .zip(&locals)
+                .map(|(s, l)| StoredBlock {
+                    id: EngineBlockId(s.0),
+                    content: BlockContent::LocalHash(*l),
+                })
+                .collect(),
+        },
+    }
+}
+
+/// A router over `workers` workers whose index holds about `blocks` (worker, block) entries:
+/// every worker holds every passage, and 256-block conversations are spread round-robin.
+fn filled_router(workers: u64, blocks: usize) -> Router {
+    let mut router = Router::new(RouterConfig {
+        policy: PolicyKind::Kv,
+        index: IndexConfig {
+            max_blocks: blocks * 2,
+            ..IndexConfig::default()
+        },
+        ..RouterConfig::default()
+    })
+    .expect("valid config");
+    let hasher = *router.hasher();
+    let mut next_seq = vec![0u64; workers as usize];
+    for w in 0..workers {
+        router.add_worker(WorkerId(w), WorkerLimits::default());
+        for p in 0..PASSAGES {
+            let event = stored(&hasher, w, next_seq[w as usize], &conversation(p, PASSAGE_BLOCKS));
+            next_seq[w as usize] += 1;
+            router.apply_event(&event).expect("gap-free");
+        }
+    }
+    let conv_blocks = REQUEST_TOKENS / BLOCK;
+    let mut conv = PASSAGES;
+    while router.index().len() < blocks {
+        let w = u64::from(conv) % workers;
+        let event = stored(&hasher, w, next_seq[w as usize], &conversation(conv, conv_blocks));
+        next_seq[w as usize] += 1;
+        router.apply_event(&event).expect("gap-free");
+        conv += 1;
+    }
+    router
+}
+
+fn bench_route(c: &mut Criterion) {
+    let mut group = c.benchmark_group("route_8k_tokens");
+    group.sample_size(30);
+    for (workers, blocks) in [(64u64, 100_000usize), (64, 1_000_000), (1024, 1_000_000)] {
+        let mut router = filled_router(workers, blocks);
+        // The next turn of conversation 12: its 200-block history is cached on one worker,
+        // its passage on all of them.
+        let mut tokens = conversation(12, 200);
+        tokens.extend((0..REQUEST_TOKENS - tokens.len()).map(|i| 0xC000_0000 | i as u32));
+        let label = format!("{workers}_workers_{}k_blocks", blocks / 1000);
+        group.bench_function(BenchmarkId::from_parameter(label), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for i in 0..iters {
+                    let start = Instant::now();
+                    let key = router.key(black_box(&tokens));
+                    let decision = router.route(RequestId(i), &key, Nanos::ZERO);
+                    total += start.elapsed();
+                    black_box(&decision);
+                    // Untimed: keep the router's load steady between iterations.
+                    router.on_finished(RequestId(i), Nanos::ZERO);
+                }
+                total
+            });
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_route);
+criterion_main!(benches);

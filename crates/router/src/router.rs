@@ -1,0 +1,639 @@
+//! The router core: index + load accounting + a policy.
+
+use std::collections::VecDeque;
+use std::fmt;
+
+use kv_index::{
+    BlockContent, BlockHasher, EngineBlockId, IndexConfig, KvEvent, KvEventKind, KvIndex,
+    LocalBlockHash, OverlapScores, SequenceHash, StoredBlock, WorkerId,
+};
+use nanotime::Nanos;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rustc_hash::FxHashMap;
+
+use crate::load::{WorkerAccount, WorkerLoad};
+use crate::policy::{
+    Candidate, KvCostParams, PolicyKind, RoutingPolicy, SelectionContext, WorkerLimits,
+};
+
+/// Identifies a request to the router (the caller's id; unique among in-flight requests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "request-{}", self.0)
+    }
+}
+
+/// Where the router learns what each worker has cached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvSource {
+    /// From the workers' KV events, fed through [`Router::apply_event`].
+    Events,
+    /// Without events: every routed prompt is assumed cached on its worker for `ttl` after it
+    /// was last routed (Dynamo's `--no-kv-events`, default TTL 120 s).
+    Approximate { ttl: Nanos },
+}
+
+/// Router settings. [`Default`] gives Dynamo's defaults with the KV policy.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// Policy built by [`Router::new`]; [`Router::with_policy`] takes any policy instead.
+    pub policy: PolicyKind,
+    /// Parameters of the KV cost (used by the `kv` policy).
+    pub kv: KvCostParams,
+    /// Tokens per KV block; must match the workers' block size.
+    pub block_size: usize,
+    /// Seed of the router's RNG (random policy, tie breaks, softmax sampling).
+    pub seed: u64,
+    /// Events or approximate mode.
+    pub kv_source: KvSource,
+    /// Bounds of the prefix index.
+    pub index: IndexConfig,
+    /// Most requests tracked in flight at once; routing more is refused with
+    /// [`RouteError::TooManyInFlight`] rather than growing without bound.
+    pub max_in_flight: usize,
+    /// Approximate mode only: most (worker, block) predictions kept; the oldest go first.
+    pub max_predicted_blocks: usize,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            policy: PolicyKind::Kv,
+            kv: KvCostParams::default(),
+            block_size: kv_index::DEFAULT_BLOCK_SIZE,
+            seed: 0,
+            kv_source: KvSource::Events,
+            index: IndexConfig::default(),
+            max_in_flight: 1 << 20,
+            max_predicted_blocks: 1 << 20,
+        }
+    }
+}
+
+/// Settings the router refuses.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RouterConfigError {
+    ZeroBlockSize,
+    NegativeOverlapWeight(f64),
+    InvalidTemperature(f64),
+}
+
+impl fmt::Display for RouterConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ZeroBlockSize => write!(f, "KV block size must be at least 1 token"),
+            Self::NegativeOverlapWeight(w) => {
+                write!(f, "overlap weight must be a finite number ≥ 0, got {w}")
+            }
+            Self::InvalidTemperature(t) => {
+                write!(f, "router temperature must be a finite number ≥ 0, got {t}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RouterConfigError {}
+
+/// Why a request could not be routed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteError {
+    /// No worker is registered.
+    NoWorkers,
+    /// A request with this id is already in flight.
+    DuplicateRequest(RequestId),
+    /// The bound on tracked in-flight requests is reached.
+    TooManyInFlight { limit: usize },
+    /// The policy returned an index outside the candidate list (a bug in the policy).
+    PolicyOutOfRange { policy: &'static str, index: usize },
+}
+
+impl fmt::Display for RouteError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NoWorkers => write!(f, "no worker is registered with the router"),
+            Self::DuplicateRequest(id) => write!(f, "{id} is already in flight"),
+            Self::TooManyInFlight { limit } => {
+                write!(f, "router is tracking its limit of {limit} in-flight requests")
+            }
+            Self::PolicyOutOfRange { policy, index } => {
+                write!(f, "policy `{policy}` chose candidate {index}, which does not exist")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RouteError {}
+
+/// A prompt, hashed once for routing: its blocks' local and sequence hashes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RoutingKey {
+    pub local: Vec<LocalBlockHash>,
+    pub seq: Vec<SequenceHash>,
+    pub num_tokens: u64,
+}
+
+impl RoutingKey {
+    /// Hashes `tokens` with `hasher` (full blocks only; the partial tail is not cacheable).
+    pub fn new(hasher: &BlockHasher, tokens: &[u32]) -> Self {
+        let local = hasher.local_hashes(tokens);
+        let seq = kv_index::hash::chain_local_hashes(None, local.iter().copied()).collect();
+        Self {
+            local,
+            seq,
+            num_tokens: tokens.len() as u64,
+        }
+    }
+
+    pub fn num_blocks(&self) -> u32 {
+        u32::try_from(self.seq.len()).unwrap_or(u32::MAX)
+    }
+}
+
+/// The router's answer for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteDecision {
+    pub worker: WorkerId,
+    /// Leading blocks of the prompt the router believes are cached on `worker`.
+    pub overlap_blocks: u32,
+    /// Full blocks in the prompt.
+    pub prompt_blocks: u32,
+    /// Tokens `worker` is expected to prefill (prompt minus the cached prefix).
+    pub new_prefill_tokens: u64,
+}
+
+/// What the router did, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RouterCounters {
+    pub routed: u64,
+    pub refused: u64,
+    /// Sum over routed requests of the chosen worker's overlap, in blocks.
+    pub overlap_blocks: u64,
+    /// Sum over routed requests of their full prompt blocks.
+    pub prompt_blocks: u64,
+    pub first_tokens: u64,
+    pub finished: u64,
+    /// Lifecycle calls for requests the router was not tracking (already finished, never
+    /// routed, or on a worker that left).
+    pub unknown_requests: u64,
+    /// In-flight requests dropped because their worker was removed.
+    pub orphaned: u64,
+    /// Approximate mode: predicted blocks expired or evicted by the bound.
+    pub predictions_expired: u64,
+}
+
+#[derive(Debug)]
+struct WorkerEntry {
+    id: WorkerId,
+    limits: WorkerLimits,
+    account: WorkerAccount,
+}
+
+#[derive(Debug)]
+struct Tracked {
+    worker: WorkerId,
+    blocks: Vec<SequenceHash>,
+    pending_prefill_tokens: u64,
+}
+
+/// The router: a prefix index, per-worker load accounting and a routing policy.
+///
+/// Sans-IO: time comes in as an argument and nothing here blocks or does I/O. The caller
+/// drives the request lifecycle — [`route`](Router::route), then
+/// [`on_first_token`](Router::on_first_token), then [`on_finished`](Router::on_finished) —
+/// and feeds KV events with [`apply_event`](Router::apply_event). In approximate mode it also
+/// calls [`handle_timeout`](Router::handle_timeout) at [`poll_timeout`](Router::poll_timeout)
+/// so predictions expire on time (routing expires them too).
+#[derive(Debug)]
+pub struct Router {
+    hasher: BlockHasher,
+    block_size: u32,
+    index: KvIndex,
+    /// Ascending by id, so candidates come in a stable order.
+    workers: Vec<WorkerEntry>,
+    requests: FxHashMap<RequestId, Tracked>,
+    policy: Box<dyn RoutingPolicy>,
+    rng: ChaCha8Rng,
+    approx: Option<Predictions>,
+    max_in_flight: usize,
+    counters: RouterCounters,
+    /// Scratch space reused by every decision so routing does not allocate per worker.
+    candidates: Vec<Candidate>,
+}
+
+impl Router {
+    /// A router with the built-in policy named in `config`.
+    pub fn new(config: RouterConfig) -> Result<Self, RouterConfigError> {
+        let policy = config.policy.build(config.kv);
+        Self::with_policy(config, policy)
+    }
+
+    /// A router with any policy (for example one defined outside this crate).
+    pub fn with_policy(
+        config: RouterConfig,
+        policy: Box<dyn RoutingPolicy>,
+    ) -> Result<Self, RouterConfigError> {
+        let hasher = BlockHasher::new(config.block_size).ok_or(RouterConfigError::ZeroBlockSize)?;
+        let block_size =
+            u32::try_from(config.block_size).map_err(|_| RouterConfigError::ZeroBlockSize)?;
+        let w = config.kv.overlap_weight;
+        if !(w.is_finite() && w >= 0.0) {
+            return Err(RouterConfigError::NegativeOverlapWeight(w));
+        }
+        let t = config.kv.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(RouterConfigError::InvalidTemperature(t));
+        }
+        let approx = match config.kv_source {
+            KvSource::Events => None,
+            KvSource::Approximate { ttl } => {
+                Some(Predictions::new(ttl, config.max_predicted_blocks.max(1)))
+            }
+        };
+        Ok(Self {
+            hasher,
+            block_size,
+            index: KvIndex::new(config.index),
+            workers: Vec::new(),
+            requests: FxHashMap::default(),
+            policy,
+            rng: ChaCha8Rng::seed_from_u64(config.seed),
+            approx,
+            max_in_flight: config.max_in_flight.max(1),
+            counters: RouterCounters::default(),
+            candidates: Vec::new(),
+        })
+    }
+
+    /// The policy's name.
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// The block hasher matching the router's block size.
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    /// Hashes a prompt for [`route`](Router::route).
+    pub fn key(&self, tokens: &[u32]) -> RoutingKey {
+        RoutingKey::new(&self.hasher, tokens)
+    }
+
+    /// Registers a worker (or updates its limits if already known).
+    pub fn add_worker(&mut self, worker: WorkerId, limits: WorkerLimits) {
+        match self.workers.binary_search_by_key(&worker, |w| w.id) {
+            Ok(i) => self.workers[i].limits = limits,
+            Err(i) => self.workers.insert(
+                i,
+                WorkerEntry {
+                    id: worker,
+                    limits,
+                    account: WorkerAccount::default(),
+                },
+            ),
+        }
+    }
+
+    /// Forgets a worker: it receives no more requests and its cached blocks leave the index.
+    /// Returns the ids of its in-flight requests, which the router stops tracking (the caller
+    /// fails or retries them).
+    pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
+        if let Ok(i) = self.workers.binary_search_by_key(&worker, |w| w.id) {
+            self.workers.remove(i);
+        }
+        self.index.remove_worker(worker);
+        if let Some(approx) = &mut self.approx {
+            approx.forget_worker(worker);
+        }
+        let mut orphans: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, t)| t.worker == worker)
+            .map(|(id, _)| *id)
+            .collect();
+        orphans.sort_unstable();
+        for id in &orphans {
+            self.requests.remove(id);
+        }
+        self.counters.orphaned += orphans.len() as u64;
+        orphans
+    }
+
+    /// Registered workers, ascending by id.
+    pub fn workers(&self) -> impl Iterator<Item = (WorkerId, WorkerLoad)> + '_ {
+        self.workers.iter().map(|w| (w.id, w.account.load))
+    }
+
+    /// The router's accounting of one worker's load.
+    pub fn load(&self, worker: WorkerId) -> Option<WorkerLoad> {
+        self.workers
+            .binary_search_by_key(&worker, |w| w.id)
+            .ok()
+            .map(|i| self.workers[i].account.load)
+    }
+
+    /// Feeds one KV event into the index. Events for unknown workers are indexed too (the
+    /// worker may register just after its first events).
+    pub fn apply_event(
+        &mut self,
+        event: &KvEvent,
+    ) -> Result<kv_index::ApplyOutcome, kv_index::EventError> {
+        self.index.apply(event)
+    }
+
+    /// The prefix index (read-only), e.g. for metrics.
+    pub fn index(&self) -> &KvIndex {
+        &self.index
+    }
+
+    /// Mutable access to the index, e.g. to clear a worker after an event gap.
+    pub fn index_mut(&mut self) -> &mut KvIndex {
+        &mut self.index
+    }
+
+    /// Cache overlap of a prompt on every worker, without routing it.
+    pub fn overlaps(&self, key: &RoutingKey) -> OverlapScores {
+        self.index.find_matches(&key.seq)
+    }
+
+    /// What the policy would see for this request on every worker, without routing it.
+    pub fn candidates(&mut self, key: &RoutingKey, now: Nanos) -> &[Candidate] {
+        self.expire_predictions(now);
+        self.fill_candidates(key);
+        &self.candidates
+    }
+
+    /// Picks a worker for a request and starts accounting for it there.
+    pub fn route(
+        &mut self,
+        id: RequestId,
+        key: &RoutingKey,
+        now: Nanos,
+    ) -> Result<RouteDecision, RouteError> {
+        let refused = |router: &mut Self, e| {
+            router.counters.refused += 1;
+            Err(e)
+        };
+        if self.workers.is_empty() {
+            return refused(self, RouteError::NoWorkers);
+        }
+        if self.requests.contains_key(&id) {
+            return refused(self, RouteError::DuplicateRequest(id));
+        }
+        if self.requests.len() >= self.max_in_flight {
+            let limit = self.max_in_flight;
+            return refused(self, RouteError::TooManyInFlight { limit });
+        }
+        self.expire_predictions(now);
+        self.fill_candidates(key);
+        let ctx = SelectionContext {
+            prompt_tokens: key.num_tokens,
+            prompt_blocks: key.num_blocks(),
+            block_size: self.block_size,
+            candidates: &self.candidates,
+        };
+        let index = self.policy.select(&ctx, &mut self.rng);
+        let Some(chosen) = self.candidates.get(index).copied() else {
+            let policy = self.policy.name();
+            return refused(self, RouteError::PolicyOutOfRange { policy, index });
+        };
+        self.on_routed(id, chosen.worker, key, chosen.new_prefill_tokens, now);
+        self.counters.routed += 1;
+        self.counters.overlap_blocks += u64::from(chosen.overlap_blocks);
+        self.counters.prompt_blocks += u64::from(key.num_blocks());
+        Ok(RouteDecision {
+            worker: chosen.worker,
+            overlap_blocks: chosen.overlap_blocks,
+            prompt_blocks: key.num_blocks(),
+            new_prefill_tokens: chosen.new_prefill_tokens,
+        })
+    }
+
+    /// The request produced its first token: its prefill is done.
+    pub fn on_first_token(&mut self, id: RequestId, _now: Nanos) {
+        let Some(tracked) = self.requests.get_mut(&id) else {
+            self.counters.unknown_requests += 1;
+            return;
+        };
+        let pending = std::mem::take(&mut tracked.pending_prefill_tokens);
+        if let Some(entry) = find_worker(&mut self.workers, tracked.worker) {
+            let load = &mut entry.account.load;
+            load.pending_prefill_tokens = load.pending_prefill_tokens.saturating_sub(pending);
+        }
+        self.counters.first_tokens += 1;
+    }
+
+    /// The request finished (completed, failed or cancelled): release its load.
+    pub fn on_finished(&mut self, id: RequestId, _now: Nanos) {
+        let Some(tracked) = self.requests.remove(&id) else {
+            self.counters.unknown_requests += 1;
+            return;
+        };
+        if let Some(entry) = find_worker(&mut self.workers, tracked.worker) {
+            let load = &mut entry.account.load;
+            load.in_flight = load.in_flight.saturating_sub(1);
+            load.pending_prefill_tokens = load
+                .pending_prefill_tokens
+                .saturating_sub(tracked.pending_prefill_tokens);
+            entry.account.release(&tracked.blocks);
+        }
+        self.counters.finished += 1;
+    }
+
+    /// Requests the router is tracking.
+    pub fn in_flight(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn counters(&self) -> RouterCounters {
+        self.counters
+    }
+
+    /// When the next prediction expires (approximate mode); `None` otherwise.
+    pub fn poll_timeout(&self) -> Option<Nanos> {
+        self.approx.as_ref().and_then(Predictions::next_expiry)
+    }
+
+    /// Expires predictions due at or before `now` (approximate mode).
+    pub fn handle_timeout(&mut self, now: Nanos) {
+        self.expire_predictions(now);
+    }
+
+    fn on_routed(
+        &mut self,
+        id: RequestId,
+        worker: WorkerId,
+        key: &RoutingKey,
+        new_prefill_tokens: u64,
+        now: Nanos,
+    ) {
+        if let Some(entry) = find_worker(&mut self.workers, worker) {
+            entry.account.load.in_flight += 1;
+            entry.account.load.pending_prefill_tokens += new_prefill_tokens;
+            entry.account.acquire(&key.seq);
+        }
+        self.requests.insert(
+            id,
+            Tracked {
+                worker,
+                blocks: key.seq.clone(),
+                pending_prefill_tokens: new_prefill_tokens,
+            },
+        );
+        if let Some(approx) = &mut self.approx {
+            approx.predict(&mut self.index, worker, key, now);
+        }
+    }
+
+    fn expire_predictions(&mut self, now: Nanos) {
+        if let Some(approx) = &mut self.approx {
+            self.counters.predictions_expired += approx.expire(&mut self.index, now);
+        }
+    }
+
+    fn fill_candidates(&mut self, key: &RoutingKey) {
+        let overlaps = self.index.find_matches(&key.seq);
+        let prompt_blocks = key.seq.len();
+        let block_size = u64::from(self.block_size);
+        self.candidates.clear();
+        for w in &self.workers {
+            let overlap = overlaps.get(w.id).min(key.num_blocks());
+            let cached_tokens = (u64::from(overlap) * block_size).min(key.num_tokens);
+            let already_active = w.account.active_prefix_len(&key.seq);
+            self.candidates.push(Candidate {
+                worker: w.id,
+                overlap_blocks: overlap,
+                new_prefill_tokens: key.num_tokens - cached_tokens,
+                potential_active_blocks: w.account.load.active_blocks
+                    + (prompt_blocks - already_active) as u64,
+                load: w.account.load,
+                limits: w.limits,
+            });
+        }
+    }
+}
+
+fn find_worker(workers: &mut [WorkerEntry], id: WorkerId) -> Option<&mut WorkerEntry> {
+    workers
+        .binary_search_by_key(&id, |w| w.id)
+        .ok()
+        .map(|i| &mut workers[i])
+}
+
+/// Approximate mode's predictions: routed prompts assumed cached until they expire.
+///
+/// Every block of a routed prompt gets the same expiry, and routing any prompt refreshes all
+/// of its prefix blocks, so a block never expires before its descendants: expiring in deadline
+/// order never leaves a hole in a cached prefix.
+#[derive(Debug)]
+struct Predictions {
+    ttl: Nanos,
+    max_entries: usize,
+    /// (deadline, worker, block) in deadline order; stale entries (refreshed since) are
+    /// skipped when popped.
+    queue: VecDeque<(Nanos, WorkerId, SequenceHash)>,
+    /// The current deadline of every predicted (worker, block).
+    deadline: FxHashMap<(WorkerId, SequenceHash), Nanos>,
+    /// Next event sequence number per worker for the synthetic events fed to the index.
+    next_seq: FxHashMap<WorkerId, u64>,
+}
+
+impl Predictions {
+    fn new(ttl: Nanos, max_entries: usize) -> Self {
+        Self {
+            ttl,
+            max_entries,
+            queue: VecDeque::new(),
+            deadline: FxHashMap::default(),
+            next_seq: FxHashMap::default(),
+        }
+    }
+
+    fn next_expiry(&self) -> Option<Nanos> {
+        self.queue.front().map(|e| e.0)
+    }
+
+    fn event(&mut self, worker: WorkerId, kind: KvEventKind) -> KvEvent {
+        let seq = self.next_seq.entry(worker).or_insert(0);
+        let event = KvEvent {
+            worker,
+            seq: *seq,
+            kind,
+        };
+        *seq += 1;
+        event
+    }
+
+    fn predict(&mut self, index: &mut KvIndex, worker: WorkerId, key: &RoutingKey, now: Nanos) {
+        if key.seq.is_empty() {
+            return;
+        }
+        let deadline = now + self.ttl;
+        for &seq in &key.seq {
+            self.deadline.insert((worker, seq), deadline);
+            self.queue.push_back((deadline, worker, seq));
+        }
+        let blocks = key
+            .seq
+            .iter()
+            .zip(&key.local)
+            .map(|(seq, local)| StoredBlock {
+                id: EngineBlockId(seq.0),
+                content: BlockContent::LocalHash(*local),
+            })
+            .collect();
+        let event = self.event(
+            worker,
+            KvEventKind::Stored {
+                parent: None,
+                blocks,
+            },
+        );
+        // Our own, gap-free event stream: it cannot be refused.
+        let _ = index.apply(&event);
+        self.enforce_bound(index);
+    }
+
+    /// Pops entries due at `now` (and, under the bound, the oldest); returns blocks removed.
+    fn expire(&mut self, index: &mut KvIndex, now: Nanos) -> u64 {
+        let mut removed = 0;
+        while self.queue.front().is_some_and(|e| e.0 <= now) {
+            removed += self.pop_front(index);
+        }
+        removed
+    }
+
+    fn enforce_bound(&mut self, index: &mut KvIndex) {
+        while self.deadline.len() > self.max_entries && !self.queue.is_empty() {
+            self.pop_front(index);
+        }
+    }
+
+    fn pop_front(&mut self, index: &mut KvIndex) -> u64 {
+        let Some((deadline, worker, seq)) = self.queue.pop_front() else {
+            return 0;
+        };
+        if self.deadline.get(&(worker, seq)) != Some(&deadline) {
+            return 0; // refreshed since this entry was queued
+        }
+        self.deadline.remove(&(worker, seq));
+        let event = self.event(
+            worker,
+            KvEventKind::Removed {
+                blocks: vec![EngineBlockId(seq.0)],
+            },
+        );
+        let _ = index.apply(&event);
+        1
+    }
+
+    fn forget_worker(&mut self, worker: WorkerId) {
+        self.deadline.retain(|(w, _), _| *w != worker);
+        self.queue.retain(|e| e.1 != worker);
+        self.next_seq.remove(&worker);
+    }
+}
