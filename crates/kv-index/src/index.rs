@@ -37,12 +37,20 @@ pub struct IndexConfig {
     /// holder of a block, a block-map slot), so the default of 4 Mi entries is ≈ 0.5 GiB.
     /// Size it above the fleet's total KV capacity in blocks so eviction stays a safety net.
     pub max_blocks: usize,
+    /// Bound on known workers (each costs a few hundred bytes even with no blocks). An event
+    /// from a new worker beyond it is refused with [`EventError::TooManyWorkers`], so a
+    /// misbehaving event source cannot grow the index without limit. Default 65,536.
+    pub max_workers: usize,
 }
+
+/// Default bound on known workers.
+pub const DEFAULT_MAX_WORKERS: usize = 1 << 16;
 
 impl Default for IndexConfig {
     fn default() -> Self {
         Self {
             max_blocks: DEFAULT_MAX_BLOCKS,
+            max_workers: DEFAULT_MAX_WORKERS,
         }
     }
 }
@@ -96,6 +104,8 @@ pub struct IndexCounters {
     pub unknown_removals: u64,
     /// Workers dropped by [`KvIndex::remove_worker`].
     pub workers_removed: u64,
+    /// Events refused because [`IndexConfig::max_workers`] workers are already known.
+    pub refused_workers: u64,
     /// Calls to `find_matches` / `find_matches_for_tokens`.
     pub lookups: u64,
 }
@@ -127,6 +137,12 @@ pub enum EventError {
         expected: u64,
         got: u64,
     },
+    /// A new worker would exceed [`IndexConfig::max_workers`]: the event is refused.
+    #[error(
+        "{worker}: refused, the index already tracks its maximum of {max} workers; \
+         remove_worker() the ones that are gone or raise IndexConfig::max_workers"
+    )]
+    TooManyWorkers { worker: WorkerId, max: usize },
 }
 
 /// One holder of a block: a dense worker slot and how many of that worker's engine ids name
@@ -325,7 +341,13 @@ impl KvIndex {
     /// `seq` must be the previous one plus one. A higher `seq` is a [`EventError::Gap`] and a
     /// lower one is [`EventError::Stale`]; in both cases nothing changes.
     pub fn apply(&mut self, event: &KvEvent) -> Result<ApplyOutcome, EventError> {
-        let slot = self.slot_or_insert(event.worker);
+        let Some(slot) = self.slot_or_insert(event.worker) else {
+            self.counters.refused_workers += 1;
+            return Err(EventError::TooManyWorkers {
+                worker: event.worker,
+                max: self.config.max_workers,
+            });
+        };
         let mut out = ApplyOutcome::default();
         {
             let Some(state) = self.worker_mut(slot) else {
@@ -515,9 +537,12 @@ impl KvIndex {
         self.workers.get_mut(slot as usize)?.as_mut()
     }
 
-    fn slot_or_insert(&mut self, worker: WorkerId) -> u32 {
+    fn slot_or_insert(&mut self, worker: WorkerId) -> Option<u32> {
         if let Some(&slot) = self.slots.get(&worker) {
-            return slot;
+            return Some(slot);
+        }
+        if self.slots.len() >= self.config.max_workers {
+            return None;
         }
         let state = WorkerState {
             id: worker,
@@ -536,7 +561,7 @@ impl KvIndex {
             }
         };
         self.slots.insert(worker, slot);
-        slot
+        Some(slot)
     }
 
     /// Drops every entry of the worker in `slot`; returns how many.

@@ -79,6 +79,7 @@ pub use hash::{
     SequenceHash,
 };
 pub use index::{
-    ApplyOutcome, DEFAULT_MAX_BLOCKS, EventError, IndexConfig, IndexCounters, KvIndex,
+    ApplyOutcome, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_WORKERS, EventError, IndexConfig, IndexCounters,
+    KvIndex,
 };
 pub use overlap::OverlapScores;

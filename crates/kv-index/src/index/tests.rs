@@ -312,7 +312,10 @@ fn many_workers_drop_out_at_different_depths() {
 
 #[test]
 fn bound_evicts_coldest_chain_from_its_tip() {
-    let mut idx = KvIndex::new(IndexConfig { max_blocks: 6 });
+    let mut idx = KvIndex::new(IndexConfig {
+        max_blocks: 6,
+        ..IndexConfig::default()
+    });
     // Worker 1's chain is older than worker 2's.
     idx.apply(&stored(1, 0, None, &[10, 11, 12], &[1, 2, 3]))
         .unwrap();
@@ -335,7 +338,10 @@ fn bound_evicts_coldest_chain_from_its_tip() {
 
 #[test]
 fn bound_extending_a_chain_keeps_it_warm() {
-    let mut idx = KvIndex::new(IndexConfig { max_blocks: 4 });
+    let mut idx = KvIndex::new(IndexConfig {
+        max_blocks: 4,
+        ..IndexConfig::default()
+    });
     idx.apply(&stored(1, 0, None, &[10], &[1])).unwrap();
     idx.apply(&stored(2, 0, None, &[20], &[5])).unwrap();
     // Worker 1 extends its chain: its tip is now newer than worker 2's block.
@@ -355,7 +361,10 @@ fn bound_extending_a_chain_keeps_it_warm() {
 #[test]
 fn tiny_bounds_do_not_break() {
     for max_blocks in 0..3 {
-        let mut idx = KvIndex::new(IndexConfig { max_blocks });
+        let mut idx = KvIndex::new(IndexConfig {
+            max_blocks,
+            ..IndexConfig::default()
+        });
         idx.apply(&stored(1, 0, None, &[10, 11, 12, 13], &[1, 2, 3, 4]))
             .unwrap();
         idx.apply(&stored(1, 1, Some(12), &[14], &[5])).unwrap();
@@ -380,4 +389,29 @@ fn error_messages_say_what_to_do() {
         got: 2,
     };
     assert!(stale.to_string().contains("ignored"));
+}
+
+#[test]
+fn worker_bound_refuses_new_workers() {
+    let mut idx = KvIndex::new(IndexConfig {
+        max_workers: 2,
+        ..IndexConfig::default()
+    });
+    idx.apply(&stored(1, 0, None, &[10], &[1])).unwrap();
+    idx.apply(&stored(2, 0, None, &[20], &[1])).unwrap();
+    let err = idx.apply(&stored(3, 0, None, &[30], &[1])).unwrap_err();
+    assert_eq!(
+        err,
+        EventError::TooManyWorkers {
+            worker: WorkerId(3),
+            max: 2
+        }
+    );
+    assert_eq!(idx.counters().refused_workers, 1);
+    // Known workers still get through; a removed one frees room.
+    idx.apply(&stored(1, 1, Some(10), &[11], &[2])).unwrap();
+    idx.remove_worker(WorkerId(2));
+    idx.apply(&stored(3, 0, None, &[30], &[1])).unwrap();
+    assert_eq!(scores(&idx, &[1, 2]), vec![(1, 2), (3, 1)]);
+    idx.check_invariants();
 }
