@@ -594,10 +594,18 @@ impl KvIndex {
                 Some(e) => (Some(self.entries[e as usize].seq), self.entry_ref(e)),
                 None => {
                     // The child's sequence hash depends on the parent's, which we do not know:
-                    // indexing it under a guess could only produce false matches.
+                    // indexing it under a guess could only produce false matches. Whatever
+                    // the worker held under these ids before is superseded, so drop it too.
                     out.unknown_parent_blocks = blocks.len();
                     self.counters.unknown_parent_events += 1;
                     self.counters.unknown_parent_blocks += blocks.len() as u64;
+                    for block in blocks {
+                        if let Some(e) = self.worker(slot).and_then(|w| w.blocks.get(&block.id)) {
+                            self.remove_entry(*e);
+                            out.removed += 1;
+                        }
+                    }
+                    self.counters.blocks_removed += out.removed as u64;
                     return;
                 }
             },
