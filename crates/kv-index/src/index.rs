@@ -261,6 +261,8 @@ pub struct KvIndex {
     blocks: FxHashMap<SequenceHash, Holders>,
     workers: Vec<Option<WorkerState>>,
     slots: FxHashMap<WorkerId, u32>,
+    /// Live slots in ascending `WorkerId` order, so answers come out sorted without a sort.
+    by_id: Vec<u32>,
     free_slots: Vec<u32>,
     entries: Vec<Entry>,
     free_entry: u32,
@@ -281,6 +283,7 @@ impl Clone for KvIndex {
             blocks: self.blocks.clone(),
             workers: self.workers.clone(),
             slots: self.slots.clone(),
+            by_id: self.by_id.clone(),
             free_slots: self.free_slots.clone(),
             entries: self.entries.clone(),
             free_entry: self.free_entry,
@@ -319,6 +322,7 @@ impl KvIndex {
             blocks: FxHashMap::default(),
             workers: Vec::new(),
             slots: FxHashMap::default(),
+            by_id: Vec::new(),
             free_slots: Vec::new(),
             entries: Vec::new(),
             free_entry: NIL,
@@ -427,6 +431,7 @@ impl KvIndex {
         if let Some(w) = self.workers.get_mut(slot as usize) {
             *w = None;
         }
+        self.by_id.retain(|&s| s != slot);
         self.free_slots.push(slot);
         self.counters.workers_removed += 1;
     }
@@ -520,10 +525,35 @@ impl KvIndex {
             depth = depth.saturating_add(1);
         }
         scores.extend(active.iter().map(|&a| (a, depth)));
-        OverlapScores::from_pairs(
-            scores
-                .into_iter()
-                .filter_map(|(slot, k)| Some((self.worker(slot)?.id, k))),
+        self.to_scores(scores)
+    }
+
+    /// Turns (slot, score) pairs, each slot at most once, into scores sorted by worker.
+    fn to_scores(&self, scores: Vec<(u32, u32)>) -> OverlapScores {
+        if scores.len() <= 32 {
+            // Few matches (the common case): a small sort is cheapest.
+            return OverlapScores::from_pairs(
+                scores
+                    .into_iter()
+                    .filter_map(|(slot, k)| Some((self.worker(slot)?.id, k))),
+            );
+        }
+        // Many matches (a prefix shared by the whole fleet): scatter by slot and gather in
+        // worker order, linear instead of a sort.
+        let mut by_slot = vec![0u32; self.workers.len()];
+        for &(slot, k) in &scores {
+            if let Some(x) = by_slot.get_mut(slot as usize) {
+                *x = k;
+            }
+        }
+        OverlapScores::from_sorted(
+            self.by_id
+                .iter()
+                .filter_map(|&slot| {
+                    let k = *by_slot.get(slot as usize)?;
+                    Some((self.worker(slot)?.id, k)).filter(|_| k > 0)
+                })
+                .collect(),
         )
     }
 
@@ -561,6 +591,11 @@ impl KvIndex {
             }
         };
         self.slots.insert(worker, slot);
+        // O(workers), once per new worker.
+        let at = self
+            .by_id
+            .partition_point(|&s| self.worker(s).is_some_and(|w| w.id < worker));
+        self.by_id.insert(at, slot);
         Some(slot)
     }
 
@@ -628,19 +663,44 @@ impl KvIndex {
         parent: EntryRef,
         out: &mut ApplyOutcome,
     ) -> EntryRef {
-        if let Some(e) = self.worker(slot).and_then(|w| w.blocks.get(&id)).copied() {
-            if self.entries[e as usize].seq == seq {
-                // Idempotent re-store: only the recency of a leaf changes.
-                if self.entries[e as usize].children == 0 {
-                    self.unlink_leaf(e);
-                    self.push_leaf_back(e);
-                }
-                out.refreshed += 1;
-                return self.entry_ref(e);
+        // One id-map probe on the hot path: claim the map slot now for the record that
+        // `alloc_entry` is about to hand out.
+        let Some(worker) = self.workers.get_mut(slot as usize).and_then(Option::as_mut) else {
+            return NO_ENTRY;
+        };
+        let mut next_record = if self.free_entry != NIL {
+            self.free_entry
+        } else {
+            self.entries.len() as u32
+        };
+        match worker.blocks.entry(id) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(next_record);
             }
-            // The engine reused an id for other content: the old content is gone.
-            self.remove_entry(e);
-            out.removed += 1;
+            std::collections::hash_map::Entry::Occupied(o) => {
+                let e = *o.get();
+                if self.entries[e as usize].seq == seq {
+                    // Idempotent re-store: only the recency of a leaf changes.
+                    if self.entries[e as usize].children == 0 {
+                        self.unlink_leaf(e);
+                        self.push_leaf_back(e);
+                    }
+                    out.refreshed += 1;
+                    return self.entry_ref(e);
+                }
+                // The engine reused an id for other content: the old content is gone. (Rare:
+                // takes the slow path, the freed record changes which one is handed out next.)
+                self.remove_entry(e);
+                out.removed += 1;
+                next_record = if self.free_entry != NIL {
+                    self.free_entry
+                } else {
+                    self.entries.len() as u32
+                };
+                if let Some(w) = self.worker_mut(slot) {
+                    w.blocks.insert(id, next_record);
+                }
+            }
         }
         let e = self.alloc_entry(Entry {
             seq,
@@ -665,10 +725,8 @@ impl KvIndex {
             entry.parent = parent.index;
             entry.parent_generation = parent.generation;
         }
+        debug_assert_eq!(e, next_record);
         self.push_leaf_back(e);
-        if let Some(w) = self.worker_mut(slot) {
-            w.blocks.insert(id, e);
-        }
         self.blocks
             .entry(seq)
             .and_modify(|h| h.add(slot))
@@ -843,6 +901,14 @@ impl KvIndex {
             }
         }
         assert_eq!(live, self.len, "len");
+        let ids: Vec<WorkerId> = self
+            .by_id
+            .iter()
+            .filter_map(|&s| self.worker(s))
+            .map(|w| w.id)
+            .collect();
+        assert_eq!(ids.len(), self.slots.len(), "by_id covers every worker");
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "by_id sorted");
         assert!(self.len <= self.config.max_blocks, "bound");
         let mut blocks_refs = 0usize;
         for (seq, holders) in &self.blocks {

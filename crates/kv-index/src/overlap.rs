@@ -25,6 +25,14 @@ impl OverlapScores {
         Self { entries }
     }
 
+    /// Builds scores from pairs already sorted by worker, unique, with non-zero counts (the
+    /// index produces them that way; skips `from_pairs`' sort).
+    pub(crate) fn from_sorted(entries: Vec<(WorkerId, u32)>) -> Self {
+        debug_assert!(entries.windows(2).all(|w| w[0].0 < w[1].0));
+        debug_assert!(entries.iter().all(|e| e.1 > 0));
+        Self { entries }
+    }
+
     /// Leading blocks of the request cached on `worker` (0 when none).
     pub fn get(&self, worker: WorkerId) -> u32 {
         self.entries
