@@ -1,0 +1,349 @@
+//! The engine's inputs, outputs and settings.
+
+use std::sync::Arc;
+
+use kv_index::KvEvent;
+use nanotime::Nanos;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::profile::{HardwareProfile, KvLink};
+use crate::spec::SpecDecodeConfig;
+
+/// A request's id, unique among the requests a worker holds at once.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct RequestId(pub u64);
+
+/// What a request generates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutputSpec {
+    /// Generate exactly these token ids (the workload decides the answer, so the next turn's
+    /// prompt, which contains it, hits the blocks cached during decode).
+    Tokens(Arc<[u32]>),
+    /// Generate this many deterministic pseudo tokens ([`pseudo_token`]).
+    Count(u32),
+}
+
+impl OutputSpec {
+    /// Number of output tokens.
+    pub fn len(&self) -> u32 {
+        match self {
+            OutputSpec::Tokens(t) => u32::try_from(t.len()).unwrap_or(u32::MAX),
+            OutputSpec::Count(n) => *n,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The pseudo token an [`OutputSpec::Count`] request produces at output index `index`: a
+/// deterministic mix of the request id and the index, in a 128k-entry vocabulary.
+pub fn pseudo_token(id: RequestId, index: u32) -> u32 {
+    let mut z =
+        id.0.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(u64::from(index).wrapping_mul(0xBF58_476D_1CE4_E5B9))
+            .wrapping_add(0x94D0_49BB_1331_11EB);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z % 128_000) as u32
+}
+
+/// One inference request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineRequest {
+    pub id: RequestId,
+    /// Prompt token ids (after the chat template).
+    pub prompt: Arc<[u32]>,
+    pub output: OutputSpec,
+}
+
+impl EngineRequest {
+    /// The token id at output index `index` (`None` past the end).
+    pub fn output_token(&self, index: u32) -> Option<u32> {
+        match &self.output {
+            OutputSpec::Tokens(t) => t.get(index as usize).copied(),
+            OutputSpec::Count(n) => (index < *n).then(|| pseudo_token(self.id, index)),
+        }
+    }
+}
+
+/// Why a request was refused at submission.
+#[derive(Debug, Clone, PartialEq, Eq, Error, Serialize, Deserialize)]
+pub enum RejectReason {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the request asks for no output tokens")]
+    NoOutput,
+    #[error("prompt + output = {tokens} tokens exceeds the model's context of {max}")]
+    ContextTooLong { tokens: u64, max: u32 },
+    #[error("the request needs {blocks} KV blocks but the pool holds {capacity}")]
+    TooLargeForPool { blocks: u64, capacity: u32 },
+    #[error("a request with this id is already in the engine")]
+    DuplicateId,
+    #[error("the waiting queue is full ({max} requests)")]
+    QueueFull { max: u32 },
+}
+
+/// What the engine reports, drained in order by [`crate::Engine::poll_event`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// The request's first output token (index 0) was produced at `at`. A `Tokens` event
+    /// covering index 0 follows.
+    FirstToken { id: RequestId, at: Nanos },
+    /// Output tokens with indices `start..end` were produced; the last of them at `at`. One
+    /// event per request per step, or per stretch in speed mode.
+    Tokens {
+        id: RequestId,
+        start: u32,
+        end: u32,
+        at: Nanos,
+    },
+    /// The request produced its last token and left the engine.
+    Finished {
+        id: RequestId,
+        at: Nanos,
+        prompt_tokens: u32,
+        /// Prompt tokens found in the prefix cache when the request was first scheduled.
+        cached_prompt_tokens: u32,
+        output_tokens: u32,
+        preemptions: u32,
+    },
+    /// Prefill-only role: the prompt's KV is ready for a decode worker and the first token
+    /// (index 0) was produced. The request has left this worker.
+    PrefillDone {
+        id: RequestId,
+        at: Nanos,
+        prompt_tokens: u32,
+        cached_prompt_tokens: u32,
+    },
+    /// The request was cancelled and has left the engine.
+    Cancelled { id: RequestId, at: Nanos },
+    /// The request was refused at submission and never entered the engine.
+    Rejected { id: RequestId, reason: RejectReason },
+    /// A change to the prefix cache, in `kv-index`'s types.
+    Kv(KvEvent),
+}
+
+/// What this worker does with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Prefill and decode (the seeds' demo).
+    #[default]
+    Aggregated,
+    /// Prefill, produce the first token, emit `PrefillDone`, keep the blocks cached.
+    PrefillOnly,
+    /// Receive the prompt's KV from a prefill worker (after a transfer), then decode from
+    /// output index 1 (index 0 came from the prefill worker).
+    DecodeOnly,
+}
+
+/// A worker's settings. Defaults are seed 002's (`max_num_seqs` 64, 16,384 batched tokens,
+/// block size 32, `free_gpu_memory_fraction` 0.90).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    pub profile: HardwareProfile,
+    #[serde(default = "defaults::block_size")]
+    pub block_size: u32,
+    #[serde(default = "defaults::max_num_seqs")]
+    pub max_num_seqs: u32,
+    #[serde(default = "defaults::max_num_batched_tokens")]
+    pub max_num_batched_tokens: u32,
+    #[serde(default)]
+    pub role: Role,
+    #[serde(default)]
+    pub spec_decode: Option<SpecDecodeConfig>,
+    #[serde(default = "defaults::free_gpu_memory_fraction")]
+    pub free_gpu_memory_fraction: f64,
+    /// Pool size in blocks, instead of the memory arithmetic.
+    #[serde(default)]
+    pub num_gpu_blocks_override: Option<u32>,
+    /// Link used to receive KV in the decode-only role.
+    #[serde(default)]
+    pub kv_link: KvLink,
+    /// Reuse cached prompt prefixes (vLLM `enable_prefix_caching`).
+    #[serde(default = "defaults::yes")]
+    pub enable_prefix_caching: bool,
+    /// Speed mode: advance runs of identical decode-only steps as one stretch.
+    #[serde(default)]
+    pub coalesce_decode: bool,
+    /// Most requests waiting for admission; later submissions are rejected.
+    #[serde(default = "defaults::max_waiting")]
+    pub max_waiting: u32,
+    /// Seed of the speculative-decoding acceptance sampler.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+mod defaults {
+    pub fn block_size() -> u32 {
+        32
+    }
+    pub fn max_num_seqs() -> u32 {
+        64
+    }
+    pub fn max_num_batched_tokens() -> u32 {
+        16_384
+    }
+    pub fn free_gpu_memory_fraction() -> f64 {
+        0.90
+    }
+    pub fn yes() -> bool {
+        true
+    }
+    pub fn max_waiting() -> u32 {
+        65_536
+    }
+}
+
+impl EngineConfig {
+    /// Seed 002's settings on `profile`, ignoring the profile's own engine defaults.
+    pub fn new(profile: HardwareProfile) -> Self {
+        EngineConfig {
+            profile,
+            block_size: defaults::block_size(),
+            max_num_seqs: defaults::max_num_seqs(),
+            max_num_batched_tokens: defaults::max_num_batched_tokens(),
+            role: Role::Aggregated,
+            spec_decode: None,
+            free_gpu_memory_fraction: defaults::free_gpu_memory_fraction(),
+            num_gpu_blocks_override: None,
+            kv_link: KvLink::Nvlink,
+            enable_prefix_caching: true,
+            coalesce_decode: false,
+            max_waiting: defaults::max_waiting(),
+            seed: 0,
+        }
+    }
+
+    /// Seed 002's settings overridden by the profile's `engine_defaults` (the Dynamo mocker
+    /// profile brings its 64-token blocks, 16,384-block pool, 256 sequences, 8,192 tokens).
+    pub fn from_profile(profile: HardwareProfile) -> Self {
+        let d = profile.engine_defaults.clone();
+        let mut c = Self::new(profile);
+        if let Some(v) = d.block_size {
+            c.block_size = v;
+        }
+        if let Some(v) = d.max_num_seqs {
+            c.max_num_seqs = v;
+        }
+        if let Some(v) = d.max_num_batched_tokens {
+            c.max_num_batched_tokens = v;
+        }
+        c.num_gpu_blocks_override = d.num_gpu_blocks;
+        c
+    }
+
+    /// Seed 002's worker: `h200-llama70b-fp8` with the seed's settings.
+    pub fn seed_002() -> Self {
+        Self::new(HardwareProfile::h200_llama70b_fp8())
+    }
+}
+
+/// A configuration the engine cannot run.
+#[derive(Debug, Error)]
+pub enum EngineConfigError {
+    #[error("block_size must be at least 1")]
+    ZeroBlockSize,
+    #[error("max_num_seqs must be at least 1")]
+    ZeroMaxNumSeqs,
+    #[error("max_num_batched_tokens must be at least 1")]
+    ZeroBatchedTokens,
+    #[error("free_gpu_memory_fraction must be in (0, 1], got {0}")]
+    BadMemoryFraction(f64),
+    #[error(
+        "the KV pool has no blocks: profile {profile:?} leaves no memory for the cache (set num_gpu_blocks_override or fix the memory fields)"
+    )]
+    NoKvCapacity { profile: String },
+    #[error(
+        "speculative decoding: draft_len must be ≤ 64, acceptance_rate in [0, 1], draft_cost_ratio ≥ 0"
+    )]
+    BadSpecDecode,
+    #[error(transparent)]
+    Profile(#[from] crate::profile::ProfileError),
+}
+
+/// A snapshot of a worker's state and cumulative counters ([`crate::Engine::metrics`]).
+///
+/// Counters are cumulative since the engine was created; a driver derives rates and ratios
+/// over a window from two snapshots (e.g. GPU utilisation = Δ`busy_time` / Δwall time).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct EngineMetrics {
+    /// Requests in the running batch.
+    pub running: u32,
+    /// Requests waiting for admission (including preempted ones).
+    pub waiting: u32,
+    /// Decode-only role: requests whose KV is on its way.
+    pub transferring: u32,
+    /// Pool size in blocks.
+    pub kv_blocks_total: u32,
+    /// Blocks referenced by requests.
+    pub kv_blocks_used: u32,
+    /// Blocks in the prefix cache (referenced or not).
+    pub kv_blocks_cached: u32,
+    /// `kv_blocks_used / kv_blocks_total`.
+    pub kv_usage: f64,
+    /// Prompt tokens of requests when first scheduled.
+    pub prompt_tokens: u64,
+    /// Of those, tokens found in the prefix cache.
+    pub prefix_hit_tokens: u64,
+    /// Prompt tokens computed (prefill chunks, including recomputation after preemption).
+    pub prefill_tokens_computed: u64,
+    /// Output tokens produced.
+    pub tokens_generated: u64,
+    /// Completed steps.
+    pub steps: u64,
+    /// Simulated time the GPU spent in completed steps.
+    pub busy_time: Nanos,
+    /// Sequence-steps of decoding (one per decoding sequence per step).
+    pub decode_seq_steps: u64,
+    /// Tokens those decode sequence-steps produced.
+    pub decode_tokens_generated: u64,
+    /// Speculative decoding: draft tokens proposed and accepted.
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    pub preemptions: u64,
+    pub finished: u64,
+    pub cancelled: u64,
+    pub rejected: u64,
+    /// Weights (and drafter) resident on the GPU.
+    pub weight_bytes: u64,
+    /// KV bytes of the blocks in use.
+    pub kv_used_bytes: u64,
+    /// `weight_bytes + kv_used_bytes`.
+    pub memory_used_bytes: u64,
+    /// Device memory.
+    pub gpu_memory_bytes: u64,
+}
+
+impl EngineMetrics {
+    /// Prefix cache hit rate over prompt tokens (0 before any request).
+    pub fn prefix_hit_rate(&self) -> f64 {
+        ratio(self.prefix_hit_tokens, self.prompt_tokens)
+    }
+
+    /// Observed speculative acceptance rate: accepted / proposed draft tokens.
+    pub fn acceptance_rate(&self) -> f64 {
+        ratio(self.spec_accepted_tokens, self.spec_draft_tokens)
+    }
+
+    /// Observed tokens per decode step per sequence (1.0 without speculation).
+    pub fn tokens_per_step(&self) -> f64 {
+        ratio(self.decode_tokens_generated, self.decode_seq_steps)
+    }
+
+    /// GPU utilisation between `earlier` and this snapshot, `wall` apart.
+    pub fn utilisation_since(&self, earlier: &EngineMetrics, wall: Nanos) -> f64 {
+        ratio(self.busy_time.saturating_sub(earlier.busy_time).0, wall.0).min(1.0)
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 { 0.0 } else { a as f64 / b as f64 }
+}

@@ -1,0 +1,426 @@
+mod common;
+
+use common::{Action, engine, req, req_tokens, run, text};
+use engine::{
+    EngineConfig, EngineEvent, HardwareProfile, KvLink, RejectReason, RequestId, Role,
+    SpecDecodeConfig, StepShape,
+};
+use kv_index::{BlockHasher, KvEventKind};
+use nanotime::Nanos;
+
+fn h200() -> EngineConfig {
+    EngineConfig::seed_002()
+}
+
+#[test]
+fn single_request_prefill_then_decode_times_match_the_profile() {
+    let cfg = h200();
+    let profile = cfg.profile.clone();
+    let mut e = engine(cfg);
+    let r = run(
+        &mut e,
+        vec![(Nanos::ZERO, Action::Submit(req(1, text(1, 3_500), 4)))],
+        true,
+    );
+    // Step 1: the whole 3,500-token prompt (fits the 16,384 budget), first token at its end.
+    let pf = StepShape {
+        prefill_tokens: 3_500,
+        prefill_attention_pairs: 3_500 * 3_501 / 2,
+        kv_pool_blocks: u64::from(e.kv_capacity_blocks()),
+        ..StepShape::default()
+    };
+    let t1 = profile.step_time(&pf);
+    assert_eq!(r.first_token(RequestId(1)), Some(t1));
+    // Then 3 decode steps, each reading 3,501.. tokens of context.
+    let mut t = t1;
+    for k in 0..3u64 {
+        let d = StepShape {
+            decode_seqs: 1,
+            decode_tokens: 1,
+            decode_context_tokens: 3_501 + k,
+            decode_kv_blocks: (3_501 + k).div_ceil(32),
+            kv_pool_blocks: u64::from(e.kv_capacity_blocks()),
+            ..StepShape::default()
+        };
+        t += profile.step_time(&d);
+    }
+    assert_eq!(r.finished(), vec![(RequestId(1), t, 4, 0)]);
+    assert_eq!(r.token_counts(), vec![(RequestId(1), 4)]);
+    // One Tokens event per step in step-by-step mode.
+    let tokens_events = r
+        .events
+        .iter()
+        .filter(|e| matches!(e, EngineEvent::Tokens { .. }))
+        .count();
+    assert_eq!(tokens_events, 4);
+    assert!(r.kv_seqs_are_dense());
+    let m = e.metrics();
+    assert_eq!(m.prefill_tokens_computed, 3_500);
+    assert_eq!(m.tokens_generated, 4);
+    assert_eq!(m.busy_time, t);
+    assert_eq!(m.kv_blocks_used, 0);
+    // 3,503 computed tokens → 109 full blocks stay cached.
+    assert_eq!(m.kv_blocks_cached, 109);
+    assert!(e.is_idle() && e.poll_timeout().is_none());
+}
+
+/// Turn 2 of a conversation hits the blocks turn 1 cached, including those filled during
+/// decode, and the KV events name exactly the router's sequence hashes.
+#[test]
+fn prefix_reuse_across_turns_of_a_conversation() {
+    let mut e = engine(h200());
+    let p1 = text(1, 3_500);
+    let a1 = text(2, 830);
+    let r1 = run(
+        &mut e,
+        vec![(Nanos::ZERO, Action::Submit(req_tokens(1, &p1, &a1)))],
+        true,
+    );
+    let mut p2 = p1.clone();
+    p2.extend(&a1);
+    p2.extend(text(3, 100));
+    let hasher = BlockHasher::default();
+    let want: Vec<u64> = hasher
+        .sequence_hashes(&p2[..3_500 + 830 - 1])
+        .iter()
+        .map(|h| h.0)
+        .collect();
+    // Every full block of prompt + answer (less the never-fed last token) was announced.
+    assert_eq!(r1.stored(), want.iter().copied().collect());
+    let t0 = Nanos::from_secs(100);
+    let r2 = run(
+        &mut e,
+        vec![(t0, Action::Submit(req_tokens(2, &p2, &text(4, 10))))],
+        true,
+    );
+    let (_, _, _, cached) = r2.finished()[0];
+    // floor(4,329 / 32) = 135 blocks = 4,320 tokens.
+    assert_eq!(cached, 4_320);
+    let m = e.metrics();
+    assert_eq!(m.prompt_tokens, 3_500 + 4_430);
+    assert_eq!(m.prefix_hit_tokens, 4_320);
+    assert_eq!(m.prefill_tokens_computed, 3_500 + (4_430 - 4_320));
+    // Turn 2's Stored events chain from turn 1's last block.
+    let first_stored = r2.events.iter().find_map(|e| match e {
+        EngineEvent::Kv(kv) => match &kv.kind {
+            KvEventKind::Stored { parent, .. } => Some(*parent),
+            _ => None,
+        },
+        _ => None,
+    });
+    assert_eq!(first_stored.unwrap().map(|p| p.0), Some(want[134]));
+}
+
+/// With a pool too small for two conversations, the least recently released blocks go first
+/// and blocks in use are never evicted.
+#[test]
+fn eviction_is_lru_and_spares_referenced_blocks() {
+    let mut cfg = EngineConfig::new(HardwareProfile::h100_llama8b());
+    cfg.num_gpu_blocks_override = Some(10);
+    cfg.block_size = 4;
+    let mut e = engine(cfg);
+    // A: 12 prompt tokens + 1 output → 3 cached blocks. Then B the same. Then C needs 6 blocks.
+    let a = text(1, 12);
+    let b = text(2, 12);
+    let hasher = BlockHasher::new(4).unwrap();
+    let ha: Vec<u64> = hasher.sequence_hashes(&a).iter().map(|h| h.0).collect();
+    let hb: Vec<u64> = hasher.sequence_hashes(&b).iter().map(|h| h.0).collect();
+    let ra = run(
+        &mut e,
+        vec![(Nanos::ZERO, Action::Submit(req(1, a.clone(), 1)))],
+        true,
+    );
+    assert_eq!(ra.stored().len(), 3);
+    let rb = run(
+        &mut e,
+        vec![(Nanos::from_secs(1), Action::Submit(req(2, b, 1)))],
+        true,
+    );
+    assert_eq!(rb.stored().len(), 3);
+    // 6 cached blocks, 4 never used. C with 28 prompt tokens needs 7 blocks: 4 free + 3
+    // evicted, and they must be A's (released first), deepest first.
+    let rc = run(
+        &mut e,
+        vec![(Nanos::from_secs(2), Action::Submit(req(3, text(3, 28), 1)))],
+        true,
+    );
+    let removed: Vec<u64> = rc
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            EngineEvent::Kv(kv) => match &kv.kind {
+                KvEventKind::Removed { blocks } => {
+                    Some(blocks.iter().map(|b| b.0).collect::<Vec<_>>())
+                }
+                _ => None,
+            },
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(removed, vec![ha[2], ha[1], ha[0]]);
+    assert!(rc.removed().is_disjoint(&hb.iter().copied().collect()));
+    // A request that reuses B's prefix while C-sized pressure continues keeps B's blocks.
+    let mut b2 = text(2, 12);
+    b2.extend(text(9, 4));
+    let rd = run(
+        &mut e,
+        vec![(Nanos::from_secs(3), Action::Submit(req(4, b2, 1)))],
+        true,
+    );
+    assert_eq!(rd.finished()[0].3, 12);
+}
+
+#[test]
+fn same_inputs_same_outputs() {
+    let scenario = || {
+        let mut actions = Vec::new();
+        for i in 0..40u64 {
+            let prompt = {
+                let mut p = text((i % 5) as u32, 2_000);
+                p.extend(text(100 + i as u32, 300 + (i as u32 * 37) % 900));
+                p
+            };
+            actions.push((
+                Nanos::from_millis(i * 150),
+                Action::Submit(req(i, prompt, 50 + (i as u32 * 13) % 200)),
+            ));
+        }
+        actions.push((Nanos::from_millis(2_000), Action::Cancel(RequestId(3))));
+        actions
+    };
+    let mut cfg = h200();
+    cfg.spec_decode = Some(SpecDecodeConfig::eagle3(4, 0.7));
+    cfg.seed = 42;
+    let mut a = engine(cfg.clone());
+    let mut b = engine(cfg);
+    let ra = run(&mut a, scenario(), true);
+    let rb = run(&mut b, scenario(), true);
+    assert_eq!(ra.events, rb.events);
+    assert_eq!(a.metrics(), b.metrics());
+}
+
+#[test]
+fn bad_requests_are_rejected_not_panicked() {
+    let mut cfg = h200();
+    cfg.num_gpu_blocks_override = Some(100);
+    let mut e = engine(cfg);
+    let t = Nanos::ZERO;
+    e.submit(req(1, [], 5), t);
+    e.submit(req(2, text(1, 10), 0), t);
+    e.submit(req(3, text(1, 131_000), 100), t);
+    e.submit(req(4, text(1, 3_300), 10), t); // 104 blocks > 100
+    e.submit(req(5, text(1, 10), 5), t);
+    e.submit(req(5, text(1, 10), 5), t);
+    let reasons: Vec<_> = std::iter::from_fn(|| e.poll_event())
+        .filter_map(|ev| match ev {
+            EngineEvent::Rejected { id, reason } => Some((id.0, reason)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reasons.len(), 5, "{reasons:?}");
+    assert_eq!(reasons[0], (1, RejectReason::EmptyPrompt));
+    assert_eq!(reasons[1], (2, RejectReason::NoOutput));
+    assert!(matches!(reasons[2].1, RejectReason::ContextTooLong { .. }));
+    assert!(matches!(reasons[3].1, RejectReason::TooLargeForPool { .. }));
+    assert_eq!(reasons[4], (5, RejectReason::DuplicateId));
+    assert_eq!(e.metrics().rejected, 5);
+    // Unknown cancels are ignored.
+    e.cancel(RequestId(99), Nanos(1));
+    assert!(e.poll_event().is_none());
+}
+
+/// Seed 002's concurrency on one worker: 64 sequences fit, the rest wait; the budget splits
+/// long prompts into chunks.
+#[test]
+fn batch_limits_and_chunked_prefill() {
+    let mut cfg = h200();
+    cfg.max_num_seqs = 4;
+    cfg.max_num_batched_tokens = 1_000;
+    let mut e = engine(cfg);
+    for i in 0..6 {
+        e.submit(req(i, text(i as u32, 2_500), 3), Nanos::ZERO);
+        e.check_invariants();
+    }
+    let m = e.metrics();
+    // First step: request 0's first 1,000-token chunk only.
+    assert_eq!((m.running, m.waiting), (1, 5));
+    let r = run(&mut e, vec![], true);
+    assert_eq!(r.finished().len(), 6);
+    assert_eq!(e.metrics().prefill_tokens_computed, 6 * 2_500);
+    assert_eq!(e.metrics().steps, e.metrics().steps.max(15));
+}
+
+#[test]
+fn preemption_recomputes_and_still_finishes() {
+    let mut cfg = h200();
+    cfg.num_gpu_blocks_override = Some(40);
+    let mut e = engine(cfg);
+    // Three requests of 10 blocks of prompt each, each growing by 300 tokens (~10 blocks):
+    // they cannot all stay; the newest is preempted and recomputed.
+    let actions = (0..3)
+        .map(|i| {
+            (
+                Nanos::ZERO,
+                Action::Submit(req(i, text(i as u32, 320), 300)),
+            )
+        })
+        .collect();
+    let r = run(&mut e, actions, true);
+    let f = r.finished();
+    assert_eq!(f.len(), 3);
+    assert!(f.iter().all(|x| x.2 == 300));
+    assert!(e.metrics().preemptions > 0);
+    let preempted: u32 = r
+        .events
+        .iter()
+        .map(|e| match e {
+            EngineEvent::Finished { preemptions, .. } => *preemptions,
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(u64::from(preempted), e.metrics().preemptions);
+    assert_eq!(r.token_counts().iter().map(|x| x.1).sum::<u32>(), 900);
+}
+
+#[test]
+fn speculative_decoding_tokens_per_step_match_the_formula() {
+    let mut cfg = h200();
+    cfg.spec_decode = Some(SpecDecodeConfig::draft_model(5, 0.6));
+    cfg.seed = 9;
+    let mut e = engine(cfg.clone());
+    let actions = (0..32)
+        .map(|i| {
+            (
+                Nanos::ZERO,
+                Action::Submit(req(i, text(i as u32, 200), 2_000)),
+            )
+        })
+        .collect();
+    let r = run(&mut e, actions, true);
+    assert_eq!(r.finished().len(), 32);
+    let m = e.metrics();
+    let want = SpecDecodeConfig::draft_model(5, 0.6).expected_tokens_per_step();
+    assert!((want - 2.38336).abs() < 1e-5);
+    // Capping at the end of each request biases slightly low.
+    assert!(
+        (m.tokens_per_step() - want).abs() < 0.05,
+        "{}",
+        m.tokens_per_step()
+    );
+    assert!((m.acceptance_rate() - 0.6 * (1.0 - 0.6f64.powi(5)) / (5.0 * 0.4)).abs() < 0.03);
+    // Fewer, longer steps than without speculation, and faster overall.
+    let mut plain = cfg;
+    plain.spec_decode = None;
+    let mut p = engine(plain);
+    let actions = (0..32)
+        .map(|i| {
+            (
+                Nanos::ZERO,
+                Action::Submit(req(i, text(i as u32, 200), 2_000)),
+            )
+        })
+        .collect();
+    let rp = run(&mut p, actions, true);
+    let last = |r: &common::Run| r.finished().iter().map(|x| x.1).max().unwrap();
+    assert!(last(&r) < last(&rp));
+    assert_eq!(p.metrics().tokens_per_step(), 1.0);
+}
+
+/// Prefill worker → KV transfer → decode worker: the decode worker starts at output index 1,
+/// no earlier than the transfer of the prompt's KV allows.
+#[test]
+fn disaggregated_prefill_to_decode_handoff() {
+    let mut pcfg = h200();
+    pcfg.role = Role::PrefillOnly;
+    let mut dcfg = h200();
+    dcfg.role = Role::DecodeOnly;
+    dcfg.kv_link = KvLink::Network;
+    let profile = dcfg.profile.clone();
+    let mut pw = engine(pcfg);
+    let mut dw = engine(dcfg);
+    let prompt = text(1, 4_000);
+    let request = req(1, prompt, 20);
+    let rp = run(
+        &mut pw,
+        vec![(Nanos::ZERO, Action::Submit(request.clone()))],
+        true,
+    );
+    let done_at = rp
+        .events
+        .iter()
+        .find_map(|e| match e {
+            EngineEvent::PrefillDone {
+                at, prompt_tokens, ..
+            } => {
+                assert_eq!(*prompt_tokens, 4_000);
+                Some(*at)
+            }
+            _ => None,
+        })
+        .expect("prefill done");
+    assert_eq!(rp.first_token(RequestId(1)), Some(done_at));
+    assert_eq!(rp.token_counts(), vec![(RequestId(1), 1)]);
+    assert_eq!(pw.metrics().kv_blocks_cached, 125);
+    let rd = run(&mut dw, vec![(done_at, Action::Submit(request))], true);
+    let transfer = profile.kv_transfer_time(4_000, KvLink::Network);
+    let first_decode = rd
+        .events
+        .iter()
+        .find_map(|e| match e {
+            EngineEvent::Tokens { start, at, .. } => {
+                assert_eq!(*start, 1);
+                Some(*at)
+            }
+            _ => None,
+        })
+        .unwrap();
+    assert!(first_decode > done_at + transfer);
+    let f = rd.finished();
+    assert_eq!(f[0].2, 20);
+    assert_eq!(rd.token_counts(), vec![(RequestId(1), 20)]);
+    assert_eq!(dw.metrics().prefill_tokens_computed, 0);
+    // The decode worker announces the prompt blocks it received.
+    assert!(rd.stored().len() >= 125);
+    // NVLink is much faster than the network for the same KV.
+    assert!(profile.kv_transfer_time(4_000, KvLink::Nvlink) < transfer);
+}
+
+#[test]
+fn dynamo_mocker_profile_applies_its_defaults() {
+    let cfg = EngineConfig::from_profile(HardwareProfile::dynamo_mocker());
+    assert_eq!(
+        (cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens),
+        (64, 256, 8_192)
+    );
+    let mut e = engine(cfg);
+    assert_eq!(e.kv_capacity_blocks(), 16_384);
+    let r = run(
+        &mut e,
+        vec![(Nanos::ZERO, Action::Submit(req(1, text(1, 1_000), 2)))],
+        true,
+    );
+    // Prefill 1,000 tokens: 32.1058589 ms, then one decode at p = 16/16,384.
+    let p = 16.0 / 16_384.0;
+    let dec = -25.74 * p * p + 54.01 * p + 5.74;
+    let want = Nanos::from_secs_f64(32.105_858_9e-3) + Nanos::from_secs_f64(dec * 1e-3);
+    let got = r.finished()[0].1;
+    assert!(got.0.abs_diff(want.0) <= 2, "{got} vs {want}");
+}
+
+#[test]
+fn metrics_report_memory_and_utilisation() {
+    let mut e = engine(h200());
+    let m0 = e.metrics();
+    assert_eq!(m0.weight_bytes, 70_600_000_000);
+    assert_eq!(m0.kv_blocks_total, 13_022);
+    e.submit(req(1, text(1, 1_000), 100), Nanos::ZERO);
+    let m = e.metrics();
+    assert_eq!(m.kv_blocks_used, 32);
+    assert_eq!(m.memory_used_bytes, 70_600_000_000 + 32 * 163_840 * 32);
+    let r = run(&mut e, vec![], false);
+    let end = r.finished()[0].1;
+    let m1 = e.metrics();
+    assert!((m1.utilisation_since(&m0, end) - 1.0).abs() < 1e-9);
+    assert!((m1.utilisation_since(&m0, end.saturating_mul(2)) - 0.5).abs() < 1e-9);
+}
