@@ -1011,6 +1011,8 @@ impl Engine {
         let s = (upto - done) as u32;
         self.c.steps += u64::from(s);
         self.c.busy += at - from;
+        // All allocations first, as the steps' plans made them before any request finished:
+        // a block released by a finishing request must not feed a neighbour's earlier step.
         let bs = self.block_size;
         for idx in 0..self.items.len() {
             let it = self.items[idx];
@@ -1021,10 +1023,19 @@ impl Engine {
                 continue;
             }
             r.computed += s;
-            self.c.decode_seq_steps += u64::from(s);
-            self.c.decode_tokens += u64::from(s);
             let want = blocks_for(r.computed + u32::from(in_progress), bs);
             self.grow_blocks(it.slot, want);
+        }
+        for idx in 0..self.items.len() {
+            let it = self.items[idx];
+            let live = self.reqs[it.slot as usize]
+                .as_ref()
+                .is_some_and(|r| r.serial == it.serial && r.state == State::Running);
+            if !live {
+                continue;
+            }
+            self.c.decode_seq_steps += u64::from(s);
+            self.c.decode_tokens += u64::from(s);
             self.register_full_blocks(it.slot);
             self.produce(it.slot, s, at);
         }

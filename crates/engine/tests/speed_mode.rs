@@ -1,0 +1,112 @@
+//! Speed mode (`coalesce_decode`) must give the same results as one step at a time.
+mod common;
+
+use common::{Action, Run, engine, req, run, text};
+use engine::{EngineConfig, EngineEvent, HardwareProfile, RequestId, Role};
+use nanotime::Nanos;
+
+fn scenario() -> Vec<(Nanos, Action)> {
+    let mut a = Vec::new();
+    for i in 0..24u64 {
+        let mut prompt = text((i % 4) as u32, 1_500);
+        prompt.extend(text(50 + i as u32, 100 + (i as u32 * 211) % 2_000));
+        let out = 40 + (i as u32 * 97) % 700;
+        a.push((
+            Nanos::from_millis(i * 730),
+            Action::Submit(req(i, prompt, out)),
+        ));
+    }
+    // Cancels in the middle of decode stretches, and one of a request not yet admitted.
+    a.push((Nanos::from_millis(4_321), Action::Cancel(RequestId(2))));
+    a.push((Nanos::from_millis(9_876), Action::Cancel(RequestId(9))));
+    a.push((Nanos::from_millis(16_000), Action::Cancel(RequestId(23))));
+    a
+}
+
+fn both(
+    cfg: EngineConfig,
+    actions: impl Fn() -> Vec<(Nanos, Action)>,
+) -> (Run, Run, [engine::EngineMetrics; 2]) {
+    let mut slow = engine(cfg.clone());
+    let mut fast_cfg = cfg;
+    fast_cfg.coalesce_decode = true;
+    let mut fast = engine(fast_cfg);
+    let rs = run(&mut slow, actions(), true);
+    let rf = run(&mut fast, actions(), true);
+    (rs, rf, [slow.metrics(), fast.metrics()])
+}
+
+fn assert_equivalent(rs: &Run, rf: &Run, ms: &[engine::EngineMetrics; 2]) {
+    let (fs, ff) = (rs.finished(), rf.finished());
+    assert_eq!(fs.len(), ff.len());
+    for (a, b) in fs.iter().zip(&ff) {
+        assert_eq!((a.0, a.2, a.3), (b.0, b.2, b.3));
+        // Same step durations, so the same instants (allow a microsecond of rounding).
+        assert!(
+            a.1.0.abs_diff(b.1.0) <= 1_000,
+            "{:?}: {} vs {}",
+            a.0,
+            a.1,
+            b.1
+        );
+    }
+    assert_eq!(rs.token_counts(), rf.token_counts());
+    assert_eq!(rs.stored(), rf.stored());
+    assert_eq!(rs.removed(), rf.removed());
+    assert!(rf.kv_seqs_are_dense());
+    let [s, f] = ms;
+    assert_eq!(s.tokens_generated, f.tokens_generated);
+    assert_eq!(s.prefill_tokens_computed, f.prefill_tokens_computed);
+    assert_eq!(s.prefix_hit_tokens, f.prefix_hit_tokens);
+    assert_eq!(s.steps, f.steps);
+    assert!(s.busy_time.0.abs_diff(f.busy_time.0) <= 1_000);
+    assert_eq!(s.cancelled, f.cancelled);
+}
+
+fn tokens_events(r: &Run) -> usize {
+    r.events
+        .iter()
+        .filter(|e| matches!(e, EngineEvent::Tokens { .. }))
+        .count()
+}
+
+#[test]
+fn coalesced_decode_matches_step_by_step_h200() {
+    let (rs, rf, ms) = both(EngineConfig::seed_002(), scenario);
+    assert_equivalent(&rs, &rf, &ms);
+    assert!(ms[0].cancelled >= 2);
+    // The point of the mode: far fewer events (one per request per stretch).
+    assert!(
+        tokens_events(&rf) * 3 < tokens_events(&rs),
+        "{} vs {}",
+        tokens_events(&rf),
+        tokens_events(&rs)
+    );
+}
+
+/// A small pool: stretches end where blocks would run out, evictions and preemptions happen.
+#[test]
+fn coalesced_decode_matches_under_memory_pressure() {
+    let mut cfg = EngineConfig::seed_002();
+    cfg.num_gpu_blocks_override = Some(400);
+    cfg.max_num_seqs = 8;
+    let (rs, rf, ms) = both(cfg, scenario);
+    assert!(ms[0].preemptions > 0 || !rs.removed().is_empty());
+    assert_equivalent(&rs, &rf, &ms);
+}
+
+#[test]
+fn coalesced_decode_matches_dynamo_mocker() {
+    let cfg = EngineConfig::from_profile(HardwareProfile::dynamo_mocker());
+    let (rs, rf, ms) = both(cfg, scenario);
+    assert_equivalent(&rs, &rf, &ms);
+}
+
+/// Decode-only: KV arrivals cut stretches short.
+#[test]
+fn coalesced_decode_matches_with_kv_transfers() {
+    let mut cfg = EngineConfig::seed_002();
+    cfg.role = Role::DecodeOnly;
+    let (rs, rf, ms) = both(cfg, scenario);
+    assert_equivalent(&rs, &rf, &ms);
+}
