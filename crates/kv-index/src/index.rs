@@ -25,21 +25,27 @@ use crate::overlap::OverlapScores;
 /// Null index for the slab links.
 const NIL: u32 = u32::MAX;
 
-/// Default bound on (worker, block) entries: 4 Mi entries, about 0.5 GiB (see [`IndexConfig`]).
+/// Records and worker slots are `u32` indices: larger configured bounds are clamped to this.
+const MAX_INDEX: usize = (u32::MAX - 1) as usize;
+
+/// Default bound on (worker, block) entries: 4 Mi entries, about 600 MiB (see [`IndexConfig`]).
 pub const DEFAULT_MAX_BLOCKS: usize = 4 << 20;
 
 /// How the index is sized.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexConfig {
     /// Bound on (worker, engine block) entries, i.e. on [`KvIndex::len`]. When a store would
-    /// exceed it, the index evicts entries by the rule in the crate docs. Each entry costs
-    /// about 100–130 bytes (a 48-byte slab record, a per-worker id-map slot and, for the first
-    /// holder of a block, a block-map slot), so the default of 4 Mi entries is ≈ 0.5 GiB.
-    /// Size it above the fleet's total KV capacity in blocks so eviction stays a safety net.
+    /// exceed it, the index evicts entries by the rule in the crate docs. An entry costs about
+    /// 150 bytes when its block is held by no other worker (measured: a 48-byte record, a
+    /// per-worker id-map slot and a block-map slot, at hash-table load factors), less when
+    /// blocks are shared; the default of 4 Mi entries is ≈ 600 MiB. Size it above the fleet's
+    /// total KV capacity in blocks (e.g. 64 workers × 20k blocks = 1.3M) so that eviction
+    /// stays a safety net. Values above `u32::MAX - 1` act as `u32::MAX - 1`.
     pub max_blocks: usize,
     /// Bound on known workers (each costs a few hundred bytes even with no blocks). An event
     /// from a new worker beyond it is refused with [`EventError::TooManyWorkers`], so a
-    /// misbehaving event source cannot grow the index without limit. Default 65,536.
+    /// misbehaving event source cannot grow the index without limit. Default 65,536; values
+    /// above `u32::MAX - 1` act as `u32::MAX - 1`.
     pub max_workers: usize,
 }
 
@@ -571,7 +577,7 @@ impl KvIndex {
         if let Some(&slot) = self.slots.get(&worker) {
             return Some(slot);
         }
-        if self.slots.len() >= self.config.max_workers {
+        if self.slots.len() >= self.config.max_workers.min(MAX_INDEX) {
             return None;
         }
         let state = WorkerState {
@@ -734,7 +740,7 @@ impl KvIndex {
         self.len += 1;
         out.stored += 1;
         let created = self.entry_ref(e);
-        while self.len > self.config.max_blocks {
+        while self.len > self.config.max_blocks.min(MAX_INDEX) {
             if !self.evict_one() {
                 break;
             }

@@ -34,7 +34,8 @@
 //!   worker (e.g. vLLM stored a child after evicting its parent, or the parent was evicted by
 //!   our bound), the whole event's blocks are **skipped** and counted as `unknown_parent`:
 //!   their sequence hashes cannot be computed, and they could never be part of a leading
-//!   prefix for that worker anyway until the parent is stored again.
+//!   prefix for that worker anyway until the parent is stored again. Any content the worker
+//!   held under those ids before is dropped, since the event says the ids name new content.
 //! - Storing an id the worker already holds with the same content is idempotent (it only
 //!   refreshes recency). Storing it with different content replaces the old content.
 //! - `Removed { blocks }`: drops those ids; ids the worker does not hold are counted as
@@ -60,13 +61,26 @@
 //! # Memory bound and eviction rule
 //!
 //! [`IndexConfig::max_blocks`] bounds the number of (worker, engine block) entries, and with
-//! it every map in the index. When a store would exceed it, the index evicts **the least
+//! it every per-block map in the index (≈ 150 bytes per entry; default 4 Mi entries ≈ 600 MiB).
+//! [`IndexConfig::max_workers`] bounds the known workers: an event from one more new worker is
+//! refused with [`EventError::TooManyWorkers`]. When a store would exceed `max_blocks`, the
+//! index evicts **the least
 //! recently stored leaf**: an entry of which the same worker holds no child entry, ordered by
 //! when it was stored or last re-stored. When a leaf's last child leaves (evicted or removed)
 //! the parent becomes a leaf at the *cold* end, since it is at least as old as that child. So
 //! chains are evicted from their tip backwards, least recently extended chain first, and a
 //! worker's prefix is never holed by eviction. (A hole could only make a worker score *less*:
 //! `find_matches` requires every earlier block, so the index never over-reports.)
+//! An evicted entry behaves as if the worker had removed it: a later `Removed` for it counts
+//! as an unknown removal and a later child of it as an unknown parent.
+//!
+//! # Cost
+//!
+//! `find_matches` is one FxHash lookup per request block plus a merge of sorted worker-slot
+//! lists where the set of matching workers changes; it stops at the first block no remaining
+//! worker holds. `find_matches_for_tokens` hashes lazily, so unmatched tails are never
+//! hashed. Storing or removing a block is O(1) (a few hash-map operations); clearing or
+//! removing a worker is O(its entries). `cargo bench -p kv-index` measures all of these.
 
 pub mod event;
 pub mod hash;
