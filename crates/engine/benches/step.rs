@@ -1,1 +1,71 @@
-fn main() {}
+//! One scheduler step at 64 running sequences (seed 002's batch), the simulator's unit of work.
+//!
+//! Each iteration completes one decode step of 64 sequences (5,000-token contexts, KV events
+//! as blocks fill) and plans the next one, then drains the events, as a driver would.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use engine::{Engine, EngineConfig, EngineRequest, OutputSpec, RequestId};
+use kv_index::WorkerId;
+use nanotime::Nanos;
+
+const OUTPUT: u32 = 100_000;
+
+/// An engine with 64 sequences past prefill, decoding.
+fn warm_engine(coalesce: bool) -> Engine {
+    let mut cfg = EngineConfig::seed_002();
+    // Room for 64 long generations without preemption.
+    cfg.num_gpu_blocks_override = Some(400_000);
+    cfg.coalesce_decode = coalesce;
+    let mut e = Engine::new(cfg, WorkerId(1)).expect("config");
+    for i in 0..64u64 {
+        let prompt: Vec<u32> = (0..5_000).map(|t| (i as u32) << 16 | t).collect();
+        let req = EngineRequest {
+            id: RequestId(i),
+            prompt: prompt.into(),
+            output: OutputSpec::Count(OUTPUT),
+        };
+        e.submit(req, Nanos::ZERO);
+    }
+    // Prefill: 64 × 5,000 tokens at 16,384 per step.
+    while e.metrics().prefill_tokens_computed < 64 * 5_000 {
+        let t = e.poll_timeout().expect("busy");
+        e.handle_timeout(t);
+        while e.poll_event().is_some() {}
+    }
+    e
+}
+
+fn bench_step(c: &mut Criterion) {
+    c.bench_function("step_decode_batch64", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let mut e = warm_engine(false);
+                // Stay well inside the outputs so no request finishes mid-measurement.
+                let n = left.min(u64::from(OUTPUT) / 2);
+                let start = Instant::now();
+                for _ in 0..n {
+                    let t = e.poll_timeout().unwrap_or(Nanos::ZERO);
+                    e.handle_timeout(t);
+                    while let Some(ev) = e.poll_event() {
+                        black_box(ev);
+                    }
+                }
+                total += start.elapsed();
+                left -= n;
+            }
+            total
+        })
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(50).measurement_time(Duration::from_secs(5));
+    targets = bench_step
+}
+criterion_main!(benches);
