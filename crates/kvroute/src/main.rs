@@ -100,7 +100,10 @@ fn hash(args: HashArgs) -> Result<()> {
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("{:>6}  {:<18}  {:<18}", "block", "local hash", "sequence hash");
+        println!(
+            "{:>6}  {:<18}  {:<18}",
+            "block", "local hash", "sequence hash"
+        );
         for (i, (l, s)) in local.iter().zip(&seq).enumerate() {
             println!("{i:>6}  {:#018x}  {:#018x}", l.0, s.0);
         }

@@ -11,12 +11,19 @@ fn kvroute() -> Command {
 fn hash_prints_the_pinned_test_vectors() {
     let tokens: Vec<String> = (0..70).map(|t| t.to_string()).collect();
     let out = kvroute().arg("hash").args(&tokens).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8(out.stdout).unwrap();
     // The crate docs' test vectors for tokens 0..63, block size 32.
     assert!(stdout.contains("0x7949379a13dba8d2"), "{stdout}");
     assert!(stdout.contains("0xa6316d8655c998ff"), "{stdout}");
-    assert!(stdout.contains("70 tokens, 2 full blocks of 32, 6 tail tokens"), "{stdout}");
+    assert!(
+        stdout.contains("70 tokens, 2 full blocks of 32, 6 tail tokens"),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -52,5 +59,9 @@ fn hash_rejects_bad_input_with_a_clear_error() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8(out.stderr).unwrap().contains("--block-size"));
+    assert!(
+        String::from_utf8(out.stderr)
+            .unwrap()
+            .contains("--block-size")
+    );
 }

@@ -67,7 +67,12 @@ fn filled_router(workers: u64, blocks: usize) -> Router {
     for w in 0..workers {
         router.add_worker(WorkerId(w), WorkerLimits::default());
         for p in 0..PASSAGES {
-            let event = stored(&hasher, w, next_seq[w as usize], &conversation(p, PASSAGE_BLOCKS));
+            let event = stored(
+                &hasher,
+                w,
+                next_seq[w as usize],
+                &conversation(p, PASSAGE_BLOCKS),
+            );
             next_seq[w as usize] += 1;
             router.apply_event(&event).expect("gap-free");
         }
@@ -76,7 +81,12 @@ fn filled_router(workers: u64, blocks: usize) -> Router {
     let mut conv = PASSAGES;
     while router.index().len() < blocks {
         let w = u64::from(conv) % workers;
-        let event = stored(&hasher, w, next_seq[w as usize], &conversation(conv, conv_blocks));
+        let event = stored(
+            &hasher,
+            w,
+            next_seq[w as usize],
+            &conversation(conv, conv_blocks),
+        );
         next_seq[w as usize] += 1;
         router.apply_event(&event).expect("gap-free");
         conv += 1;

@@ -410,7 +410,10 @@ mod tests {
         for _ in 0..3000 {
             counts[Random.select(&ctx(&cands), &mut rng)] += 1;
         }
-        assert!(counts.iter().all(|&n| (900..1100).contains(&n)), "{counts:?}");
+        assert!(
+            counts.iter().all(|&n| (900..1100).contains(&n)),
+            "{counts:?}"
+        );
     }
 
     #[test]

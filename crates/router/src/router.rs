@@ -117,10 +117,16 @@ impl fmt::Display for RouteError {
             Self::NoWorkers => write!(f, "no worker is registered with the router"),
             Self::DuplicateRequest(id) => write!(f, "{id} is already in flight"),
             Self::TooManyInFlight { limit } => {
-                write!(f, "router is tracking its limit of {limit} in-flight requests")
+                write!(
+                    f,
+                    "router is tracking its limit of {limit} in-flight requests"
+                )
             }
             Self::PolicyOutOfRange { policy, index } => {
-                write!(f, "policy `{policy}` chose candidate {index}, which does not exist")
+                write!(
+                    f,
+                    "policy `{policy}` chose candidate {index}, which does not exist"
+                )
             }
         }
     }

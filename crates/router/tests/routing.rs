@@ -120,10 +120,16 @@ fn kv_spreads_unrelated_requests_by_decode_load() {
     let mut counts = [0u32; 3];
     for i in 0..30 {
         let key = router.key(&prompt(100 + i, 50));
-        let d = router.route(RequestId(u64::from(i)), &key, Nanos::ZERO).unwrap();
+        let d = router
+            .route(RequestId(u64::from(i)), &key, Nanos::ZERO)
+            .unwrap();
         counts[d.worker.0 as usize] += 1;
     }
-    assert_eq!(counts, [10, 10, 10], "no overlap anywhere: pure load balance");
+    assert_eq!(
+        counts,
+        [10, 10, 10],
+        "no overlap anywhere: pure load balance"
+    );
 }
 
 #[test]
@@ -132,7 +138,9 @@ fn kv_leaves_a_cached_worker_while_it_is_busy_and_returns_when_it_is_free() {
     // Worker 0 alone receives 10 long uncached prompts: 1,000 blocks of pending prefill.
     for i in 0..10 {
         let key = router.key(&prompt(200 + i, 100));
-        router.route(RequestId(u64::from(i)), &key, Nanos::ZERO).unwrap();
+        router
+            .route(RequestId(u64::from(i)), &key, Nanos::ZERO)
+            .unwrap();
     }
     router.add_worker(WorkerId(1), WorkerLimits::default());
     let shared = prompt(5, 40);
@@ -144,9 +152,16 @@ fn kv_leaves_a_cached_worker_while_it_is_busy_and_returns_when_it_is_free() {
     assert_eq!(candidates[0].overlap_blocks, 40);
     assert_eq!(candidates[0].new_prefill_tokens, 5);
     assert_eq!(candidates[1].overlap_blocks, 0);
-    assert_eq!(candidates[0].load.pending_prefill_tokens, 10 * (100 * 32 + 5));
+    assert_eq!(
+        candidates[0].load.pending_prefill_tokens,
+        10 * (100 * 32 + 5)
+    );
     let busy = router.route(RequestId(100), &key, Nanos::ZERO).unwrap();
-    assert_eq!(busy.worker, WorkerId(1), "cache hit is not worth 1,000 queued blocks");
+    assert_eq!(
+        busy.worker,
+        WorkerId(1),
+        "cache hit is not worth 1,000 queued blocks"
+    );
     router.on_finished(RequestId(100), Nanos::ZERO);
 
     for i in 0..10 {
@@ -180,7 +195,10 @@ fn approximate_mode_predicts_from_routing_and_expires() {
     let second = router
         .route(RequestId(2), &key2, Nanos::from_secs(40))
         .unwrap();
-    assert_eq!(second.worker, first.worker, "no events, yet the history is found");
+    assert_eq!(
+        second.worker, first.worker,
+        "no events, yet the history is found"
+    );
     assert_eq!(second.overlap_blocks, 60);
     router.on_finished(RequestId(2), Nanos::from_secs(70));
 
@@ -207,13 +225,19 @@ fn approximate_mode_is_bounded() {
     );
     for i in 0..10 {
         let key = router.key(&prompt(300 + i, 30));
-        router.route(RequestId(u64::from(i)), &key, Nanos::ZERO).unwrap();
+        router
+            .route(RequestId(u64::from(i)), &key, Nanos::ZERO)
+            .unwrap();
     }
     assert!(router.index().len() <= 100, "{}", router.index().len());
     let last = router.key(&prompt(309, 30));
     assert_eq!(router.overlaps(&last).get(WorkerId(0)), 30, "newest kept");
     let oldest = router.key(&prompt(300, 30));
-    assert_eq!(router.overlaps(&oldest).get(WorkerId(0)), 0, "oldest evicted");
+    assert_eq!(
+        router.overlaps(&oldest).get(WorkerId(0)),
+        0,
+        "oldest evicted"
+    );
 }
 
 #[test]
@@ -304,7 +328,9 @@ fn prompts_shorter_than_a_block_route_fine() {
         let mut router = router_with_workers(config(policy), 3);
         for (i, tokens) in [vec![], vec![1, 2, 3]].iter().enumerate() {
             let key = router.key(tokens);
-            let d = router.route(RequestId(i as u64), &key, Nanos::ZERO).unwrap();
+            let d = router
+                .route(RequestId(i as u64), &key, Nanos::ZERO)
+                .unwrap();
             assert_eq!(d.prompt_blocks, 0);
             assert_eq!(d.new_prefill_tokens, tokens.len() as u64);
         }
