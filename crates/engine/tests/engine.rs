@@ -248,7 +248,18 @@ fn batch_limits_and_chunked_prefill() {
     let r = run(&mut e, vec![], true);
     assert_eq!(r.finished().len(), 6);
     assert_eq!(e.metrics().prefill_tokens_computed, 6 * 2_500);
-    assert_eq!(e.metrics().steps, e.metrics().steps.max(15));
+    // 15,000 prompt tokens at 1,000 per step: at least 15 steps, plus the decodes.
+    assert!(e.metrics().steps >= 15 + 2);
+    // Chunking: request 0's first token comes after three steps (1,000 + 1,000 + 500 tokens).
+    let steps_to_first: Vec<_> = r
+        .events
+        .iter()
+        .filter_map(|ev| match ev {
+            EngineEvent::FirstToken { id, .. } => Some(id.0),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(steps_to_first[0], 0);
 }
 
 #[test]
@@ -423,4 +434,72 @@ fn metrics_report_memory_and_utilisation() {
     let m1 = e.metrics();
     assert!((m1.utilisation_since(&m0, end) - 1.0).abs() < 1e-9);
     assert!((m1.utilisation_since(&m0, end.saturating_mul(2)) - 0.5).abs() < 1e-9);
+}
+
+/// Prints the built-in profiles as TOML (`cargo test -p engine dump_profiles -- --ignored
+/// --nocapture`), the starting point for a new GPU's profile file.
+#[test]
+#[ignore]
+fn dump_profiles() {
+    for name in HardwareProfile::builtin_names() {
+        let p = HardwareProfile::builtin(name).unwrap();
+        println!("=== {name}\n{}", p.to_toml_string().unwrap());
+    }
+}
+
+#[test]
+fn example_profile_file_is_the_builtin() {
+    let text = include_str!("../profiles/h200-llama70b-fp8.toml");
+    assert_eq!(
+        HardwareProfile::from_toml_str(text).unwrap(),
+        HardwareProfile::h200_llama70b_fp8()
+    );
+}
+
+#[test]
+fn engine_config_loads_from_toml_with_seed_defaults() {
+    let profile = HardwareProfile::h100_llama8b().to_toml_string().unwrap();
+    let toml = format!(
+        "role = \"decode_only\"\nkv_link = \"network\"\ncoalesce_decode = true\n\
+         [spec_decode]\nmethod = \"eagle3\"\ndraft_len = 3\nacceptance_rate = 0.8\n\
+         [profile]\n{}",
+        profile
+            .replace("[kv_transfer]", "[profile.kv_transfer]")
+            .replace("[timing]", "[profile.timing]")
+            .replace("[engine_defaults]", "[profile.engine_defaults]")
+    );
+    let cfg: EngineConfig = toml::from_str(&toml).unwrap();
+    assert_eq!(cfg.role, Role::DecodeOnly);
+    assert_eq!(cfg.kv_link, KvLink::Network);
+    assert_eq!(
+        (cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens),
+        (32, 64, 16_384)
+    );
+    assert_eq!(cfg.free_gpu_memory_fraction, 0.9);
+    assert!(cfg.enable_prefix_caching && cfg.coalesce_decode);
+    let e = engine(cfg);
+    // (85,520,809,984 − 16,060,000,000 − 2 GiB − 2 GB EAGLE head) × 0.9 / (131,072 × 32).
+    let left = 85_520_809_984u64 - 16_060_000_000 - 2_147_483_648 - 2_000_000_000;
+    assert_eq!(
+        u64::from(e.kv_capacity_blocks()),
+        (left as f64 * 0.9).floor() as u64 / 4_194_304
+    );
+}
+
+#[test]
+fn bad_configs_are_errors() {
+    let mut cfg = h200();
+    cfg.block_size = 0;
+    assert!(engine::Engine::new(cfg, kv_index::WorkerId(1)).is_err());
+    let mut cfg = h200();
+    cfg.free_gpu_memory_fraction = 0.0;
+    assert!(engine::Engine::new(cfg, kv_index::WorkerId(1)).is_err());
+    let cfg = EngineConfig::new(HardwareProfile::dynamo_mocker());
+    let err = engine::Engine::new(cfg, kv_index::WorkerId(1))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("num_gpu_blocks_override"), "{err}");
+    let mut cfg = h200();
+    cfg.spec_decode = Some(SpecDecodeConfig::eagle3(5, 1.2));
+    assert!(engine::Engine::new(cfg, kv_index::WorkerId(1)).is_err());
 }
