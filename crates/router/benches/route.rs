@@ -97,13 +97,31 @@ fn filled_router(workers: u64, blocks: usize) -> Router {
 fn bench_route(c: &mut Criterion) {
     let mut group = c.benchmark_group("route_8k_tokens");
     group.sample_size(30);
-    for (workers, blocks) in [(64u64, 100_000usize), (64, 1_000_000), (1024, 1_000_000)] {
+    let cases = [
+        (64u64, 100_000usize, 0u64),
+        (64, 1_000_000, 0),
+        (64, 1_000_000, 60),
+        (1024, 1_000_000, 0),
+    ];
+    for (workers, blocks, in_flight_per_worker) in cases {
         let mut router = filled_router(workers, blocks);
+        // Busy workers: `in_flight_per_worker` long conversations each, so the decode-load
+        // term (distinct active blocks per worker) is computed against real active sets.
+        let busy = workers * in_flight_per_worker;
+        for i in 0..busy {
+            let key = router.key(&conversation(PASSAGES + i as u32, 200));
+            router
+                .route(RequestId(u64::MAX - i), &key, Nanos::ZERO)
+                .expect("routable");
+        }
         // The next turn of conversation 12: its 200-block history is cached on one worker,
         // its passage on all of them.
         let mut tokens = conversation(12, 200);
         tokens.extend((0..REQUEST_TOKENS - tokens.len()).map(|i| 0xC000_0000 | i as u32));
-        let label = format!("{workers}_workers_{}k_blocks", blocks / 1000);
+        let label = format!(
+            "{workers}_workers_{}k_blocks_{in_flight_per_worker}_in_flight_per_worker",
+            blocks / 1000
+        );
         group.bench_function(BenchmarkId::from_parameter(label), |b| {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;
