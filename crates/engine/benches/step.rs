@@ -63,9 +63,34 @@ fn bench_step(c: &mut Criterion) {
     });
 }
 
+/// Speed mode: one call advances a whole stretch (up to 512 decode steps of 64 sequences).
+fn bench_stretch(c: &mut Criterion) {
+    c.bench_function("stretch_decode_batch64", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let mut e = warm_engine(true);
+                let n = left.min(u64::from(OUTPUT) / 1_024);
+                let start = Instant::now();
+                for _ in 0..n {
+                    let t = e.poll_timeout().unwrap_or(Nanos::ZERO);
+                    e.handle_timeout(t);
+                    while let Some(ev) = e.poll_event() {
+                        black_box(ev);
+                    }
+                }
+                total += start.elapsed();
+                left -= n;
+            }
+            total
+        })
+    });
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(50).measurement_time(Duration::from_secs(5));
-    targets = bench_step
+    targets = bench_step, bench_stretch
 }
 criterion_main!(benches);

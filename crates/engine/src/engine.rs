@@ -20,8 +20,10 @@ use crate::types::{
     RejectReason, RequestId, Role, pseudo_token,
 };
 
-/// Longest stretch of coalesced decode steps (bounds the stretch's boundary buffer).
-const MAX_STRETCH_STEPS: usize = 1 << 16;
+/// Longest stretch of coalesced decode steps. A stretch that reaches it simply ends and the
+/// next one is planned from the same state, so results do not depend on it; it bounds the
+/// boundary buffer and the planning work an early interruption throws away.
+const MAX_STRETCH_STEPS: usize = 512;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {

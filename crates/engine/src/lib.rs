@@ -56,9 +56,9 @@
 //!
 //! Blocks of `block_size` tokens (seed: 32); capacity from the profile's memory arithmetic
 //! ([`HardwareProfile::kv_capacity_blocks`], TRT-LLM's meaning of `free_gpu_memory_fraction`)
-//! or an explicit override. Full blocks are keyed by their `kv-index` [`SequenceHash`]
-//! (kv_index::SequenceHash), the same scheme the router uses, so the events line up with the
-//! router's view. Blocks are cached as soon as they are full and computed — prompt blocks
+//! or an explicit override. Full blocks are keyed by their
+//! [`SequenceHash`](kv_index::SequenceHash) from `kv-index`, the scheme the router uses, so the
+//! events line up with the router's view. Blocks are cached as soon as they are full and computed — prompt blocks
 //! after their prefill chunk, output blocks during decode — so the next turn of a conversation
 //! hits its own history. Released cached blocks stay until evicted, least recently released
 //! first; a referenced block is never evicted.
@@ -108,7 +108,7 @@
 //!
 //! Pool structures are bounded by the capacity in blocks; requests (and their per-request
 //! block and hash lists) by `max_waiting + max_num_seqs` and the model's context; a stretch by
-//! 65,536 steps; the event queue by what one call produces — drivers drain it after each call.
+//! 512 steps; the event queue by what one call produces — drivers drain it after each call.
 
 mod engine;
 pub mod pool;
