@@ -192,6 +192,33 @@ pub struct StepShape {
 }
 
 /// A profile that cannot be loaded or does not make sense.
+impl StepShape {
+    /// One prefill chunk of `tokens` new tokens after `context` tokens already in the KV
+    /// cache (a cached prefix or earlier chunks).
+    pub fn prefill(tokens: u64, context: u64) -> Self {
+        Self {
+            prefill_tokens: tokens,
+            prefill_attention_pairs: tokens
+                .saturating_mul(context)
+                .saturating_add(tokens.saturating_mul(tokens + 1) / 2),
+            ..Self::default()
+        }
+    }
+
+    /// A plain decode step (one token each) of `seqs` sequences with `context` tokens each,
+    /// in a pool of `pool_blocks` blocks of `block_size` tokens.
+    pub fn decode(seqs: u64, context: u64, block_size: u32, pool_blocks: u64) -> Self {
+        Self {
+            decode_seqs: seqs,
+            decode_tokens: seqs,
+            decode_context_tokens: seqs.saturating_mul(context),
+            decode_kv_blocks: seqs.saturating_mul(context.div_ceil(u64::from(block_size.max(1)))),
+            kv_pool_blocks: pool_blocks,
+            ..Self::default()
+        }
+    }
+}
+
 #[derive(Debug, Error)]
 pub enum ProfileError {
     #[error("unknown hardware profile {name:?}; built-in profiles: {known}")]

@@ -7,6 +7,8 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use kv_index::BlockHasher;
 
+mod profiles;
+
 /// KV-cache-aware routing for LLM fleets.
 #[derive(Debug, Parser)]
 #[command(name = "kvroute", version, about, long_about = None)]
@@ -22,6 +24,9 @@ enum Command {
     /// Tokens are integers separated by spaces, commas or newlines, given as arguments or on
     /// standard input. Use it to check that an engine's KV events hash like kvroute does.
     Hash(HashArgs),
+    /// List the engine simulator's hardware profiles, show one as an editable file, or check
+    /// your own.
+    Profiles(profiles::ProfilesArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -40,6 +45,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Hash(args) => hash(args),
+        Command::Profiles(args) => profiles::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -65,3 +65,73 @@ fn hash_rejects_bad_input_with_a_clear_error() {
             .contains("--block-size")
     );
 }
+
+#[test]
+fn profiles_lists_every_builtin_with_its_capacity() {
+    let out = kvroute().arg("profiles").output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    for name in ["h200-llama70b-fp8", "h100-llama8b", "dynamo-mocker"] {
+        assert!(stdout.contains(name), "{name} missing:\n{stdout}");
+    }
+    // Seed 002's worker: (141 GB − weights − reserve) × 0.90 / (163,840 B × 32) blocks.
+    assert!(stdout.contains("13022 blocks × 32 tokens"), "{stdout}");
+    // Dynamo's mocker pool: 16,384 blocks of 64 tokens.
+    assert!(stdout.contains("16384 blocks × 64 tokens"), "{stdout}");
+}
+
+#[test]
+fn a_shown_profile_edited_into_a_file_checks_out() {
+    let out = kvroute()
+        .args(["profiles", "show", "h100-llama8b"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let toml = String::from_utf8(out.stdout)
+        .unwrap()
+        .replace("name = \"h100-llama8b\"", "name = \"my-gpu\"");
+    let dir = std::env::temp_dir().join(format!("kvroute-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("my-gpu.toml");
+    std::fs::write(&path, toml).unwrap();
+    let out = kvroute()
+        .args(["profiles", "check"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8(out.stdout).unwrap().contains("my-gpu"));
+
+    std::fs::write(&path, "name = \"broken\"\ngpu_memory_bytes = \"lots\"\n").unwrap();
+    let out = kvroute()
+        .args(["profiles", "check"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("is not a valid hardware profile"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn an_unknown_profile_lists_the_known_ones() {
+    let out = kvroute()
+        .args(["profiles", "show", "b300"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(stderr.contains("h200-llama70b-fp8"), "{stderr}");
+}

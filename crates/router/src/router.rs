@@ -343,7 +343,8 @@ impl Router {
     }
 
     /// Feeds one KV event into the index. Events for unknown workers are indexed too (the
-    /// worker may register just after its first events).
+    /// worker may register just after its first events). In approximate mode the router
+    /// writes its own predicted events into the index; do not feed workers' events as well.
     pub fn apply_event(
         &mut self,
         event: &KvEvent,
