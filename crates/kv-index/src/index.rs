@@ -159,13 +159,28 @@ struct Holder {
     count: u32,
 }
 
+/// A set fingerprint of one slot: a bijective mix, so distinct slots give distinct values and
+/// sums of them spread over all 64 bits.
+fn slot_fingerprint(slot: u32) -> u64 {
+    // splitmix64's finaliser.
+    let mut z = u64::from(slot).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// The workers holding one block, sorted by slot. Inline for the common single holder so most
 /// blocks cost no extra allocation.
 #[derive(Debug, Clone)]
 enum Holders {
     One(Holder),
-    /// Two or more holders, sorted by slot.
-    Many(Vec<Holder>),
+    /// Two or more holders, sorted by slot, with the wrapping sum of their slots'
+    /// [`slot_fingerprint`]s: deep in a prefix the whole fleet shares, matching compares the
+    /// set of still-matching workers with each block's holders in O(1) instead of O(workers).
+    Many {
+        holders: Vec<Holder>,
+        fingerprint: u64,
+    },
 }
 
 impl Holders {
@@ -176,7 +191,15 @@ impl Holders {
     fn as_slice(&self) -> &[Holder] {
         match self {
             Holders::One(h) => std::slice::from_ref(h),
-            Holders::Many(v) => v,
+            Holders::Many { holders, .. } => holders,
+        }
+    }
+
+    /// Sum of the holders' slot fingerprints (set semantics: counts do not matter).
+    fn fingerprint(&self) -> u64 {
+        match self {
+            Holders::One(h) => slot_fingerprint(h.slot),
+            Holders::Many { fingerprint, .. } => *fingerprint,
         }
     }
 
@@ -186,11 +209,20 @@ impl Holders {
             Holders::One(h) => {
                 let new = Holder { slot, count: 1 };
                 let pair = if h.slot < slot { [*h, new] } else { [new, *h] };
-                *self = Holders::Many(pair.to_vec());
+                *self = Holders::Many {
+                    fingerprint: slot_fingerprint(h.slot).wrapping_add(slot_fingerprint(slot)),
+                    holders: pair.to_vec(),
+                };
             }
-            Holders::Many(v) => match v.binary_search_by_key(&slot, |h| h.slot) {
-                Ok(i) => v[i].count += 1,
-                Err(i) => v.insert(i, Holder { slot, count: 1 }),
+            Holders::Many {
+                holders,
+                fingerprint,
+            } => match holders.binary_search_by_key(&slot, |h| h.slot) {
+                Ok(i) => holders[i].count += 1,
+                Err(i) => {
+                    holders.insert(i, Holder { slot, count: 1 });
+                    *fingerprint = fingerprint.wrapping_add(slot_fingerprint(slot));
+                }
             },
         }
     }
@@ -204,14 +236,18 @@ impl Holders {
                 }
                 h.count == 0
             }
-            Holders::Many(v) => {
-                if let Ok(i) = v.binary_search_by_key(&slot, |h| h.slot) {
-                    v[i].count -= 1;
-                    if v[i].count == 0 {
-                        v.remove(i);
+            Holders::Many {
+                holders,
+                fingerprint,
+            } => {
+                if let Ok(i) = holders.binary_search_by_key(&slot, |h| h.slot) {
+                    holders[i].count -= 1;
+                    if holders[i].count == 0 {
+                        holders.remove(i);
+                        *fingerprint = fingerprint.wrapping_sub(slot_fingerprint(slot));
                     }
                 }
-                match v.as_slice() {
+                match holders.as_slice() {
                     [] => true,
                     [only] => {
                         *self = Holders::One(*only);
@@ -497,21 +533,26 @@ impl KvIndex {
         let Some(first) = hashes.next().and_then(|h| self.blocks.get(&h)) else {
             return OverlapScores::new();
         };
-        // Slots still matching every block so far, sorted; `depth` blocks matched.
+        // Slots still matching every block so far, sorted, with their fingerprint sum;
+        // `depth` blocks matched.
         let mut active: Vec<u32> = first.as_slice().iter().map(|h| h.slot).collect();
+        let mut active_fingerprint = first.fingerprint();
         let mut next: Vec<u32> = Vec::with_capacity(active.len());
         let mut scores: Vec<(u32, u32)> = Vec::new();
         let mut depth: u32 = 1;
         for seq in hashes {
-            let Some(holders) = self.blocks.get(&seq) else {
+            let Some(block) = self.blocks.get(&seq) else {
                 break;
             };
-            let holders = holders.as_slice();
-            // Deep in a shared prefix the holder set usually equals the active set.
-            let same = holders.len() == active.len()
-                && holders.iter().zip(&active).all(|(h, &a)| h.slot == a);
+            let holders = block.as_slice();
+            // Deep in a shared prefix the holder set usually equals the active set. Equal size
+            // and equal 64-bit fingerprint sum is taken as equal, the same trust in 64-bit
+            // hashes that sequence hashes already rely on; it keeps a prefix held by a
+            // thousand workers O(1) per block.
+            let same = holders.len() == active.len() && block.fingerprint() == active_fingerprint;
             if !same {
                 next.clear();
+                active_fingerprint = 0;
                 let mut j = 0;
                 for &a in &active {
                     while j < holders.len() && holders[j].slot < a {
@@ -519,6 +560,7 @@ impl KvIndex {
                     }
                     if j < holders.len() && holders[j].slot == a {
                         next.push(a);
+                        active_fingerprint = active_fingerprint.wrapping_add(slot_fingerprint(a));
                     } else {
                         scores.push((a, depth));
                     }
@@ -923,6 +965,12 @@ impl KvIndex {
             assert!(
                 hs.windows(2).all(|w| w[0].slot < w[1].slot),
                 "holders sorted"
+            );
+            assert_eq!(
+                holders.fingerprint(),
+                hs.iter()
+                    .fold(0u64, |acc, h| acc.wrapping_add(slot_fingerprint(h.slot))),
+                "holder fingerprint"
             );
             for h in hs {
                 assert_eq!(

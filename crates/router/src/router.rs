@@ -507,8 +507,15 @@ impl Router {
         let prompt_blocks = key.seq.len();
         let block_size = u64::from(self.block_size);
         self.candidates.clear();
+        // Both lists are ascending by worker id: walk them together instead of a lookup per
+        // worker (fleets of a thousand workers route often).
+        let mut matched = overlaps.iter().peekable();
         for w in &self.workers {
-            let overlap = overlaps.get(w.id).min(key.num_blocks());
+            while matched.next_if(|&(id, _)| id < w.id).is_some() {}
+            let overlap = matched
+                .next_if(|&(id, _)| id == w.id)
+                .map_or(0, |(_, blocks)| blocks)
+                .min(key.num_blocks());
             let cached_tokens = (u64::from(overlap) * block_size).min(key.num_tokens);
             let already_active = w.account.active_prefix_len(&key.seq);
             self.candidates.push(Candidate {
