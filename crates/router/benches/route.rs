@@ -51,8 +51,9 @@ fn stored(hasher: &BlockHasher, worker: u64, seq: u64, tokens: &[u32]) -> KvEven
 }
 
 /// A router over `workers` workers whose index holds about `blocks` (worker, block) entries:
-/// every worker holds every passage, and 256-block conversations are spread round-robin.
-fn filled_router(workers: u64, blocks: usize) -> Router {
+/// every worker holds three passages, and 256-block conversations are spread round-robin.
+/// Returns the router and the number of conversations stored (ids `PASSAGES..`).
+fn filled_router(workers: u64, blocks: usize) -> (Router, u32) {
     let mut router = Router::new(RouterConfig {
         policy: PolicyKind::Kv,
         index: IndexConfig {
@@ -66,7 +67,9 @@ fn filled_router(workers: u64, blocks: usize) -> Router {
     let mut next_seq = vec![0u64; workers as usize];
     for w in 0..workers {
         router.add_worker(WorkerId(w), WorkerLimits::default());
-        for p in 0..PASSAGES {
+        // Three of the ten passages per worker (under RR every worker ends up with all ten;
+        // under KV routing they concentrate).
+        for p in (0..3).map(|k| (w as u32 + k) % PASSAGES) {
             let event = stored(
                 &hasher,
                 w,
@@ -91,7 +94,7 @@ fn filled_router(workers: u64, blocks: usize) -> Router {
         router.apply_event(&event).expect("gap-free");
         conv += 1;
     }
-    router
+    (router, conv - PASSAGES)
 }
 
 fn bench_route(c: &mut Criterion) {
@@ -104,7 +107,7 @@ fn bench_route(c: &mut Criterion) {
         (1024, 1_000_000, 0),
     ];
     for (workers, blocks, in_flight_per_worker) in cases {
-        let mut router = filled_router(workers, blocks);
+        let (mut router, conversations) = filled_router(workers, blocks);
         // Busy workers: `in_flight_per_worker` long conversations each, so the decode-load
         // term (distinct active blocks per worker) is computed against real active sets.
         let busy = workers * in_flight_per_worker;
@@ -114,10 +117,19 @@ fn bench_route(c: &mut Criterion) {
                 .route(RequestId(u64::MAX - i), &key, Nanos::ZERO)
                 .expect("routable");
         }
-        // The next turn of conversation 12: its 200-block history is cached on one worker,
-        // its passage on all of them.
-        let mut tokens = conversation(12, 200);
-        tokens.extend((0..REQUEST_TOKENS - tokens.len()).map(|i| 0xC000_0000 | i as u32));
+        // Next turns of 512 different stored conversations, taken in turn so that each
+        // decision walks parts of the index the previous one did not (cold caches, as in
+        // production): each history (200 blocks) is cached on one worker, its passage on several.
+        let requests: Vec<Vec<u32>> = (0..512u32)
+            .map(|c| {
+                let stored = PASSAGES + (c * 7919) % conversations.max(1);
+                let mut tokens = conversation(stored, 200);
+                tokens.extend(
+                    (0..REQUEST_TOKENS - tokens.len()).map(|i| 0xC000_0000 | (c << 14) | i as u32),
+                );
+                tokens
+            })
+            .collect();
         let label = format!(
             "{workers}_workers_{}k_blocks_{in_flight_per_worker}_in_flight_per_worker",
             blocks / 1000
@@ -127,7 +139,8 @@ fn bench_route(c: &mut Criterion) {
                 let mut total = Duration::ZERO;
                 for i in 0..iters {
                     let start = Instant::now();
-                    let key = router.key(black_box(&tokens));
+                    let tokens = &requests[i as usize % requests.len()];
+                    let key = router.key(black_box(tokens));
                     let decision = router.route(RequestId(i), &key, Nanos::ZERO);
                     total += start.elapsed();
                     black_box(&decision);
