@@ -436,17 +436,6 @@ fn metrics_report_memory_and_utilisation() {
     assert!((m1.utilisation_since(&m0, end.saturating_mul(2)) - 0.5).abs() < 1e-9);
 }
 
-/// Prints the built-in profiles as TOML (`cargo test -p engine dump_profiles -- --ignored
-/// --nocapture`), the starting point for a new GPU's profile file.
-#[test]
-#[ignore]
-fn dump_profiles() {
-    for name in HardwareProfile::builtin_names() {
-        let p = HardwareProfile::builtin(name).unwrap();
-        println!("=== {name}\n{}", p.to_toml_string().unwrap());
-    }
-}
-
 #[test]
 fn example_profile_file_is_the_builtin() {
     let text = include_str!("../profiles/h200-llama70b-fp8.toml");

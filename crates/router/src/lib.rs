@@ -8,7 +8,8 @@
 //!   ([`WorkerLoad`]: in-flight requests, prefill tokens pending until first token, active KV
 //!   blocks) and a [`RoutingPolicy`]. The caller drives each request through
 //!   [`Router::route`] → [`Router::on_first_token`] → [`Router::on_finished`], and feeds KV
-//!   events through [`Router::apply_event`].
+//!   events through [`Router::apply_event`]. A request placed without `route` (by another
+//!   router replica, or pinned) enters the accounting through [`Router::on_routed`].
 //! - [`policy`]: the built-in policies — `round_robin`, `random` (seeded) and `kv`
 //!   (Dynamo-compatible cost `overlap_weight × prefill_blocks + decode_blocks`, lowest wins,
 //!   random tie break, optional softmax temperature) — and the [`RoutingPolicy`] trait that new

@@ -105,6 +105,8 @@ pub enum RouteError {
     NoWorkers,
     /// A request with this id is already in flight.
     DuplicateRequest(RequestId),
+    /// [`Router::on_routed`] named a worker the router does not know.
+    UnknownWorker(WorkerId),
     /// The bound on tracked in-flight requests is reached.
     TooManyInFlight { limit: usize },
     /// The policy returned an index outside the candidate list (a bug in the policy).
@@ -116,6 +118,7 @@ impl fmt::Display for RouteError {
         match self {
             Self::NoWorkers => write!(f, "no worker is registered with the router"),
             Self::DuplicateRequest(id) => write!(f, "{id} is already in flight"),
+            Self::UnknownWorker(w) => write!(f, "{w} is not registered with the router"),
             Self::TooManyInFlight { limit } => {
                 write!(
                     f,
@@ -388,12 +391,8 @@ impl Router {
         if self.workers.is_empty() {
             return refused(self, RouteError::NoWorkers);
         }
-        if self.requests.contains_key(&id) {
-            return refused(self, RouteError::DuplicateRequest(id));
-        }
-        if self.requests.len() >= self.max_in_flight {
-            let limit = self.max_in_flight;
-            return refused(self, RouteError::TooManyInFlight { limit });
+        if let Err(e) = self.can_track(id) {
+            return refused(self, e);
         }
         self.expire_predictions(now);
         self.fill_candidates(key);
@@ -408,7 +407,7 @@ impl Router {
             let policy = self.policy.name();
             return refused(self, RouteError::PolicyOutOfRange { policy, index });
         };
-        self.on_routed(id, chosen.worker, key, chosen.new_prefill_tokens, now);
+        self.account(id, chosen.worker, key, chosen.new_prefill_tokens, now);
         self.counters.routed += 1;
         self.counters.overlap_blocks += u64::from(chosen.overlap_blocks);
         self.counters.prompt_blocks += u64::from(key.num_blocks());
@@ -418,6 +417,55 @@ impl Router {
             prompt_blocks: key.num_blocks(),
             new_prefill_tokens: chosen.new_prefill_tokens,
         })
+    }
+
+    /// Records a request that was sent to `worker` without [`route`](Router::route) — by
+    /// another router replica, or pinned by the caller — so this router's load accounting
+    /// and (in approximate mode) cache predictions include it. Follow it with
+    /// [`on_first_token`](Router::on_first_token) and [`on_finished`](Router::on_finished) as
+    /// for a routed request.
+    pub fn on_routed(
+        &mut self,
+        id: RequestId,
+        worker: WorkerId,
+        key: &RoutingKey,
+        now: Nanos,
+    ) -> Result<RouteDecision, RouteError> {
+        if self
+            .workers
+            .binary_search_by_key(&worker, |w| w.id)
+            .is_err()
+        {
+            return Err(RouteError::UnknownWorker(worker));
+        }
+        self.can_track(id)?;
+        self.expire_predictions(now);
+        let overlap = self
+            .index
+            .find_matches(&key.seq)
+            .get(worker)
+            .min(key.num_blocks());
+        let cached_tokens = (u64::from(overlap) * u64::from(self.block_size)).min(key.num_tokens);
+        let new_prefill_tokens = key.num_tokens - cached_tokens;
+        self.account(id, worker, key, new_prefill_tokens, now);
+        Ok(RouteDecision {
+            worker,
+            overlap_blocks: overlap,
+            prompt_blocks: key.num_blocks(),
+            new_prefill_tokens,
+        })
+    }
+
+    /// Whether one more request, with this id, may be tracked.
+    fn can_track(&self, id: RequestId) -> Result<(), RouteError> {
+        if self.requests.contains_key(&id) {
+            return Err(RouteError::DuplicateRequest(id));
+        }
+        if self.requests.len() >= self.max_in_flight {
+            let limit = self.max_in_flight;
+            return Err(RouteError::TooManyInFlight { limit });
+        }
+        Ok(())
     }
 
     /// The request produced its first token: its prefill is done.
@@ -470,7 +518,7 @@ impl Router {
         self.expire_predictions(now);
     }
 
-    fn on_routed(
+    fn account(
         &mut self,
         id: RequestId,
         worker: WorkerId,

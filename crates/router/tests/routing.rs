@@ -446,3 +446,42 @@ proptest! {
         prop_assert!(router.workers().all(|(_, l)| l == WorkerLoad::default()));
     }
 }
+
+#[test]
+fn requests_routed_elsewhere_are_accounted_like_routed_ones() {
+    let mut router = router_with_workers(config(PolicyKind::Kv), 2);
+    let tokens = prompt(11, 20);
+    router
+        .apply_event(&stored_event(&router, 1, 0, &tokens))
+        .unwrap();
+    let key = router.key(&tokens);
+    // Another replica pinned this request on worker 0, which holds nothing of it.
+    let d = router
+        .on_routed(RequestId(1), WorkerId(0), &key, Nanos::ZERO)
+        .unwrap();
+    assert_eq!((d.worker, d.overlap_blocks), (WorkerId(0), 0));
+    assert_eq!(
+        router.load(WorkerId(0)),
+        Some(WorkerLoad {
+            in_flight: 1,
+            pending_prefill_tokens: tokens.len() as u64,
+            active_blocks: 20,
+        })
+    );
+    let d = router
+        .on_routed(RequestId(2), WorkerId(1), &key, Nanos::ZERO)
+        .unwrap();
+    assert_eq!(d.overlap_blocks, 20);
+    assert_eq!(d.new_prefill_tokens, 5, "only the partial tail block");
+    assert_eq!(
+        router.on_routed(RequestId(2), WorkerId(1), &key, Nanos::ZERO),
+        Err(RouteError::DuplicateRequest(RequestId(2)))
+    );
+    assert_eq!(
+        router.on_routed(RequestId(3), WorkerId(9), &key, Nanos::ZERO),
+        Err(RouteError::UnknownWorker(WorkerId(9)))
+    );
+    router.on_finished(RequestId(1), Nanos::ZERO);
+    router.on_finished(RequestId(2), Nanos::ZERO);
+    assert!(router.workers().all(|(_, l)| l == WorkerLoad::default()));
+}
