@@ -14,7 +14,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::hash::LocalBlockHash;
+use crate::hash::{BlockHasher, LocalBlockHash, SequenceHash};
 
 /// Identifies a worker (one engine instance) across the whole system.
 #[derive(
@@ -62,6 +62,20 @@ pub struct StoredBlock {
     pub content: BlockContent,
 }
 
+impl StoredBlock {
+    /// Blocks named as our own engines name them: id = the block's sequence hash, content =
+    /// its local hash. `seqs` and `locals` are the same blocks' hashes, in order.
+    pub fn from_hashes(seqs: &[SequenceHash], locals: &[LocalBlockHash]) -> Vec<StoredBlock> {
+        seqs.iter()
+            .zip(locals)
+            .map(|(seq, local)| StoredBlock {
+                id: EngineBlockId(seq.0),
+                content: BlockContent::LocalHash(*local),
+            })
+            .collect()
+    }
+}
+
 /// What happened in a worker's prefix cache.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum KvEventKind {
@@ -76,6 +90,21 @@ pub enum KvEventKind {
     Removed { blocks: Vec<EngineBlockId> },
     /// The worker dropped its whole cache (restart, reset).
     Cleared,
+}
+
+impl KvEventKind {
+    /// The `Stored` event for every full block of a prompt, from its first block, with
+    /// blocks named by [`StoredBlock::from_hashes`]: what a worker announces after caching
+    /// `tokens`.
+    pub fn stored_prompt(hasher: &BlockHasher, tokens: &[u32]) -> KvEventKind {
+        let locals = hasher.local_hashes(tokens);
+        let seqs: Vec<SequenceHash> =
+            crate::hash::chain_local_hashes(None, locals.iter().copied()).collect();
+        KvEventKind::Stored {
+            parent: None,
+            blocks: StoredBlock::from_hashes(&seqs, &locals),
+        }
+    }
 }
 
 /// One event from one worker, with its position in that worker's event stream.

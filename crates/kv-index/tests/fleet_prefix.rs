@@ -1,28 +1,13 @@
 //! A prefix held by a whole fleet, with workers dropping out at different depths: the case
 //! where matching compares large holder sets block after block.
 
-use kv_index::{
-    BlockContent, BlockHasher, EngineBlockId, IndexConfig, KvEvent, KvEventKind, KvIndex,
-    StoredBlock, WorkerId,
-};
+use kv_index::{BlockHasher, EngineBlockId, IndexConfig, KvEvent, KvEventKind, KvIndex, WorkerId};
 
 fn stored(hasher: &BlockHasher, worker: u64, seq: u64, tokens: &[u32]) -> KvEvent {
-    let locals = hasher.local_hashes(tokens);
-    let seqs = hasher.sequence_hashes(tokens);
     KvEvent {
         worker: WorkerId(worker),
         seq,
-        kind: KvEventKind::Stored {
-            parent: None,
-            blocks: seqs
-                .iter()
-                .zip(&locals)
-                .map(|(s, l)| StoredBlock {
-                    id: EngineBlockId(s.0),
-                    content: BlockContent::LocalHash(*l),
-                })
-                .collect(),
-        },
+        kind: KvEventKind::stored_prompt(hasher, tokens),
     }
 }
 

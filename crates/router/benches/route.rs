@@ -5,10 +5,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use kv_index::{
-    BlockContent, BlockHasher, EngineBlockId, IndexConfig, KvEvent, KvEventKind, StoredBlock,
-    WorkerId,
-};
+use kv_index::{BlockHasher, IndexConfig, KvEvent, KvEventKind, WorkerId};
 use nanotime::Nanos;
 use router::{PolicyKind, RequestId, Router, RouterConfig, WorkerLimits};
 
@@ -32,21 +29,10 @@ fn conversation(conv: u32, blocks: usize) -> Vec<u32> {
 }
 
 fn stored(hasher: &BlockHasher, worker: u64, seq: u64, tokens: &[u32]) -> KvEvent {
-    let locals = hasher.local_hashes(tokens);
-    let seqs = kv_index::hash::chain_local_hashes(None, locals.iter().copied());
     KvEvent {
         worker: WorkerId(worker),
         seq,
-        kind: KvEventKind::Stored {
-            parent: None,
-            blocks: seqs
-                .zip(&locals)
-                .map(|(s, l)| StoredBlock {
-                    id: EngineBlockId(s.0),
-                    content: BlockContent::LocalHash(*l),
-                })
-                .collect(),
-        },
+        kind: KvEventKind::stored_prompt(hasher, tokens),
     }
 }
 

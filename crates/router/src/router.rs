@@ -4,8 +4,8 @@ use std::collections::VecDeque;
 use std::fmt;
 
 use kv_index::{
-    BlockContent, BlockHasher, EngineBlockId, IndexConfig, KvEvent, KvEventKind, KvIndex,
-    LocalBlockHash, OverlapScores, SequenceHash, StoredBlock, WorkerId,
+    BlockHasher, EngineBlockId, IndexConfig, KvEvent, KvEventKind, KvIndex, LocalBlockHash,
+    OverlapScores, SequenceHash, StoredBlock, WorkerId,
 };
 use nanotime::Nanos;
 use rand::SeedableRng;
@@ -639,15 +639,7 @@ impl Predictions {
             self.deadline.insert((worker, seq), deadline);
             self.queue.push_back((deadline, worker, seq));
         }
-        let blocks = key
-            .seq
-            .iter()
-            .zip(&key.local)
-            .map(|(seq, local)| StoredBlock {
-                id: EngineBlockId(seq.0),
-                content: BlockContent::LocalHash(*local),
-            })
-            .collect();
+        let blocks = StoredBlock::from_hashes(&key.seq, &key.local);
         let event = self.event(
             worker,
             KvEventKind::Stored {

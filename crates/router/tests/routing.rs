@@ -1,7 +1,7 @@
 //! The router end to end: index + accounting + policy, driven as the gateway and simulator
 //! drive it.
 
-use kv_index::{BlockContent, EngineBlockId, KvEvent, KvEventKind, StoredBlock, WorkerId};
+use kv_index::{KvEvent, KvEventKind, WorkerId};
 use nanotime::Nanos;
 use proptest::prelude::*;
 use router::{
@@ -37,22 +37,10 @@ fn prompt(seed: u32, blocks: usize) -> Vec<u32> {
 
 /// The Stored event a worker would emit after caching `tokens`' full blocks.
 fn stored_event(router: &Router, worker: u64, seq: u64, tokens: &[u32]) -> KvEvent {
-    let key = router.key(tokens);
     KvEvent {
         worker: WorkerId(worker),
         seq,
-        kind: KvEventKind::Stored {
-            parent: None,
-            blocks: key
-                .seq
-                .iter()
-                .zip(&key.local)
-                .map(|(s, l)| StoredBlock {
-                    id: EngineBlockId(s.0),
-                    content: BlockContent::LocalHash(*l),
-                })
-                .collect(),
-        },
+        kind: KvEventKind::stored_prompt(router.hasher(), tokens),
     }
 }
 
