@@ -639,6 +639,11 @@ impl Predictions {
             self.deadline.insert((worker, seq), deadline);
             self.queue.push_back((deadline, worker, seq));
         }
+        // Refreshed blocks leave stale entries behind in the queue; compact it before they
+        // outnumber the live ones, so it stays within twice the bound (amortised O(log n)).
+        if self.queue.len() > 2 * self.max_entries.max(self.deadline.len()) {
+            self.compact();
+        }
         let blocks = StoredBlock::from_hashes(&key.seq, &key.local);
         let event = self.event(
             worker,
@@ -685,9 +690,56 @@ impl Predictions {
         1
     }
 
+    /// Rebuilds the queue from the live deadlines, in deadline order.
+    fn compact(&mut self) {
+        let mut live: Vec<(Nanos, WorkerId, SequenceHash)> = self
+            .deadline
+            .iter()
+            .map(|(&(worker, seq), &deadline)| (deadline, worker, seq))
+            .collect();
+        // The full tuple orders ties, so the result does not depend on hash-map order.
+        live.sort_unstable();
+        self.queue = live.into();
+    }
+
     fn forget_worker(&mut self, worker: WorkerId) {
         self.deadline.retain(|(w, _), _| *w != worker);
         self.queue.retain(|e| e.1 != worker);
         self.next_seq.remove(&worker);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::WorkerLimits;
+
+    #[test]
+    fn refreshing_the_same_prediction_keeps_the_queue_bounded() {
+        let mut router = Router::new(RouterConfig {
+            policy: PolicyKind::RoundRobin,
+            kv_source: KvSource::Approximate {
+                ttl: Nanos::from_secs(120),
+            },
+            max_predicted_blocks: 100,
+            ..RouterConfig::default()
+        })
+        .unwrap();
+        router.add_worker(WorkerId(0), WorkerLimits::default());
+        let tokens: Vec<u32> = (0..32 * 50).collect();
+        let key = router.key(&tokens);
+        for i in 0..10_000u64 {
+            let now = Nanos::from_millis(i);
+            router.route(RequestId(i), &key, now).unwrap();
+            router.on_finished(RequestId(i), now);
+            let approx = router.approx.as_ref().unwrap();
+            assert!(approx.queue.len() <= 2 * 100 + 50, "{}", approx.queue.len());
+        }
+        // Still predicted, and it expires a TTL after the last refresh, not the first.
+        let last = Nanos::from_millis(9_999);
+        router.handle_timeout(last + Nanos::from_secs(119));
+        assert_eq!(router.overlaps(&key).get(WorkerId(0)), 50);
+        router.handle_timeout(last + Nanos::from_secs(120));
+        assert!(router.overlaps(&key).is_empty());
     }
 }
