@@ -52,7 +52,9 @@ fn filled_router(workers: u64, blocks: usize) -> (Router, u32) {
     let hasher = *router.hasher();
     let mut next_seq = vec![0u64; workers as usize];
     for w in 0..workers {
-        router.add_worker(WorkerId(w), WorkerLimits::default());
+        router
+            .add_worker(WorkerId(w), WorkerLimits::default())
+            .expect("within the worker bound");
         // Three of the ten passages per worker (under RR every worker ends up with all ten;
         // under KV routing they concentrate).
         for p in (0..3).map(|k| (w as u32 + k) % PASSAGES) {

@@ -23,8 +23,8 @@
 //! use router::{RequestId, Router, RouterConfig, WorkerLimits};
 //!
 //! let mut router = Router::new(RouterConfig::default()).unwrap();
-//! router.add_worker(WorkerId(1), WorkerLimits::default());
-//! router.add_worker(WorkerId(2), WorkerLimits::default());
+//! router.add_worker(WorkerId(1), WorkerLimits::default()).unwrap();
+//! router.add_worker(WorkerId(2), WorkerLimits::default()).unwrap();
 //! let prompt: Vec<u32> = (0..4096).collect();
 //! let key = router.key(&prompt);
 //! let decision = router.route(RequestId(7), &key, Nanos::ZERO).unwrap();

@@ -107,6 +107,8 @@ pub enum RouteError {
     DuplicateRequest(RequestId),
     /// [`Router::on_routed`] named a worker the router does not know.
     UnknownWorker(WorkerId),
+    /// [`Router::add_worker`] would exceed the index's `max_workers`.
+    TooManyWorkers { limit: usize },
     /// The bound on tracked in-flight requests is reached.
     TooManyInFlight { limit: usize },
     /// The policy returned an index outside the candidate list (a bug in the policy).
@@ -119,6 +121,11 @@ impl fmt::Display for RouteError {
             Self::NoWorkers => write!(f, "no worker is registered with the router"),
             Self::DuplicateRequest(id) => write!(f, "{id} is already in flight"),
             Self::UnknownWorker(w) => write!(f, "{w} is not registered with the router"),
+            Self::TooManyWorkers { limit } => write!(
+                f,
+                "router already has its limit of {limit} workers; remove gone ones or raise \
+                 IndexConfig::max_workers"
+            ),
             Self::TooManyInFlight { limit } => {
                 write!(
                     f,
@@ -292,19 +299,28 @@ impl Router {
         RoutingKey::new(&self.hasher, tokens)
     }
 
-    /// Registers a worker (or updates its limits if already known).
-    pub fn add_worker(&mut self, worker: WorkerId, limits: WorkerLimits) {
+    /// Registers a worker (or updates its limits if already known). Refused beyond the
+    /// index's `max_workers`, so a misbehaving discovery source cannot grow the router
+    /// without bound.
+    pub fn add_worker(&mut self, worker: WorkerId, limits: WorkerLimits) -> Result<(), RouteError> {
         match self.workers.binary_search_by_key(&worker, |w| w.id) {
             Ok(i) => self.workers[i].limits = limits,
-            Err(i) => self.workers.insert(
-                i,
-                WorkerEntry {
-                    id: worker,
-                    limits,
-                    account: WorkerAccount::default(),
-                },
-            ),
+            Err(i) => {
+                let limit = self.index.config().max_workers;
+                if self.workers.len() >= limit {
+                    return Err(RouteError::TooManyWorkers { limit });
+                }
+                self.workers.insert(
+                    i,
+                    WorkerEntry {
+                        id: worker,
+                        limits,
+                        account: WorkerAccount::default(),
+                    },
+                );
+            }
         }
+        Ok(())
     }
 
     /// Forgets a worker: it receives no more requests and its cached blocks leave the index.
@@ -725,7 +741,9 @@ mod tests {
             ..RouterConfig::default()
         })
         .unwrap();
-        router.add_worker(WorkerId(0), WorkerLimits::default());
+        router
+            .add_worker(WorkerId(0), WorkerLimits::default())
+            .unwrap();
         let tokens: Vec<u32> = (0..32 * 50).collect();
         let key = router.key(&tokens);
         for i in 0..10_000u64 {

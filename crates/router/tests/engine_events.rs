@@ -56,7 +56,9 @@ fn router_overlap_equals_engine_prefix_hits_through_eviction() {
             let mut config = EngineConfig::seed_002();
             config.num_gpu_blocks_override = Some(200); // 6,400 tokens: forces eviction
             config.seed = w;
-            router.add_worker(WorkerId(w), WorkerLimits::default());
+            router
+                .add_worker(WorkerId(w), WorkerLimits::default())
+                .unwrap();
             Engine::new(config, WorkerId(w)).unwrap()
         })
         .collect();

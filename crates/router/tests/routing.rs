@@ -22,7 +22,9 @@ fn config(policy: PolicyKind) -> RouterConfig {
 fn router_with_workers(config: RouterConfig, n: u64) -> Router {
     let mut router = Router::new(config).expect("valid config");
     for w in 0..n {
-        router.add_worker(WorkerId(w), WorkerLimits::default());
+        router
+            .add_worker(WorkerId(w), WorkerLimits::default())
+            .unwrap();
     }
     router
 }
@@ -130,7 +132,9 @@ fn kv_leaves_a_cached_worker_while_it_is_busy_and_returns_when_it_is_free() {
             .route(RequestId(u64::from(i)), &key, Nanos::ZERO)
             .unwrap();
     }
-    router.add_worker(WorkerId(1), WorkerLimits::default());
+    router
+        .add_worker(WorkerId(1), WorkerLimits::default())
+        .unwrap();
     let shared = prompt(5, 40);
     router
         .apply_event(&stored_event(&router, 0, 0, &shared))
@@ -415,7 +419,7 @@ proptest! {
                     }
                     prop_assert!(model.values().all(|e| e.0 != WorkerId(u64::from(worker))));
                 }
-                Op::AddWorker { worker } => router.add_worker(WorkerId(u64::from(worker)), WorkerLimits::default()),
+                Op::AddWorker { worker } => router.add_worker(WorkerId(u64::from(worker)), WorkerLimits::default()).unwrap(),
             }
             prop_assert_eq!(router.in_flight(), model.len());
             for (worker, load) in router.workers() {
@@ -472,4 +476,35 @@ fn requests_routed_elsewhere_are_accounted_like_routed_ones() {
     router.on_finished(RequestId(1), Nanos::ZERO);
     router.on_finished(RequestId(2), Nanos::ZERO);
     assert!(router.workers().all(|(_, l)| l == WorkerLoad::default()));
+}
+
+#[test]
+fn workers_beyond_the_bound_are_refused() {
+    let mut router = Router::new(RouterConfig {
+        index: kv_index::IndexConfig {
+            max_workers: 2,
+            ..kv_index::IndexConfig::default()
+        },
+        ..config(PolicyKind::Kv)
+    })
+    .unwrap();
+    router
+        .add_worker(WorkerId(1), WorkerLimits::default())
+        .unwrap();
+    router
+        .add_worker(WorkerId(2), WorkerLimits::default())
+        .unwrap();
+    // Updating a known worker's limits is not growth.
+    let limits = WorkerLimits {
+        max_num_seqs: Some(64),
+        kv_capacity_blocks: Some(13_022),
+    };
+    router.add_worker(WorkerId(2), limits).unwrap();
+    assert_eq!(
+        router.add_worker(WorkerId(3), WorkerLimits::default()),
+        Err(RouteError::TooManyWorkers { limit: 2 })
+    );
+    assert_eq!(router.workers().count(), 2);
+    let key = router.key(&prompt(1, 4));
+    assert_eq!(router.candidates(&key, Nanos::ZERO)[1].limits, limits);
 }
