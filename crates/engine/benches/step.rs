@@ -38,53 +38,40 @@ fn warm_engine(coalesce: bool) -> Engine {
     e
 }
 
-fn bench_step(c: &mut Criterion) {
-    c.bench_function("step_decode_batch64", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            let mut left = iters;
-            while left > 0 {
-                let mut e = warm_engine(false);
-                // Stay well inside the outputs so no request finishes mid-measurement.
-                let n = left.min(u64::from(OUTPUT) / 2);
-                let start = Instant::now();
-                for _ in 0..n {
-                    let t = e.poll_timeout().unwrap_or(Nanos::ZERO);
-                    e.handle_timeout(t);
-                    while let Some(ev) = e.poll_event() {
-                        black_box(ev);
-                    }
-                }
-                total += start.elapsed();
-                left -= n;
+/// Time of `iters` driver calls (`handle_timeout` at `poll_timeout`, then drain the events),
+/// on fresh warm engines, each used for at most `calls_per_engine` calls so no request
+/// finishes mid-measurement.
+fn time_calls(coalesce: bool, calls_per_engine: u64, iters: u64) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let mut e = warm_engine(coalesce);
+        let n = left.min(calls_per_engine);
+        let start = Instant::now();
+        for _ in 0..n {
+            let t = e.poll_timeout().unwrap_or(Nanos::ZERO);
+            e.handle_timeout(t);
+            while let Some(ev) = e.poll_event() {
+                black_box(ev);
             }
-            total
-        })
+        }
+        total += start.elapsed();
+        left -= n;
+    }
+    total
+}
+
+fn bench_step(c: &mut Criterion) {
+    // One call is one decode step: stay well inside the outputs.
+    c.bench_function("step_decode_batch64", |b| {
+        b.iter_custom(|iters| time_calls(false, u64::from(OUTPUT) / 2, iters))
     });
 }
 
 /// Speed mode: one call advances a whole stretch (up to 512 decode steps of 64 sequences).
 fn bench_stretch(c: &mut Criterion) {
     c.bench_function("stretch_decode_batch64", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            let mut left = iters;
-            while left > 0 {
-                let mut e = warm_engine(true);
-                let n = left.min(u64::from(OUTPUT) / 1_024);
-                let start = Instant::now();
-                for _ in 0..n {
-                    let t = e.poll_timeout().unwrap_or(Nanos::ZERO);
-                    e.handle_timeout(t);
-                    while let Some(ev) = e.poll_event() {
-                        black_box(ev);
-                    }
-                }
-                total += start.elapsed();
-                left -= n;
-            }
-            total
-        })
+        b.iter_custom(|iters| time_calls(true, u64::from(OUTPUT) / 1_024, iters))
     });
 }
 

@@ -4,8 +4,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use kv_index::{
-    BlockContent, EngineBlockId, KvEvent, KvEventKind, LocalBlockHash, SequenceHash, StoredBlock,
-    WorkerId,
+    EngineBlockId, KvEvent, KvEventKind, LocalBlockHash, SequenceHash, StoredBlock, WorkerId,
 };
 use nanotime::Nanos;
 use rand::SeedableRng;
@@ -108,6 +107,14 @@ struct Item {
     tokens: u32,
     decode: bool,
     draft: u32,
+}
+
+/// The request a planned step item was for, if it is still that request and still running
+/// (it may have been cancelled, preempted or finished, and its slot reused, since planning).
+fn running_req<'a>(reqs: &'a mut [Option<Req>], it: &Item) -> Option<&'a mut Req> {
+    reqs.get_mut(it.slot as usize)?
+        .as_mut()
+        .filter(|r| r.serial == it.serial && r.state == State::Running)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -615,10 +622,7 @@ impl Engine {
                 if run.is_empty() {
                     parent = (j > 0).then(|| EngineBlockId(r.hashes[j - 1].0));
                 }
-                run.push(StoredBlock {
-                    id: EngineBlockId(h.0),
-                    content: BlockContent::LocalHash(r.locals[j]),
-                });
+                run.push(StoredBlock::from_hash(h, r.locals[j]));
             } else if !run.is_empty() {
                 out.push(KvEventKind::Stored {
                     parent,
@@ -908,12 +912,9 @@ impl Engine {
         let spec = self.spec;
         for idx in 0..self.items.len() {
             let it = self.items[idx];
-            let Some(r) = self.reqs[it.slot as usize].as_mut() else {
+            let Some(r) = running_req(&mut self.reqs, &it) else {
                 continue;
             };
-            if r.serial != it.serial || r.state != State::Running {
-                continue;
-            }
             let produced = if it.decode {
                 let accepted = match spec {
                     Some((_, alpha, _)) if it.draft > 0 => {
@@ -1018,22 +1019,16 @@ impl Engine {
         let bs = self.block_size;
         for idx in 0..self.items.len() {
             let it = self.items[idx];
-            let Some(r) = self.reqs[it.slot as usize].as_mut() else {
+            let Some(r) = running_req(&mut self.reqs, &it) else {
                 continue;
             };
-            if r.serial != it.serial || r.state != State::Running {
-                continue;
-            }
             r.computed += s;
             let want = blocks_for(r.computed + u32::from(in_progress), bs);
             self.grow_blocks(it.slot, want);
         }
         for idx in 0..self.items.len() {
             let it = self.items[idx];
-            let live = self.reqs[it.slot as usize]
-                .as_ref()
-                .is_some_and(|r| r.serial == it.serial && r.state == State::Running);
-            if !live {
+            if running_req(&mut self.reqs, &it).is_none() {
                 continue;
             }
             self.c.decode_seq_steps += u64::from(s);

@@ -63,15 +63,21 @@ pub struct StoredBlock {
 }
 
 impl StoredBlock {
-    /// Blocks named as our own engines name them: id = the block's sequence hash, content =
-    /// its local hash. `seqs` and `locals` are the same blocks' hashes, in order.
+    /// A block named as our own engines name it: id = its sequence hash, content = its local
+    /// hash.
+    pub fn from_hash(seq: SequenceHash, local: LocalBlockHash) -> StoredBlock {
+        StoredBlock {
+            id: EngineBlockId(seq.0),
+            content: BlockContent::LocalHash(local),
+        }
+    }
+
+    /// [`StoredBlock::from_hash`] for a run of blocks; `seqs` and `locals` are the same
+    /// blocks' hashes, in order.
     pub fn from_hashes(seqs: &[SequenceHash], locals: &[LocalBlockHash]) -> Vec<StoredBlock> {
         seqs.iter()
             .zip(locals)
-            .map(|(seq, local)| StoredBlock {
-                id: EngineBlockId(seq.0),
-                content: BlockContent::LocalHash(*local),
-            })
+            .map(|(seq, local)| StoredBlock::from_hash(*seq, *local))
             .collect()
     }
 }
