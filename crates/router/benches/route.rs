@@ -51,6 +51,13 @@ fn filled_router(workers: u64, blocks: usize) -> (Router, u32) {
     .expect("valid config");
     let hasher = *router.hasher();
     let mut next_seq = vec![0u64; workers as usize];
+    let mut store = |router: &mut Router, w: u64, tokens: &[u32]| {
+        let seq = &mut next_seq[w as usize];
+        router
+            .apply_event(&stored(&hasher, w, *seq, tokens))
+            .expect("gap-free");
+        *seq += 1;
+    };
     for w in 0..workers {
         router
             .add_worker(WorkerId(w), WorkerLimits::default())
@@ -58,28 +65,17 @@ fn filled_router(workers: u64, blocks: usize) -> (Router, u32) {
         // Three of the ten passages per worker (under RR every worker ends up with all ten;
         // under KV routing they concentrate).
         for p in (0..3).map(|k| (w as u32 + k) % PASSAGES) {
-            let event = stored(
-                &hasher,
-                w,
-                next_seq[w as usize],
-                &conversation(p, PASSAGE_BLOCKS),
-            );
-            next_seq[w as usize] += 1;
-            router.apply_event(&event).expect("gap-free");
+            store(&mut router, w, &conversation(p, PASSAGE_BLOCKS));
         }
     }
     let conv_blocks = REQUEST_TOKENS / BLOCK;
     let mut conv = PASSAGES;
     while router.index().len() < blocks {
-        let w = u64::from(conv) % workers;
-        let event = stored(
-            &hasher,
-            w,
-            next_seq[w as usize],
+        store(
+            &mut router,
+            u64::from(conv) % workers,
             &conversation(conv, conv_blocks),
         );
-        next_seq[w as usize] += 1;
-        router.apply_event(&event).expect("gap-free");
         conv += 1;
     }
     (router, conv - PASSAGES)

@@ -675,35 +675,45 @@ impl Predictions {
 
     /// Pops entries due at `now` (and, under the bound, the oldest); returns blocks removed.
     fn expire(&mut self, index: &mut KvIndex, now: Nanos) -> u64 {
-        let mut removed = 0;
+        let mut expired = Vec::new();
         while self.queue.front().is_some_and(|e| e.0 <= now) {
-            removed += self.pop_front(index);
+            expired.extend(self.pop_front());
         }
-        removed
+        self.remove(index, expired)
     }
 
     fn enforce_bound(&mut self, index: &mut KvIndex) {
+        let mut evicted = Vec::new();
         while self.deadline.len() > self.max_entries && !self.queue.is_empty() {
-            self.pop_front(index);
+            evicted.extend(self.pop_front());
         }
+        self.remove(index, evicted);
     }
 
-    fn pop_front(&mut self, index: &mut KvIndex) -> u64 {
-        let Some((deadline, worker, seq)) = self.queue.pop_front() else {
-            return 0;
-        };
+    /// Pops the queue's oldest entry; returns it when it was still live (not refreshed
+    /// since it was queued) and is now forgotten.
+    fn pop_front(&mut self) -> Option<(WorkerId, SequenceHash)> {
+        let (deadline, worker, seq) = self.queue.pop_front()?;
         if self.deadline.get(&(worker, seq)) != Some(&deadline) {
-            return 0; // refreshed since this entry was queued
+            return None;
         }
         self.deadline.remove(&(worker, seq));
-        let event = self.event(
-            worker,
-            KvEventKind::Removed {
-                blocks: vec![EngineBlockId(seq.0)],
-            },
-        );
-        let _ = index.apply(&event);
-        1
+        Some((worker, seq))
+    }
+
+    /// Takes forgotten predictions out of the index: one `Removed` event per worker.
+    fn remove(&mut self, index: &mut KvIndex, mut blocks: Vec<(WorkerId, SequenceHash)>) -> u64 {
+        let removed = blocks.len() as u64;
+        // Stable: each worker's blocks keep their expiry order.
+        blocks.sort_by_key(|b| b.0);
+        for run in blocks.chunk_by(|a, b| a.0 == b.0) {
+            let worker = run[0].0;
+            let ids = run.iter().map(|b| EngineBlockId(b.1.0)).collect();
+            let event = self.event(worker, KvEventKind::Removed { blocks: ids });
+            // Our own, gap-free event stream: it cannot be refused.
+            let _ = index.apply(&event);
+        }
+        removed
     }
 
     /// Rebuilds the queue from the live deadlines, in deadline order.
