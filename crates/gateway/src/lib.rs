@@ -1,0 +1,1 @@
+//! The OpenAI-compatible gateway: preprocessing, KV-aware routing, streaming relay, metrics.

@@ -1,0 +1,1 @@
+//! Tokenizer, chat template, the shipped corpus and a reply generator whose tokens round-trip (sans-IO).

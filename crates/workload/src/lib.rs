@@ -1,0 +1,1 @@
+//! The seed's multi-turn chat workload: conversations, turns, think time, constant concurrency (sans-IO).
