@@ -1,1 +1,74 @@
-//! Wire formats: OpenAI API types and errors, SSE, KV events over NATS and vLLM's ZMQ msgpack.
+//! Wire formats shared by kvroute's services: OpenAI API types and errors, server-sent events,
+//! KV events over NATS (our format), worker registration, and vLLM's ZMQ KV event format.
+//!
+//! Pure data and codecs: no tokio, no sockets, no clock. The engine server, the gateway and the
+//! tests all speak through these types, so a format changes in one place.
+//!
+//! | module | what |
+//! | --- | --- |
+//! | [`openai`] | `/v1/chat/completions`, `/v1/completions` requests (unknown fields kept in `extra`), responses, stream chunks, `usage` with `cached_tokens`, `/v1/models` |
+//! | [`error`] | [`ApiError`]: OpenAI's error JSON with its HTTP status (400, 404, 413, 429, 503, 500) |
+//! | [`sse`] | `data:` event encoding and an incremental, bounded [`SseDecoder`] |
+//! | [`kv_events`] | [`KvEventBatch`]: a worker's KV events in msgpack, 1:1 with [`kv_index::KvEvent`] |
+//! | [`subjects`] | NATS subjects `kvroute.<ns>.kv.<worker>`, `kvroute.<ns>.workers`; [`WorkerMessage`] announce/heartbeat/goodbye |
+//! | [`vllm`] | vLLM's `KVEventBatch` over ZMQ, array- or map-encoded; [`VllmEventStream`] → `kv-index` events with gap detection |
+//!
+//! # Invariant
+//!
+//! Decoders never panic on input: truncated, garbage or oversized input is an error value.
+//! Every buffer is bounded (SSE lines, msgpack nesting depth); message sizes are bounded by
+//! the transport that hands the bytes in.
+//!
+//! # Example: a worker's KV events through our NATS format
+//!
+//! ```
+//! use kv_index::{BlockHasher, KvEvent, KvEventKind, WorkerId};
+//! use protocol::{KvEventBatch, Subjects};
+//!
+//! let hasher = BlockHasher::new(32).unwrap();
+//! let prompt: Vec<u32> = (0..64).collect();
+//! let event = KvEvent {
+//!     worker: WorkerId(3),
+//!     seq: 0,
+//!     kind: KvEventKind::stored_prompt(&hasher, &prompt),
+//! };
+//! let subjects = Subjects::new("demo").unwrap();
+//! let subject = subjects.kv_events(WorkerId(3)); // "kvroute.demo.kv.3"
+//! let bytes = KvEventBatch::from_events(WorkerId(3), 1, &[event.clone()]).unwrap().encode();
+//!
+//! // The receiver:
+//! assert_eq!(subjects.parse_kv_events(&subject), Some(WorkerId(3)));
+//! let batch = KvEventBatch::decode(&bytes).unwrap();
+//! assert_eq!(batch.to_kv_events().unwrap(), vec![event]);
+//! ```
+//!
+//! # Example: reading an OpenAI stream
+//!
+//! ```
+//! use protocol::sse::{SseDecoder, SseMessage};
+//!
+//! let mut decoder = SseDecoder::default();
+//! decoder.push(b"data: {\"id\":\"x\"}\r\n\r\ndata: [DO").unwrap();
+//! decoder.push(b"NE]\n\n").unwrap();
+//! assert_eq!(decoder.next_message(), Some(SseMessage::Data("{\"id\":\"x\"}".into())));
+//! assert_eq!(decoder.next_message(), Some(SseMessage::Done));
+//! ```
+
+pub mod error;
+pub mod kv_events;
+pub mod openai;
+pub mod sse;
+pub mod subjects;
+pub mod vllm;
+
+pub use error::{ApiError, ErrorBody, ErrorDetail};
+pub use kv_events::{KvEventBatch, KvWireError, WireBlock, WireKvEvent, WireKvKind};
+pub use openai::{
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionRequest, CompletionResponse,
+    FinishReason, MessageContent, Model, ModelList, Prompt, PromptTokensDetails, RequestMessage,
+    ResponseMessage, SamplingParams, StreamOptions, Usage,
+};
+pub use sse::{SseDecoder, SseError, SseMessage};
+pub use subjects::{BadNamespace, Subjects, WorkerAnnounce, WorkerMessage};
+pub use vllm::{VllmEventBatch, VllmEventStream, VllmFrame};

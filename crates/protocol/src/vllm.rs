@@ -1,0 +1,691 @@
+//! vLLM's KV events over ZMQ: `KVEventBatch` in msgpack, as `msgspec` encodes it.
+//!
+//! vLLM's publisher sends multipart messages `(topic, seq, payload)`: `seq` is the batch's
+//! sequence number as 8 bytes big-endian, `payload` a msgpack `KVEventBatch`. Depending on the
+//! vLLM version, `msgspec` encodes the structs as arrays (`array_like=True`, the tag first) or
+//! as maps with a `"type"` tag, and newer versions append fields. This module decodes all of
+//! them:
+//!
+//! ```text
+//! batch   [ts, [event…], data_parallel_rank?, …]  |  {"ts", "events", "data_parallel_rank"?}
+//! stored  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+//!          lora_id?, medium?, lora_name?, …]
+//!         | {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+//!            "block_size", "lora_id"?, "medium"?, "lora_name"?, …}
+//! removed ["BlockRemoved", block_hashes, medium?, …] | {"type": "BlockRemoved", …}
+//! cleared ["AllBlocksCleared"] | {"type": "AllBlocksCleared"}
+//! ```
+//!
+//! Block hashes are integers (older vLLM: Python `hash`, possibly negative) or bytes (newer:
+//! SHA-256). They only *name* blocks, for parent links and removals
+//! ([`ExternalBlockHash::engine_block_id`]); the receiver recomputes its own hashes from the
+//! token ids, so vLLM's hash function never matters.
+//!
+//! [`VllmEventBatch::encode_array`] writes the array form vLLM sends, for our engine server.
+//! [`VllmEventStream`] turns one worker's frames into [`kv_index::KvEvent`]s and watches the
+//! batch sequence numbers for gaps and restarts.
+
+use std::fmt;
+
+use kv_index::{BlockContent, EngineBlockId, KvEvent, KvEventKind, StoredBlock, WorkerId};
+use rmpv::Value;
+use thiserror::Error;
+
+/// Deepest msgpack nesting accepted (a batch is 4 deep; extra fields may add a few levels).
+const MAX_DEPTH: usize = 32;
+
+/// A block hash as vLLM sends it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ExternalBlockHash {
+    /// An integer hash; negative values (Python's `hash`) are kept as their two's complement.
+    Int(u64),
+    /// A byte-string hash (SHA-256 in recent vLLM).
+    Bytes(Vec<u8>),
+}
+
+impl ExternalBlockHash {
+    /// The id the index uses for this block: the integer itself, or XXH3-64 of the bytes.
+    pub fn engine_block_id(&self) -> EngineBlockId {
+        match self {
+            ExternalBlockHash::Int(id) => EngineBlockId(*id),
+            ExternalBlockHash::Bytes(bytes) => {
+                EngineBlockId(xxhash_rust::xxh3::xxh3_64(bytes.as_slice()))
+            }
+        }
+    }
+
+    fn to_value(&self) -> Value {
+        match self {
+            ExternalBlockHash::Int(id) => Value::from(*id),
+            ExternalBlockHash::Bytes(bytes) => Value::Binary(bytes.clone()),
+        }
+    }
+}
+
+/// `BlockStored`: a run of consecutive full blocks entered the cache.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockStored {
+    pub block_hashes: Vec<ExternalBlockHash>,
+    /// The first block's parent (`None`: the first block of a prompt).
+    pub parent_block_hash: Option<ExternalBlockHash>,
+    /// The blocks' tokens, `block_size` per block, concatenated.
+    pub token_ids: Vec<u32>,
+    pub block_size: u32,
+    pub lora_id: Option<i64>,
+    /// `"GPU"` or `None` for the GPU cache; other tiers (`"CPU"`, disk) are offload copies.
+    pub medium: Option<String>,
+    pub lora_name: Option<String>,
+}
+
+/// `BlockRemoved`: these blocks left the cache.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockRemoved {
+    pub block_hashes: Vec<ExternalBlockHash>,
+    pub medium: Option<String>,
+}
+
+/// One event of a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum VllmEvent {
+    BlockStored(BlockStored),
+    BlockRemoved(BlockRemoved),
+    AllBlocksCleared,
+    /// An event type this decoder does not know (a newer vLLM); kept by name, ignored by
+    /// [`VllmEventStream`].
+    Unknown(String),
+}
+
+/// `KVEventBatch`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VllmEventBatch {
+    /// Seconds since the Unix epoch when the batch was made.
+    pub ts: f64,
+    pub events: Vec<VllmEvent>,
+    pub data_parallel_rank: Option<i64>,
+}
+
+/// One multipart ZMQ message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VllmFrame {
+    pub topic: Vec<u8>,
+    /// The batch's sequence number (per publisher, from 0).
+    pub seq: u64,
+    pub batch: VllmEventBatch,
+}
+
+/// A frame or payload that is not a vLLM KV event batch.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum VllmDecodeError {
+    #[error("expected a 3-part ZMQ message (topic, seq, payload), got {0} parts")]
+    Parts(usize),
+    #[error("the sequence part must be 8 bytes (big-endian), got {0}")]
+    SeqLength(usize),
+    #[error("payload is not msgpack: {0}")]
+    Msgpack(String),
+    #[error("payload has {0} bytes after the batch")]
+    TrailingBytes(usize),
+    #[error("{path}: {problem}")]
+    Shape { path: String, problem: String },
+}
+
+fn shape(path: impl fmt::Display, problem: impl fmt::Display) -> VllmDecodeError {
+    VllmDecodeError::Shape {
+        path: path.to_string(),
+        problem: problem.to_string(),
+    }
+}
+
+/// Reads an 8-byte big-endian sequence number.
+pub fn decode_seq(bytes: &[u8]) -> Result<u64, VllmDecodeError> {
+    let array: [u8; 8] = bytes
+        .try_into()
+        .map_err(|_| VllmDecodeError::SeqLength(bytes.len()))?;
+    Ok(u64::from_be_bytes(array))
+}
+
+/// Decodes one multipart message `(topic, seq, payload)`.
+pub fn decode_multipart<B: AsRef<[u8]>>(parts: &[B]) -> Result<VllmFrame, VllmDecodeError> {
+    let [topic, seq, payload] = parts else {
+        return Err(VllmDecodeError::Parts(parts.len()));
+    };
+    Ok(VllmFrame {
+        topic: topic.as_ref().to_vec(),
+        seq: decode_seq(seq.as_ref())?,
+        batch: VllmEventBatch::decode(payload.as_ref())?,
+    })
+}
+
+/// The three parts vLLM's publisher sends for `batch`.
+pub fn encode_multipart(topic: &[u8], seq: u64, batch: &VllmEventBatch) -> [Vec<u8>; 3] {
+    [
+        topic.to_vec(),
+        seq.to_be_bytes().to_vec(),
+        batch.encode_array(),
+    ]
+}
+
+/// A msgspec struct, seen either as an array (fields by position) or a map (by name).
+enum Fields<'a> {
+    Array(&'a [Value]),
+    Map(&'a [(Value, Value)]),
+}
+
+impl<'a> Fields<'a> {
+    /// Field `name`, at `position` in the array form; `None` when absent (or trailing-omitted).
+    fn get(&self, position: usize, name: &str) -> Option<&'a Value> {
+        match self {
+            Fields::Array(items) => items.get(position),
+            Fields::Map(entries) => entries
+                .iter()
+                .find(|(key, _)| key.as_str() == Some(name))
+                .map(|(_, value)| value),
+        }
+    }
+
+    fn required(
+        &self,
+        position: usize,
+        name: &str,
+        path: &str,
+    ) -> Result<&'a Value, VllmDecodeError> {
+        self.get(position, name)
+            .ok_or_else(|| shape(format!("{path}.{name}"), "missing"))
+    }
+}
+
+fn as_u32(value: &Value, path: &str) -> Result<u32, VllmDecodeError> {
+    value
+        .as_u64()
+        .and_then(|v| u32::try_from(v).ok())
+        .ok_or_else(|| shape(path, format!("expected an integer in 0..2^32, got {value}")))
+}
+
+fn opt_i64(value: Option<&Value>, path: &str) -> Result<Option<i64>, VllmDecodeError> {
+    match value {
+        None | Some(Value::Nil) => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| shape(path, format!("expected an integer or nil, got {v}"))),
+    }
+}
+
+fn opt_string(value: Option<&Value>, path: &str) -> Result<Option<String>, VllmDecodeError> {
+    match value {
+        None | Some(Value::Nil) => Ok(None),
+        Some(v) => v
+            .as_str()
+            .map(|s| Some(s.to_string()))
+            .ok_or_else(|| shape(path, format!("expected a string or nil, got {v}"))),
+    }
+}
+
+fn block_hash(value: &Value, path: &str) -> Result<ExternalBlockHash, VllmDecodeError> {
+    match value {
+        Value::Integer(int) => int
+            .as_u64()
+            .or_else(|| int.as_i64().map(|signed| signed as u64))
+            .map(ExternalBlockHash::Int)
+            .ok_or_else(|| shape(path, "integer out of range")),
+        Value::Binary(bytes) => Ok(ExternalBlockHash::Bytes(bytes.clone())),
+        other => Err(shape(
+            path,
+            format!("expected an integer or bytes, got {other}"),
+        )),
+    }
+}
+
+fn block_hashes(value: &Value, path: &str) -> Result<Vec<ExternalBlockHash>, VllmDecodeError> {
+    let items = value
+        .as_array()
+        .ok_or_else(|| shape(path, format!("expected an array, got {value}")))?;
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| block_hash(item, &format!("{path}[{i}]")))
+        .collect()
+}
+
+fn decode_event(value: &Value, path: &str) -> Result<VllmEvent, VllmDecodeError> {
+    // Array form: the tag, then the fields (positions below count from after the tag).
+    let (tag, fields) = match value {
+        Value::Array(items) => {
+            let tag = items
+                .first()
+                .and_then(Value::as_str)
+                .ok_or_else(|| shape(path, "array event without a string tag first"))?;
+            (tag, Fields::Array(&items[1..]))
+        }
+        Value::Map(entries) => {
+            let tag = entries
+                .iter()
+                .find(|(key, _)| key.as_str() == Some("type"))
+                .and_then(|(_, v)| v.as_str())
+                .ok_or_else(|| shape(path, "map event without a string \"type\""))?;
+            (tag, Fields::Map(entries))
+        }
+        other => {
+            return Err(shape(
+                path,
+                format!("expected an array or a map, got {other}"),
+            ));
+        }
+    };
+    let path = format!("{path}({tag})");
+    match tag {
+        "BlockStored" => {
+            let hashes = block_hashes(
+                fields.required(0, "block_hashes", &path)?,
+                &format!("{path}.block_hashes"),
+            )?;
+            let parent = match fields.required(1, "parent_block_hash", &path)? {
+                Value::Nil => None,
+                v => Some(block_hash(v, &format!("{path}.parent_block_hash"))?),
+            };
+            let token_path = format!("{path}.token_ids");
+            let token_ids = fields
+                .required(2, "token_ids", &path)?
+                .as_array()
+                .ok_or_else(|| shape(&token_path, "expected an array"))?
+                .iter()
+                .map(|t| as_u32(t, &token_path))
+                .collect::<Result<Vec<_>, _>>()?;
+            let block_size = as_u32(
+                fields.required(3, "block_size", &path)?,
+                &format!("{path}.block_size"),
+            )?;
+            Ok(VllmEvent::BlockStored(BlockStored {
+                block_hashes: hashes,
+                parent_block_hash: parent,
+                token_ids,
+                block_size,
+                lora_id: opt_i64(fields.get(4, "lora_id"), &format!("{path}.lora_id"))?,
+                medium: opt_string(fields.get(5, "medium"), &format!("{path}.medium"))?,
+                lora_name: opt_string(fields.get(6, "lora_name"), &format!("{path}.lora_name"))?,
+            }))
+        }
+        "BlockRemoved" => Ok(VllmEvent::BlockRemoved(BlockRemoved {
+            block_hashes: block_hashes(
+                fields.required(0, "block_hashes", &path)?,
+                &format!("{path}.block_hashes"),
+            )?,
+            medium: opt_string(fields.get(1, "medium"), &format!("{path}.medium"))?,
+        })),
+        "AllBlocksCleared" => Ok(VllmEvent::AllBlocksCleared),
+        other => Ok(VllmEvent::Unknown(other.to_string())),
+    }
+}
+
+impl VllmEventBatch {
+    /// Decodes a msgpack `KVEventBatch`, array- or map-encoded. Never panics on bad input.
+    pub fn decode(payload: &[u8]) -> Result<VllmEventBatch, VllmDecodeError> {
+        let mut reader = payload;
+        let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH)
+            .map_err(|e| VllmDecodeError::Msgpack(e.to_string()))?;
+        if !reader.is_empty() {
+            return Err(VllmDecodeError::TrailingBytes(reader.len()));
+        }
+        let fields = match &value {
+            Value::Array(items) => Fields::Array(items),
+            Value::Map(entries) => Fields::Map(entries),
+            other => {
+                return Err(shape(
+                    "batch",
+                    format!("expected an array or a map, got {other}"),
+                ));
+            }
+        };
+        let ts_value = fields.required(0, "ts", "batch")?;
+        let ts = ts_value
+            .as_f64()
+            .or_else(|| ts_value.as_i64().map(|t| t as f64))
+            .ok_or_else(|| shape("batch.ts", format!("expected a number, got {ts_value}")))?;
+        let events = fields
+            .required(1, "events", "batch")?
+            .as_array()
+            .ok_or_else(|| shape("batch.events", "expected an array"))?
+            .iter()
+            .enumerate()
+            .map(|(i, event)| decode_event(event, &format!("batch.events[{i}]")))
+            .collect::<Result<_, _>>()?;
+        let data_parallel_rank = opt_i64(
+            fields.get(2, "data_parallel_rank"),
+            "batch.data_parallel_rank",
+        )?;
+        Ok(VllmEventBatch {
+            ts,
+            events,
+            data_parallel_rank,
+        })
+    }
+
+    /// msgpack in the array form (`array_like=True`), as vLLM's publisher sends it.
+    pub fn encode_array(&self) -> Vec<u8> {
+        let events = self.events.iter().filter_map(event_to_array).collect();
+        let mut batch = vec![Value::F64(self.ts), Value::Array(events)];
+        if let Some(rank) = self.data_parallel_rank {
+            batch.push(Value::from(rank));
+        }
+        write(&Value::Array(batch))
+    }
+
+    /// msgpack in the map form (`{"type": …}` events), as newer vLLM versions send it.
+    pub fn encode_map(&self) -> Vec<u8> {
+        let events = self.events.iter().filter_map(event_to_map).collect();
+        let mut batch = vec![
+            (Value::from("ts"), Value::F64(self.ts)),
+            (Value::from("events"), Value::Array(events)),
+        ];
+        if let Some(rank) = self.data_parallel_rank {
+            batch.push((Value::from("data_parallel_rank"), Value::from(rank)));
+        }
+        write(&Value::Map(batch))
+    }
+}
+
+fn write(value: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    // Writing to a Vec cannot fail.
+    let _ = rmpv::encode::write_value(&mut out, value);
+    out
+}
+
+fn opt_value<T: Into<Value> + Clone>(value: &Option<T>) -> Value {
+    value.clone().map_or(Value::Nil, Into::into)
+}
+
+fn hashes_value(hashes: &[ExternalBlockHash]) -> Value {
+    Value::Array(hashes.iter().map(ExternalBlockHash::to_value).collect())
+}
+
+fn stored_fields(stored: &BlockStored) -> [(&'static str, Value); 7] {
+    [
+        ("block_hashes", hashes_value(&stored.block_hashes)),
+        (
+            "parent_block_hash",
+            stored
+                .parent_block_hash
+                .as_ref()
+                .map_or(Value::Nil, ExternalBlockHash::to_value),
+        ),
+        (
+            "token_ids",
+            Value::Array(stored.token_ids.iter().map(|&t| Value::from(t)).collect()),
+        ),
+        ("block_size", Value::from(stored.block_size)),
+        ("lora_id", opt_value(&stored.lora_id)),
+        ("medium", opt_value(&stored.medium)),
+        ("lora_name", opt_value(&stored.lora_name)),
+    ]
+}
+
+fn event_fields(event: &VllmEvent) -> Option<(&'static str, Vec<(&'static str, Value)>)> {
+    match event {
+        VllmEvent::BlockStored(stored) => Some(("BlockStored", stored_fields(stored).to_vec())),
+        VllmEvent::BlockRemoved(removed) => Some((
+            "BlockRemoved",
+            vec![
+                ("block_hashes", hashes_value(&removed.block_hashes)),
+                ("medium", opt_value(&removed.medium)),
+            ],
+        )),
+        VllmEvent::AllBlocksCleared => Some(("AllBlocksCleared", Vec::new())),
+        VllmEvent::Unknown(_) => None,
+    }
+}
+
+fn event_to_array(event: &VllmEvent) -> Option<Value> {
+    let (tag, fields) = event_fields(event)?;
+    let mut items = vec![Value::from(tag)];
+    items.extend(fields.into_iter().map(|(_, value)| value));
+    Some(Value::Array(items))
+}
+
+fn event_to_map(event: &VllmEvent) -> Option<Value> {
+    let (tag, fields) = event_fields(event)?;
+    let mut entries = vec![(Value::from("type"), Value::from(tag))];
+    entries.extend(
+        fields
+            .into_iter()
+            .map(|(name, value)| (Value::from(name), value)),
+    );
+    Some(Value::Map(entries))
+}
+
+/// A `kv-index` event that has no vLLM form.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum VllmEncodeError {
+    #[error("block {0:#x} carries a local hash; vLLM events need its token ids")]
+    NoTokens(u64),
+    #[error("block {id:#x} has {len} tokens; vLLM events need exactly block_size = {block_size}")]
+    BlockLength {
+        id: u64,
+        len: usize,
+        block_size: u32,
+    },
+}
+
+impl VllmEvent {
+    /// The vLLM event for a `kv-index` event whose stored blocks carry their tokens
+    /// ([`BlockContent::Tokens`]), each exactly `block_size` long.
+    pub fn from_kv_event(event: &KvEvent, block_size: u32) -> Result<VllmEvent, VllmEncodeError> {
+        Ok(match &event.kind {
+            KvEventKind::Stored { parent, blocks } => {
+                let mut token_ids = Vec::with_capacity(blocks.len() * block_size as usize);
+                for block in blocks {
+                    let BlockContent::Tokens(tokens) = &block.content else {
+                        return Err(VllmEncodeError::NoTokens(block.id.0));
+                    };
+                    if tokens.len() != block_size as usize {
+                        return Err(VllmEncodeError::BlockLength {
+                            id: block.id.0,
+                            len: tokens.len(),
+                            block_size,
+                        });
+                    }
+                    token_ids.extend_from_slice(tokens);
+                }
+                VllmEvent::BlockStored(BlockStored {
+                    block_hashes: blocks
+                        .iter()
+                        .map(|b| ExternalBlockHash::Int(b.id.0))
+                        .collect(),
+                    parent_block_hash: parent.map(|p| ExternalBlockHash::Int(p.0)),
+                    token_ids,
+                    block_size,
+                    lora_id: None,
+                    medium: Some("GPU".to_string()),
+                    lora_name: None,
+                })
+            }
+            KvEventKind::Removed { blocks } => VllmEvent::BlockRemoved(BlockRemoved {
+                block_hashes: blocks.iter().map(|b| ExternalBlockHash::Int(b.0)).collect(),
+                medium: Some("GPU".to_string()),
+            }),
+            KvEventKind::Cleared => VllmEvent::AllBlocksCleared,
+        })
+    }
+}
+
+/// How a frame's sequence number relates to the previous one of the same publisher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Continuity {
+    /// The first frame seen: it sets the baseline.
+    First,
+    /// The frame that was expected next.
+    InOrder,
+    /// Frames `expected..got` were lost: the index missed events and must drop this worker's
+    /// blocks ([`kv_index::KvIndex::clear_worker`]) before applying this frame's events.
+    Gap { expected: u64, got: u64 },
+    /// The sequence went backwards: the publisher restarted (its cache is new). Clear the
+    /// worker's blocks, as for a gap.
+    Restart { expected: u64, got: u64 },
+}
+
+impl Continuity {
+    /// Whether the receiver must clear the worker's blocks before applying the events.
+    pub fn needs_clear(&self) -> bool {
+        matches!(self, Continuity::Gap { .. } | Continuity::Restart { .. })
+    }
+}
+
+/// What [`VllmEventStream::accept`] made of one frame.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Accepted {
+    pub continuity: Continuity,
+    /// The frame's events for the index, with consecutive `seq`s continuing this stream's.
+    pub events: Vec<KvEvent>,
+    /// Events left out: other cache tiers (`medium` not GPU), LoRA blocks (our hash does not
+    /// see the adapter) and unknown event types.
+    pub skipped: u32,
+}
+
+/// A frame whose events cannot be converted.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum VllmConvertError {
+    #[error("BlockStored has {tokens} token ids for {blocks} blocks of {block_size}")]
+    TokenCount {
+        tokens: usize,
+        blocks: usize,
+        block_size: u32,
+    },
+    #[error(
+        "the worker's KV blocks hold {got} tokens but this router hashes blocks of {expected}: set the router's block size to the engine's"
+    )]
+    BlockSize { expected: u32, got: u32 },
+}
+
+/// One vLLM publisher's frames turned into a worker's `kv-index` events.
+///
+/// Assigns the events consecutive sequence numbers (vLLM numbers batches, the index numbers
+/// events) and classifies each frame's batch number ([`Continuity`]). On a gap or restart,
+/// clear the worker in the index before applying the returned events. Holds O(1) state.
+#[derive(Debug, Clone)]
+pub struct VllmEventStream {
+    worker: WorkerId,
+    block_size: u32,
+    next_frame_seq: Option<u64>,
+    next_event_seq: u64,
+}
+
+impl VllmEventStream {
+    /// A stream for `worker`, whose blocks must hold `block_size` tokens (the router's).
+    pub fn new(worker: WorkerId, block_size: u32) -> VllmEventStream {
+        VllmEventStream {
+            worker,
+            block_size,
+            next_frame_seq: None,
+            next_event_seq: 0,
+        }
+    }
+
+    pub fn worker(&self) -> WorkerId {
+        self.worker
+    }
+
+    /// Converts one frame. On error, the frame's sequence number still counts as seen (a
+    /// frame we cannot use is not a gap), and no event of it is returned: the caller should
+    /// clear the worker, since the index now misses what the frame said.
+    pub fn accept(&mut self, frame: &VllmFrame) -> Result<Accepted, VllmConvertError> {
+        let continuity = match self.next_frame_seq {
+            None => Continuity::First,
+            Some(expected) if frame.seq == expected => Continuity::InOrder,
+            Some(expected) if frame.seq > expected => Continuity::Gap {
+                expected,
+                got: frame.seq,
+            },
+            Some(expected) => Continuity::Restart {
+                expected,
+                got: frame.seq,
+            },
+        };
+        self.next_frame_seq = Some(frame.seq.wrapping_add(1));
+        let mut kinds = Vec::with_capacity(frame.batch.events.len());
+        let mut skipped = 0;
+        for event in &frame.batch.events {
+            match self.convert(event)? {
+                Some(kind) => kinds.push(kind),
+                None => skipped += 1,
+            }
+        }
+        let events = kinds
+            .into_iter()
+            .map(|kind| {
+                let seq = self.next_event_seq;
+                self.next_event_seq += 1;
+                KvEvent {
+                    worker: self.worker,
+                    seq,
+                    kind,
+                }
+            })
+            .collect();
+        Ok(Accepted {
+            continuity,
+            events,
+            skipped,
+        })
+    }
+
+    fn convert(&self, event: &VllmEvent) -> Result<Option<KvEventKind>, VllmConvertError> {
+        let gpu = |medium: &Option<String>| {
+            medium
+                .as_deref()
+                .is_none_or(|m| m.eq_ignore_ascii_case("gpu"))
+        };
+        Ok(match event {
+            VllmEvent::BlockStored(stored) => {
+                if !gpu(&stored.medium)
+                    || stored.lora_id.is_some_and(|id| id != 0)
+                    || stored.lora_name.is_some()
+                {
+                    return Ok(None);
+                }
+                if stored.block_size != self.block_size {
+                    return Err(VllmConvertError::BlockSize {
+                        expected: self.block_size,
+                        got: stored.block_size,
+                    });
+                }
+                let size = stored.block_size as usize;
+                if stored.token_ids.len() != stored.block_hashes.len() * size {
+                    return Err(VllmConvertError::TokenCount {
+                        tokens: stored.token_ids.len(),
+                        blocks: stored.block_hashes.len(),
+                        block_size: stored.block_size,
+                    });
+                }
+                let blocks = stored
+                    .block_hashes
+                    .iter()
+                    .zip(stored.token_ids.chunks_exact(size))
+                    .map(|(hash, tokens)| StoredBlock {
+                        id: hash.engine_block_id(),
+                        content: BlockContent::Tokens(tokens.to_vec()),
+                    })
+                    .collect();
+                Some(KvEventKind::Stored {
+                    parent: stored
+                        .parent_block_hash
+                        .as_ref()
+                        .map(ExternalBlockHash::engine_block_id),
+                    blocks,
+                })
+            }
+            VllmEvent::BlockRemoved(removed) => {
+                if !gpu(&removed.medium) {
+                    return Ok(None);
+                }
+                Some(KvEventKind::Removed {
+                    blocks: removed
+                        .block_hashes
+                        .iter()
+                        .map(ExternalBlockHash::engine_block_id)
+                        .collect(),
+                })
+            }
+            VllmEvent::AllBlocksCleared => Some(KvEventKind::Cleared),
+            VllmEvent::Unknown(_) => None,
+        })
+    }
+}
