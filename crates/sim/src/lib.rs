@@ -1,1 +1,98 @@
-//! Virtual-time cluster simulator: engines, router, frontend queue and workload in one deterministic loop.
+//! Virtual-time cluster simulator: engines, router, frontend queue and workload in one
+//! deterministic loop.
+//!
+//! The same cores the real-time servers run — `engine::Engine` workers, the `router::Router`,
+//! a [`Workload`] such as the seed's multi-turn chat — composed in a discrete-event loop over
+//! virtual time ([`Nanos`](nanotime::Nanos)). A run is a pure function of its
+//! [`SimConfig`], workload and phases: same inputs, same bytes out.
+//!
+//! # The loop ([`Simulation`])
+//!
+//! Every component is sans-IO and says when it next needs the clock. A timer heap with lazy
+//! invalidation ([`timers`]) holds one live deadline per source (each engine's step end, the
+//! workload's next think-time end, the router's next prediction expiry, the next delayed KV
+//! event, the run's schedule); the loop pops the earliest, hands it to its source, then drains
+//! what came out until nothing moves: turns from the workload are hashed, routed and
+//! submitted; engine events update the request records, the router's accounting
+//! (`on_first_token`, `on_finished`), the workload (`on_turn_finished`) and, through KV
+//! events, the router's prefix index — in-process at once, or after a fixed delay that
+//! models the NATS event plane. Ties at one instant are broken by source (KV events, engines
+//! by index, router, workload, schedule), so the order never depends on a hash map.
+//!
+//! A frontend queue (bounded by [`FrontendConfig::queue_capacity`]) holds turns while every
+//! worker has [`FrontendConfig::max_in_flight_per_worker`] requests, or when the router
+//! refuses for lack of tracking room; it is off by default (Dynamo's frontend routes at once).
+//! Engines run in speed mode (`coalesce_decode`) by default: identical decode steps are
+//! advanced together, with the same finish times as step-by-step mode.
+//!
+//! # Measuring ([`Phase`], [`metrics`])
+//!
+//! A run is a sequence of phases (concurrency levels) back to back, as the seed's operator
+//! moved the slider: each phase sets the workload's concurrency, warms up, then measures over
+//! snapshot windows whose metrics are averaged. Metric definitions, and exactly which
+//! requests each window covers, are in [`metrics`]. The oracle hit rate ([`oracle`]) is
+//! computed beside the engines' own.
+//!
+//! # Sweeps ([`bench`])
+//!
+//! [`bench::BenchSpec`] describes the seed 002 benchmark (routers × levels × sweeps);
+//! [`bench::BenchSpec::jobs`] cuts it into independent runs that a caller may run on
+//! threads (this crate starts none), [`bench::aggregate`] puts their results back in a fixed
+//! order and averages them, and [`report`] renders the seed's tables and SVG plots.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use engine::HardwareProfile;
+//! use nanotime::Nanos;
+//! use router::PolicyKind;
+//! use sim::{Phase, SimConfig, Simulation, Turn, TurnKey, Workload};
+//!
+//! /// One conversation of one turn, issued at time zero.
+//! struct OneTurn(Option<Turn>, bool);
+//! impl Workload for OneTurn {
+//!     fn poll_timeout(&self) -> Option<Nanos> { None }
+//!     fn handle_timeout(&mut self, _: Nanos) {}
+//!     fn poll_request(&mut self) -> Option<Turn> { self.0.take() }
+//!     fn on_turn_finished(&mut self, _: TurnKey, _: Nanos) { self.1 = true; }
+//!     fn on_turn_failed(&mut self, _: TurnKey, _: Nanos) {}
+//!     fn set_concurrency(&mut self, _: u32, _: Nanos) {}
+//!     fn active_conversations(&self) -> u32 { u32::from(!self.1) }
+//! }
+//!
+//! let turn = Turn {
+//!     key: TurnKey { conversation: 0, turn: 0 },
+//!     prompt: (0..3_500).collect::<Vec<u32>>().into(),
+//!     output: (0..100).collect::<Vec<u32>>().into(),
+//!     issued_at: Nanos::ZERO,
+//! };
+//! let cfg = SimConfig::new(3, HardwareProfile::h200_llama70b_fp8(), PolicyKind::Kv);
+//! let phase = Phase {
+//!     concurrency: 1,
+//!     warmup: Nanos::ZERO,
+//!     window: Nanos::from_secs(10),
+//!     snapshots: 1,
+//!     lookback: None,
+//! };
+//! let sim = Simulation::new(cfg, OneTurn(Some(turn), false), vec![phase]).unwrap();
+//! let out = sim.run(|_| {}).unwrap();
+//! assert_eq!(out.totals.finished, 1);
+//! let ttft = out.phases[0].metrics.ttft_ms.p50.unwrap();
+//! assert!(ttft > 50.0 && ttft < 2_000.0, "{ttft}");
+//! ```
+
+pub mod bench;
+mod config;
+mod driver;
+pub mod metrics;
+pub mod oracle;
+pub mod report;
+pub mod svg;
+pub mod timers;
+mod workload;
+
+pub use config::{ConfigError, FrontendConfig, Phase, RouterSetup, SimConfig};
+pub use driver::{
+    PhaseResult, RunOutput, RunTotals, SimError, Simulation, WorkerStats, derive_seed, streams,
+};
+pub use metrics::{Metrics, Outcome, Percentiles, RequestRecord};
+pub use workload::{Turn, TurnKey, Workload};

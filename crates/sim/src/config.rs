@@ -1,0 +1,181 @@
+//! What a run simulates (fleet, router, frontend) and how it is measured (phases, snapshots).
+
+use engine::{EngineConfig, HardwareProfile};
+use nanotime::Nanos;
+use router::{KvCostParams, KvSource, PolicyKind};
+use thiserror::Error;
+
+/// The router in front of the fleet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouterSetup {
+    /// The policy, chosen by name through [`PolicyKind`]'s `FromStr` (the router crate owns
+    /// the list, so a new policy there is a new name here).
+    pub policy: PolicyKind,
+    /// `kv` cost parameters (overlap weight, softmax temperature).
+    pub kv: KvCostParams,
+    /// KV events from the engines, or approximate mode (no events, predictions with a TTL).
+    pub kv_source: KvSource,
+    /// Fixed delay between an engine emitting a KV event and the router applying it (models
+    /// the NATS event plane). Zero delivers in-process at once.
+    pub kv_event_delay: Nanos,
+}
+
+impl RouterSetup {
+    pub fn new(policy: PolicyKind) -> Self {
+        Self {
+            policy,
+            kv: KvCostParams::default(),
+            kv_source: KvSource::Events,
+            kv_event_delay: Nanos::ZERO,
+        }
+    }
+}
+
+/// The frontend between the workload and the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrontendConfig {
+    /// Hold new requests at the frontend while every worker has this many requests in
+    /// flight; `None` (the default, as Dynamo's frontend does) routes every request at once.
+    pub max_in_flight_per_worker: Option<u32>,
+    /// Most requests waiting at the frontend. A turn arriving at a full queue fails (an
+    /// error, reported to the workload).
+    pub queue_capacity: usize,
+}
+
+impl Default for FrontendConfig {
+    fn default() -> Self {
+        Self {
+            max_in_flight_per_worker: None,
+            queue_capacity: 1 << 20,
+        }
+    }
+}
+
+/// One simulated cluster.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Number of workers (engines), ids `0..workers`.
+    pub workers: u32,
+    /// Every worker's engine settings. Each worker's speculative-decoding seed is derived
+    /// from [`SimConfig::seed`].
+    pub engine: EngineConfig,
+    pub router: RouterSetup,
+    pub frontend: FrontendConfig,
+    /// The run's seed: router, engines and workload seeds derive from it.
+    pub seed: u64,
+    /// Compute the oracle hit rate beside the real one ([`crate::oracle`]).
+    pub oracle: bool,
+    /// Keep every request's record, not only those the measurement windows use.
+    pub keep_all_records: bool,
+}
+
+impl SimConfig {
+    /// `workers` engines of `profile` with its engine defaults, speed mode on
+    /// (`coalesce_decode`), the given policy, KV events in-process, no frontend cap.
+    pub fn new(workers: u32, profile: HardwareProfile, policy: PolicyKind) -> Self {
+        let mut engine = EngineConfig::from_profile(profile);
+        engine.coalesce_decode = true;
+        Self {
+            workers,
+            engine,
+            router: RouterSetup::new(policy),
+            frontend: FrontendConfig::default(),
+            seed: 0,
+            oracle: true,
+            keep_all_records: false,
+        }
+    }
+}
+
+/// One concurrency level of a run: warm up, then measure.
+///
+/// The measurement window is cut into `snapshots` equal intervals. Snapshot `k` (1-based) is
+/// taken at `start + warmup + k × window / snapshots` and, like the seed's Prometheus summary,
+/// covers the `lookback` before that instant: `(T_k − lookback, T_k]`. With `lookback = None`
+/// it covers its own interval, so the snapshots tile the window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Phase {
+    pub concurrency: u32,
+    pub warmup: Nanos,
+    pub window: Nanos,
+    pub snapshots: u32,
+    pub lookback: Option<Nanos>,
+}
+
+impl Phase {
+    pub fn duration(&self) -> Nanos {
+        self.warmup + self.window
+    }
+
+    /// Interval between snapshots.
+    pub fn interval(&self) -> Nanos {
+        Nanos(self.window.0 / u64::from(self.snapshots.max(1)))
+    }
+
+    pub fn lookback(&self) -> Nanos {
+        self.lookback.unwrap_or_else(|| self.interval())
+    }
+
+    /// The snapshot windows `(from, to]` of this phase when it starts at `start`.
+    pub fn windows(&self, start: Nanos) -> Vec<(Nanos, Nanos)> {
+        let interval = self.interval();
+        (1..=u64::from(self.snapshots))
+            .map(|k| {
+                let to = if k == u64::from(self.snapshots) {
+                    start + self.warmup + self.window
+                } else {
+                    start + self.warmup + interval.saturating_mul(k)
+                };
+                (to.saturating_sub(self.lookback()), to)
+            })
+            .collect()
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.snapshots == 0 {
+            return Err(ConfigError::NoSnapshots);
+        }
+        if self.window == Nanos::ZERO {
+            return Err(ConfigError::EmptyWindow);
+        }
+        let lookback = self.lookback();
+        if lookback == Nanos::ZERO || lookback > self.warmup + self.interval() {
+            return Err(ConfigError::BadLookback {
+                lookback_s: lookback.as_secs_f64(),
+                max_s: (self.warmup + self.interval()).as_secs_f64(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A run's settings the simulator refuses.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("the fleet needs at least one worker")]
+    NoWorkers,
+    #[error("a run needs at least one phase (concurrency level)")]
+    NoPhases,
+    #[error("a phase needs at least one snapshot")]
+    NoSnapshots,
+    #[error("the measurement window must be longer than zero")]
+    EmptyWindow,
+    #[error(
+        "a snapshot's lookback of {lookback_s} s must be > 0 and at most warmup + one snapshot \
+         interval ({max_s} s), so that the first snapshot stays inside its own phase"
+    )]
+    BadLookback { lookback_s: f64, max_s: f64 },
+    #[error("the frontend queue capacity must be at least 1")]
+    ZeroQueue,
+    #[error("engine: {0}")]
+    Engine(#[from] engine::EngineConfigError),
+    #[error("router: {0}")]
+    Router(#[from] router::RouterConfigError),
+    #[error("router: {0}")]
+    Route(#[from] router::RouteError),
+    #[error(
+        "the router's block size ({router}) differs from the engines' ({engine}); KV events \
+         would never match"
+    )]
+    BlockSizeMismatch { router: usize, engine: u32 },
+}

@@ -1,0 +1,821 @@
+//! The discrete-event loop: engines, router, frontend queue, workload and KV events.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use engine::{Engine, EngineEvent, EngineRequest, OutputSpec};
+use kv_index::{IndexConfig, KvEvent, SequenceHash, WorkerId};
+use nanotime::Nanos;
+use router::{KvSource, RequestId, RouteError, Router, RouterConfig, RoutingKey, WorkerLimits};
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::config::{ConfigError, Phase, SimConfig};
+use crate::metrics::{Metrics, Outcome, RequestRecord, tokens_in_window};
+use crate::oracle::Oracle;
+use crate::timers::{Source, Timers};
+use crate::workload::{Turn, TurnKey, Workload};
+
+/// A run that cannot go on.
+#[derive(Debug, Error)]
+pub enum SimError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(
+        "the workload issued {turns} turns at the single instant {at} without time advancing \
+         (every turn failing at once?); stopping instead of spinning"
+    )]
+    Livelock { turns: u64, at: Nanos },
+}
+
+/// Most turns issued at one instant before the run is declared stuck: far above any real
+/// burst (every conversation of a 60k-conversation fleet starting together), far below a
+/// spin.
+const MAX_TURNS_PER_INSTANT: u64 = 4_000_000;
+
+/// Derives an independent seed for stream `stream` of a run seeded `seed` (SplitMix64).
+pub fn derive_seed(seed: u64, stream: u64) -> u64 {
+    let mut z = seed
+        .wrapping_add(stream.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Seed streams of a run.
+pub mod streams {
+    pub const ROUTER: u64 = 1;
+    pub const WORKLOAD: u64 = 2;
+    /// Engine `i` uses `ENGINE + i`.
+    pub const ENGINE: u64 = 1 << 32;
+}
+
+/// A turn between issue and end.
+#[derive(Debug)]
+struct InFlight {
+    turn: TurnKey,
+    prompt: Arc<[u32]>,
+    output: Arc<[u32]>,
+    issued_at: Nanos,
+    routed_at: Option<Nanos>,
+    worker: Option<u32>,
+    first_token_at: Option<Nanos>,
+    last_token_at: Option<Nanos>,
+    tokens: u32,
+    spans: u32,
+    oracle_cached: u32,
+    overlap_blocks: u32,
+    /// Sequence hash of the prompt's last full block (the oracle chains the output from it).
+    prompt_last_block: Option<SequenceHash>,
+    /// The routing key, kept only while the turn waits at the frontend.
+    key: Option<RoutingKey>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    PhaseStart(usize),
+    MeasureStart(usize),
+    MeasureEnd(usize),
+}
+
+/// One worker over one phase's measurement period (`start + warmup` to the phase's end).
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct WorkerStats {
+    pub worker: u32,
+    /// Requests routed to it during the period.
+    pub routed: u64,
+    /// Most requests it held at once (routed, not finished) during the period.
+    pub peak_in_flight: u32,
+    /// Share of the period its GPU spent in steps.
+    pub utilisation: f64,
+    /// Prompt tokens it computed (prefill, including recomputation after preemption).
+    pub prefill_tokens: u64,
+    pub output_tokens: u64,
+    pub preemptions: u64,
+    /// Requests it held, averaged over the period.
+    pub mean_in_flight: f64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct EngineMark {
+    busy: Nanos,
+    prefill: u64,
+    output: u64,
+    preemptions: u64,
+}
+
+/// One phase's results.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PhaseResult {
+    pub concurrency: u32,
+    /// The snapshot windows `(from, to]`, in seconds since the run started.
+    pub windows_s: Vec<(f64, f64)>,
+    /// One entry per snapshot.
+    pub snapshots: Vec<Metrics>,
+    /// The snapshots averaged (the seed's method).
+    pub metrics: Metrics,
+    pub workers: Vec<WorkerStats>,
+}
+
+/// Whole-run counters; they check conservation (every issued turn ends or is still in
+/// flight, every emitted token belongs to a request).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct RunTotals {
+    pub issued: u64,
+    pub finished: u64,
+    pub failed: u64,
+    /// Turns issued and not ended when the run stopped (routed or queued).
+    pub in_flight_at_end: u64,
+    pub queued_at_end: u64,
+    /// Output tokens reported by token events.
+    pub tokens_emitted: u64,
+    /// Output tokens of finished turns (their `Finished` events).
+    pub finished_output_tokens: u64,
+    /// Output tokens already emitted by turns still in flight at the end.
+    pub in_flight_tokens_at_end: u64,
+    pub kv_events: u64,
+    /// KV events the router's index refused (gaps); zero unless something is broken.
+    pub kv_event_errors: u64,
+    /// Engine steps, summed over workers.
+    pub engine_steps: u64,
+    /// Distinct blocks the oracle remembered.
+    pub oracle_blocks: u64,
+    /// Virtual time the run covered.
+    pub simulated: Nanos,
+}
+
+/// Everything a run produced.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunOutput {
+    pub phases: Vec<PhaseResult>,
+    pub totals: RunTotals,
+    /// Requests the measurement windows cover (all of them with `keep_all_records`).
+    pub records: Vec<RequestRecord>,
+}
+
+/// A deterministic virtual-time cluster: see the crate docs.
+pub struct Simulation<W: Workload> {
+    cfg: SimConfig,
+    phases: Vec<Phase>,
+    phase_starts: Vec<Nanos>,
+    engines: Vec<Engine>,
+    router: Router,
+    workload: W,
+    timers: Timers,
+    now: Nanos,
+    next_id: u64,
+    in_flight: FxHashMap<u64, InFlight>,
+    /// Frontend queue of turn ids, bounded by `frontend.queue_capacity`.
+    queue: VecDeque<u64>,
+    /// Router refused for lack of tracking room: wait for a finish before routing again.
+    router_full: bool,
+    worker_in_flight: Vec<u32>,
+    /// Per worker: ∫ in-flight dt over the measurement period (request·ns) and its last change.
+    in_flight_area: Vec<(u128, Nanos)>,
+    workers_with_room: u32,
+    dirty: Vec<u32>,
+    is_dirty: Vec<bool>,
+    /// KV events on their way to the router (fixed delay, so in delivery order).
+    kv_queue: VecDeque<(Nanos, KvEvent)>,
+    oracle: Option<Oracle>,
+    /// Every phase's snapshot windows, flattened, with the tokens emitted in each.
+    windows: Vec<(Nanos, Nanos)>,
+    window_tokens: Vec<u64>,
+    records: Vec<RequestRecord>,
+    schedule: Vec<(Nanos, Action)>,
+    next_action: usize,
+    /// Phase whose measurement period is running.
+    measuring: Option<usize>,
+    worker_stats: Vec<Vec<WorkerStats>>,
+    marks: Vec<EngineMark>,
+    totals: RunTotals,
+    burst: (Nanos, u64),
+    fatal: Option<SimError>,
+}
+
+impl<W: Workload> std::fmt::Debug for Simulation<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Simulation")
+            .field("now", &self.now)
+            .field("workers", &self.engines.len())
+            .field("in_flight", &self.in_flight.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<W: Workload> Simulation<W> {
+    /// A cluster per `cfg`, driven by `workload` (created for time zero with the first
+    /// phase's concurrency), measured over `phases` run back to back from time zero.
+    pub fn new(cfg: SimConfig, workload: W, phases: Vec<Phase>) -> Result<Self, SimError> {
+        if cfg.workers == 0 {
+            return Err(ConfigError::NoWorkers.into());
+        }
+        if phases.is_empty() {
+            return Err(ConfigError::NoPhases.into());
+        }
+        if cfg.frontend.queue_capacity == 0 {
+            return Err(ConfigError::ZeroQueue.into());
+        }
+        for p in &phases {
+            p.validate()?;
+        }
+        let n = cfg.workers as usize;
+        let mut engines = Vec::with_capacity(n);
+        let mut capacity_total = 0u64;
+        for i in 0..n {
+            let mut ec = cfg.engine.clone();
+            ec.seed = derive_seed(cfg.seed, streams::ENGINE + i as u64);
+            let e = Engine::new(ec, WorkerId(i as u64)).map_err(ConfigError::from)?;
+            capacity_total += u64::from(e.kv_capacity_blocks());
+            engines.push(e);
+        }
+        let block_size = cfg.engine.block_size as usize;
+        let router_cfg = RouterConfig {
+            policy: cfg.router.policy,
+            kv: cfg.router.kv,
+            block_size,
+            seed: derive_seed(cfg.seed, streams::ROUTER),
+            kv_source: cfg.router.kv_source,
+            // Above the fleet's whole KV capacity: the index's own eviction stays a safety
+            // net and never decides a routing outcome.
+            index: IndexConfig {
+                max_blocks: usize::try_from(capacity_total + capacity_total / 4 + 1024)
+                    .unwrap_or(usize::MAX),
+                max_workers: n.max(1),
+            },
+            ..RouterConfig::default()
+        };
+        let mut router = Router::new(router_cfg).map_err(ConfigError::from)?;
+        for (i, e) in engines.iter().enumerate() {
+            let limits = WorkerLimits {
+                max_num_seqs: Some(cfg.engine.max_num_seqs),
+                kv_capacity_blocks: Some(u64::from(e.kv_capacity_blocks())),
+            };
+            router
+                .add_worker(WorkerId(i as u64), limits)
+                .map_err(ConfigError::from)?;
+        }
+        let oracle = cfg.oracle.then(|| Oracle::new(*router.hasher()));
+        let mut phase_starts = Vec::with_capacity(phases.len());
+        let mut schedule = Vec::new();
+        let mut windows = Vec::new();
+        let mut t = Nanos::ZERO;
+        for (k, p) in phases.iter().enumerate() {
+            phase_starts.push(t);
+            schedule.push((t, Action::PhaseStart(k)));
+            schedule.push((t + p.warmup, Action::MeasureStart(k)));
+            windows.extend(p.windows(t));
+            t += p.duration();
+            schedule.push((t, Action::MeasureEnd(k)));
+        }
+        let mut sim = Self {
+            workers_with_room: cfg.workers,
+            phases,
+            phase_starts,
+            router,
+            workload,
+            timers: Timers::new(n),
+            now: Nanos::ZERO,
+            next_id: 0,
+            in_flight: FxHashMap::default(),
+            queue: VecDeque::new(),
+            router_full: false,
+            worker_in_flight: vec![0; n],
+            in_flight_area: vec![(0, Nanos::ZERO); n],
+            dirty: Vec::new(),
+            is_dirty: vec![false; n],
+            kv_queue: VecDeque::new(),
+            oracle,
+            window_tokens: vec![0; windows.len()],
+            windows,
+            records: Vec::new(),
+            schedule,
+            next_action: 0,
+            measuring: None,
+            worker_stats: Vec::new(),
+            marks: vec![EngineMark::default(); n],
+            totals: RunTotals::default(),
+            burst: (Nanos::ZERO, 0),
+            fatal: None,
+            engines,
+            cfg,
+        };
+        sim.worker_stats = vec![Vec::new(); sim.phases.len()];
+        sim.timers.arm(Source::Schedule, Some(Nanos::ZERO));
+        Ok(sim)
+    }
+
+    /// Virtual time reached.
+    pub fn now(&self) -> Nanos {
+        self.now
+    }
+
+    /// When the last phase ends.
+    pub fn end(&self) -> Nanos {
+        let last = self.phases.len() - 1;
+        self.phase_starts[last] + self.phases[last].duration()
+    }
+
+    /// When phase `k` ends.
+    pub fn phase_end(&self, k: usize) -> Nanos {
+        self.phase_starts[k] + self.phases[k].duration()
+    }
+
+    pub fn phases(&self) -> &[Phase] {
+        &self.phases
+    }
+
+    pub fn workload(&self) -> &W {
+        &self.workload
+    }
+
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    pub fn engines(&self) -> &[Engine] {
+        &self.engines
+    }
+
+    /// Runs every phase; `progress(k)` after phase `k` ends.
+    pub fn run(mut self, mut progress: impl FnMut(usize)) -> Result<RunOutput, SimError> {
+        for k in 0..self.phases.len() {
+            let end = self.phase_end(k);
+            self.run_until(end)?;
+            progress(k);
+        }
+        Ok(self.finish())
+    }
+
+    /// Processes every event up to and including `t`.
+    pub fn run_until(&mut self, t: Nanos) -> Result<(), SimError> {
+        while let Some((at, source)) = self.timers.peek() {
+            if at > t {
+                break;
+            }
+            self.timers.pop();
+            self.now = at;
+            match source {
+                Source::Engine(i) => {
+                    self.engines[i as usize].handle_timeout(at);
+                    self.mark_dirty(i);
+                }
+                Source::Workload => self.workload.handle_timeout(at),
+                Source::Router => self.router.handle_timeout(at),
+                Source::KvDelivery => self.deliver_kv(at),
+                Source::Schedule => self.run_schedule(at),
+            }
+            self.pump();
+            if let Some(e) = self.fatal.take() {
+                return Err(e);
+            }
+        }
+        self.now = self.now.max(t);
+        Ok(())
+    }
+
+    /// Stops the run: computes every phase's metrics.
+    pub fn finish(mut self) -> RunOutput {
+        let mut phases = Vec::with_capacity(self.phases.len());
+        let mut w = 0;
+        for (k, p) in self.phases.iter().enumerate() {
+            let n = p.snapshots as usize;
+            let windows = &self.windows[w..w + n];
+            let snapshots: Vec<Metrics> = windows
+                .iter()
+                .zip(&self.window_tokens[w..w + n])
+                .map(|(&(from, to), &tokens)| {
+                    Metrics::of_window(&self.records, from, to, tokens, self.cfg.oracle)
+                })
+                .collect();
+            w += n;
+            phases.push(PhaseResult {
+                concurrency: p.concurrency,
+                windows_s: windows
+                    .iter()
+                    .map(|(a, b)| (a.as_secs_f64(), b.as_secs_f64()))
+                    .collect(),
+                metrics: Metrics::mean(&snapshots),
+                snapshots,
+                workers: std::mem::take(&mut self.worker_stats[k]),
+            });
+        }
+        let mut totals = self.totals.clone();
+        totals.in_flight_at_end = self.in_flight.len() as u64;
+        totals.queued_at_end = self.queue.len() as u64;
+        totals.in_flight_tokens_at_end = self.in_flight.values().map(|f| u64::from(f.tokens)).sum();
+        totals.engine_steps = self.engines.iter().map(|e| e.metrics().steps).sum();
+        totals.oracle_blocks = self.oracle.as_ref().map_or(0, |o| o.len() as u64);
+        totals.simulated = self.now;
+        RunOutput {
+            phases,
+            totals,
+            records: self.records,
+        }
+    }
+
+    // ---- the loop's pieces ------------------------------------------------------------------
+
+    /// Drains everything the last input produced: turns from the workload, events from
+    /// engines, until nothing moves; then re-arms the workload's and router's timers.
+    fn pump(&mut self) {
+        loop {
+            if self.fatal.is_some() {
+                return;
+            }
+            if let Some(turn) = self.workload.poll_request() {
+                self.issue(turn);
+                continue;
+            }
+            if let Some(i) = self.dirty.pop() {
+                self.drain_engine(i);
+                continue;
+            }
+            break;
+        }
+        self.timers
+            .arm(Source::Workload, self.workload.poll_timeout());
+        self.timers.arm(Source::Router, self.router.poll_timeout());
+    }
+
+    fn mark_dirty(&mut self, i: u32) {
+        if !self.is_dirty[i as usize] {
+            self.is_dirty[i as usize] = true;
+            self.dirty.push(i);
+        }
+    }
+
+    fn drain_engine(&mut self, i: u32) {
+        while let Some(ev) = self.engines[i as usize].poll_event() {
+            self.on_engine_event(i, ev);
+        }
+        self.is_dirty[i as usize] = false;
+        let next = self.engines[i as usize].poll_timeout();
+        self.timers.arm(Source::Engine(i), next);
+    }
+
+    fn run_schedule(&mut self, at: Nanos) {
+        while let Some(&(t, action)) = self.schedule.get(self.next_action) {
+            if t > at {
+                break;
+            }
+            self.next_action += 1;
+            match action {
+                Action::PhaseStart(k) => {
+                    let c = self.phases[k].concurrency;
+                    self.workload.set_concurrency(c, at);
+                }
+                Action::MeasureStart(k) => {
+                    self.measuring = Some(k);
+                    for (i, e) in self.engines.iter().enumerate() {
+                        let m = e.metrics();
+                        self.marks[i] = EngineMark {
+                            busy: m.busy_time,
+                            prefill: m.prefill_tokens_computed,
+                            output: m.tokens_generated,
+                            preemptions: m.preemptions,
+                        };
+                    }
+                    self.in_flight_area.fill((0, at));
+                    self.worker_stats[k] = (0..self.engines.len())
+                        .map(|i| WorkerStats {
+                            worker: i as u32,
+                            peak_in_flight: self.worker_in_flight[i],
+                            ..WorkerStats::default()
+                        })
+                        .collect();
+                }
+                Action::MeasureEnd(k) => {
+                    let span = self.phases[k].window.as_secs_f64();
+                    for (i, e) in self.engines.iter().enumerate() {
+                        let m = e.metrics();
+                        let mark = self.marks[i];
+                        let s = &mut self.worker_stats[k][i];
+                        s.utilisation =
+                            ((m.busy_time.saturating_sub(mark.busy)).as_secs_f64() / span).min(1.0);
+                        s.prefill_tokens = m.prefill_tokens_computed - mark.prefill;
+                        s.output_tokens = m.tokens_generated - mark.output;
+                        s.preemptions = m.preemptions - mark.preemptions;
+                        let (area, last) = self.in_flight_area[i];
+                        let area =
+                            area + u128::from(self.worker_in_flight[i]) * u128::from((at - last).0);
+                        s.mean_in_flight = area as f64 / self.phases[k].window.0 as f64;
+                    }
+                    self.measuring = None;
+                }
+            }
+        }
+        let next = self.schedule.get(self.next_action).map(|a| a.0);
+        self.timers.arm(Source::Schedule, next);
+    }
+
+    fn deliver_kv(&mut self, at: Nanos) {
+        while self.kv_queue.front().is_some_and(|e| e.0 <= at) {
+            if let Some((_, ev)) = self.kv_queue.pop_front() {
+                self.apply_kv(&ev);
+            }
+        }
+        let next = self.kv_queue.front().map(|e| e.0);
+        self.timers.arm(Source::KvDelivery, next);
+    }
+
+    fn apply_kv(&mut self, ev: &KvEvent) {
+        if self.router.apply_event(ev).is_err() {
+            self.totals.kv_event_errors += 1;
+        }
+    }
+
+    // ---- turns ------------------------------------------------------------------------------
+
+    fn issue(&mut self, turn: Turn) {
+        let now = self.now;
+        if self.burst.0 == now {
+            self.burst.1 += 1;
+            if self.burst.1 > MAX_TURNS_PER_INSTANT {
+                self.fatal = Some(SimError::Livelock {
+                    turns: self.burst.1,
+                    at: now,
+                });
+                return;
+            }
+        } else {
+            self.burst = (now, 1);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.totals.issued += 1;
+        let key = self.router.key(&turn.prompt);
+        let oracle_cached = match &mut self.oracle {
+            Some(o) => o.issue(turn.prompt.len(), &key.seq),
+            None => 0,
+        };
+        self.in_flight.insert(
+            id,
+            InFlight {
+                turn: turn.key,
+                prompt_last_block: key.seq.last().copied(),
+                prompt: turn.prompt,
+                output: turn.output,
+                issued_at: turn.issued_at.min(now),
+                routed_at: None,
+                worker: None,
+                first_token_at: None,
+                last_token_at: None,
+                tokens: 0,
+                spans: 0,
+                oracle_cached,
+                overlap_blocks: 0,
+                key: Some(key),
+            },
+        );
+        if self.queue.is_empty() && self.has_room() {
+            self.route(id);
+        } else if self.queue.len() < self.cfg.frontend.queue_capacity {
+            self.queue.push_back(id);
+        } else {
+            self.fail(id, Outcome::Dropped);
+        }
+    }
+
+    fn has_room(&self) -> bool {
+        !self.router_full
+            && (self.cfg.frontend.max_in_flight_per_worker.is_none() || self.workers_with_room > 0)
+    }
+
+    /// Routes queued turns while there is room.
+    fn dispatch_queue(&mut self) {
+        while self.has_room() {
+            let Some(id) = self.queue.pop_front() else {
+                return;
+            };
+            self.route(id);
+        }
+    }
+
+    fn route(&mut self, id: u64) {
+        let now = self.now;
+        let Some(f) = self.in_flight.get_mut(&id) else {
+            return;
+        };
+        let Some(key) = f.key.take() else {
+            return;
+        };
+        match self.router.route(RequestId(id), &key, now) {
+            Ok(decision) => {
+                let w = decision.worker.0 as u32;
+                f.routed_at = Some(now);
+                f.worker = Some(w);
+                f.overlap_blocks = decision.overlap_blocks;
+                let req = EngineRequest {
+                    id: engine::RequestId(id),
+                    prompt: Arc::clone(&f.prompt),
+                    output: OutputSpec::Tokens(Arc::clone(&f.output)),
+                };
+                self.add_in_flight(w);
+                self.engines[w as usize].submit(req, now);
+                self.mark_dirty(w);
+            }
+            Err(RouteError::TooManyInFlight { .. }) => {
+                // Wait at the head of the queue until a request finishes.
+                f.key = Some(key);
+                self.router_full = true;
+                self.queue.push_front(id);
+            }
+            Err(_) => self.fail(id, Outcome::Dropped),
+        }
+    }
+
+    /// Accumulates worker `w`'s in-flight area up to now, before its count changes.
+    fn integrate_in_flight(&mut self, w: u32) {
+        if self.measuring.is_some() {
+            let (area, last) = &mut self.in_flight_area[w as usize];
+            *area +=
+                u128::from(self.worker_in_flight[w as usize]) * u128::from((self.now - *last).0);
+            *last = self.now;
+        }
+    }
+
+    fn add_in_flight(&mut self, w: u32) {
+        self.integrate_in_flight(w);
+        let n = &mut self.worker_in_flight[w as usize];
+        *n += 1;
+        if self.cfg.frontend.max_in_flight_per_worker == Some(*n) {
+            self.workers_with_room -= 1;
+        }
+        let n = *n;
+        if self.measuring.is_some() {
+            self.worker_stats_mut(w, |s| {
+                s.routed += 1;
+                s.peak_in_flight = s.peak_in_flight.max(n);
+            });
+        }
+    }
+
+    fn remove_in_flight(&mut self, w: u32) {
+        self.integrate_in_flight(w);
+        let n = &mut self.worker_in_flight[w as usize];
+        if self.cfg.frontend.max_in_flight_per_worker == Some(*n) {
+            self.workers_with_room += 1;
+        }
+        *n = n.saturating_sub(1);
+    }
+
+    fn worker_stats_mut(&mut self, w: u32, f: impl FnOnce(&mut WorkerStats)) {
+        if let Some(k) = self.measuring {
+            if let Some(s) = self.worker_stats[k].get_mut(w as usize) {
+                f(s);
+            }
+        }
+    }
+
+    fn on_engine_event(&mut self, worker: u32, ev: EngineEvent) {
+        match ev {
+            EngineEvent::FirstToken { id, at } => {
+                if let Some(f) = self.in_flight.get_mut(&id.0) {
+                    f.first_token_at = Some(at);
+                }
+                self.router.on_first_token(RequestId(id.0), at);
+            }
+            EngineEvent::Tokens { id, start, end, at } => self.on_tokens(id.0, start, end, at),
+            EngineEvent::Finished {
+                id,
+                at,
+                prompt_tokens,
+                cached_prompt_tokens,
+                output_tokens,
+                preemptions,
+            } => {
+                let Some(f) = self.in_flight.remove(&id.0) else {
+                    return;
+                };
+                self.router.on_finished(RequestId(id.0), at);
+                self.remove_in_flight(worker);
+                if let Some(o) = &mut self.oracle {
+                    o.finish(&f.prompt, f.prompt_last_block, &f.output);
+                }
+                self.totals.finished += 1;
+                self.totals.finished_output_tokens += u64::from(output_tokens);
+                let record = RequestRecord {
+                    id: id.0,
+                    conversation: f.turn.conversation,
+                    turn: f.turn.turn,
+                    worker: f.worker,
+                    issued_at: f.issued_at,
+                    routed_at: f.routed_at,
+                    first_token_at: f.first_token_at,
+                    last_token_at: f.last_token_at,
+                    ended_at: at,
+                    prompt_tokens,
+                    cached_prompt_tokens,
+                    oracle_cached_tokens: f.oracle_cached.min(prompt_tokens),
+                    router_overlap_blocks: f.overlap_blocks,
+                    output_tokens,
+                    token_spans: f.spans,
+                    preemptions,
+                    outcome: Outcome::Finished,
+                };
+                self.keep(record);
+                self.workload.on_turn_finished(f.turn, at);
+                self.after_release();
+            }
+            EngineEvent::Rejected { id, .. } => {
+                self.router.on_finished(RequestId(id.0), self.now);
+                self.remove_in_flight(worker);
+                self.fail(id.0, Outcome::Rejected);
+                self.after_release();
+            }
+            // Not produced by aggregated workers the simulator does not cancel; should one
+            // appear, the turn ends as an error rather than hanging.
+            EngineEvent::Cancelled { id, .. } | EngineEvent::PrefillDone { id, .. } => {
+                self.router.on_finished(RequestId(id.0), self.now);
+                self.remove_in_flight(worker);
+                self.fail(id.0, Outcome::Rejected);
+                self.after_release();
+            }
+            EngineEvent::Kv(ev) => {
+                self.totals.kv_events += 1;
+                if self.cfg.router.kv_source != KvSource::Events {
+                    return;
+                }
+                let delay = self.cfg.router.kv_event_delay;
+                if delay == Nanos::ZERO {
+                    self.apply_kv(&ev);
+                } else {
+                    let at = self.now + delay;
+                    if self.kv_queue.is_empty() {
+                        self.timers.arm(Source::KvDelivery, Some(at));
+                    }
+                    self.kv_queue.push_back((at, ev));
+                }
+            }
+        }
+    }
+
+    fn after_release(&mut self) {
+        self.router_full = false;
+        self.dispatch_queue();
+    }
+
+    fn on_tokens(&mut self, id: u64, start: u32, end: u32, at: Nanos) {
+        let Some(f) = self.in_flight.get_mut(&id) else {
+            return;
+        };
+        let count = end.saturating_sub(start);
+        let prev = match f.last_token_at {
+            Some(p) if start > 0 => p,
+            _ => at,
+        };
+        f.last_token_at = Some(at);
+        f.tokens = end;
+        f.spans += 1;
+        self.totals.tokens_emitted += u64::from(count);
+        for (w, &(from, to)) in self.windows.iter().enumerate() {
+            if prev < to && at > from {
+                self.window_tokens[w] += tokens_in_window(prev, at, count, from, to);
+            }
+        }
+    }
+
+    /// Ends a turn that did not finish: records it and tells the workload.
+    fn fail(&mut self, id: u64, outcome: Outcome) {
+        let Some(f) = self.in_flight.remove(&id) else {
+            return;
+        };
+        self.totals.failed += 1;
+        let record = RequestRecord {
+            id,
+            conversation: f.turn.conversation,
+            turn: f.turn.turn,
+            worker: f.worker,
+            issued_at: f.issued_at,
+            routed_at: f.routed_at,
+            first_token_at: f.first_token_at,
+            last_token_at: f.last_token_at,
+            ended_at: self.now,
+            prompt_tokens: f.prompt.len() as u32,
+            cached_prompt_tokens: 0,
+            oracle_cached_tokens: f.oracle_cached,
+            router_overlap_blocks: f.overlap_blocks,
+            output_tokens: f.tokens,
+            token_spans: f.spans,
+            preemptions: 0,
+            outcome,
+        };
+        self.keep(record);
+        self.workload.on_turn_failed(f.turn, self.now);
+    }
+
+    /// Keeps a record if a window needs it (or all records are kept).
+    fn keep(&mut self, record: RequestRecord) {
+        let needed = self.cfg.keep_all_records
+            || self.windows.iter().any(|&(from, to)| {
+                let inside = |t: Nanos| from < t && t <= to;
+                inside(record.ended_at) || record.first_token_at.is_some_and(inside)
+            });
+        if needed {
+            self.records.push(record);
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! Per-request records and the seed's metrics over measurement windows.
+//!
+//! Definitions (seeds 001 and 002), all client-side, i.e. from the turn's `issued_at`:
+//!
+//! - **TTFT** = first token − issued (includes any wait at the frontend and in the engine).
+//! - **TPOT** = (E2E − TTFT) / (output tokens − 1); requests with one output token have none.
+//! - **ITL** = the mean gap between consecutive tokens of a request, from the times the
+//!   engine emitted them (token spans). Mean gaps telescope to (last − first) / (n − 1), so
+//!   with no network between engine and client ITL equals TPOT here; the seed calls them
+//!   "synonymous in this context" and reports them within a millisecond of each other.
+//! - **E2E** = finish − issued.
+//! - **Output tokens per second** = output tokens *emitted* inside the window / its length
+//!   (a token counts when it is produced, not when its request finishes).
+//! - **Requests per second** = requests finished inside the window / its length.
+//! - **KV hit rate** = cached prompt tokens / prompt tokens, both as the engines saw them
+//!   (`Finished` events) for requests finished inside the window. The oracle's rate is over
+//!   the same requests.
+//! - **Errors** = turns that failed inside the window (engine rejection, full frontend).
+//!
+//! Which requests a window `(from, to]` covers: TTFT — requests whose first token arrived in
+//! it; TPOT, ITL, E2E, RPS, hit rates — requests that finished in it (when the client
+//! observes them, as the seed's load generator does). Percentiles are exact: the
+//! nearest-rank value (the ⌈q·n⌉-th smallest) of all samples in the window, no histogram.
+
+use nanotime::Nanos;
+use serde::Serialize;
+
+/// How a turn ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// Its last token arrived.
+    Finished,
+    /// The engine refused it (too long for the context or the pool, queue full).
+    Rejected,
+    /// The frontend queue was full, or the router could not place it.
+    Dropped,
+}
+
+/// Everything the simulator recorded about one turn.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RequestRecord {
+    pub id: u64,
+    pub conversation: u64,
+    pub turn: u32,
+    /// The worker it was routed to.
+    pub worker: Option<u32>,
+    pub issued_at: Nanos,
+    pub routed_at: Option<Nanos>,
+    pub first_token_at: Option<Nanos>,
+    pub last_token_at: Option<Nanos>,
+    /// When it finished or failed.
+    pub ended_at: Nanos,
+    pub prompt_tokens: u32,
+    /// Prompt tokens the engine found in its prefix cache.
+    pub cached_prompt_tokens: u32,
+    /// Prompt tokens an oracle router over never-evicting workers would have found.
+    pub oracle_cached_tokens: u32,
+    /// Leading prompt blocks the router believed cached on the chosen worker.
+    pub router_overlap_blocks: u32,
+    pub output_tokens: u32,
+    /// Token events received (one per step, or per coalesced stretch in speed mode).
+    pub token_spans: u32,
+    pub preemptions: u32,
+    pub outcome: Outcome,
+}
+
+impl RequestRecord {
+    pub fn ttft(&self) -> Option<Nanos> {
+        self.first_token_at
+            .map(|t| t.saturating_sub(self.issued_at))
+    }
+
+    pub fn e2e(&self) -> Option<Nanos> {
+        (self.outcome == Outcome::Finished).then(|| self.ended_at.saturating_sub(self.issued_at))
+    }
+
+    /// (E2E − TTFT) / (output tokens − 1), in seconds.
+    pub fn tpot_secs(&self) -> Option<f64> {
+        let (e2e, ttft) = (self.e2e()?, self.ttft()?);
+        (self.output_tokens >= 2)
+            .then(|| (e2e - ttft).as_secs_f64() / f64::from(self.output_tokens - 1))
+    }
+
+    /// Mean gap between consecutive tokens, in seconds.
+    pub fn itl_secs(&self) -> Option<f64> {
+        let (first, last) = (self.first_token_at?, self.last_token_at?);
+        (self.outcome == Outcome::Finished && self.output_tokens >= 2)
+            .then(|| (last - first).as_secs_f64() / f64::from(self.output_tokens - 1))
+    }
+}
+
+/// p50 and p95 of one metric; `None` when the window had no sample.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct Percentiles {
+    pub p50: Option<f64>,
+    pub p95: Option<f64>,
+}
+
+impl Percentiles {
+    /// Nearest-rank percentiles of `samples` (sorted in place).
+    pub fn of(samples: &mut [f64]) -> Self {
+        samples.sort_by(f64::total_cmp);
+        Self {
+            p50: nearest_rank(samples, 0.50),
+            p95: nearest_rank(samples, 0.95),
+        }
+    }
+
+    /// The mean of several windows' percentiles (the seed averages snapshots and sweeps),
+    /// over the windows that had samples.
+    pub fn mean<'a>(all: impl IntoIterator<Item = &'a Percentiles> + Clone) -> Self {
+        Self {
+            p50: mean_some(all.clone().into_iter().map(|p| p.p50)),
+            p95: mean_some(all.into_iter().map(|p| p.p95)),
+        }
+    }
+}
+
+/// The ⌈q·n⌉-th smallest of sorted `v`.
+pub fn nearest_rank(sorted: &[f64], q: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = (q * sorted.len() as f64).ceil().max(1.0) as usize;
+    Some(sorted[rank.min(sorted.len()) - 1])
+}
+
+/// Mean of the present values, `None` when none is.
+pub fn mean_some(values: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
+    let (mut sum, mut n) = (0.0, 0u32);
+    for v in values.into_iter().flatten() {
+        sum += v;
+        n += 1;
+    }
+    (n > 0).then(|| sum / f64::from(n))
+}
+
+/// The seed's metrics over one window, or averaged over several.
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct Metrics {
+    pub ttft_ms: Percentiles,
+    pub tpot_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    pub e2e_s: Percentiles,
+    pub output_tokens_per_s: f64,
+    pub requests_per_s: f64,
+    /// Cached / prompt tokens of finished requests, 0..1 (`None` when none finished).
+    pub kv_hit_rate: Option<f64>,
+    /// The oracle's hit rate over the same requests (`None` when the oracle is off).
+    pub oracle_hit_rate: Option<f64>,
+    /// Failed turns.
+    pub errors: f64,
+    /// Finished requests.
+    pub requests: f64,
+    /// Mean prompt tokens of finished requests.
+    pub mean_prompt_tokens: Option<f64>,
+    /// Mean output tokens of finished requests.
+    pub mean_output_tokens: Option<f64>,
+}
+
+impl Metrics {
+    /// The metrics of window `(from, to]` over `records`, with `tokens` emitted in it.
+    pub fn of_window(
+        records: &[RequestRecord],
+        from: Nanos,
+        to: Nanos,
+        tokens: u64,
+        oracle: bool,
+    ) -> Self {
+        let inside = |t: Nanos| from < t && t <= to;
+        let (mut ttft, mut tpot, mut itl, mut e2e) = (vec![], vec![], vec![], vec![]);
+        let (mut prompt, mut cached, mut oracle_cached, mut output) = (0u64, 0u64, 0u64, 0u64);
+        let (mut finished, mut errors) = (0u64, 0u64);
+        for r in records {
+            if let Some(t) = r.first_token_at.filter(|&t| inside(t)) {
+                ttft.push((t - r.issued_at).as_millis_f64());
+            }
+            if !inside(r.ended_at) {
+                continue;
+            }
+            if r.outcome != Outcome::Finished {
+                errors += 1;
+                continue;
+            }
+            finished += 1;
+            prompt += u64::from(r.prompt_tokens);
+            cached += u64::from(r.cached_prompt_tokens);
+            oracle_cached += u64::from(r.oracle_cached_tokens);
+            output += u64::from(r.output_tokens);
+            if let Some(e) = r.e2e() {
+                e2e.push(e.as_secs_f64());
+            }
+            if let Some(t) = r.tpot_secs() {
+                tpot.push(t * 1e3);
+            }
+            if let Some(t) = r.itl_secs() {
+                itl.push(t * 1e3);
+            }
+        }
+        let secs = (to - from).as_secs_f64();
+        let ratio = |a: u64, b: u64| (b > 0).then(|| a as f64 / b as f64);
+        Self {
+            ttft_ms: Percentiles::of(&mut ttft),
+            tpot_ms: Percentiles::of(&mut tpot),
+            itl_ms: Percentiles::of(&mut itl),
+            e2e_s: Percentiles::of(&mut e2e),
+            output_tokens_per_s: tokens as f64 / secs,
+            requests_per_s: finished as f64 / secs,
+            kv_hit_rate: ratio(cached, prompt),
+            oracle_hit_rate: if oracle {
+                ratio(oracle_cached, prompt)
+            } else {
+                None
+            },
+            errors: errors as f64,
+            requests: finished as f64,
+            mean_prompt_tokens: ratio(prompt, finished),
+            mean_output_tokens: ratio(output, finished),
+        }
+    }
+
+    /// The mean of several windows (snapshots, or sweeps), as the seed averages them.
+    pub fn mean(all: &[Metrics]) -> Self {
+        let n = all.len().max(1) as f64;
+        let avg = |f: fn(&Metrics) -> f64| all.iter().map(f).sum::<f64>() / n;
+        let avg_some = |f: fn(&Metrics) -> Option<f64>| mean_some(all.iter().map(f));
+        Self {
+            ttft_ms: Percentiles::mean(all.iter().map(|m| &m.ttft_ms)),
+            tpot_ms: Percentiles::mean(all.iter().map(|m| &m.tpot_ms)),
+            itl_ms: Percentiles::mean(all.iter().map(|m| &m.itl_ms)),
+            e2e_s: Percentiles::mean(all.iter().map(|m| &m.e2e_s)),
+            output_tokens_per_s: avg(|m| m.output_tokens_per_s),
+            requests_per_s: avg(|m| m.requests_per_s),
+            kv_hit_rate: avg_some(|m| m.kv_hit_rate),
+            oracle_hit_rate: avg_some(|m| m.oracle_hit_rate),
+            errors: avg(|m| m.errors),
+            requests: avg(|m| m.requests),
+            mean_prompt_tokens: avg_some(|m| m.mean_prompt_tokens),
+            mean_output_tokens: avg_some(|m| m.mean_output_tokens),
+        }
+    }
+}
+
+/// Tokens `start..end` of a span whose last token was emitted at `at` and whose previous
+/// token was emitted at `prev`: the span's tokens are spread evenly over `(prev, at]` (one
+/// token per step; in speed mode the engine reports a stretch of equal-length steps as one
+/// span, and step lengths within it differ by well under a percent). Returns how many fall in
+/// `(from, to]`. Exact when the span has one token.
+pub fn tokens_in_window(prev: Nanos, at: Nanos, count: u32, from: Nanos, to: Nanos) -> u64 {
+    tokens_at_or_before(prev, at, count, to) - tokens_at_or_before(prev, at, count, from)
+}
+
+/// How many of the span's tokens (token `m` = 1..=count at `prev + ⌊m·d/count⌋`) are at or
+/// before `x`.
+fn tokens_at_or_before(prev: Nanos, at: Nanos, count: u32, x: Nanos) -> u64 {
+    let count = u64::from(count);
+    if x >= at {
+        return count;
+    }
+    if x < prev {
+        return 0;
+    }
+    let d = u128::from((at - prev).0);
+    // ⌊m·d/count⌋ ≤ x − prev  ⇔  m·d < (x − prev + 1)·count
+    let rhs = u128::from((x - prev).0 + 1) * u128::from(count);
+    // Largest m with m·d < rhs (d > 0 here since prev ≤ x < at).
+    let m = (rhs - 1) / d;
+    (m as u64).min(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let mut v: Vec<f64> = (1..=20).rev().map(f64::from).collect();
+        let p = Percentiles::of(&mut v);
+        assert_eq!(p.p50, Some(10.0));
+        assert_eq!(p.p95, Some(19.0));
+        assert_eq!(Percentiles::of(&mut [7.0]).p95, Some(7.0));
+        assert_eq!(Percentiles::of(&mut []).p50, None);
+    }
+
+    #[test]
+    fn span_tokens_split_across_a_window_edge() {
+        // 10 tokens over (1000, 2000]: token m at 1000 + 100·m.
+        let (prev, at) = (Nanos(1000), Nanos(2000));
+        assert_eq!(tokens_in_window(prev, at, 10, Nanos(0), Nanos(5000)), 10);
+        assert_eq!(tokens_in_window(prev, at, 10, Nanos(1000), Nanos(1500)), 5);
+        assert_eq!(tokens_in_window(prev, at, 10, Nanos(1499), Nanos(1500)), 1);
+        assert_eq!(tokens_in_window(prev, at, 10, Nanos(1500), Nanos(1599)), 0);
+        assert_eq!(tokens_in_window(prev, at, 10, Nanos(1950), Nanos(2000)), 1);
+        assert_eq!(tokens_in_window(prev, at, 10, Nanos(2000), Nanos(3000)), 0);
+        // Every split point partitions the span exactly.
+        for cut in 900..2100 {
+            let a = tokens_in_window(prev, at, 10, Nanos(0), Nanos(cut));
+            let b = tokens_in_window(prev, at, 10, Nanos(cut), Nanos(9999));
+            assert_eq!(a + b, 10, "cut {cut}");
+        }
+        // A one-token span counts exactly at its time.
+        assert_eq!(
+            tokens_in_window(Nanos(5), Nanos(7), 1, Nanos(6), Nanos(7)),
+            1
+        );
+        assert_eq!(
+            tokens_in_window(Nanos(5), Nanos(7), 1, Nanos(7), Nanos(9)),
+            0
+        );
+    }
+}
