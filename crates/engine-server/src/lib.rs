@@ -1,1 +1,321 @@
-//! The engine simulator served in real time: OpenAI-compatible HTTP, metrics, KV event publishing.
+//! The engine simulator served in real time: an OpenAI-compatible worker that behaves, on the
+//! wire and in its timing, like one vLLM / TensorRT-LLM GPU worker.
+//!
+//! One tokio task owns the sans-IO [`engine::Engine`] and drives it step by step, sleeping
+//! until each step's modelled end (divided by `speedup`); HTTP handlers submit requests to it
+//! over a bounded channel and relay each request's tokens from a `watch` channel. Replies are
+//! readable text from `text::ReplyGenerator` whose token ids are the ones the next turn's
+//! prompt re-tokenizes to, so a conversation's replies are prefix-cache hits, as with a real
+//! model. KV events go to NATS (our msgpack format, plus worker registration) and/or a ZMQ PUB
+//! socket (vLLM's `KVEventBatch` format), with the blocks' tokens attached.
+//!
+//! Endpoints: `POST /v1/completions` (text or token-id prompt), `POST /v1/chat/completions`
+//! (Llama-3 template), both streaming (SSE, `stream_options.include_usage`) or not;
+//! `GET /v1/models`, `GET /health`, `GET /info` ([`protocol::WorkerInfo`]),
+//! `POST /tokenize`, `GET /metrics` (see [`metrics`]). Errors are OpenAI error JSON: bad
+//! JSON 400, prompt over the context 400 `context_length_exceeded`, unknown model 404, body
+//! over the limit 413, engine queue full 429.
+//!
+//! # Invariants
+//!
+//! - The engine task never waits for a client: progress is a watch channel (bounded to its
+//!   latest value). A client that disconnects cancels its engine request.
+//! - Bounds: submissions (`command_queue`, full → 429), requests in the engine
+//!   (`EngineConfig::max_waiting` + `max_num_seqs`, full → 429), KV event batches waiting to
+//!   be published (`kv_event_queue`, full → dropped, counted, and visible to receivers as a
+//!   sequence gap), request bodies (`body_limit_bytes`, → 413), and the block→tokens map
+//!   (the blocks of requests in the engine).
+//!
+//! # Example
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), engine_server::ServerError> {
+//! use engine_server::{EngineServer, EngineServerConfig};
+//!
+//! let mut config = EngineServerConfig::new(); // seed 002's H200 worker on 127.0.0.1:0
+//! config.speedup = 100.0;
+//! let server = EngineServer::bind(config).await?;
+//! println!("serving on {}", server.url());
+//! // … POST {url}/v1/chat/completions …
+//! server.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod driver;
+mod http;
+pub mod metrics;
+mod publish;
+mod replies;
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use engine::{Engine, EngineConfigError};
+use kv_index::BlockHasher;
+use protocol::WorkerInfo;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+pub use config::{EngineServerConfig, NatsConfig, ReplyLength};
+pub use publish::PublishError;
+
+/// Why a server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("engine configuration: {0}")]
+    Engine(#[from] EngineConfigError),
+    #[error("--speedup must be a positive number, got {0}")]
+    Speedup(f64),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Publish(#[from] PublishError),
+    #[error("text assets: {0}")]
+    Text(String),
+}
+
+/// Starts engine servers.
+pub struct EngineServer;
+
+/// A running server. Dropping it signals shutdown without waiting; call
+/// [`EngineServerHandle::shutdown`] to wait for a clean stop (NATS goodbye sent, events
+/// flushed).
+pub struct EngineServerHandle {
+    local_addr: SocketAddr,
+    info: WorkerInfo,
+    shutdown: watch::Sender<bool>,
+    server: Option<JoinHandle<()>>,
+    driver: Option<JoinHandle<()>>,
+    publisher: Option<JoinHandle<()>>,
+    registration: Option<JoinHandle<()>>,
+}
+
+fn instance_id() -> u64 {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let mut bytes = nanos.to_le_bytes().to_vec();
+    bytes.extend_from_slice(&std::process::id().to_le_bytes());
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    bytes.extend_from_slice(
+        &COUNTER
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .to_le_bytes(),
+    );
+    xxhash_rust::xxh3::xxh3_64(&bytes)
+}
+
+impl EngineServer {
+    /// Binds the HTTP listener (and the ZMQ socket, and connects to NATS, as configured) and
+    /// starts serving. Fails fast: a bad config, a taken port or an unreachable NATS server
+    /// is an error here, not later.
+    pub async fn bind(config: EngineServerConfig) -> Result<EngineServerHandle, ServerError> {
+        if !(config.speedup.is_finite() && config.speedup > 0.0) {
+            return Err(ServerError::Speedup(config.speedup));
+        }
+        let mut engine_config = config.engine.clone();
+        engine_config.coalesce_decode = false;
+        engine_config.seed = config.seed;
+        let engine = Engine::new(engine_config, config.worker_id)?;
+        let assets = replies::TextAssets::get().map_err(ServerError::Text)?;
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| ServerError::Bind {
+                addr: config.listen,
+                source,
+            })?;
+        let local_addr = listener.local_addr().map_err(|source| ServerError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+        let nats = match &config.nats {
+            Some(nats) => Some(publish::Nats::connect(&nats.url, &nats.namespace).await?),
+            None => None,
+        };
+        let zmq = match &config.zmq_pub {
+            Some(endpoint) => Some(publish::Zmq::bind(endpoint).await?),
+            None => None,
+        };
+        let block_size = engine.config().block_size;
+        let info = WorkerInfo {
+            worker: config.worker_id.0,
+            instance: instance_id(),
+            url: config
+                .advertise_url
+                .clone()
+                .unwrap_or_else(|| format!("http://{local_addr}")),
+            model: config.model.clone(),
+            profile: engine.profile().name.clone(),
+            gpu: engine.profile().gpu.clone(),
+            block_size,
+            kv_capacity_blocks: u64::from(engine.kv_capacity_blocks()),
+            max_num_seqs: engine.config().max_num_seqs,
+            max_model_len: engine.profile().max_context_tokens,
+            speedup: config.speedup,
+            nats_url: config.nats.as_ref().map(|n| n.url.clone()),
+            nats_kv_subject: nats
+                .as_ref()
+                .map(|n| n.subjects.kv_events(config.worker_id)),
+            zmq_endpoint: zmq.as_ref().map(|z| z.endpoint.clone()),
+        };
+
+        let metrics = Arc::new(metrics::ServerMetrics::new(
+            &config.model,
+            &info.gpu,
+            &config.hostname,
+        ));
+        let snapshot = Arc::new(Mutex::new(driver::Snapshot::default()));
+        let clock = driver::Clock::new(config.speedup);
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let (command_tx, command_rx) = mpsc::channel(config.command_queue.max(1));
+        let (kv_tx, kv_rx) = mpsc::channel(config.kv_event_queue.max(1));
+
+        let driver = driver::Driver::new(
+            engine,
+            clock,
+            command_rx,
+            shutdown_rx.clone(),
+            kv_tx,
+            metrics.clone(),
+            snapshot.clone(),
+        );
+        let driver = tokio::spawn(driver.run());
+        let publisher = tokio::spawn(publish::run_kv_publisher(
+            kv_rx,
+            config.worker_id,
+            info.instance,
+            block_size,
+            nats.clone(),
+            zmq,
+        ));
+        let registration = match (&nats, &config.nats) {
+            (Some(client), Some(settings)) => Some(tokio::spawn(publish::run_registration(
+                client.clone(),
+                info.announce(settings.lease_ms),
+                shutdown_rx.clone(),
+            ))),
+            _ => None,
+        };
+
+        let state = Arc::new(http::AppState {
+            info: info.clone(),
+            commands: command_tx,
+            next_id: AtomicU64::new(1),
+            assets,
+            hasher: BlockHasher::new(block_size as usize)
+                .unwrap_or_else(|| unreachable!("Engine::new refused block size 0")),
+            reply_length: config.reply_length,
+            seed: config.seed,
+            body_limit: config.body_limit_bytes,
+            metrics,
+            snapshot,
+            clock,
+            started: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        });
+        let app = http::router(state);
+        let mut server_shutdown = shutdown_rx;
+        let server = tokio::spawn(async move {
+            let result = axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = server_shutdown.wait_for(|stop| *stop).await;
+                })
+                .await;
+            if let Err(err) = result {
+                tracing::error!(%err, "HTTP server failed");
+            }
+        });
+        tracing::info!(%local_addr, worker = config.worker_id.0, "engine server listening");
+        Ok(EngineServerHandle {
+            local_addr,
+            info,
+            shutdown: shutdown_tx,
+            server: Some(server),
+            driver: Some(driver),
+            publisher: Some(publisher),
+            registration,
+        })
+    }
+}
+
+impl EngineServerHandle {
+    /// The address the HTTP server listens on (the real port when configured with 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// `http://<local_addr>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.local_addr)
+    }
+
+    /// What `GET /info` answers.
+    pub fn info(&self) -> &WorkerInfo {
+        &self.info
+    }
+
+    /// Stops cleanly: cancels requests in flight (streams end with an error event), stops
+    /// accepting connections, says goodbye on NATS and publishes the last KV events. Waits at
+    /// most a few seconds for each part.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        let limit = Duration::from_secs(5);
+        for task in [
+            self.driver.take(),
+            self.server.take(),
+            self.publisher.take(),
+            self.registration.take(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if tokio::time::timeout(limit, task).await.is_err() {
+                tracing::warn!("an engine server task did not stop within {limit:?}");
+            }
+        }
+    }
+
+    /// Serves until Ctrl-C or SIGTERM, then shuts down cleanly.
+    pub async fn run_until_signal(self) {
+        wait_for_signal().await;
+        tracing::info!("shutting down");
+        self.shutdown().await;
+    }
+}
+
+impl Drop for EngineServerHandle {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+    }
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

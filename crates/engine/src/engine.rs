@@ -285,6 +285,13 @@ impl Engine {
         self.by_id.len()
     }
 
+    /// Whether request `id` waits for admission (`Some(false)`: it is running or receiving
+    /// its KV; `None`: not in the engine). Lets a real-time driver measure queue time.
+    pub fn is_waiting(&self, id: RequestId) -> Option<bool> {
+        let slot = *self.by_id.get(&id)?;
+        Some(matches!(self.req(slot).state, State::Waiting))
+    }
+
     /// Submits a request at `now`. A bad request produces a `Rejected` event, never a panic.
     pub fn submit(&mut self, req: EngineRequest, now: Nanos) {
         let now = self.enter(now);

@@ -7,6 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use kv_index::BlockHasher;
 
+mod engine_cmd;
 mod profiles;
 
 /// KV-cache-aware routing for LLM fleets.
@@ -27,6 +28,9 @@ enum Command {
     /// List the engine simulator's hardware profiles, show one as an editable file, or check
     /// your own.
     Profiles(profiles::ProfilesArgs),
+    /// Serve one simulated GPU worker: an OpenAI-compatible HTTP API with vLLM-style metrics,
+    /// publishing its KV events over NATS and/or ZMQ (vLLM's format).
+    Engine(engine_cmd::EngineArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -46,6 +50,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hash(args) => hash(args),
         Command::Profiles(args) => profiles::run(args),
+        Command::Engine(args) => engine_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

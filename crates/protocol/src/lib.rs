@@ -70,5 +70,5 @@ pub use openai::{
     ResponseMessage, SamplingParams, StreamOptions, Usage,
 };
 pub use sse::{SseDecoder, SseError, SseMessage};
-pub use subjects::{BadNamespace, Subjects, WorkerAnnounce, WorkerMessage};
+pub use subjects::{BadNamespace, Subjects, WorkerAnnounce, WorkerInfo, WorkerMessage};
 pub use vllm::{VllmEventBatch, VllmEventStream, VllmFrame};

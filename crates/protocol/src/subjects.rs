@@ -123,6 +123,55 @@ pub struct WorkerAnnounce {
     pub nats_kv_events: bool,
 }
 
+/// `GET /info` of a kvroute engine server: what a gateway needs to route to it and where its
+/// KV events are published.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    pub worker: u64,
+    /// The process run (random at start-up).
+    pub instance: u64,
+    /// Base URL of its HTTP API.
+    pub url: String,
+    pub model: String,
+    /// Hardware profile name (e.g. `h200-llama70b-fp8`).
+    pub profile: String,
+    /// Simulated GPU.
+    pub gpu: String,
+    pub block_size: u32,
+    pub kv_capacity_blocks: u64,
+    pub max_num_seqs: u32,
+    pub max_model_len: u32,
+    /// Modelled time runs this many times faster than wall time.
+    pub speedup: f64,
+    /// NATS server and subject of its KV events (our format), if it publishes there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nats_url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nats_kv_subject: Option<String>,
+    /// ZMQ endpoint of its KV events (vLLM's format), if it publishes there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zmq_endpoint: Option<String>,
+}
+
+impl WorkerInfo {
+    /// The announcement a worker with this info sends, valid for `lease_ms`.
+    pub fn announce(&self, lease_ms: u64) -> WorkerAnnounce {
+        WorkerAnnounce {
+            worker: self.worker,
+            instance: self.instance,
+            url: self.url.clone(),
+            model: self.model.clone(),
+            block_size: self.block_size,
+            kv_capacity_blocks: self.kv_capacity_blocks,
+            max_num_seqs: self.max_num_seqs,
+            lease_ms,
+            max_model_len: Some(self.max_model_len),
+            zmq_endpoint: self.zmq_endpoint.clone(),
+            nats_kv_events: self.nats_kv_subject.is_some(),
+        }
+    }
+}
+
 impl WorkerMessage {
     pub fn encode(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_default()

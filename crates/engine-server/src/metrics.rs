@@ -1,0 +1,276 @@
+//! `/metrics`: what vLLM, TensorRT-LLM and DCGM exporters would show for this worker, in
+//! Prometheus text format.
+//!
+//! - vLLM: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+//!   `vllm:gpu_cache_usage_perc` (a 0–1 fraction, as vLLM reports it),
+//!   `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (prompt tokens),
+//!   `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`,
+//!   `vllm:time_to_first_token_seconds`, `vllm:e2e_request_latency_seconds`,
+//!   `vllm:request_success_total`; label `model_name`.
+//! - TensorRT-LLM as seed 001's dashboard queries it: `trtllm_request_queue_time_seconds`
+//!   (histogram: submission to first scheduling).
+//! - DCGM: `DCGM_FI_DEV_GPU_UTIL` (percent busy over the time since the previous scrape at
+//!   least a second ago) and `DCGM_FI_DEV_FB_USED` (MiB: weights + KV blocks in use), labels
+//!   `gpu`, `Hostname`, `modelName`.
+//!
+//! Durations are modelled seconds (what the simulated GPU took), not wall seconds: at
+//! `--speedup 10` a 1 s modelled prefill shows as 1 s though it took 0.1 s.
+
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+
+use engine::EngineMetrics;
+use nanotime::Nanos;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(String, String)>;
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// Every metric of one server.
+pub struct ServerMetrics {
+    registry: Registry,
+    labels: Labels,
+    gpu_labels: Labels,
+    running: Family<Labels, Gauge>,
+    waiting: Family<Labels, Gauge>,
+    cache_usage: Family<Labels, FloatGauge>,
+    prefix_queries: Family<Labels, Counter>,
+    prefix_hits: Family<Labels, Counter>,
+    prompt_tokens: Family<Labels, Counter>,
+    generation_tokens: Family<Labels, Counter>,
+    success: Family<Labels, Counter>,
+    ttft: HistogramFamily,
+    e2e: HistogramFamily,
+    queue_time: HistogramFamily,
+    gpu_util: Family<Labels, FloatGauge>,
+    fb_used: Family<Labels, FloatGauge>,
+    /// Requests the engine refused (queue full, too long…).
+    pub rejected: Counter,
+    /// KV event batches dropped because the publishers fell behind.
+    pub kv_batches_dropped: Counter,
+    /// Stored blocks published without tokens (should stay 0).
+    pub kv_blocks_without_tokens: Counter,
+    /// (modelled time, busy time) at the last utilisation sample, and the value computed then.
+    util_sample: Mutex<Option<(Nanos, Nanos, f64)>>,
+    /// Counter values already added, to turn the engine's cumulative counts into increments.
+    last: Mutex<EngineMetrics>,
+}
+
+type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
+
+/// 1 ms to ~131 s, doubling.
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 18))
+}
+
+fn histogram_family() -> HistogramFamily {
+    Family::new_with_constructor(latency_histogram)
+}
+
+impl ServerMetrics {
+    pub fn new(model: &str, gpu_model: &str, hostname: &str) -> ServerMetrics {
+        let mut registry = Registry::default();
+        let labels = vec![("model_name".to_string(), model.to_string())];
+        let gpu_labels = vec![
+            ("gpu".to_string(), "0".to_string()),
+            ("Hostname".to_string(), hostname.to_string()),
+            ("modelName".to_string(), gpu_model.to_string()),
+        ];
+        let m = ServerMetrics {
+            registry: Registry::default(),
+            labels,
+            gpu_labels,
+            running: Family::default(),
+            waiting: Family::default(),
+            cache_usage: Family::default(),
+            prefix_queries: Family::default(),
+            prefix_hits: Family::default(),
+            prompt_tokens: Family::default(),
+            generation_tokens: Family::default(),
+            success: Family::default(),
+            ttft: histogram_family(),
+            e2e: histogram_family(),
+            queue_time: histogram_family(),
+            gpu_util: Family::default(),
+            fb_used: Family::default(),
+            rejected: Counter::default(),
+            kv_batches_dropped: Counter::default(),
+            kv_blocks_without_tokens: Counter::default(),
+            util_sample: Mutex::new(None),
+            last: Mutex::new(EngineMetrics::default()),
+        };
+        registry.register(
+            "vllm:num_requests_running",
+            "Requests in the running batch",
+            m.running.clone(),
+        );
+        registry.register(
+            "vllm:num_requests_waiting",
+            "Requests waiting for admission",
+            m.waiting.clone(),
+        );
+        registry.register(
+            "vllm:gpu_cache_usage_perc",
+            "Fraction of KV cache blocks in use (0-1)",
+            m.cache_usage.clone(),
+        );
+        registry.register(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            m.prefix_queries.clone(),
+        );
+        registry.register(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            m.prefix_hits.clone(),
+        );
+        registry.register(
+            "vllm:prompt_tokens",
+            "Prompt tokens of finished requests",
+            m.prompt_tokens.clone(),
+        );
+        registry.register(
+            "vllm:generation_tokens",
+            "Output tokens generated",
+            m.generation_tokens.clone(),
+        );
+        registry.register(
+            "vllm:request_success",
+            "Requests finished",
+            m.success.clone(),
+        );
+        registry.register(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token (modelled seconds)",
+            m.ttft.clone(),
+        );
+        registry.register(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency from submission to last token (modelled seconds)",
+            m.e2e.clone(),
+        );
+        registry.register(
+            "trtllm_request_queue_time_seconds",
+            "Time from submission to first scheduling in the engine (modelled seconds)",
+            m.queue_time.clone(),
+        );
+        registry.register(
+            "DCGM_FI_DEV_GPU_UTIL",
+            "Simulated GPU utilisation (percent)",
+            m.gpu_util.clone(),
+        );
+        registry.register(
+            "DCGM_FI_DEV_FB_USED",
+            "Simulated GPU framebuffer memory used (MiB)",
+            m.fb_used.clone(),
+        );
+        registry.register(
+            "kvroute_engine_rejected_requests",
+            "Requests the engine refused",
+            m.rejected.clone(),
+        );
+        registry.register(
+            "kvroute_engine_kv_batches_dropped",
+            "KV event batches dropped because publishers fell behind",
+            m.kv_batches_dropped.clone(),
+        );
+        registry.register(
+            "kvroute_engine_kv_blocks_without_tokens",
+            "Stored blocks published without their tokens",
+            m.kv_blocks_without_tokens.clone(),
+        );
+        ServerMetrics { registry, ..m }
+    }
+
+    /// Refreshes gauges and counters from the engine's cumulative snapshot.
+    pub fn update_engine(&self, metrics: &EngineMetrics) {
+        self.running
+            .get_or_create(&self.labels)
+            .set(i64::from(metrics.running));
+        self.waiting
+            .get_or_create(&self.labels)
+            .set(i64::from(metrics.waiting));
+        self.cache_usage
+            .get_or_create(&self.labels)
+            .set(metrics.kv_usage);
+        self.fb_used
+            .get_or_create(&self.gpu_labels)
+            .set(metrics.memory_used_bytes as f64 / (1u64 << 20) as f64);
+        let Ok(mut last) = self.last.lock() else {
+            return;
+        };
+        let add = |counter: &Family<Labels, Counter>, now: u64, before: u64| {
+            counter
+                .get_or_create(&self.labels)
+                .inc_by(now.saturating_sub(before));
+        };
+        add(
+            &self.prefix_queries,
+            metrics.prompt_tokens,
+            last.prompt_tokens,
+        );
+        add(
+            &self.prefix_hits,
+            metrics.prefix_hit_tokens,
+            last.prefix_hit_tokens,
+        );
+        add(
+            &self.generation_tokens,
+            metrics.tokens_generated,
+            last.tokens_generated,
+        );
+        *last = metrics.clone();
+    }
+
+    pub fn observe_ttft(&self, seconds: f64) {
+        self.ttft.get_or_create(&self.labels).observe(seconds);
+    }
+
+    pub fn observe_queue_time(&self, seconds: f64) {
+        self.queue_time.get_or_create(&self.labels).observe(seconds);
+    }
+
+    pub fn observe_finished(&self, prompt_tokens: u32, _output_tokens: u32, e2e_seconds: f64) {
+        self.prompt_tokens
+            .get_or_create(&self.labels)
+            .inc_by(u64::from(prompt_tokens));
+        self.success.get_or_create(&self.labels).inc();
+        self.e2e.get_or_create(&self.labels).observe(e2e_seconds);
+    }
+
+    /// Updates the simulated GPU utilisation from the busy time between the previous sample
+    /// (at least a second of modelled time ago; the server's start for the first) and now.
+    /// Steps count as busy when they complete, so a value is clamped to 100.
+    pub fn sample_utilisation(&self, now: Nanos, busy: Nanos) {
+        let Ok(mut sample) = self.util_sample.lock() else {
+            return;
+        };
+        let (then, busy_then, previous) = sample.unwrap_or((Nanos::ZERO, Nanos::ZERO, 0.0));
+        let window = now.saturating_sub(then);
+        let util = if sample.is_some() && window < Nanos::from_millis(1_000) {
+            previous
+        } else {
+            let util = if window.0 == 0 {
+                0.0
+            } else {
+                (busy.saturating_sub(busy_then).0 as f64 / window.0 as f64).clamp(0.0, 1.0) * 100.0
+            };
+            *sample = Some((now, busy, util));
+            util
+        };
+        self.gpu_util.get_or_create(&self.gpu_labels).set(util);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,173 @@
+//! What the simulated model answers: readable text from `text::ReplyGenerator`, of a length
+//! the request fixes (`ignore_eos`) or a natural one.
+//!
+//! A reply's ids are the canonical tokens of its text, so the gateway re-tokenizing the reply
+//! inside the next turn's history gets the very ids this engine cached during decode.
+
+use std::sync::{Arc, OnceLock};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use text::{ChatTokens, Corpus, KeyTerms, ReplyConfig, ReplyGenerator, Tokenizer};
+
+use crate::config::ReplyLength;
+
+/// The tokenizer and the reply generator, built once per process (building the generator
+/// tokenizes its streams: tens of milliseconds) and shared by every server in it.
+pub struct TextAssets {
+    pub tokenizer: Arc<Tokenizer>,
+    pub replies: ReplyGenerator,
+}
+
+static ASSETS: OnceLock<Result<TextAssets, String>> = OnceLock::new();
+
+impl TextAssets {
+    pub fn get() -> Result<&'static TextAssets, String> {
+        ASSETS
+            .get_or_init(|| {
+                let tokenizer = Tokenizer::builtin();
+                let corpus = Corpus::builtin();
+                let terms = KeyTerms::extract(&corpus);
+                let replies =
+                    ReplyGenerator::new(&tokenizer, &corpus, &terms, &ReplyConfig::default())
+                        .map_err(|e| format!("building the reply generator: {e}"))?;
+                Ok(TextAssets { tokenizer, replies })
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// The prompt ids of a chat, as the Llama-3 template renders and the tokenizer encodes it.
+    pub fn chat_prompt(&self, messages: &[text::ChatMessage]) -> Result<Vec<u32>, String> {
+        let mut chat = ChatTokens::new(self.tokenizer.clone()).map_err(|e| e.to_string())?;
+        for message in messages {
+            chat.push(message);
+        }
+        chat.push_generation_prompt();
+        Ok(chat.into_ids())
+    }
+}
+
+/// A planned reply: its ids, its text, and where each token's text ends.
+pub struct PlannedReply {
+    pub ids: Arc<[u32]>,
+    pub text: String,
+    /// `text_end[i]`: byte length of the text of tokens `0..=i`, moved back to a character
+    /// boundary (a token may end inside a multi-byte character).
+    pub text_end: Vec<u32>,
+    /// The reply was cut by `max_tokens` or the context (`length`), not ended by the model.
+    pub truncated: bool,
+}
+
+impl PlannedReply {
+    /// The text of tokens `0..count`.
+    pub fn text_upto(&self, count: u32) -> &str {
+        let end = match count {
+            0 => 0,
+            n => self.text_end[(n as usize).min(self.text_end.len()) - 1] as usize,
+        };
+        &self.text[..end]
+    }
+}
+
+/// How many tokens to generate.
+pub struct LengthRequest {
+    pub max_tokens: Option<u32>,
+    pub ignore_eos: bool,
+    /// The most the context leaves after the prompt.
+    pub room: u32,
+}
+
+/// Plans a reply for `prompt`: deterministic in (seed, prompt, request seed).
+pub fn plan_reply(
+    assets: &TextAssets,
+    prompt: &[u32],
+    length: &LengthRequest,
+    distribution: ReplyLength,
+    seed: u64,
+) -> Result<PlannedReply, String> {
+    let prompt_hash = xxhash_rust::xxh3::xxh3_64_with_seed(
+        &prompt
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect::<Vec<u8>>(),
+        seed,
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(prompt_hash);
+    let cap = length.max_tokens.unwrap_or(u32::MAX).min(length.room);
+    let (count, truncated) = if length.ignore_eos {
+        (cap, true)
+    } else {
+        let natural = natural_length(distribution, &mut rng);
+        (natural.min(cap), natural > cap)
+    };
+    // The conversation's passage: by the prompt's opening, so every turn of one conversation
+    // (same system prompt and first question) talks about the same passage.
+    let head = &prompt[..prompt.len().min(256)];
+    let passages = assets.replies.passages().max(1);
+    let passage = (xxhash_rust::xxh3::xxh3_64(
+        &head
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    ) % passages as u64) as usize;
+    let ids = generate(assets, passage, count as usize, &mut rng)?;
+    let text = assets.tokenizer.decode(&ids).map_err(|e| e.to_string())?;
+    let mut text_end = Vec::with_capacity(ids.len());
+    let mut end = 0usize;
+    for &id in ids.iter() {
+        end += assets.tokenizer.token_byte_len(id).unwrap_or(0);
+        let mut boundary = end.min(text.len());
+        while !text.is_char_boundary(boundary) {
+            boundary -= 1;
+        }
+        text_end.push(boundary as u32);
+    }
+    Ok(PlannedReply {
+        ids,
+        text,
+        text_end,
+        truncated,
+    })
+}
+
+fn natural_length(distribution: ReplyLength, rng: &mut ChaCha8Rng) -> u32 {
+    let mean = f64::from(distribution.mean.max(1));
+    let spread = distribution.spread.clamp(0.0, 1.0);
+    let low = mean * (1.0 - spread);
+    let high = mean * (1.0 + spread);
+    let sample = if high > low {
+        rng.random_range(low..=high)
+    } else {
+        mean
+    };
+    (sample.round() as u32).max(1)
+}
+
+/// `count` ids from the generator; replies longer than it produces at once are concatenated
+/// from several (their joins may then re-tokenize differently; beyond 16k tokens only).
+fn generate(
+    assets: &TextAssets,
+    passage: usize,
+    count: usize,
+    rng: &mut ChaCha8Rng,
+) -> Result<Arc<[u32]>, String> {
+    let max = assets.replies.max_tokens().max(1);
+    if count <= max {
+        return assets
+            .replies
+            .generate(passage, count, rng)
+            .map(|reply| reply.ids)
+            .map_err(|e| e.to_string());
+    }
+    let mut ids = Vec::with_capacity(count);
+    while ids.len() < count {
+        let piece = (count - ids.len()).min(max);
+        let reply = assets
+            .replies
+            .generate(passage, piece, rng)
+            .map_err(|e| e.to_string())?;
+        ids.extend_from_slice(&reply.ids);
+    }
+    Ok(ids.into())
+}

@@ -1,0 +1,175 @@
+//! `kvroute engine`: one simulated GPU worker served over HTTP (see the `engine-server` crate).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use engine::{EngineConfig, HardwareProfile};
+use engine_server::{EngineServer, EngineServerConfig, NatsConfig, ReplyLength};
+use kv_index::WorkerId;
+
+#[derive(Debug, clap::Args)]
+pub struct EngineArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on (0: any free port; the address is printed on start-up).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Built-in hardware profile (see `kvroute profiles`).
+    #[arg(long, default_value = "h200-llama70b-fp8")]
+    profile: String,
+    /// A profile file (.toml or .json, see `kvroute profiles show`), instead of --profile.
+    #[arg(long, conflicts_with = "profile")]
+    profile_file: Option<PathBuf>,
+    /// Run the simulated GPU this many times faster than real time (tests, demos).
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// This worker's id in KV events and registrations (unique per fleet).
+    #[arg(long, default_value_t = 0)]
+    worker_id: u64,
+    /// The model name to serve (requests must name it).
+    #[arg(long, default_value = "llama-3.1-70b-instruct")]
+    model: String,
+    /// Publish KV events (kvroute's format) and register this worker on this NATS server.
+    #[arg(long, env = "NATS_URL")]
+    nats: Option<String>,
+    /// NATS subject namespace (`kvroute.<namespace>.…`).
+    #[arg(long, default_value = "default")]
+    namespace: String,
+    /// Registration lease in milliseconds; heartbeats go out every third of it.
+    #[arg(long, default_value_t = 10_000)]
+    lease_ms: u64,
+    /// Publish KV events in vLLM's ZMQ format on this endpoint, e.g. tcp://127.0.0.1:5557.
+    #[arg(long)]
+    zmq_pub: Option<String>,
+    /// The URL gateways should use to reach this worker (announced over NATS); default
+    /// http://HOST:PORT.
+    #[arg(long)]
+    advertise_url: Option<String>,
+    /// Seed of the generated replies.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Tokens per KV block (default: the profile's, else 32).
+    #[arg(long, env = "DYN_KV_CACHE_BLOCK_SIZE")]
+    block_size: Option<u32>,
+    /// Most sequences in a batch (default: the profile's, else 64).
+    #[arg(long)]
+    max_num_seqs: Option<u32>,
+    /// KV pool size in blocks, instead of the profile's memory arithmetic.
+    #[arg(long)]
+    num_gpu_blocks: Option<u32>,
+    /// Most requests waiting for admission; more are refused with 429.
+    #[arg(long, default_value_t = 65_536)]
+    max_waiting: u32,
+    /// Mean length of replies when the request does not force one (tokens).
+    #[arg(long, default_value_t = 830)]
+    reply_mean: u32,
+    /// Spread of reply lengths: uniform in mean × (1 ± spread).
+    #[arg(long, default_value_t = 0.25)]
+    reply_spread: f64,
+    /// Largest request body accepted, in bytes (more: 413).
+    #[arg(long, default_value_t = 32 << 20)]
+    body_limit: usize,
+    /// The `Hostname` label of the simulated DCGM metrics (default: $HOSTNAME).
+    #[arg(long)]
+    hostname: Option<String>,
+}
+
+fn load_profile(args: &EngineArgs) -> Result<HardwareProfile> {
+    let Some(path) = &args.profile_file else {
+        return HardwareProfile::builtin(&args.profile).with_context(|| {
+            format!(
+                "unknown profile {:?}; built-ins: {}",
+                args.profile,
+                HardwareProfile::builtin_names().join(", ")
+            )
+        });
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading profile file {}", path.display()))?;
+    let profile = if path.extension().is_some_and(|e| e == "json") {
+        HardwareProfile::from_json_str(&text)
+    } else {
+        HardwareProfile::from_toml_str(&text)
+    };
+    profile.with_context(|| format!("profile file {}", path.display()))
+}
+
+pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
+    if !(args.speedup.is_finite() && args.speedup > 0.0) {
+        bail!("--speedup must be a positive number, got {}", args.speedup);
+    }
+    let profile = load_profile(args)?;
+    let mut engine = EngineConfig::from_profile(profile);
+    if let Some(block_size) = args.block_size {
+        engine.block_size = block_size;
+    }
+    if let Some(max_num_seqs) = args.max_num_seqs {
+        engine.max_num_seqs = max_num_seqs;
+    }
+    if let Some(blocks) = args.num_gpu_blocks {
+        engine.num_gpu_blocks_override = Some(blocks);
+    }
+    engine.max_waiting = args.max_waiting;
+    let mut config = EngineServerConfig::new();
+    config.listen = SocketAddr::new(args.host, args.port);
+    config.advertise_url = args.advertise_url.clone();
+    config.engine = engine;
+    config.worker_id = WorkerId(args.worker_id);
+    config.model = args.model.clone();
+    config.speedup = args.speedup;
+    config.seed = args.seed;
+    config.reply_length = ReplyLength {
+        mean: args.reply_mean,
+        spread: args.reply_spread,
+    };
+    config.body_limit_bytes = args.body_limit;
+    config.nats = args.nats.as_ref().map(|url| NatsConfig {
+        url: url.clone(),
+        namespace: args.namespace.clone(),
+        lease_ms: args.lease_ms,
+    });
+    config.zmq_pub = args.zmq_pub.clone();
+    if let Some(hostname) = &args.hostname {
+        config.hostname = hostname.clone();
+    }
+    Ok(config)
+}
+
+pub fn run(args: EngineArgs) -> Result<()> {
+    let config = config(&args)?;
+    // Warnings (NATS or ZMQ trouble, dropped KV batches) to stderr; RUST_LOG overrides.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let server = EngineServer::bind(config).await?;
+        let info = server.info();
+        println!(
+            "kvroute engine: worker {} ({} on {}, {} KV blocks of {} tokens) listening on {}",
+            info.worker,
+            info.model,
+            info.profile,
+            info.kv_capacity_blocks,
+            info.block_size,
+            server.url()
+        );
+        if let Some(endpoint) = &info.zmq_endpoint {
+            println!("kvroute engine: vLLM-format KV events on {endpoint}");
+        }
+        if let Some(subject) = &info.nats_kv_subject {
+            println!("kvroute engine: KV events on NATS subject {subject}");
+        }
+        server.run_until_signal().await;
+        Ok(())
+    })
+}
