@@ -1,1 +1,352 @@
 //! The OpenAI-compatible gateway: preprocessing, KV-aware routing, streaming relay, metrics.
+//!
+//! This is the real-time driver of the `router` core (seed 002's frontend + router):
+//!
+//! 1. A client calls `POST /v1/chat/completions` or `POST /v1/completions` (streaming SSE or
+//!    not). The gateway applies the chat template and tokenizes **once**
+//!    ([`preprocess::Preprocessor`]), hashes the prompt into KV blocks and asks the router for
+//!    a worker ([`dispatch::Dispatcher`]). When every worker is at its in-flight cap, the
+//!    request waits in a bounded FIFO queue (429 when full, 503 after a timeout).
+//! 2. The request goes to the worker's `/v1/completions` as token ids (or as text, per
+//!    worker), always streamed with usage; the [`relay`] turns the worker's stream into chat
+//!    chunks or completion chunks (or one aggregated response) and tells the router about the
+//!    first token and the end. A client that disconnects drops the upstream response, which
+//!    cancels the worker's request.
+//! 3. Workers' KV events arrive in-process ([`Gateway::kv_event_sink`]), over NATS (our
+//!    format) or over ZMQ (vLLM's format) and update the router's prefix index; a sequence gap
+//!    clears that worker's blocks and is counted as a resync ([`events`]).
+//! 4. Workers are static (`--worker URL`, described by their `/info` or by flags) or announce
+//!    themselves over NATS with a lease ([`registry`]). Health checks and failed requests move
+//!    workers out of the routing set, which drops their blocks from the index.
+//! 5. `GET /metrics` exports Dynamo's metric names and labels ([`metrics`]).
+//!
+//! **Invariants.** Every queue and map is bounded: the frontend queue by
+//! `queue_capacity`, the worker table by `max_workers`, request bodies by `max_body_bytes`,
+//! SSE lines by the decoder's 1 MiB, NATS subscriptions by async-nats' buffer (overflow shows
+//! up as a sequence gap, then a resync), the index by the router's `IndexConfig`. Every error
+//! a client sees is OpenAI's error JSON with a meaningful status. The router lock is held only
+//! for short, non-blocking sections; no `.await` happens under it.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), gateway::GatewayError> {
+//! use gateway::{Gateway, GatewayConfig, WorkerSpec};
+//!
+//! let config = GatewayConfig {
+//!     listen: "127.0.0.1:0".parse().unwrap(),
+//!     model: "llama".into(),
+//!     workers: vec![WorkerSpec::new("http://127.0.0.1:9001")],
+//!     ..GatewayConfig::default()
+//! };
+//! let gateway = Gateway::bind(config).await?;
+//! println!("serving on {}", gateway.url());
+//! gateway.shutdown().await;
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod config;
+pub mod dispatch;
+pub mod events;
+pub mod metrics;
+pub mod preprocess;
+pub mod registry;
+pub mod relay;
+mod server;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::serve::ListenerExt;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use config::{GatewayConfig, PromptFormat, RoutingConfig, WorkerSpec};
+pub use dispatch::{Dispatcher, WorkerInfo};
+pub use events::KvEventSink;
+pub use metrics::Metrics;
+
+use crate::events::ZmqSubscriptions;
+use crate::registry::RegistryCtx;
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("router: {0}")]
+    Router(#[from] router::RouterConfigError),
+    #[error("tokenizer or chat template: {0}")]
+    Preprocess(#[from] preprocess::PreprocessError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot connect to NATS at {url}: {message} (is nats-server running? --nats URL)"
+    )]
+    Nats { url: String, message: String },
+    #[error("worker {url}: {source}")]
+    Worker {
+        url: String,
+        source: dispatch::RegistryError,
+    },
+    #[error("HTTP client: {0}")]
+    Http(#[from] reqwest::Error),
+}
+
+/// A running gateway. Dropping it stops its background tasks; [`Gateway::shutdown`] also
+/// lets in-flight requests finish (for a few seconds).
+#[derive(Debug)]
+pub struct Gateway {
+    local_addr: SocketAddr,
+    dispatcher: Arc<Dispatcher>,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+    server: Option<JoinHandle<()>>,
+    tasks: Vec<JoinHandle<()>>,
+    zmq: Arc<ZmqSubscriptions>,
+    registry: RegistryCtx,
+}
+
+/// How long [`Gateway::shutdown`] waits for in-flight requests.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+impl Gateway {
+    /// Starts a gateway: loads the tokenizer and template, registers the static workers,
+    /// connects to NATS when configured, and listens on `config.listen` (port 0 picks one).
+    pub async fn bind(config: GatewayConfig) -> Result<Gateway, GatewayError> {
+        if config.context_length == 0 {
+            return Err(GatewayError::Config(
+                "--context-length must be at least 1".into(),
+            ));
+        }
+        if config.model.is_empty() {
+            return Err(GatewayError::Config("--model must not be empty".into()));
+        }
+        let subjects = match &config.nats_url {
+            Some(_) => Some(
+                protocol::Subjects::new(&config.namespace)
+                    .map_err(|e| GatewayError::Config(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let (tokenizer, template) = (config.tokenizer.clone(), config.tokenizer_config.clone());
+        let preprocessor = tokio::task::spawn_blocking(move || {
+            preprocess::Preprocessor::load(tokenizer.as_deref(), template.as_deref())
+        })
+        .await
+        .map_err(|e| GatewayError::Config(format!("loading the tokenizer panicked: {e}")))??;
+
+        let dispatcher = Dispatcher::new(&config)?;
+        let weak = Arc::downgrade(&dispatcher);
+        let metrics = Arc::new(Metrics::new(&config.model, move || {
+            weak.upgrade().map(|d| d.snapshot()).unwrap_or_default()
+        }));
+        dispatcher.set_metrics(metrics.clone());
+
+        let http = reqwest::Client::builder()
+            .connect_timeout(config.probe_timeout)
+            .pool_max_idle_per_host(4096)
+            .tcp_nodelay(true)
+            .build()?;
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| GatewayError::Bind {
+                addr: config.listen,
+                source,
+            })?;
+        let local_addr = listener.local_addr().map_err(|source| GatewayError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+
+        let cancel = CancellationToken::new();
+        let zmq = Arc::new(ZmqSubscriptions::default());
+        let registry = RegistryCtx {
+            dispatcher: dispatcher.clone(),
+            http: http.clone(),
+            zmq: zmq.clone(),
+            cancel: cancel.clone(),
+            probe_timeout: config.probe_timeout,
+        };
+        let mut gateway = Gateway {
+            local_addr,
+            dispatcher: dispatcher.clone(),
+            metrics: metrics.clone(),
+            cancel: cancel.clone(),
+            server: None,
+            tasks: Vec::new(),
+            zmq,
+            registry: registry.clone(),
+        };
+
+        let added = futures::future::join_all(
+            config.workers.iter().map(|spec| registry.add_static(spec)),
+        )
+        .await;
+        for (spec, result) in config.workers.iter().zip(added) {
+            result.map_err(|source| GatewayError::Worker {
+                url: spec.url.clone(),
+                source,
+            })?;
+        }
+
+        if let (Some(url), Some(subjects)) = (&config.nats_url, subjects) {
+            let client = async_nats::ConnectOptions::new()
+                .connection_timeout(Duration::from_secs(5))
+                .connect(url.as_str())
+                .await
+                .map_err(|e| GatewayError::Nats {
+                    url: url.clone(),
+                    message: e.to_string(),
+                })?;
+            gateway.tasks.push(tokio::spawn(events::run_nats_events(
+                client.clone(),
+                subjects.clone(),
+                dispatcher.clone(),
+                config.max_workers,
+                cancel.clone(),
+            )));
+            gateway.tasks.push(tokio::spawn(registry::run_discovery(
+                registry.clone(),
+                client,
+                subjects,
+                config.max_workers,
+            )));
+            gateway.tasks.push(tokio::spawn(registry::run_lease_expiry(
+                registry.clone(),
+                Duration::from_millis(100),
+            )));
+        }
+        gateway.tasks.push(tokio::spawn(registry::run_health_checks(
+            registry.clone(),
+            config.workers.clone(),
+            config.health_interval,
+        )));
+        if !config.routing.kv_events {
+            let dispatcher = dispatcher.clone();
+            let cancel = cancel.clone();
+            gateway.tasks.push(tokio::spawn(async move {
+                let mut ticker = tokio::time::interval(Duration::from_secs(1));
+                loop {
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = ticker.tick() => dispatcher.tick(),
+                    }
+                }
+            }));
+        }
+
+        let state = Arc::new(server::AppState {
+            dispatcher,
+            metrics,
+            preprocessor: Arc::new(preprocessor),
+            http,
+            model: config.model.as_str().into(),
+            context_length: config.context_length,
+            max_body_bytes: config.max_body_bytes,
+            started: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            next_id: AtomicU64::new(0),
+        });
+        let app = server::routes(state);
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        let shutdown = cancel.clone().cancelled_owned();
+        gateway.server = Some(tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+            {
+                tracing::error!(error = %e, "gateway HTTP server failed");
+            }
+        }));
+        tracing::info!(addr = %local_addr, "gateway listening");
+        Ok(gateway)
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// `http://ADDR`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.local_addr)
+    }
+
+    /// Feeds KV events from inside the process (the demo's engines).
+    pub fn kv_event_sink(&self) -> KvEventSink {
+        KvEventSink::new(self.dispatcher.clone())
+    }
+
+    /// The shared routing state (workers, index), e.g. for tests and dashboards.
+    pub fn dispatcher(&self) -> &Arc<Dispatcher> {
+        &self.dispatcher
+    }
+
+    /// The metrics exposition `GET /metrics` serves.
+    pub fn metrics_text(&self) -> String {
+        self.metrics.encode()
+    }
+
+    /// Adds a static worker at run time (as a `--worker` flag would at start).
+    pub async fn add_worker(&self, spec: &WorkerSpec) -> Result<WorkerInfo, GatewayError> {
+        self.registry
+            .add_static(spec)
+            .await
+            .map_err(|source| GatewayError::Worker {
+                url: spec.url.clone(),
+                source,
+            })
+    }
+
+    /// Removes a worker; its blocks leave the index.
+    pub fn remove_worker(&self, worker: kv_index::WorkerId) -> bool {
+        self.zmq.stop(worker);
+        self.dispatcher.remove_worker(worker)
+    }
+
+    /// Resolves when the HTTP server stops (it stops on [`Gateway::shutdown`]).
+    pub async fn stopped(&mut self) {
+        if let Some(server) = &mut self.server {
+            let _ = server.await;
+            self.server = None;
+        }
+    }
+
+    /// Stops accepting requests, fails queued ones, lets streaming ones finish for up to
+    /// five seconds, then stops everything.
+    pub async fn shutdown(mut self) {
+        self.dispatcher.shut_down();
+        self.cancel.cancel();
+        self.zmq.stop_all();
+        if let Some(server) = self.server.take() {
+            let abort = server.abort_handle();
+            if tokio::time::timeout(SHUTDOWN_GRACE, server).await.is_err() {
+                abort.abort();
+            }
+        }
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        self.zmq.stop_all();
+        for task in &self.tasks {
+            task.abort();
+        }
+        if let Some(server) = &self.server {
+            server.abort();
+        }
+    }
+}

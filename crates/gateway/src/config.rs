@@ -1,0 +1,291 @@
+//! Gateway settings: what `kvroute gateway` flags become, and what [`Gateway::bind`] takes.
+//!
+//! [`Gateway::bind`]: crate::Gateway::bind
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use kv_index::WorkerId;
+use router::PolicyKind;
+
+/// How a worker wants its prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PromptFormat {
+    /// Token ids (`/v1/completions` with `"prompt": [ids]`): tokenized once, by the gateway.
+    #[default]
+    Tokens,
+    /// The rendered text, for backends that tokenize themselves.
+    Text,
+}
+
+/// One `--worker` entry: a worker's base URL plus what the gateway cannot learn from its
+/// `/info` (foreign backends such as vLLM have none).
+///
+/// Written `URL[,key=value]…` with keys `id`, `block_size`, `capacity` (KV blocks),
+/// `max_num_seqs`, `zmq` (a vLLM-format KV event endpoint, e.g. `tcp://host:5557`) and
+/// `prompt` (`tokens` or `text`). Values given here win over the worker's `/info`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    /// Base URL, without a trailing slash (`http://10.0.0.5:8000`).
+    pub url: String,
+    pub id: Option<WorkerId>,
+    pub block_size: Option<usize>,
+    pub kv_capacity_blocks: Option<u64>,
+    pub max_num_seqs: Option<u32>,
+    /// ZMQ endpoint publishing this worker's KV events in vLLM's format.
+    pub zmq: Option<String>,
+    pub prompt: PromptFormat,
+}
+
+impl WorkerSpec {
+    /// A worker at `url` with nothing else specified.
+    pub fn new(url: impl Into<String>) -> WorkerSpec {
+        WorkerSpec {
+            url: url.into().trim_end_matches('/').to_string(),
+            id: None,
+            block_size: None,
+            kv_capacity_blocks: None,
+            max_num_seqs: None,
+            zmq: None,
+            prompt: PromptFormat::Tokens,
+        }
+    }
+
+    /// The id the gateway gives a worker that does not name itself: a hash of its URL, so
+    /// every gateway replica derives the same one.
+    pub fn default_id(url: &str) -> WorkerId {
+        WorkerId(xxhash_rust::xxh3::xxh3_64(url.as_bytes()) >> 1)
+    }
+}
+
+/// A `--worker` value the gateway cannot use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpecError(String);
+
+impl fmt::Display for WorkerSpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}; expected URL[,id=N][,block_size=N][,capacity=BLOCKS][,max_num_seqs=N]\
+             [,zmq=tcp://HOST:PORT][,prompt=tokens|text]",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for WorkerSpecError {}
+
+impl FromStr for WorkerSpec {
+    type Err = WorkerSpecError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut parts = s.split(',').map(str::trim);
+        let url = parts.next().unwrap_or_default();
+        if !(url.starts_with("http://") || url.starts_with("https://")) || url.len() < 8 {
+            return Err(WorkerSpecError(format!(
+                "worker `{s}`: the first part must be an http:// or https:// URL"
+            )));
+        }
+        let mut spec = WorkerSpec::new(url);
+        for part in parts.filter(|p| !p.is_empty()) {
+            let Some((key, value)) = part.split_once('=') else {
+                return Err(WorkerSpecError(format!(
+                    "worker `{s}`: `{part}` is not key=value"
+                )));
+            };
+            let number = |what: &str| -> Result<u64, WorkerSpecError> {
+                value.parse::<u64>().map_err(|_| {
+                    WorkerSpecError(format!(
+                        "worker `{s}`: {what} must be a non-negative integer, got `{value}`"
+                    ))
+                })
+            };
+            match key {
+                "id" => spec.id = Some(WorkerId(number("id")?)),
+                "block_size" => {
+                    let n = number("block_size")?;
+                    if n == 0 {
+                        return Err(WorkerSpecError(format!(
+                            "worker `{s}`: block_size must be at least 1"
+                        )));
+                    }
+                    spec.block_size = Some(n as usize);
+                }
+                "capacity" => spec.kv_capacity_blocks = Some(number("capacity")?),
+                "max_num_seqs" => {
+                    spec.max_num_seqs = Some(u32::try_from(number("max_num_seqs")?).map_err(
+                        |_| WorkerSpecError(format!("worker `{s}`: max_num_seqs is too large")),
+                    )?)
+                }
+                "zmq" => {
+                    if !value.starts_with("tcp://") {
+                        return Err(WorkerSpecError(format!(
+                            "worker `{s}`: zmq must be a tcp:// endpoint, got `{value}`"
+                        )));
+                    }
+                    spec.zmq = Some(value.to_string());
+                }
+                "prompt" => {
+                    spec.prompt = match value {
+                        "tokens" => PromptFormat::Tokens,
+                        "text" => PromptFormat::Text,
+                        _ => {
+                            return Err(WorkerSpecError(format!(
+                                "worker `{s}`: prompt must be `tokens` or `text`, got `{value}`"
+                            )));
+                        }
+                    }
+                }
+                _ => {
+                    return Err(WorkerSpecError(format!(
+                        "worker `{s}`: unknown key `{key}`"
+                    )));
+                }
+            }
+        }
+        Ok(spec)
+    }
+}
+
+/// Routing settings, as Dynamo's frontend names them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutingConfig {
+    /// `--router-mode` / `DYN_ROUTER_MODE`.
+    pub mode: PolicyKind,
+    /// `--kv-block-size` / `DYN_KV_CACHE_BLOCK_SIZE`: must match the workers'.
+    pub block_size: usize,
+    /// `--kv-overlap-score-weight`.
+    pub overlap_weight: f64,
+    /// `--router-temperature`.
+    pub temperature: f64,
+    /// `false` with `--no-kv-events`: approximate mode, the router predicts caches from its
+    /// own decisions and ignores workers' events.
+    pub kv_events: bool,
+    /// How long approximate mode assumes a routed prompt stays cached.
+    pub approx_ttl: Duration,
+    /// Seed of the router's RNG.
+    pub seed: u64,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            mode: PolicyKind::Kv,
+            block_size: kv_index::DEFAULT_BLOCK_SIZE,
+            overlap_weight: 1.0,
+            temperature: 0.0,
+            kv_events: true,
+            approx_ttl: Duration::from_secs(120),
+            seed: 0,
+        }
+    }
+}
+
+/// Everything [`Gateway::bind`](crate::Gateway::bind) needs.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// Address to listen on; port 0 picks a free one (see `Gateway::local_addr`).
+    pub listen: SocketAddr,
+    /// The model name clients must ask for (`GET /v1/models` lists it).
+    pub model: String,
+    /// The model's context length in tokens: longer prompts get `context_length_exceeded`.
+    pub context_length: u32,
+    /// Static workers.
+    pub workers: Vec<WorkerSpec>,
+    pub routing: RoutingConfig,
+    /// NATS server for KV events in our format and dynamic worker registration.
+    pub nats_url: Option<String>,
+    /// Namespace of NATS subjects (`kvroute.<namespace>.…`).
+    pub namespace: String,
+    /// Largest request body accepted (413 beyond).
+    pub max_body_bytes: usize,
+    /// Requests that may wait for a free worker slot (429 beyond).
+    pub queue_capacity: usize,
+    /// How long a request may wait in the queue (503 after).
+    pub queue_timeout: Duration,
+    /// Requests in flight per worker before new ones queue; 0 means no limit.
+    pub max_inflight_per_worker: u32,
+    /// How often workers' `/health` is checked.
+    pub health_interval: Duration,
+    /// Timeout of one health check or `/info` probe.
+    pub probe_timeout: Duration,
+    /// A HF `tokenizer.json`; the built-in tokenizer otherwise.
+    pub tokenizer: Option<PathBuf>,
+    /// A HF `tokenizer_config.json` with a `chat_template`; the built-in Llama-3 template
+    /// otherwise.
+    pub tokenizer_config: Option<PathBuf>,
+    /// Most workers known at once (static and dynamic); registrations beyond are refused.
+    pub max_workers: usize,
+    /// Bound of the queue of KV events waiting to be applied to the index.
+    pub event_queue: usize,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000),
+            model: "kvroute".to_string(),
+            context_length: 131_072,
+            workers: Vec::new(),
+            routing: RoutingConfig::default(),
+            nats_url: None,
+            namespace: "dynamo".to_string(),
+            max_body_bytes: 16 << 20,
+            queue_capacity: 1024,
+            queue_timeout: Duration::from_secs(30),
+            max_inflight_per_worker: 256,
+            health_interval: Duration::from_secs(2),
+            probe_timeout: Duration::from_secs(2),
+            tokenizer: None,
+            tokenizer_config: None,
+            max_workers: 1024,
+            event_queue: 65_536,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_spec_parses_every_key() {
+        let spec: WorkerSpec = "http://h:8000/,id=7,block_size=16,capacity=1000,max_num_seqs=64,\
+                                zmq=tcp://h:5557,prompt=text"
+            .parse()
+            .unwrap();
+        assert_eq!(spec.url, "http://h:8000");
+        assert_eq!(spec.id, Some(WorkerId(7)));
+        assert_eq!(spec.block_size, Some(16));
+        assert_eq!(spec.kv_capacity_blocks, Some(1000));
+        assert_eq!(spec.max_num_seqs, Some(64));
+        assert_eq!(spec.zmq.as_deref(), Some("tcp://h:5557"));
+        assert_eq!(spec.prompt, PromptFormat::Text);
+    }
+
+    #[test]
+    fn worker_spec_refuses_what_it_cannot_use() {
+        for bad in [
+            "h:8000",
+            "http://h,id=x",
+            "http://h,block_size=0",
+            "http://h,zmq=ipc://x",
+            "http://h,prompt=words",
+            "http://h,colour=red",
+            "http://h,id",
+        ] {
+            let err = bad.parse::<WorkerSpec>().unwrap_err().to_string();
+            assert!(err.contains("expected URL"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn default_ids_are_stable_and_distinct() {
+        let a = WorkerSpec::default_id("http://a:1");
+        assert_eq!(a, WorkerSpec::default_id("http://a:1"));
+        assert_ne!(a, WorkerSpec::default_id("http://a:2"));
+    }
+}

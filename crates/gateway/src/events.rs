@@ -1,0 +1,227 @@
+//! KV event ingestion: in-process, NATS (our msgpack format) and ZMQ SUB (vLLM's format).
+//!
+//! Every source ends in [`Dispatcher::apply_events`], which applies events under the core
+//! lock and turns a sequence gap into a clear of that worker's blocks plus a counted resync.
+//! Transport-level losses get the same treatment: a vLLM batch-number gap or restart
+//! ([`protocol::vllm::Continuity`]), a frame that cannot be converted, or a NATS batch from a
+//! new worker `instance` (a restart: empty cache, sequence numbers from 0).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kv_index::{KvEvent, WorkerId};
+use protocol::vllm::{VllmEventStream, decode_multipart};
+use protocol::{KvEventBatch, Subjects};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket, SocketRecv};
+
+use crate::dispatch::Dispatcher;
+use crate::metrics::EventSource;
+
+/// Feeds KV events from inside the process (the demo's simulated engines) into the router.
+///
+/// Cheap to clone. Events must come in each worker's sequence order, as from any source.
+#[derive(Debug, Clone)]
+pub struct KvEventSink {
+    dispatcher: Arc<Dispatcher>,
+}
+
+impl KvEventSink {
+    pub(crate) fn new(dispatcher: Arc<Dispatcher>) -> KvEventSink {
+        KvEventSink { dispatcher }
+    }
+
+    /// Applies `events` now (a short critical section, no waiting).
+    pub fn publish(&self, events: &[KvEvent]) {
+        self.dispatcher
+            .apply_events(EventSource::InProcess, events);
+    }
+}
+
+/// Consumes `kvroute.<ns>.kv.*` until cancelled.
+pub(crate) async fn run_nats_events(
+    client: async_nats::Client,
+    subjects: Subjects,
+    dispatcher: Arc<Dispatcher>,
+    max_workers: usize,
+    cancel: CancellationToken,
+) {
+    let mut subscriber = match client.subscribe(subjects.kv_events_all()).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot subscribe to KV events over NATS");
+            return;
+        }
+    };
+    let source = EventSource::Nats;
+    // The last `instance` seen per worker, to notice restarts. Bounded: past the bound the
+    // map is cleared, which at worst costs one unnecessary clear per worker.
+    let mut instances: BTreeMap<WorkerId, u64> = BTreeMap::new();
+    loop {
+        let message = tokio::select! {
+            _ = cancel.cancelled() => break,
+            m = subscriber.next() => match m { Some(m) => m, None => break },
+        };
+        let Some(worker) = subjects.parse_kv_events(message.subject.as_str()) else {
+            dispatcher.count_decode_error(source);
+            continue;
+        };
+        let batch = match KvEventBatch::decode(&message.payload) {
+            Ok(batch) if batch.worker == worker.0 => batch,
+            Ok(batch) => {
+                tracing::warn!(%worker, batch_worker = batch.worker, "KV batch names another worker than its subject; dropped");
+                dispatcher.count_decode_error(source);
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(%worker, error = %e, "undecodable KV event batch; clearing the worker's blocks");
+                dispatcher.count_decode_error(source);
+                dispatcher.resync_worker(source, worker);
+                continue;
+            }
+        };
+        if instances.len() >= max_workers && !instances.contains_key(&worker) {
+            instances.clear();
+        }
+        let previous = instances.insert(worker, batch.instance);
+        if previous.is_some_and(|p| p != batch.instance) {
+            tracing::info!(%worker, "worker restarted (new instance); clearing its blocks");
+            dispatcher.resync_worker(source, worker);
+        }
+        match batch.to_kv_events() {
+            Ok(events) => dispatcher.apply_events(source, &events),
+            Err(e) => {
+                tracing::warn!(%worker, error = %e, "bad KV event batch; clearing the worker's blocks");
+                dispatcher.count_decode_error(source);
+                dispatcher.resync_worker(source, worker);
+            }
+        }
+    }
+}
+
+/// Subscribes to one vLLM publisher and feeds its events as `worker`'s until cancelled or
+/// aborted. Reconnects by itself (the ZMQ socket does).
+pub(crate) async fn run_zmq_events(
+    endpoint: String,
+    worker: WorkerId,
+    block_size: u32,
+    dispatcher: Arc<Dispatcher>,
+    cancel: CancellationToken,
+) {
+    let source = EventSource::Zmq;
+    let mut socket = zeromq::SubSocket::new();
+    loop {
+        let connected = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = socket.connect(&endpoint) => r,
+        };
+        match connected {
+            Ok(()) => break,
+            Err(e) => {
+                tracing::debug!(%worker, %endpoint, error = %e, "ZMQ connect failed; retrying");
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                }
+                socket = zeromq::SubSocket::new();
+            }
+        }
+    }
+    if let Err(e) = socket.subscribe("").await {
+        tracing::error!(%worker, %endpoint, error = %e, "ZMQ subscribe failed");
+        return;
+    }
+    tracing::info!(%worker, %endpoint, "subscribed to vLLM KV events");
+    let mut stream = VllmEventStream::new(worker, block_size);
+    loop {
+        let message = tokio::select! {
+            _ = cancel.cancelled() => return,
+            m = socket.recv() => m,
+        };
+        let message = match message {
+            Ok(m) => m,
+            Err(e) => {
+                // The socket reconnects on its own; events sent meanwhile are lost and the
+                // next frame's sequence number reveals the gap.
+                tracing::debug!(%worker, error = %e, "ZMQ receive error");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let parts = message.into_vec();
+        let frame = match decode_multipart(&parts) {
+            Ok(frame) => frame,
+            Err(e) => {
+                tracing::warn!(%worker, error = %e, "undecodable vLLM KV event frame; clearing the worker's blocks");
+                dispatcher.count_decode_error(source);
+                dispatcher.resync_worker(source, worker);
+                continue;
+            }
+        };
+        match stream.accept(&frame) {
+            Ok(accepted) => {
+                if accepted.continuity.needs_clear() {
+                    tracing::warn!(%worker, continuity = ?accepted.continuity, "vLLM KV event sequence broken; clearing the worker's blocks");
+                    dispatcher.resync_worker(source, worker);
+                }
+                dispatcher.apply_events(source, &accepted.events);
+            }
+            Err(e) => {
+                tracing::warn!(%worker, error = %e, "vLLM KV events not usable; clearing the worker's blocks");
+                dispatcher.count_decode_error(source);
+                dispatcher.resync_worker(source, worker);
+            }
+        }
+    }
+}
+
+/// One ZMQ subscription per worker, started and stopped as workers come and go.
+#[derive(Debug, Default)]
+pub(crate) struct ZmqSubscriptions {
+    tasks: std::sync::Mutex<BTreeMap<WorkerId, (String, JoinHandle<()>)>>,
+}
+
+impl ZmqSubscriptions {
+    /// Subscribes to `endpoint` for `worker` unless already subscribed there.
+    pub(crate) fn ensure(
+        &self,
+        worker: WorkerId,
+        endpoint: &str,
+        block_size: u32,
+        dispatcher: &Arc<Dispatcher>,
+        cancel: &CancellationToken,
+    ) {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((current, handle)) = tasks.get(&worker) {
+            if current == endpoint && !handle.is_finished() {
+                return;
+            }
+            handle.abort();
+        }
+        let task = tokio::spawn(run_zmq_events(
+            endpoint.to_string(),
+            worker,
+            block_size,
+            dispatcher.clone(),
+            cancel.child_token(),
+        ));
+        tasks.insert(worker, (endpoint.to_string(), task));
+    }
+
+    pub(crate) fn stop(&self, worker: WorkerId) {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, handle)) = tasks.remove(&worker) {
+            handle.abort();
+        }
+    }
+
+    pub(crate) fn stop_all(&self) {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        for (_, (_, handle)) in std::mem::take(&mut *tasks) {
+            handle.abort();
+        }
+    }
+}

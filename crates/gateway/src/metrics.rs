@@ -1,0 +1,575 @@
+//! Prometheus metrics with Dynamo's names and labels, so seed 001's Grafana queries work as
+//! written (`sum(rate(dynamo_frontend_requests_total[1m]))`,
+//! `rate(dynamo_frontend_cached_tokens_sum[1m]) / rate(dynamo_frontend_input_sequence_tokens_sum[1m])`,
+//! `dynamo_component_inflight_requests`, …).
+//!
+//! Every frontend metric carries a `model` label, as Dynamo's do; the Kubernetes `namespace`
+//! label the seed's queries filter on is added by the Prometheus scrape, not by us.
+//! Histograms are lock-free ([`AtomicHistogram`]) because the relay observes inter-token
+//! latency once per streamed chunk from many connections at once.
+//! Router and worker state (decisions, index size, per-worker load, KV event counts) is read
+//! at scrape time from a [`RouterSnapshot`], so it can never drift from the router's own
+//! accounting.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet,
+};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::{MetricType, TypedMetric};
+use prometheus_client::registry::Registry;
+
+/// Which API a request used (Dynamo's `endpoint` label values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    ChatCompletions,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn label(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "chat_completions",
+            Endpoint::Completions => "completions",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RequestLabels {
+    endpoint: &'static str,
+    request_type: &'static str,
+    status: &'static str,
+}
+
+/// A histogram with fixed buckets, updated with atomics only. Clones share the counts.
+#[derive(Debug, Clone)]
+pub struct AtomicHistogram {
+    inner: Arc<HistogramInner>,
+}
+
+#[derive(Debug)]
+struct HistogramInner {
+    bounds: &'static [f64],
+    /// Per-bucket counts (not cumulative), one extra for +Inf.
+    counts: Box<[AtomicU64]>,
+    /// Sum of observations, as `f64` bits.
+    sum: AtomicU64,
+}
+
+impl AtomicHistogram {
+    pub fn new(bounds: &'static [f64]) -> AtomicHistogram {
+        AtomicHistogram {
+            inner: Arc::new(HistogramInner {
+                bounds,
+                counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+                sum: AtomicU64::new(0f64.to_bits()),
+            }),
+        }
+    }
+
+    pub fn observe(&self, value: f64) {
+        self.observe_n(value, 1);
+    }
+
+    /// Records `n` observations of `value` (e.g. a chunk of `n` tokens after one gap).
+    pub fn observe_n(&self, value: f64, n: u64) {
+        if n == 0 || !value.is_finite() {
+            return;
+        }
+        let h = &*self.inner;
+        let bucket = h.bounds.partition_point(|b| *b < value);
+        h.counts[bucket].fetch_add(n, Ordering::Relaxed);
+        let add = value * n as f64;
+        let _ = h
+            .sum
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + add).to_bits())
+            });
+    }
+
+    /// (sum, count, cumulative buckets).
+    pub fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
+        let h = &*self.inner;
+        let mut cumulative = 0;
+        let mut buckets = Vec::with_capacity(h.counts.len());
+        for (i, count) in h.counts.iter().enumerate() {
+            cumulative += count.load(Ordering::Relaxed);
+            let bound = h.bounds.get(i).copied().unwrap_or(f64::INFINITY);
+            buckets.push((bound, cumulative));
+        }
+        (
+            f64::from_bits(h.sum.load(Ordering::Relaxed)),
+            cumulative,
+            buckets,
+        )
+    }
+}
+
+impl TypedMetric for AtomicHistogram {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for AtomicHistogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let (sum, count, buckets) = self.snapshot();
+        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
+    30.0, 60.0,
+];
+const ITL_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15,
+    0.25, 0.5, 1.0,
+];
+const DURATION_BUCKETS: &[f64] = &[
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0,
+    600.0,
+];
+const TOKEN_BUCKETS: &[f64] = &[
+    0.0, 16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0,
+    65536.0, 131072.0,
+];
+
+/// What the router and the worker table look like at scrape time.
+#[derive(Debug, Clone, Default)]
+pub struct RouterSnapshot {
+    pub policy: &'static str,
+    pub counters: router::RouterCounters,
+    pub index: kv_index::IndexCounters,
+    /// (worker, block) entries in the index.
+    pub index_entries: usize,
+    pub index_distinct_blocks: usize,
+    pub workers: Vec<WorkerSnapshot>,
+    /// KV events by source, and the resyncs their gaps caused.
+    pub events: EventCounters,
+}
+
+/// One known worker at scrape time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSnapshot {
+    pub id: u64,
+    pub url: String,
+    pub routable: bool,
+    pub in_flight: u32,
+    pub pending_prefill_tokens: u64,
+    pub active_blocks: u64,
+    pub cached_blocks: usize,
+}
+
+/// Counts of KV event ingestion, by source.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EventCounters {
+    /// Events received, by source: [in-process, NATS, ZMQ].
+    pub received: [u64; 3],
+    /// Messages that could not be decoded, by source.
+    pub decode_errors: [u64; 3],
+    /// Gaps that cleared a worker's blocks in the index (resyncs), by source.
+    pub resyncs: [u64; 3],
+    /// Events dropped because the bounded event queue was full, by source.
+    pub dropped: [u64; 3],
+}
+
+/// Where a KV event came from (an index into [`EventCounters`]' arrays).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventSource {
+    InProcess = 0,
+    Nats = 1,
+    Zmq = 2,
+}
+
+impl EventSource {
+    pub const ALL: [EventSource; 3] = [EventSource::InProcess, EventSource::Nats, EventSource::Zmq];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            EventSource::InProcess => "in_process",
+            EventSource::Nats => "nats",
+            EventSource::Zmq => "zmq",
+        }
+    }
+}
+
+type SnapshotFn = dyn Fn() -> RouterSnapshot + Send + Sync;
+
+/// Emits the router, worker and event metrics from a fresh snapshot at every scrape.
+struct RouterCollector {
+    snapshot: Arc<SnapshotFn>,
+}
+
+impl std::fmt::Debug for RouterCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RouterCollector")
+    }
+}
+
+fn counter(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    let metric = ConstCounter::new(value);
+    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+}
+
+fn gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: i64,
+) -> Result<(), std::fmt::Error> {
+    let metric = ConstGauge::new(value);
+    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+}
+
+fn sat(v: impl TryInto<i64>) -> i64 {
+    v.try_into().unwrap_or(i64::MAX)
+}
+
+impl Collector for RouterCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = (self.snapshot)();
+        {
+            let metric = ConstCounter::new(s.counters.routed);
+            let mut family = encoder.encode_descriptor(
+                "kvroute_router_decisions",
+                "Requests routed, by policy",
+                None,
+                metric.metric_type(),
+            )?;
+            metric.encode(family.encode_family(&[("policy", s.policy)])?)?;
+        }
+        let e = &mut encoder;
+        counter(
+            e,
+            "kvroute_router_refused",
+            "Routing attempts refused (no worker, limits)",
+            s.counters.refused,
+        )?;
+        counter(
+            e,
+            "kvroute_router_overlap_blocks",
+            "Sum over routed requests of the chosen worker's cached prefix, in blocks",
+            s.counters.overlap_blocks,
+        )?;
+        counter(
+            e,
+            "kvroute_router_prompt_blocks",
+            "Sum over routed requests of their full prompt blocks",
+            s.counters.prompt_blocks,
+        )?;
+        counter(
+            e,
+            "kvroute_router_orphaned_requests",
+            "In-flight requests dropped from accounting because their worker left",
+            s.counters.orphaned,
+        )?;
+        gauge(
+            e,
+            "kvroute_router_index_blocks",
+            "(worker, block) entries in the prefix index",
+            sat(s.index_entries),
+        )?;
+        gauge(
+            e,
+            "kvroute_router_index_distinct_blocks",
+            "Distinct blocks in the prefix index",
+            sat(s.index_distinct_blocks),
+        )?;
+        counter(
+            e,
+            "kvroute_router_kv_events_applied",
+            "KV events applied to the index in sequence",
+            s.index.events_applied,
+        )?;
+        counter(
+            e,
+            "kvroute_router_kv_event_gaps",
+            "KV events refused because their sequence number skipped ahead (lost events)",
+            s.index.gaps,
+        )?;
+        counter(
+            e,
+            "kvroute_router_kv_events_stale",
+            "KV events ignored as duplicates or late",
+            s.index.stale_events,
+        )?;
+        counter(
+            e,
+            "kvroute_router_index_evicted_blocks",
+            "Index entries evicted by its memory bound",
+            s.index.blocks_evicted,
+        )?;
+        for (name, help, values) in [
+            (
+                "kvroute_router_kv_events_received",
+                "KV events received, by source",
+                s.events.received,
+            ),
+            (
+                "kvroute_router_kv_event_decode_errors",
+                "KV event messages that could not be decoded, by source",
+                s.events.decode_errors,
+            ),
+            (
+                "kvroute_router_kv_resyncs",
+                "Event gaps that cleared a worker's blocks from the index, by source",
+                s.events.resyncs,
+            ),
+            (
+                "kvroute_router_kv_events_dropped",
+                "KV events dropped because the event queue was full, by source",
+                s.events.dropped,
+            ),
+        ] {
+            let mut family =
+                encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for source in EventSource::ALL {
+                let metric = ConstCounter::new(values[source as usize]);
+                metric.encode(family.encode_family(&[("source", source.label())])?)?;
+            }
+        }
+        let per_worker: [(&str, &str, fn(&WorkerSnapshot) -> i64); 5] = [
+            (
+                "dynamo_component_inflight_requests",
+                "Requests in flight on each worker, as the gateway routed them",
+                |w| i64::from(w.in_flight),
+            ),
+            (
+                "kvroute_worker_pending_prefill_tokens",
+                "Prompt tokens each worker still has to prefill, as the router accounts them",
+                |w| sat(w.pending_prefill_tokens),
+            ),
+            (
+                "kvroute_worker_active_blocks",
+                "Distinct KV blocks of each worker's in-flight requests",
+                |w| sat(w.active_blocks),
+            ),
+            (
+                "kvroute_worker_cached_blocks",
+                "Blocks the prefix index holds for each worker",
+                |w| sat(w.cached_blocks),
+            ),
+            (
+                "kvroute_worker_routable",
+                "1 while the worker is in the routing set (healthy, registered)",
+                |w| i64::from(w.routable),
+            ),
+        ];
+        for (name, help, value) in per_worker {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for w in &s.workers {
+                let labels = [
+                    ("worker_id", w.id.to_string()),
+                    ("worker", w.url.clone()),
+                    ("dynamo_component", "backend".to_string()),
+                    ("dynamo_endpoint", "generate".to_string()),
+                ];
+                ConstGauge::new(value(w)).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The gateway's metrics registry.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    pub inflight: Gauge,
+    pub queued: Gauge,
+    pub ttft: AtomicHistogram,
+    pub itl: AtomicHistogram,
+    pub duration: AtomicHistogram,
+    pub input_tokens: AtomicHistogram,
+    pub output_tokens: AtomicHistogram,
+    pub cached_tokens: AtomicHistogram,
+    pub output_tokens_total: Counter,
+    /// Routing decisions refused with an error other than queueing (e.g. no worker).
+    pub worker_failures: Counter,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Metrics {
+    /// A registry for `model`, reading router state from `snapshot` at each scrape.
+    pub fn new(
+        model: &str,
+        snapshot: impl Fn() -> RouterSnapshot + Send + Sync + 'static,
+    ) -> Metrics {
+        let mut registry = Registry::default();
+        let m = Metrics {
+            registry: Registry::default(),
+            requests: Family::default(),
+            inflight: Gauge::default(),
+            queued: Gauge::default(),
+            ttft: AtomicHistogram::new(LATENCY_BUCKETS),
+            itl: AtomicHistogram::new(ITL_BUCKETS),
+            duration: AtomicHistogram::new(DURATION_BUCKETS),
+            input_tokens: AtomicHistogram::new(TOKEN_BUCKETS),
+            output_tokens: AtomicHistogram::new(TOKEN_BUCKETS),
+            cached_tokens: AtomicHistogram::new(TOKEN_BUCKETS),
+            output_tokens_total: Counter::default(),
+            worker_failures: Counter::default(),
+        };
+        {
+            let frontend = registry
+                .sub_registry_with_label(("model".into(), model.to_string().into()));
+            frontend.register(
+                "dynamo_frontend_requests",
+                "Requests handled, by endpoint, request type (stream/unary) and status",
+                m.requests.clone(),
+            );
+            frontend.register(
+                "dynamo_frontend_inflight_requests",
+                "Requests being processed by the frontend (queued or streaming)",
+                m.inflight.clone(),
+            );
+            frontend.register(
+                "dynamo_frontend_queued_requests",
+                "Requests waiting in the frontend queue for a free worker slot",
+                m.queued.clone(),
+            );
+            frontend.register(
+                "dynamo_frontend_time_to_first_token_seconds",
+                "Time from request arrival to the first token sent to the client",
+                m.ttft.clone(),
+            );
+            frontend.register(
+                "dynamo_frontend_inter_token_latency_seconds",
+                "Time between consecutive output tokens",
+                m.itl.clone(),
+            );
+            frontend.register(
+                "dynamo_frontend_request_duration_seconds",
+                "Time from request arrival to its last byte",
+                m.duration.clone(),
+            );
+            frontend.register(
+                "dynamo_frontend_input_sequence_tokens",
+                "Prompt length in tokens",
+                m.input_tokens.clone(),
+            );
+            frontend.register(
+                "dynamo_frontend_output_sequence_tokens",
+                "Output length in tokens",
+                m.output_tokens.clone(),
+            );
+            frontend.register(
+                "dynamo_frontend_cached_tokens",
+                "Prompt tokens served from the worker's prefix cache",
+                m.cached_tokens.clone(),
+            );
+            frontend.register(
+                "dynamo_frontend_output_tokens",
+                "Output tokens generated",
+                m.output_tokens_total.clone(),
+            );
+        }
+        registry.register(
+            "kvroute_gateway_worker_failures",
+            "Worker connections that failed (connect errors, broken streams)",
+            m.worker_failures.clone(),
+        );
+        registry.register_collector(Box::new(RouterCollector {
+            snapshot: Arc::new(snapshot),
+        }));
+        Metrics { registry, ..m }
+    }
+
+    /// Counts a finished request.
+    pub fn count_request(&self, endpoint: Endpoint, stream: bool, success: bool) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                endpoint: endpoint.label(),
+                request_type: if stream { "stream" } else { "unary" },
+                status: if success { "success" } else { "error" },
+            })
+            .inc();
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(16 << 10);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The content type of [`Metrics::encode`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_and_sum_counts() {
+        let h = AtomicHistogram::new(&[1.0, 2.0]);
+        h.observe(0.5);
+        h.observe(1.0);
+        h.observe_n(1.5, 3);
+        h.observe(7.0);
+        h.observe(f64::NAN);
+        let (sum, count, buckets) = h.snapshot();
+        assert_eq!(count, 6);
+        assert!((sum - (0.5 + 1.0 + 4.5 + 7.0)).abs() < 1e-9);
+        assert_eq!(buckets, vec![(1.0, 2), (2.0, 5), (f64::INFINITY, 6)]);
+    }
+
+    #[test]
+    fn exposition_has_dynamo_names_and_labels() {
+        let m = Metrics::new("llama", || RouterSnapshot {
+            policy: "kv",
+            workers: vec![WorkerSnapshot {
+                id: 3,
+                url: "http://w:1".into(),
+                routable: true,
+                in_flight: 2,
+                pending_prefill_tokens: 0,
+                active_blocks: 0,
+                cached_blocks: 5,
+            }],
+            ..RouterSnapshot::default()
+        });
+        m.count_request(Endpoint::ChatCompletions, true, true);
+        m.cached_tokens.observe(64.0);
+        m.output_tokens_total.inc_by(10);
+        let text = m.encode();
+        for needle in [
+            "dynamo_frontend_requests_total{model=\"llama\",endpoint=\"chat_completions\",request_type=\"stream\",status=\"success\"} 1",
+            "dynamo_frontend_cached_tokens_sum{model=\"llama\"} 64.0",
+            "dynamo_frontend_input_sequence_tokens_sum{model=\"llama\"} 0.0",
+            "dynamo_frontend_output_tokens_total{model=\"llama\"} 10",
+            "dynamo_frontend_queued_requests{model=\"llama\"} 0",
+            "dynamo_frontend_inflight_requests{model=\"llama\"} 0",
+            "dynamo_frontend_time_to_first_token_seconds_bucket{model=\"llama\",le=\"0.001\"} 0",
+            "dynamo_frontend_request_duration_seconds_count{model=\"llama\"} 0",
+            "dynamo_frontend_inter_token_latency_seconds_count{model=\"llama\"} 0",
+            "dynamo_frontend_output_sequence_tokens_count{model=\"llama\"} 0",
+            "dynamo_component_inflight_requests{worker_id=\"3\",worker=\"http://w:1\",dynamo_component=\"backend\",dynamo_endpoint=\"generate\"} 2",
+            "kvroute_router_decisions_total{policy=\"kv\"} 0",
+            "kvroute_router_kv_resyncs_total{source=\"zmq\"} 0",
+        ] {
+            assert!(text.contains(needle), "missing {needle} in\n{text}");
+        }
+    }
+}
