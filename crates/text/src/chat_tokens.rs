@@ -17,6 +17,8 @@ use crate::{ChatMessage, TextError, Tokenizer};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Llama3Format {
     bos: u32,
+    start_header: u32,
+    end_header: u32,
     eot: u32,
     /// `<|start_header_id|>assistant<|end_header_id|>\n\n`.
     generation_prompt: Vec<u32>,
@@ -28,13 +30,15 @@ impl Llama3Format {
     pub fn new(tokenizer: &Tokenizer) -> Result<Self, TextError> {
         let special = |t: &'static str| tokenizer.token_id(t).ok_or(TextError::MissingSpecial(t));
         let bos = special(BEGIN_OF_TEXT)?;
-        special(START_HEADER_ID)?;
-        special(END_HEADER_ID)?;
+        let start_header = special(START_HEADER_ID)?;
+        let end_header = special(END_HEADER_ID)?;
         let eot = special(EOT_ID)?;
         let generation_prompt =
             tokenizer.encode(&format!("{START_HEADER_ID}assistant{END_HEADER_ID}\n\n"));
         Ok(Llama3Format {
             bos,
+            start_header,
+            end_header,
             eot,
             generation_prompt,
         })
@@ -43,6 +47,41 @@ impl Llama3Format {
     /// `<|begin_of_text|>`, the first token of every conversation.
     pub fn bos(&self) -> u32 {
         self.bos
+    }
+
+    /// `<|start_header_id|>`, the first token of every message.
+    pub fn start_header(&self) -> u32 {
+        self.start_header
+    }
+
+    /// `<|end_header_id|>`, after a message's role.
+    pub fn end_header(&self) -> u32 {
+        self.end_header
+    }
+
+    /// The messages of a conversation's token ids in this format (the inverse of
+    /// [`Llama3Format::push_conversation`], up to the trimming of content). An open generation
+    /// prompt at the end becomes an assistant message with the text generated so far.
+    pub fn parse(&self, tokenizer: &Tokenizer, ids: &[u32]) -> Vec<ChatMessage> {
+        let mut messages = Vec::new();
+        let mut rest = ids;
+        while let Some(start) = rest.iter().position(|&t| t == self.start_header) {
+            rest = &rest[start + 1..];
+            let Some(role_end) = rest.iter().position(|&t| t == self.end_header) else {
+                break;
+            };
+            let role = tokenizer.decode_lossy(&rest[..role_end]);
+            rest = &rest[role_end + 1..];
+            let content_end = rest
+                .iter()
+                .position(|&t| t == self.eot)
+                .unwrap_or(rest.len());
+            let content = tokenizer.decode_lossy(&rest[..content_end]);
+            let content = content.strip_prefix("\n\n").unwrap_or(&content).to_owned();
+            messages.push(ChatMessage { role, content });
+            rest = rest.get(content_end + 1..).unwrap_or(&[]);
+        }
+        messages
     }
 
     /// `<|eot_id|>`, the last token of every message.

@@ -1,1 +1,74 @@
-//! The seed's multi-turn chat workload: conversations, turns, think time, constant concurrency (sans-IO).
+//! The seed's multi-turn chat workload (seeds 000 and 002), sans-IO.
+//!
+//! Conversations start from a pool of ten technical passages (~3,500–3,800 tokens each, in the
+//! system message after a short instruction), last 3–5 turns, and resend their whole history
+//! every turn with the Llama-3 chat template and a new user question; replies are ~830 tokens.
+//! A simulated user thinks between a reply and the next question; a finished conversation is
+//! replaced at once, so the number of open conversations (the concurrency) stays constant.
+//! Everything is configurable through [`WorkloadConfig`], whose `Default` is the seed.
+//!
+//! Token ids come from a real tokenizer over a real corpus ([`text`]): prompts are built
+//! incrementally (each turn's prompt is the previous prompt + the previous reply +
+//! `<|eot_id|>` + the new user message + the assistant header, equal to tokenizing the
+//! rendered conversation), and planned replies are token sequences that tokenize back to
+//! themselves, so the prefix caching a real engine would get is exactly what a simulated one
+//! gets.
+//!
+//! **Architecture invariant:** no I/O, no clock, no threads. Time comes in as
+//! [`nanotime::Nanos`]; randomness from ChaCha8 seeded by the workload seed and the
+//! conversation id, so a run is a pure function of (config, seed, the driver's calls), and a
+//! conversation's script (passage, turns, questions, lengths, think times) does not depend on
+//! timing at all.
+//!
+//! ```
+//! use nanotime::Nanos;
+//! use workload::{Assets, ChatWorkload, WorkloadConfig};
+//!
+//! let assets = Assets::builtin().unwrap();
+//! let config = WorkloadConfig { concurrency: 2, ramp_s: 0.0, ..WorkloadConfig::default() };
+//! let mut workload = ChatWorkload::new(config, assets, 7, Nanos::ZERO).unwrap();
+//! let first = workload.poll_request().unwrap();
+//! assert!(first.prompt.len() > 3_000); // the passage
+//! assert!((530..=1_130).contains(&first.output.len()));
+//! let _second = workload.poll_request().unwrap();
+//! assert!(workload.poll_request().is_none()); // both conversations wait on their turn
+//!
+//! // The reply arrives; the user thinks, then asks again with the whole history.
+//! workload.on_turn_finished(first.id, Nanos::from_secs(40));
+//! let wake = workload.poll_timeout().unwrap();
+//! workload.handle_timeout(wake);
+//! let next = workload.poll_request().unwrap();
+//! assert_eq!(next.id.turn, 1);
+//! assert!(next.prompt.starts_with(&first.prompt));
+//! assert_eq!(&next.prompt[first.prompt.len()..][..first.output.len()], &*first.output);
+//! ```
+
+mod assets;
+mod chat;
+mod config;
+
+pub use assets::Assets;
+pub use chat::{
+    ChatWorkload, ConversationId, ConversationInfo, Script, TurnId, TurnRequest, WorkloadStats,
+};
+pub use config::{
+    DEFAULT_SYSTEM_PROMPT, Distribution, MAX_CONCURRENCY, MAX_SECONDS, MAX_TURNS, TurnRange,
+    WorkloadConfig,
+};
+
+/// Why a workload could not be built.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum WorkloadError {
+    #[error("invalid workload config: {0}")]
+    InvalidConfig(String),
+    #[error("workload assets: {0}")]
+    Assets(String),
+    #[error("no open conversation {0:?}")]
+    UnknownConversation(ConversationId),
+}
+
+impl From<text::TextError> for WorkloadError {
+    fn from(e: text::TextError) -> Self {
+        WorkloadError::Assets(e.to_string())
+    }
+}

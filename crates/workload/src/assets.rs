@@ -1,0 +1,135 @@
+//! Everything a workload needs that does not change between runs, built once and shared.
+
+use std::sync::{Arc, OnceLock};
+
+use text::{
+    ChatMessage, ChatTemplate, Corpus, KeyTerms, Llama3Format, QuestionGenerator, ReplyConfig,
+    ReplyGenerator, Tokenizer,
+};
+
+use crate::WorkloadError;
+use crate::config::DEFAULT_SYSTEM_PROMPT;
+
+/// Tokenizer, chat template, corpus, the passages' system-message tokens, and the reply and
+/// question generators. Immutable and `Send + Sync`: build once (about a second), share through
+/// an [`Arc`] across runs and threads.
+pub struct Assets {
+    tokenizer: Arc<Tokenizer>,
+    template: ChatTemplate,
+    format: Llama3Format,
+    corpus: Corpus,
+    replies: ReplyGenerator,
+    questions: QuestionGenerator,
+    /// Per passage: `<|begin_of_text|>` + the system message (default system prompt +
+    /// passage), shared by every conversation that uses it.
+    default_prefixes: Vec<Arc<[u32]>>,
+}
+
+impl std::fmt::Debug for Assets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Assets")
+            .field("tokenizer", &self.tokenizer.name())
+            .field("passages", &self.corpus.len())
+            .field("replies", &self.replies)
+            .finish()
+    }
+}
+
+impl Assets {
+    /// The built-in assets: cl100k+Llama-3 tokenizer, Llama-3 template, the shipped corpus.
+    /// Built on first use and cached for the process.
+    pub fn builtin() -> Result<Arc<Assets>, WorkloadError> {
+        static BUILTIN: OnceLock<Result<Arc<Assets>, String>> = OnceLock::new();
+        BUILTIN
+            .get_or_init(|| {
+                Assets::new(
+                    Tokenizer::builtin(),
+                    Corpus::builtin(),
+                    &ReplyConfig::default(),
+                )
+                .map(Arc::new)
+                .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(WorkloadError::Assets)
+    }
+
+    /// Assets for another corpus (the tokenizer must have the Llama-3 chat specials).
+    pub fn new(
+        tokenizer: Arc<Tokenizer>,
+        corpus: Corpus,
+        reply_config: &ReplyConfig,
+    ) -> Result<Assets, WorkloadError> {
+        let format = Llama3Format::new(&tokenizer)?;
+        let terms = KeyTerms::extract(&corpus);
+        let replies = ReplyGenerator::new(&tokenizer, &corpus, &terms, reply_config)?;
+        let mut me = Assets {
+            template: ChatTemplate::llama3(),
+            format,
+            replies,
+            questions: QuestionGenerator::new(terms),
+            default_prefixes: Vec::new(),
+            tokenizer,
+            corpus,
+        };
+        me.default_prefixes = (0..me.corpus.len())
+            .map(|p| me.encode_prefix(DEFAULT_SYSTEM_PROMPT, p))
+            .collect();
+        Ok(me)
+    }
+
+    /// `<|begin_of_text|>` + the system message of passage `passage` after `system_prompt`:
+    /// the part of every prompt that conversations on this passage share.
+    pub(crate) fn prefix(&self, system_prompt: &str, passage: usize) -> Arc<[u32]> {
+        if system_prompt == DEFAULT_SYSTEM_PROMPT {
+            if let Some(p) = self.default_prefixes.get(passage) {
+                return p.clone();
+            }
+        }
+        self.encode_prefix(system_prompt, passage)
+    }
+
+    fn encode_prefix(&self, system_prompt: &str, passage: usize) -> Arc<[u32]> {
+        let mut ids = vec![self.format.bos()];
+        self.format.push_message(
+            &self.tokenizer,
+            &self.system_message(system_prompt, passage),
+            &mut ids,
+        );
+        ids.into()
+    }
+
+    /// The system message that carries passage `passage`.
+    pub fn system_message(&self, system_prompt: &str, passage: usize) -> ChatMessage {
+        let markdown = self
+            .corpus
+            .passages()
+            .get(passage)
+            .map_or("", |p| p.markdown());
+        ChatMessage::system(format!("{system_prompt}\n\n{markdown}"))
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
+    pub fn format(&self) -> &Llama3Format {
+        &self.format
+    }
+
+    pub fn corpus(&self) -> &Corpus {
+        &self.corpus
+    }
+
+    pub fn replies(&self) -> &ReplyGenerator {
+        &self.replies
+    }
+
+    pub fn questions(&self) -> &QuestionGenerator {
+        &self.questions
+    }
+}
