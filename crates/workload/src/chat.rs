@@ -42,6 +42,8 @@ pub struct WorkloadStats {
     pub conversations_completed: u64,
     /// Abandoned after a failed turn.
     pub conversations_failed: u64,
+    /// Closed by a shrink of the concurrency before their first turn.
+    pub conversations_closed: u64,
     pub turns_issued: u64,
     pub turns_finished: u64,
     pub prompt_tokens_issued: u64,
@@ -291,6 +293,7 @@ impl ChatWorkload {
             for id in unstarted {
                 // Their timer and ready-queue entries go stale and are skipped.
                 self.conversations.remove(&id);
+                self.stats.conversations_closed += 1;
             }
         }
         self.refill();
