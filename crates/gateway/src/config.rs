@@ -232,7 +232,7 @@ impl Default for GatewayConfig {
             workers: Vec::new(),
             routing: RoutingConfig::default(),
             nats_url: None,
-            namespace: "dynamo".to_string(),
+            namespace: "default".to_string(),
             max_body_bytes: 16 << 20,
             queue_capacity: 1024,
             queue_timeout: Duration::from_secs(30),

@@ -41,6 +41,9 @@ pub struct WorkerInfo {
     pub limits: WorkerLimits,
     /// vLLM-format KV event endpoint to subscribe to, if any.
     pub zmq: Option<String>,
+    /// The worker returns generated token ids when asked (`return_token_ids`), so the relay
+    /// counts tokens exactly even when one chunk carries several.
+    pub token_ids: bool,
 }
 
 impl WorkerInfo {
@@ -54,6 +57,7 @@ impl WorkerInfo {
             block_size: kv_index::DEFAULT_BLOCK_SIZE,
             limits: WorkerLimits::default(),
             zmq: None,
+            token_ids: false,
         }
     }
 }
@@ -563,6 +567,11 @@ impl Dispatcher {
         }
     }
 
+    /// How a known worker joined.
+    pub fn origin(&self, worker: WorkerId) -> Option<Origin> {
+        lock(&self.core).workers.get(&worker).map(|w| w.origin)
+    }
+
     /// Forgets a worker entirely (goodbye, lease expiry); its blocks leave the index.
     pub fn remove_worker(&self, worker: WorkerId) -> bool {
         let mut core = lock(&self.core);
@@ -658,6 +667,11 @@ impl Dispatcher {
     pub fn tick(&self) {
         let now = self.now();
         lock(&self.core).router.handle_timeout(now);
+    }
+
+    /// How many leading blocks of a prompt each worker holds, as the index knows it.
+    pub fn overlaps(&self, key: &RoutingKey) -> kv_index::OverlapScores {
+        lock(&self.core).router.overlaps(key)
     }
 
     /// Blocks the index holds for `worker` (for tests and diagnostics).

@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::WorkerSpec;
 use crate::dispatch::{Dispatcher, Origin, RegistryError, WorkerInfo};
 use crate::events::ZmqSubscriptions;
+use crate::metrics::EventSource;
 
 /// What a worker's `GET /info` may say about itself (field names of our engine server,
 /// with common aliases).
@@ -40,8 +41,16 @@ pub struct InfoDoc {
     pub max_num_seqs: Option<u32>,
     #[serde(default, alias = "zmq")]
     pub zmq_endpoint: Option<String>,
+    /// Set when the worker publishes its KV events over NATS (our engine server).
     #[serde(default)]
-    pub nats_kv_events: Option<bool>,
+    pub nats_kv_subject: Option<String>,
+}
+
+impl InfoDoc {
+    /// Whether this is our engine server's `/info` (it returns token ids when asked).
+    fn is_kvroute_engine(&self) -> bool {
+        self.worker.is_some() && self.block_size.is_some() && self.kv_capacity_blocks.is_some()
+    }
 }
 
 /// Builds a static worker's description from its flags and, when it has one, its `/info`.
@@ -66,9 +75,10 @@ pub fn describe(spec: &WorkerSpec, info: Option<&InfoDoc>, router_block_size: us
     // vLLM-format ZMQ events only when asked for by flag, or when the worker offers them
     // and does not publish over NATS (which the gateway reads for every worker at once).
     w.zmq = spec.zmq.clone().or_else(|| {
-        info.filter(|i| !i.nats_kv_events.unwrap_or(false))
+        info.filter(|i| i.nats_kv_subject.is_none())
             .and_then(|i| i.zmq_endpoint.clone())
     });
+    w.token_ids = info.is_some_and(InfoDoc::is_kvroute_engine);
     w
 }
 
@@ -234,6 +244,8 @@ fn announced(a: &WorkerAnnounce) -> WorkerInfo {
     if !a.nats_kv_events {
         w.zmq = a.zmq_endpoint.clone();
     }
+    // Only kvroute engines announce themselves this way.
+    w.token_ids = true;
     w
 }
 
@@ -274,6 +286,15 @@ pub(crate) async fn run_discovery(
                 let lease = Duration::from_millis(a.lease_ms).min(MAX_LEASE);
                 let deadline = Instant::now() + lease;
                 let restarted = instances.get(&id).is_some_and(|i| *i != a.instance);
+                if ctx.dispatcher.origin(id) == Some(Origin::Static) {
+                    // Also a `--worker`: the flag's entry stays; a restart still drops
+                    // what the index held for it.
+                    if restarted {
+                        ctx.dispatcher.resync_worker(EventSource::Nats, id);
+                    }
+                    instances.insert(id, a.instance);
+                    continue;
+                }
                 if !restarted && instances.contains_key(&id) && ctx.dispatcher.renew_lease(id, deadline)
                 {
                     continue;
@@ -329,7 +350,7 @@ mod tests {
             kv_capacity_blocks: Some(1000),
             max_num_seqs: Some(64),
             zmq_endpoint: Some("tcp://w:5557".into()),
-            nats_kv_events: Some(false),
+            nats_kv_subject: None,
         };
         let w = describe(&spec, Some(&doc), 32);
         assert_eq!(w.id, WorkerId(9));
@@ -343,8 +364,10 @@ mod tests {
         assert_eq!(bare.id, WorkerSpec::default_id("http://w:1"));
         assert_eq!(bare.zmq, None);
 
+        assert!(w.token_ids);
+        assert!(!bare.token_ids);
         let nats = InfoDoc {
-            nats_kv_events: Some(true),
+            nats_kv_subject: Some("kvroute.ns.kv.9".into()),
             ..doc
         };
         assert_eq!(describe(&spec, Some(&nats), 32).zmq, None);

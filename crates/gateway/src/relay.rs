@@ -133,6 +133,8 @@ pub struct OutputCtx {
     pub model: Arc<str>,
     pub created: u64,
     pub include_usage: bool,
+    /// The client asked for `return_token_ids`.
+    pub return_token_ids: bool,
     pub prompt_tokens: u32,
     /// The router's estimate, used when the worker does not report `cached_tokens`.
     pub predicted_cached_tokens: u32,
@@ -148,6 +150,26 @@ struct UpChoice<'a> {
     logprobs: Option<&'a RawValue>,
     #[serde(borrow, default)]
     finish_reason: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    token_ids: Option<&'a RawValue>,
+}
+
+impl UpChoice<'_> {
+    /// Tokens this choice carries: the length of `token_ids` when the worker sends them,
+    /// else one per chunk with text (or without a finish reason).
+    fn tokens(&self) -> u64 {
+        match self.token_ids {
+            Some(ids) => {
+                let raw = ids.get();
+                if raw.bytes().any(|b| b.is_ascii_digit()) {
+                    raw.bytes().filter(|b| *b == b',').count() as u64 + 1
+                } else {
+                    0
+                }
+            }
+            None => u64::from(!self.text.is_empty() || self.finish_reason.is_none()),
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -185,6 +207,8 @@ struct ChatChoiceOut<'a> {
     delta: DeltaOut<'a>,
     logprobs: Option<&'a RawValue>,
     finish_reason: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_ids: Option<&'a RawValue>,
 }
 
 #[derive(Serialize)]
@@ -193,6 +217,8 @@ struct TextChoiceOut<'a> {
     text: &'a str,
     logprobs: Option<&'a RawValue>,
     finish_reason: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_ids: Option<&'a RawValue>,
 }
 
 /// The choices of one upstream chunk, written as chat deltas or completion choices without
@@ -201,6 +227,8 @@ struct ChoicesOut<'a> {
     api: Api,
     choices: &'a [UpChoice<'a>],
     role: bool,
+    /// Pass `token_ids` on (the client asked for them).
+    token_ids: bool,
 }
 
 impl Serialize for ChoicesOut<'_> {
@@ -217,12 +245,14 @@ impl Serialize for ChoicesOut<'_> {
                     },
                     logprobs: c.logprobs,
                     finish_reason: c.finish_reason.as_deref(),
+                    token_ids: c.token_ids.filter(|_| self.token_ids),
                 })?,
                 Api::Completion => seq.serialize_element(&TextChoiceOut {
                     index: c.index,
                     text: &c.text,
                     logprobs: c.logprobs,
                     finish_reason: c.finish_reason.as_deref(),
+                    token_ids: c.token_ids.filter(|_| self.token_ids),
                 })?,
             }
         }
@@ -406,6 +436,15 @@ impl Relay {
             }
             None => {}
         }
+        if let Some(usage) = self.usage {
+            // Chunks without token ids were counted one token each; the worker's count wins.
+            let reported = u64::from(usage.completion_tokens);
+            if reported > self.record.output_tokens {
+                let missing = reported - self.record.output_tokens;
+                self.record.metrics.output_tokens_total.inc_by(missing);
+                self.record.output_tokens = reported;
+            }
+        }
         let usage = self.final_usage();
         self.record.cached_tokens = usage
             .prompt_tokens_details
@@ -461,11 +500,7 @@ impl Relay {
         if chunk.choices.is_empty() {
             return;
         }
-        let tokens = chunk
-            .choices
-            .iter()
-            .filter(|c| !c.text.is_empty() || c.finish_reason.is_none())
-            .count() as u64;
+        let tokens = chunk.choices.iter().map(UpChoice::tokens).sum();
         if self.record.tokens(tokens, Instant::now()) {
             if let Some(ticket) = &mut self.ticket {
                 ticket.first_token();
@@ -483,6 +518,7 @@ impl Relay {
                     api: self.ctx.api,
                     choices: &chunk.choices,
                     role,
+                    token_ids: self.ctx.return_token_ids,
                 },
                 usage: None,
             };

@@ -17,7 +17,7 @@ use protocol::{
 use serde_json::Value;
 
 use crate::config::PromptFormat;
-use crate::dispatch::{AdmitError, Dispatcher, Ticket};
+use crate::dispatch::{AdmitError, Dispatcher, Ticket, WorkerInfo};
 use crate::metrics::{CONTENT_TYPE, Metrics};
 use crate::preprocess::{Prepared, Preprocessor};
 use crate::relay::{Api, OutputCtx, Relay, RequestRecord, error_json, read_error};
@@ -194,11 +194,14 @@ fn admit_error(e: AdmitError) -> ApiError {
 fn worker_body(
     model: &str,
     prepared: &Prepared,
-    format: PromptFormat,
+    worker: &WorkerInfo,
     mut params: protocol::SamplingParams,
     extra: &serde_json::Map<String, Value>,
 ) -> Vec<u8> {
-    let prompt = match (format, &prepared.text) {
+    if worker.token_ids {
+        params.return_token_ids = Some(true);
+    }
+    let prompt = match (worker.prompt, &prepared.text) {
         (PromptFormat::Text, Some(text)) => Prompt::Text(text.clone()),
         _ => Prompt::Tokens(prepared.tokens.clone()),
     };
@@ -360,7 +363,7 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         let body = worker_body(
             &parsed.model,
             &parsed.prepared,
-            ticket.worker.prompt,
+            &ticket.worker,
             parsed.params.clone(),
             &parsed.extra,
         );
@@ -392,6 +395,7 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
             model: state.model.clone(),
             created: unix_now(),
             include_usage,
+            return_token_ids: parsed.params.return_token_ids(),
             prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
             predicted_cached_tokens: u32::try_from(predicted).unwrap_or(u32::MAX),
         };
@@ -410,8 +414,19 @@ async fn respond(
     ticket: Ticket,
     record: RequestRecord,
 ) -> Response {
+    let worker = HeaderValue::from(ticket.worker.id.0);
     let upstream = response.bytes_stream().boxed();
     let relay = Relay::new(ctx, stream, upstream, ticket, record);
+    let mut response = respond_relay(stream, relay).await;
+    // Which worker served the request: for debugging and tests (not an OpenAI header).
+    response.headers_mut().insert(WORKER_HEADER, worker);
+    response
+}
+
+/// Response header naming the worker that served the request.
+pub const WORKER_HEADER: &str = "x-kvroute-worker";
+
+async fn respond_relay(stream: bool, relay: Relay) -> Response {
     if stream {
         let mut response = Response::new(Body::from_stream(relay.into_sse_stream()));
         let headers = response.headers_mut();

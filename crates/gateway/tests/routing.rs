@@ -1,0 +1,208 @@
+//! End to end over loopback: the gateway in front of three real engine servers, KV events
+//! over a real nats-server.
+
+mod common;
+
+use std::time::Duration;
+
+use common::nats::NatsServer;
+use common::*;
+use gateway::GatewayConfig;
+use kv_index::WorkerId;
+use router::PolicyKind;
+
+/// Turn 1 of a conversation, then turn 2 with turn 1's reply in the history, streamed.
+/// Returns (worker, prompt tokens, cached tokens) per turn.
+async fn conversation(
+    gw: &gateway::Gateway,
+    index: usize,
+    turns: usize,
+) -> Vec<(u64, u64, u64)> {
+    let system = passage(index, 1200);
+    let mut history: Vec<(String, String)> = vec![("system".into(), system)];
+    let mut out = Vec::new();
+    let preprocessor = gateway::preprocess::Preprocessor::load(None, None).unwrap();
+    for turn in 0..turns {
+        history.push(("user".into(), format!("Question {turn} about passage {index}?")));
+        let messages: Vec<(&str, &str)> = history
+            .iter()
+            .map(|(r, c)| (r.as_str(), c.as_str()))
+            .collect();
+        let s = post_stream(&gw.url(), "/v1/chat/completions", &chat(&messages, 24, true)).await;
+        assert_eq!(s.status, 200, "{s:?}");
+        assert!(s.done, "stream ended without [DONE]: {s:?}");
+        assert!(s.error().is_none(), "{s:?}");
+        let usage = s.usage().expect("usage chunk").clone();
+        let prompt = usage["prompt_tokens"].as_u64().unwrap();
+        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        let worker = s.worker.expect("x-kvroute-worker header");
+        out.push((worker, prompt, cached));
+        let reply = s.text();
+        // The engine published the prompt's blocks; wait until the index has them all, as a
+        // client's think time would.
+        let chat_messages: Vec<text::ChatMessage> = messages
+            .iter()
+            .map(|(r, c)| text::ChatMessage::new(*r, *c))
+            .collect();
+        let tokens = preprocessor.chat(&chat_messages, false).unwrap().tokens;
+        assert_eq!(tokens.len() as u64, prompt, "the engine saw the gateway's tokens");
+        let key = gw.dispatcher().key(&tokens);
+        wait_for("the turn's KV events", Duration::from_secs(5), || {
+            gw.dispatcher().overlaps(&key).get(WorkerId(worker)) == key.num_blocks()
+        })
+        .await;
+        history.push(("assistant".into(), reply));
+    }
+    out
+}
+
+async fn cluster(
+    nats: &NatsServer,
+    namespace: &str,
+    mode: PolicyKind,
+) -> (Vec<engine_server::EngineServerHandle>, gateway::Gateway) {
+    let mut engines = Vec::new();
+    for id in 1..=3 {
+        engines.push(engine(id, Some((&nats.url(), namespace))).await);
+    }
+    let refs: Vec<_> = engines.iter().collect();
+    let mut config = gateway_config(&refs);
+    config.routing.mode = mode;
+    config.nats_url = Some(nats.url());
+    config.namespace = namespace.to_string();
+    let gw = gateway(config).await;
+    wait_for("three routable workers", Duration::from_secs(5), || {
+        gw.dispatcher().routable_workers().len() == 3
+    })
+    .await;
+    (engines, gw)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_routing_sends_each_next_turn_to_the_worker_that_cached_the_last() {
+    let nats = NatsServer::start();
+    let (engines, gw) = cluster(&nats, "kvtest", PolicyKind::Kv).await;
+    let mut first_workers = Vec::new();
+    for c in 0..4 {
+        let turns = conversation(&gw, c, 3).await;
+        let (first, first_prompt, _) = turns[0];
+        first_workers.push(first);
+        for window in turns.windows(2) {
+            let (prev_worker, prev_prompt, _) = window[0];
+            let (worker, prompt, cached) = window[1];
+            assert_eq!(worker, prev_worker, "conversation {c}: {turns:?}");
+            assert!(prompt > prev_prompt);
+            // The whole previous prompt (full blocks) is a hit, and so is most of the reply
+            // the engine generated, because its tokens round-trip through the history.
+            let floor = prev_prompt / 32 * 32;
+            assert!(cached >= floor, "conversation {c}: cached {cached} < {floor}: {turns:?}");
+        }
+        assert!(first_prompt > 1000, "{turns:?}");
+    }
+    let metrics = gw.metrics_text();
+    assert!(
+        metrics.contains("kvroute_router_decisions_total{policy=\"kv\"} 12"),
+        "{metrics}"
+    );
+    let cached_sum: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("dynamo_frontend_cached_tokens_sum{model=\"llama-3.1-70b-instruct\"} "))
+        .expect("cached tokens metric")
+        .parse()
+        .unwrap();
+    assert!(cached_sum > 8.0 * 1000.0, "{cached_sum}");
+    gw.shutdown().await;
+    for e in engines {
+        e.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_spreads_the_turns_of_a_conversation() {
+    let nats = NatsServer::start();
+    let (engines, gw) = cluster(&nats, "rrtest", PolicyKind::RoundRobin).await;
+    let turns = conversation(&gw, 7, 3).await;
+    let workers: std::collections::BTreeSet<u64> = turns.iter().map(|t| t.0).collect();
+    assert_eq!(workers.len(), 3, "{turns:?}");
+    // Each turn lands on a worker that never saw the conversation: little is cached.
+    for &(_, prompt, cached) in &turns[1..] {
+        assert!(cached < prompt / 4, "{turns:?}");
+    }
+    gw.shutdown().await;
+    for e in engines {
+        e.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
+    let nats = NatsServer::start();
+    let namespace = "dyn";
+    let mut engines = Vec::new();
+    for id in 11..=13 {
+        engines.push(engine(id, Some((&nats.url(), namespace))).await);
+    }
+    let gw = gateway(GatewayConfig {
+        nats_url: Some(nats.url()),
+        namespace: namespace.into(),
+        ..gateway_config(&[])
+    })
+    .await;
+    // Announcements repeat every third of the 1 s lease, so all three appear quickly.
+    wait_for("three announced workers", Duration::from_secs(5), || {
+        gw.dispatcher().routable_workers() == vec![WorkerId(11), WorkerId(12), WorkerId(13)]
+    })
+    .await;
+
+    let turns = conversation(&gw, 3, 2).await;
+    assert_eq!(turns[0].0, turns[1].0, "{turns:?}");
+    assert!(turns[1].2 >= turns[0].1 / 32 * 32, "{turns:?}");
+
+    // Goodbye: the worker leaves at once and its blocks leave the index.
+    let served = WorkerId(turns[0].0);
+    assert!(gw.dispatcher().cached_blocks(served) > 0);
+    let position = engines
+        .iter()
+        .position(|e| e.info().worker == served.0)
+        .unwrap();
+    engines.remove(position).shutdown().await;
+    wait_for("the goodbye", Duration::from_secs(2), || {
+        !gw.dispatcher().routable_workers().contains(&served)
+    })
+    .await;
+    assert_eq!(gw.dispatcher().cached_blocks(served), 0);
+
+    // A worker that stops heartbeating leaves when its lease runs out.
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let announce = protocol::WorkerMessage::Announce(protocol::WorkerAnnounce {
+        worker: 99,
+        instance: 1,
+        url: "http://127.0.0.1:9".into(),
+        model: MODEL.into(),
+        block_size: 32,
+        kv_capacity_blocks: 1000,
+        max_num_seqs: 8,
+        lease_ms: 300,
+        max_model_len: None,
+        zmq_endpoint: None,
+        nats_kv_events: true,
+    });
+    client
+        .publish("kvroute.dyn.workers", announce.encode().into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    wait_for("the announced worker", Duration::from_secs(2), || {
+        gw.dispatcher().routable_workers().contains(&WorkerId(99))
+    })
+    .await;
+    wait_for("the lease to run out", Duration::from_secs(2), || {
+        !gw.dispatcher().routable_workers().contains(&WorkerId(99))
+    })
+    .await;
+    assert_eq!(gw.dispatcher().routable_workers().len(), 2);
+    gw.shutdown().await;
+    for e in engines {
+        e.shutdown().await;
+    }
+}
