@@ -184,6 +184,25 @@ impl ServerMetrics {
             "Stored blocks published without their tokens",
             m.kv_blocks_without_tokens.clone(),
         );
+        // Every series exists from the start (at 0), as vLLM's do, so rates and absent-series
+        // alerts behave.
+        for family in [
+            &m.prefix_queries,
+            &m.prefix_hits,
+            &m.prompt_tokens,
+            &m.generation_tokens,
+            &m.success,
+        ] {
+            let _ = family.get_or_create(&m.labels);
+        }
+        for family in [&m.ttft, &m.e2e, &m.queue_time] {
+            let _ = family.get_or_create(&m.labels);
+        }
+        let _ = m.running.get_or_create(&m.labels);
+        let _ = m.waiting.get_or_create(&m.labels);
+        let _ = m.cache_usage.get_or_create(&m.labels);
+        let _ = m.gpu_util.get_or_create(&m.gpu_labels);
+        let _ = m.fb_used.get_or_create(&m.gpu_labels);
         ServerMetrics { registry, ..m }
     }
 

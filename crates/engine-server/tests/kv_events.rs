@@ -1,0 +1,218 @@
+//! KV events leave the engine server over a real nats-server (our format, with worker
+//! registration) and a real ZMQ PUB socket (vLLM's format), and rebuild, in a `KvIndex` on
+//! the receiving side, exactly the prefix the engine cached.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{MODEL, NatsServer, client, config, start};
+use futures::StreamExt;
+use kv_index::{BlockHasher, IndexConfig, KvIndex, WorkerId};
+use protocol::vllm::{Continuity, VllmEventStream, decode_multipart};
+use protocol::{KvEventBatch, Subjects, WorkerMessage};
+use serde_json::{Value, json};
+use zeromq::{Socket, SocketRecv};
+
+/// Sends one chat turn and returns (prompt ids, reply ids).
+async fn chat_turn(base: &str, question: &str) -> (Vec<u32>, Vec<u32>) {
+    let messages = json!([
+        {"role": "system", "content": "You are a concise assistant for infrastructure engineers."},
+        {"role": "user", "content": question}
+    ]);
+    let prompt: Value = client()
+        .post(format!("{base}/tokenize"))
+        .json(&json!({"messages": messages}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let response: Value = client()
+        .post(format!("{base}/v1/chat/completions"))
+        .json(
+            &json!({"model": MODEL, "messages": messages, "max_tokens": 120,
+                      "ignore_eos": true, "return_token_ids": true}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    (
+        ids(&prompt["tokens"]),
+        ids(&response["choices"][0]["token_ids"]),
+    )
+}
+
+/// Blocks the engine computed for prompt + reply: all but the last output token, whole blocks.
+fn cached_blocks(prompt: &[u32], reply: &[u32], block: usize) -> u32 {
+    ((prompt.len() + reply.len() - 1) / block) as u32
+}
+
+#[tokio::test]
+async fn nats_events_rebuild_the_engines_cache_and_registration_has_a_lease() {
+    let nats = NatsServer::start();
+    let subjects = Subjects::new("kvtest").unwrap();
+    let observer = async_nats::connect(&nats.url).await.unwrap();
+    let mut kv = observer.subscribe(subjects.kv_events_all()).await.unwrap();
+    let mut workers = observer.subscribe(subjects.workers()).await.unwrap();
+    observer.flush().await.unwrap();
+
+    let mut cfg = config(500.0);
+    cfg.worker_id = WorkerId(7);
+    cfg.nats = Some(engine_server::NatsConfig {
+        url: nats.url.clone(),
+        namespace: "kvtest".into(),
+        lease_ms: 300,
+    });
+    let server = start(cfg).await;
+    let base = server.url();
+    assert_eq!(
+        server.info().nats_kv_subject.as_deref(),
+        Some("kvroute.kvtest.kv.7")
+    );
+
+    // Announcements, repeated within the lease.
+    for _ in 0..2 {
+        let message = tokio::time::timeout(Duration::from_secs(5), workers.next())
+            .await
+            .expect("an announcement within the lease")
+            .unwrap();
+        let WorkerMessage::Announce(announce) = WorkerMessage::decode(&message.payload).unwrap()
+        else {
+            panic!("expected an announcement")
+        };
+        assert_eq!(announce.worker, 7);
+        assert_eq!(announce.url, base);
+        assert_eq!(announce.model, MODEL);
+        assert_eq!(announce.block_size, 32);
+        assert_eq!(announce.lease_ms, 300);
+        assert!(announce.nats_kv_events);
+        assert_eq!(announce.instance, server.info().instance);
+    }
+
+    let (prompt, reply) = chat_turn(&base, "How do KV events keep a router's index fresh?").await;
+    let expected = cached_blocks(&prompt, &reply, 32);
+    let sequence: Vec<u32> = prompt.iter().chain(&reply).copied().collect();
+    let hasher = BlockHasher::new(32).unwrap();
+    let mut index = KvIndex::new(IndexConfig::default());
+    let mut next_seq = 0;
+    while index
+        .find_matches_for_tokens(&hasher, &sequence)
+        .get(WorkerId(7))
+        < expected
+    {
+        let message = tokio::time::timeout(Duration::from_secs(5), kv.next())
+            .await
+            .expect("KV events arrive")
+            .unwrap();
+        assert_eq!(
+            subjects.parse_kv_events(&message.subject),
+            Some(WorkerId(7))
+        );
+        let batch = KvEventBatch::decode(&message.payload).unwrap();
+        assert_eq!(batch.instance, server.info().instance);
+        for event in batch.to_kv_events().unwrap() {
+            assert_eq!(event.seq, next_seq, "no gap, no reorder");
+            next_seq += 1;
+            // Our engine server attaches tokens, so the index hashes them itself.
+            if let kv_index::KvEventKind::Stored { blocks, .. } = &event.kind {
+                assert!(blocks.iter().all(
+                    |b| matches!(b.content, kv_index::BlockContent::Tokens(ref t) if t.len() == 32)
+                ));
+            }
+            index.apply(&event).unwrap();
+        }
+    }
+    assert_eq!(
+        index
+            .find_matches_for_tokens(&hasher, &sequence)
+            .get(WorkerId(7)),
+        expected
+    );
+
+    // A clean shutdown says goodbye.
+    server.shutdown().await;
+    let goodbye = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let message = workers.next().await.unwrap();
+            if let WorkerMessage::Goodbye { worker, .. } =
+                WorkerMessage::decode(&message.payload).unwrap()
+            {
+                return worker;
+            }
+        }
+    })
+    .await
+    .expect("a goodbye");
+    assert_eq!(goodbye, 7);
+}
+
+#[tokio::test]
+async fn zmq_frames_in_vllm_format_rebuild_the_engines_cache() {
+    let mut cfg = config(500.0);
+    cfg.worker_id = WorkerId(3);
+    cfg.zmq_pub = Some("tcp://127.0.0.1:0".into());
+    let server = start(cfg).await;
+    let endpoint = server.info().zmq_endpoint.clone().unwrap();
+    assert!(endpoint.starts_with("tcp://127.0.0.1:") && !endpoint.ends_with(":0"));
+
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&endpoint).await.unwrap();
+    sub.subscribe("").await.unwrap();
+    // PUB drops messages until the subscription has reached it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let (prompt, reply) = chat_turn(&server.url(), "What does a ZMQ KV event carry?").await;
+    let expected = cached_blocks(&prompt, &reply, 32);
+    let sequence: Vec<u32> = prompt.iter().chain(&reply).copied().collect();
+    let hasher = BlockHasher::new(32).unwrap();
+    let mut index = KvIndex::new(IndexConfig::default());
+    let mut stream = VllmEventStream::new(WorkerId(3), 32);
+    let mut frames = 0;
+    while index
+        .find_matches_for_tokens(&hasher, &sequence)
+        .get(WorkerId(3))
+        < expected
+    {
+        let message = tokio::time::timeout(Duration::from_secs(5), sub.recv())
+            .await
+            .expect("ZMQ frames arrive")
+            .unwrap();
+        let parts: Vec<Vec<u8>> = message.into_vec().into_iter().map(|b| b.to_vec()).collect();
+        assert_eq!(parts.len(), 3, "(topic, seq, payload)");
+        let frame = decode_multipart(&parts).unwrap();
+        assert_eq!(frame.seq, frames, "batch sequence numbers from 0");
+        assert_eq!(frame.batch.data_parallel_rank, Some(0));
+        let accepted = stream.accept(&frame).unwrap();
+        assert_eq!(
+            accepted.continuity,
+            if frames == 0 {
+                Continuity::First
+            } else {
+                Continuity::InOrder
+            }
+        );
+        frames += 1;
+        for event in accepted.events {
+            index.apply(&event).unwrap();
+        }
+    }
+    assert_eq!(
+        index
+            .find_matches_for_tokens(&hasher, &sequence)
+            .get(WorkerId(3)),
+        expected
+    );
+    server.shutdown().await;
+}
