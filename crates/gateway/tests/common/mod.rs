@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod fake_worker;
 pub mod nats;
 
 use std::time::{Duration, Instant};
@@ -97,6 +98,15 @@ pub async fn post_stream(url: &str, path: &str, body: &Value) -> Streamed {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok());
     let text = response.text().await.expect("body read");
+    if status != 200 {
+        // An error before the stream started: OpenAI error JSON, not SSE.
+        return Streamed {
+            status,
+            worker,
+            chunks: vec![serde_json::from_str(&text).expect("error JSON")],
+            done: false,
+        };
+    }
     let mut chunks = Vec::new();
     let mut done = false;
     for event in text.split("\n\n").filter(|e| !e.is_empty()) {

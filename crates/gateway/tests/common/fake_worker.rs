@@ -1,0 +1,148 @@
+//! A scripted worker on a real loopback HTTP port: records what the gateway sends and answers
+//! with a fixed SSE script, optionally dropping the connection mid-stream (a crash).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Response;
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+
+/// What the fake worker does with a completion request.
+#[derive(Debug, Clone)]
+pub enum Script {
+    /// Streams `tokens` one-token chunks, a usage chunk and `[DONE]`.
+    Complete { tokens: u32 },
+    /// Streams `tokens` chunks, then closes the connection without `[DONE]`.
+    CrashAfter { tokens: u32 },
+    /// Answers with this status and OpenAI error JSON.
+    Fail { status: u16 },
+}
+
+#[derive(Clone)]
+struct FakeState {
+    script: Script,
+    requests: Arc<Mutex<Vec<Value>>>,
+}
+
+pub struct FakeWorker {
+    pub addr: SocketAddr,
+    pub requests: Arc<Mutex<Vec<Value>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FakeWorker {
+    pub async fn start(script: Script) -> FakeWorker {
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let state = FakeState {
+            script,
+            requests: requests.clone(),
+        };
+        let app = Router::new()
+            .route("/v1/completions", post(completions))
+            .route("/health", get(|| async { "ok" }))
+            .with_state(state);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        FakeWorker {
+            addr,
+            requests,
+            task,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn last_request(&self) -> Value {
+        self.requests.lock().unwrap().last().cloned().expect("a request arrived")
+    }
+
+    /// Stops serving (in-flight connections die with the task).
+    pub fn kill(&self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for FakeWorker {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn chunk(text: &str, finish: Option<&str>) -> String {
+    let body = json!({
+        "id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "fake",
+        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+    });
+    format!("data: {body}\n\n")
+}
+
+async fn completions(State(state): State<FakeState>, body: Bytes) -> Response {
+    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    state.requests.lock().unwrap().push(request);
+    match state.script {
+        Script::Fail { status } => Response::builder()
+            .status(StatusCode::from_u16(status).unwrap())
+            .header("content-type", "application/json")
+            .body(Body::from(
+                json!({"error": {"message": "scripted failure", "type": "invalid_request_error", "param": null, "code": "scripted"}})
+                    .to_string(),
+            ))
+            .unwrap(),
+        Script::Complete { tokens } => {
+            let mut out = String::new();
+            for i in 0..tokens {
+                let finish = (i + 1 == tokens).then_some("length");
+                out.push_str(&chunk(&format!(" w{i}"), finish));
+            }
+            let usage = json!({"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "fake", "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens, "prompt_tokens_details": {"cached_tokens": 3}}});
+            out.push_str(&format!("data: {usage}\n\ndata: [DONE]\n\n"));
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from(out))
+                .unwrap()
+        }
+        Script::CrashAfter { tokens } => {
+            // A body that yields some chunks, then an error: hyper aborts the connection
+            // without the chunked terminator, as a dying process would.
+            let chunks: Vec<Result<Bytes, std::io::Error>> = (0..tokens)
+                .map(|i| Ok(Bytes::from(chunk(&format!(" w{i}"), None))))
+                .collect();
+            let stream = futures::stream::iter(chunks).chain(futures::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Err(std::io::Error::other("worker crashed"))
+            }));
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(stream))
+                .unwrap()
+        }
+    }
+}
+
+use futures::StreamExt;
+
+/// A TCP port that accepts and immediately drops connections (a worker that is not an HTTP
+/// server any more).
+pub async fn dead_port() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let _ = socket.shutdown().await;
+        }
+    });
+    addr
+}

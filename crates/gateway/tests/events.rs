@@ -1,0 +1,289 @@
+//! KV event ingestion from each source into the router's index: vLLM frames over a real ZMQ
+//! socket (both msgpack encodings), our batches over a real nats-server, and the in-process
+//! sink. A sequence gap must clear the worker's blocks (counted), never leave a wrong index.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::fake_worker::dead_port;
+use common::nats::NatsServer;
+use common::*;
+use gateway::{Gateway, GatewayConfig, WorkerSpec};
+use kv_index::{BlockHasher, KvEvent, KvEventKind, WorkerId};
+use rmpv::Value;
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+const BLOCK: usize = 4;
+
+fn config() -> GatewayConfig {
+    GatewayConfig {
+        routing: gateway::RoutingConfig {
+            block_size: BLOCK,
+            ..Default::default()
+        },
+        ..gateway_config(&[])
+    }
+}
+
+fn metric(gw: &Gateway, line_prefix: &str) -> f64 {
+    gw.metrics_text()
+        .lines()
+        .find_map(|l| l.strip_prefix(line_prefix))
+        .unwrap_or_else(|| panic!("no {line_prefix}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn ints(values: impl IntoIterator<Item = u64>) -> Value {
+    Value::Array(values.into_iter().map(Value::from).collect())
+}
+
+/// `BlockStored` as vLLM's msgspec writes it with `array_like=True`.
+fn stored_array(hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u64>) -> Value {
+    Value::Array(vec![
+        "BlockStored".into(),
+        ints(hashes.iter().copied()),
+        parent.map_or(Value::Nil, Value::from),
+        ints(tokens),
+        Value::from(BLOCK as u64),
+        Value::Nil,
+        "GPU".into(),
+        Value::Nil,
+    ])
+}
+
+/// `BlockStored` as a tagged map (vLLM without `array_like`).
+fn stored_map(hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u64>) -> Value {
+    Value::Map(vec![
+        ("type".into(), "BlockStored".into()),
+        ("block_hashes".into(), ints(hashes.iter().copied())),
+        ("parent_block_hash".into(), parent.map_or(Value::Nil, Value::from)),
+        ("token_ids".into(), ints(tokens)),
+        ("block_size".into(), Value::from(BLOCK as u64)),
+        ("lora_id".into(), Value::Nil),
+        ("medium".into(), "GPU".into()),
+    ])
+}
+
+fn removed_map(hashes: &[u64]) -> Value {
+    Value::Map(vec![
+        ("type".into(), "BlockRemoved".into()),
+        ("block_hashes".into(), ints(hashes.iter().copied())),
+        ("medium".into(), "GPU".into()),
+    ])
+}
+
+fn batch_array(events: Vec<Value>) -> Vec<u8> {
+    let batch = Value::Array(vec![Value::F64(1.7e9), Value::Array(events), Value::from(0)]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &batch).unwrap();
+    out
+}
+
+fn batch_map(events: Vec<Value>) -> Vec<u8> {
+    let batch = Value::Map(vec![
+        ("ts".into(), Value::F64(1.7e9)),
+        ("events".into(), Value::Array(events)),
+        ("data_parallel_rank".into(), Value::Nil),
+    ]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &batch).unwrap();
+    out
+}
+
+async fn send(socket: &mut zeromq::PubSocket, seq: u64, payload: Vec<u8>) {
+    let parts = vec![
+        Bytes::from_static(b"kv-events"),
+        Bytes::copy_from_slice(&seq.to_be_bytes()),
+        Bytes::from(payload),
+    ];
+    socket
+        .send(ZmqMessage::try_from(parts).unwrap())
+        .await
+        .unwrap();
+}
+
+fn tokens(range: std::ops::Range<u32>) -> Vec<u32> {
+    range.collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() {
+    let mut publisher = zeromq::PubSocket::new();
+    let endpoint = publisher.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    // A vLLM worker the gateway cannot reach over HTTP (not needed here): its events flow
+    // all the same.
+    let http = dead_port().await;
+    let worker = WorkerId(5);
+    let gw = gateway(GatewayConfig {
+        workers: vec![format!("http://{http},id=5,block_size={BLOCK},zmq={endpoint}")
+            .parse::<WorkerSpec>()
+            .unwrap()],
+        ..config()
+    })
+    .await;
+
+    // ZMQ's slow joiner: send harmless frames until the subscription is live.
+    let mut seq = 0;
+    let received = "kvroute_router_kv_events_received_total{source=\"zmq\"} ";
+    while metric(&gw, received) == 0.0 {
+        send(&mut publisher, seq, batch_array(vec![removed_map(&[999])])).await;
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Array encoding: two blocks of tokens 0..8 with vLLM's own ids 101, 102.
+    send(&mut publisher, seq, batch_array(vec![stored_array(&[101, 102], None, 0..8)])).await;
+    seq += 1;
+    wait_for("the array-encoded batch", Duration::from_secs(2), || {
+        gw.dispatcher().cached_blocks(worker) == 2
+    })
+    .await;
+    // Map encoding: a child block, chained by vLLM's parent id.
+    send(&mut publisher, seq, batch_map(vec![stored_map(&[103], Some(102), 8..12)])).await;
+    seq += 1;
+    wait_for("the map-encoded batch", Duration::from_secs(2), || {
+        gw.dispatcher().cached_blocks(worker) == 3
+    })
+    .await;
+    // The index hashed the tokens itself: the prompt 0..14 matches 3 leading blocks there.
+    let key = gw.dispatcher().key(&tokens(0..14));
+    assert_eq!(gw.dispatcher().overlaps(&key).get(worker), 3);
+    assert_eq!(metric(&gw, "kvroute_router_kv_resyncs_total{source=\"zmq\"} "), 0.0);
+
+    // Batch seq+1 is lost: the next one reveals the gap. The worker's blocks are cleared
+    // (they may no longer be true), counted, and the new batch is applied on a clean slate.
+    seq += 1;
+    send(&mut publisher, seq, batch_array(vec![stored_array(&[201], None, 100..104)])).await;
+    seq += 1;
+    wait_for("the resync", Duration::from_secs(2), || {
+        metric(&gw, "kvroute_router_kv_resyncs_total{source=\"zmq\"} ") == 1.0
+    })
+    .await;
+    wait_for("the post-gap state", Duration::from_secs(2), || {
+        gw.dispatcher().cached_blocks(worker) == 1
+    })
+    .await;
+    assert_eq!(gw.dispatcher().overlaps(&key).get(worker), 0);
+    let other = gw.dispatcher().key(&tokens(100..104));
+    assert_eq!(gw.dispatcher().overlaps(&other).get(worker), 1);
+
+    // Removal (map form) and a clear.
+    send(&mut publisher, seq, batch_map(vec![removed_map(&[201])])).await;
+    seq += 1;
+    wait_for("the removal", Duration::from_secs(2), || {
+        gw.dispatcher().cached_blocks(worker) == 0
+    })
+    .await;
+    send(&mut publisher, seq, batch_array(vec![stored_array(&[301], None, 0..4)])).await;
+    seq += 1;
+    send(&mut publisher, seq, batch_array(vec![Value::Array(vec!["AllBlocksCleared".into()])])).await;
+    wait_for("the clear", Duration::from_secs(2), || {
+        metric(&gw, received) >= 7.0 && gw.dispatcher().cached_blocks(worker) == 0
+    })
+    .await;
+    // Garbage is counted and clears the worker rather than being half-applied.
+    publisher
+        .send(ZmqMessage::try_from(vec![Bytes::from_static(b"kv-events")]).unwrap())
+        .await
+        .unwrap();
+    wait_for("the decode error", Duration::from_secs(2), || {
+        metric(&gw, "kvroute_router_kv_event_decode_errors_total{source=\"zmq\"} ") == 1.0
+    })
+    .await;
+    gw.shutdown().await;
+}
+
+fn stored(worker: WorkerId, seq: u64, prompt: &[u32]) -> KvEvent {
+    KvEvent {
+        worker,
+        seq,
+        kind: KvEventKind::stored_prompt(&BlockHasher::new(BLOCK).unwrap(), prompt),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_batches_feed_the_index_and_gaps_and_restarts_clear_the_worker() {
+    let nats = NatsServer::start();
+    let gw = gateway(GatewayConfig {
+        nats_url: Some(nats.url()),
+        namespace: "ev".into(),
+        ..config()
+    })
+    .await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let worker = WorkerId(3);
+    let publish = |events: Vec<KvEvent>, instance: u64| {
+        let client = client.clone();
+        async move {
+            let batch = protocol::KvEventBatch::from_events(worker, instance, &events).unwrap();
+            client
+                .publish("kvroute.ev.kv.3", batch.encode().into())
+                .await
+                .unwrap();
+            client.flush().await.unwrap();
+        }
+    };
+    publish(vec![stored(worker, 0, &tokens(0..8)), stored(worker, 1, &tokens(50..58))], 1).await;
+    wait_for("two stored prompts", Duration::from_secs(2), || {
+        gw.dispatcher().cached_blocks(worker) == 4
+    })
+    .await;
+    // seq 2 is lost: seq 3 reveals the gap → the worker is cleared, then seq 3 applies.
+    publish(vec![stored(worker, 3, &tokens(200..204))], 1).await;
+    wait_for("the resync", Duration::from_secs(2), || {
+        gw.dispatcher().cached_blocks(worker) == 1
+    })
+    .await;
+    let resyncs = "kvroute_router_kv_resyncs_total{source=\"nats\"} ";
+    assert_eq!(metric(&gw, resyncs), 1.0);
+    assert_eq!(
+        gw.dispatcher()
+            .overlaps(&gw.dispatcher().key(&tokens(0..8)))
+            .get(worker),
+        0
+    );
+    // In order again: applied.
+    publish(vec![stored(worker, 4, &tokens(0..8))], 1).await;
+    wait_for("in-order events", Duration::from_secs(2), || {
+        gw.dispatcher().cached_blocks(worker) == 3
+    })
+    .await;
+    // A new instance (the worker restarted, seq from 0): the old blocks go.
+    publish(vec![stored(worker, 0, &tokens(300..304))], 2).await;
+    wait_for("the restart", Duration::from_secs(2), || {
+        gw.dispatcher().cached_blocks(worker) == 1 && metric(&gw, resyncs) == 2.0
+    })
+    .await;
+    // Garbage on the subject: counted, worker cleared.
+    client
+        .publish("kvroute.ev.kv.3", Bytes::from_static(b"\xc1not msgpack"))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    wait_for("the decode error", Duration::from_secs(2), || {
+        metric(&gw, "kvroute_router_kv_event_decode_errors_total{source=\"nats\"} ") == 1.0
+            && gw.dispatcher().cached_blocks(worker) == 0
+    })
+    .await;
+    gw.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_in_process_sink_feeds_the_index_with_the_same_gap_policy() {
+    let gw = gateway(config()).await;
+    let sink = gw.kv_event_sink();
+    let worker = WorkerId(8);
+    sink.publish(&[stored(worker, 10, &tokens(0..16))]);
+    assert_eq!(gw.dispatcher().cached_blocks(worker), 4);
+    sink.publish(&[stored(worker, 12, &tokens(40..44))]);
+    assert_eq!(gw.dispatcher().cached_blocks(worker), 1);
+    assert_eq!(
+        metric(&gw, "kvroute_router_kv_resyncs_total{source=\"in_process\"} "),
+        1.0
+    );
+    gw.shutdown().await;
+}
