@@ -30,7 +30,7 @@ enum Command {
     Profiles(profiles::ProfilesArgs),
     /// Serve one simulated GPU worker: an OpenAI-compatible HTTP API with vLLM-style metrics,
     /// publishing its KV events over NATS and/or ZMQ (vLLM's format).
-    Engine(engine_cmd::EngineArgs),
+    Engine(Box<engine_cmd::EngineArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -50,7 +50,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Hash(args) => hash(args),
         Command::Profiles(args) => profiles::run(args),
-        Command::Engine(args) => engine_cmd::run(args),
+        Command::Engine(args) => engine_cmd::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
