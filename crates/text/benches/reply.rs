@@ -16,7 +16,7 @@ fn bench(c: &mut Criterion) {
     let terms = KeyTerms::extract(&corpus);
     let replies = ReplyGenerator::new(&tokenizer, &corpus, &terms, &ReplyConfig::default())
         .expect("reply generator");
-    let questions = QuestionGenerator::new(terms.clone());
+    let questions = QuestionGenerator::new(terms.clone(), &tokenizer);
 
     let mut group = c.benchmark_group("reply");
     for len in [64usize, 830, 4_096] {
@@ -34,15 +34,24 @@ fn bench(c: &mut Criterion) {
 
     let mut group = c.benchmark_group("text");
     let mut rng = ChaCha8Rng::seed_from_u64(2);
-    group.bench_function("follow_up_question_and_encode", |b| {
+    let format = ChatTokens::new(tokenizer.clone())
+        .expect("format")
+        .format()
+        .clone();
+    group.bench_function("follow_up_text_then_encode", |b| {
         b.iter(|| {
             let q = questions.follow_up(3, Some(2), &mut rng);
-            let mut chat_ids = Vec::with_capacity(64);
-            ChatTokens::new(tokenizer.clone())
-                .expect("format")
-                .format()
-                .push_message(&tokenizer, &ChatMessage::user(q), &mut chat_ids);
-            black_box(chat_ids)
+            let mut ids = Vec::with_capacity(64);
+            format.push_message(&tokenizer, &ChatMessage::user(q), &mut ids);
+            black_box(ids)
+        })
+    });
+    group.bench_function("follow_up_pretokenized", |b| {
+        b.iter(|| {
+            let plan = questions.plan_follow_up(3, Some(2), &mut rng);
+            let mut ids = Vec::with_capacity(64);
+            questions.push_tokens(&plan, &mut ids);
+            black_box(ids)
         })
     });
     let passage = corpus.passages()[0].markdown().to_owned();

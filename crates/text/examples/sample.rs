@@ -13,7 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let corpus = Corpus::builtin();
     let terms = KeyTerms::extract(&corpus);
     let replies = ReplyGenerator::new(&tokenizer, &corpus, &terms, &ReplyConfig::default())?;
-    let questions = QuestionGenerator::new(terms.clone());
+    let questions = QuestionGenerator::new(terms.clone(), &tokenizer);
     println!("passage  tokens  title / key terms");
     for (i, p) in corpus.passages().iter().enumerate() {
         let tokens = tokenizer.encode(p.markdown()).len();

@@ -57,7 +57,7 @@ mod tokenizer;
 
 pub use chat_tokens::{ChatTokens, Llama3Format};
 pub use corpus::{Corpus, KeyTerms, Passage, Term};
-pub use question::QuestionGenerator;
+pub use question::{QuestionGenerator, QuestionPlan};
 pub use reply::{Reply, ReplyConfig, ReplyGenerator};
 pub use template::{ChatMessage, ChatTemplate, TemplateError};
 pub use tokenizer::{BEGIN_OF_TEXT, END_HEADER_ID, EOT_ID, START_HEADER_ID, Tokenizer};

@@ -74,6 +74,10 @@ struct BuiltinBpe {
     bpe: CoreBPE,
     /// Every special token's text, all allowed in [`Tokenizer::encode`].
     specials: Vec<&'static str>,
+    /// The same as a set, as tiktoken's `encode` wants it (built once, not per call).
+    allowed: HashSet<&'static str>,
+    /// No special allowed: ordinary encoding.
+    none_allowed: HashSet<&'static str>,
     /// Token id → bytes, dense over the whole vocabulary (specials included) so that decoding
     /// is an index, not a hash lookup. Empty entries are ids that do not exist.
     bytes_of: Vec<Box<[u8]>>,
@@ -141,16 +145,19 @@ impl Tokenizer {
         }
         let bpe = CoreBPE::new(encoder, special_encoder, CL100K_PATTERN)
             .map_err(|e| TextError::Tokenizer(e.to_string()))?;
-        let specials = CL100K_SPECIALS
+        let specials: Vec<&'static str> = CL100K_SPECIALS
             .iter()
             .chain(LLAMA3_SPECIALS.iter())
             .map(|(text, _)| *text)
             .collect();
+        let allowed = specials.iter().copied().collect();
         Ok(Tokenizer {
             name: "cl100k_base+llama3-chat".to_owned(),
             backend: Backend::Bpe(Box::new(BuiltinBpe {
                 bpe,
                 specials,
+                allowed,
+                none_allowed: HashSet::new(),
                 bytes_of,
             })),
             vocab_size,
@@ -247,10 +254,7 @@ impl Tokenizer {
     /// special ids. Adds nothing (no BOS): the chat template writes `<|begin_of_text|>`.
     pub fn encode(&self, text: &str) -> Vec<u32> {
         match &self.backend {
-            Backend::Bpe(b) => {
-                let allowed: HashSet<&str> = b.specials.iter().copied().collect();
-                b.encode(text, &allowed)
-            }
+            Backend::Bpe(b) => b.encode(text, &b.allowed),
             #[cfg(feature = "hf")]
             Backend::Hf(h) => hf_encode(&h.with_specials, text),
         }
@@ -260,7 +264,7 @@ impl Tokenizer {
     /// message must go through so that it cannot inject `<|eot_id|>`.
     pub fn encode_ordinary(&self, text: &str) -> Vec<u32> {
         match &self.backend {
-            Backend::Bpe(b) => b.encode(text, &HashSet::new()),
+            Backend::Bpe(b) => b.encode(text, &b.none_allowed),
             #[cfg(feature = "hf")]
             Backend::Hf(h) => hf_encode(&h.ordinary, text),
         }

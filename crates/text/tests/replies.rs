@@ -28,7 +28,7 @@ fn fixture() -> &'static Fixture {
         Fixture {
             corpus,
             replies,
-            questions: QuestionGenerator::new(terms),
+            questions: QuestionGenerator::new(terms, &tokenizer),
         }
     })
 }
@@ -193,4 +193,31 @@ fn follow_up_to_text_picks_a_term_the_answer_mentions() {
         mentioned >= 20,
         "{mentioned} of 40 questions name the answer's term"
     );
+}
+
+#[test]
+fn pretokenized_questions_equal_encoding_their_text() {
+    let tokenizer = Tokenizer::builtin();
+    let f = fixture();
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    for passage in 0..f.corpus.len() {
+        let term_count = f.questions.terms().of(passage).len();
+        for i in 0..3_000 {
+            let plan = if i % 6 == 0 {
+                f.questions.plan_first(passage, &mut rng)
+            } else {
+                // Every term of the passage as the answer's topic, and none.
+                let topic = (i % (term_count + 1) < term_count).then_some(i % (term_count + 1));
+                f.questions.plan_follow_up(passage, topic, &mut rng)
+            };
+            let text = f.questions.text(&plan);
+            let mut ids = Vec::new();
+            f.questions.push_tokens(&plan, &mut ids);
+            assert_eq!(ids, tokenizer.encode(&text), "{text:?}");
+            // After the user header's "\n\n" too (how the workload assembles a message).
+            let mut in_message = tokenizer.encode("\n\n");
+            in_message.extend_from_slice(&ids);
+            assert_eq!(in_message, tokenizer.encode(&format!("\n\n{text}")));
+        }
+    }
 }

@@ -3,8 +3,8 @@
 use std::sync::{Arc, OnceLock};
 
 use text::{
-    ChatMessage, ChatTemplate, Corpus, KeyTerms, Llama3Format, QuestionGenerator, ReplyConfig,
-    ReplyGenerator, Tokenizer,
+    ChatMessage, ChatTemplate, Corpus, END_HEADER_ID, KeyTerms, Llama3Format, QuestionGenerator,
+    QuestionPlan, ReplyConfig, ReplyGenerator, START_HEADER_ID, Tokenizer,
 };
 
 use crate::WorkloadError;
@@ -23,6 +23,9 @@ pub struct Assets {
     /// Per passage: `<|begin_of_text|>` + the system message (default system prompt +
     /// passage), shared by every conversation that uses it.
     default_prefixes: Vec<Arc<[u32]>>,
+    /// `<|start_header_id|>user<|end_header_id|>\n\n`: a user message's tokens are these, the
+    /// question's, then `<|eot_id|>`.
+    user_header: Vec<u32>,
 }
 
 impl std::fmt::Debug for Assets {
@@ -67,7 +70,8 @@ impl Assets {
             template: ChatTemplate::llama3(),
             format,
             replies,
-            questions: QuestionGenerator::new(terms),
+            questions: QuestionGenerator::new(terms, &tokenizer),
+            user_header: tokenizer.encode(&format!("{START_HEADER_ID}user{END_HEADER_ID}\n\n")),
             default_prefixes: Vec::new(),
             tokenizer,
             corpus,
@@ -107,6 +111,15 @@ impl Assets {
             .get(passage)
             .map_or("", |p| p.markdown());
         ChatMessage::system(format!("{system_prompt}\n\n{markdown}"))
+    }
+
+    /// Appends the tokens of a user message asking `question`: the same as encoding the
+    /// rendered message (the question starts with a letter, so the header's `\n\n` stays a
+    /// piece of its own), assembled from pre-tokenized parts.
+    pub fn push_user_question(&self, question: &QuestionPlan, out: &mut Vec<u32>) {
+        out.extend_from_slice(&self.user_header);
+        self.questions.push_tokens(question, out);
+        out.push(self.format.eot());
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
