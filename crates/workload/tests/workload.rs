@@ -500,3 +500,12 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn workload_and_assets_can_move_between_threads() {
+    fn send<T: Send>() {}
+    fn send_sync<T: Send + Sync>() {}
+    send::<ChatWorkload>();
+    send_sync::<Assets>();
+    send_sync::<TurnRequest>();
+}
