@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{MODEL, NatsServer, client, config, start};
 use futures::StreamExt;
 use kv_index::{BlockHasher, IndexConfig, KvIndex, WorkerId};
-use protocol::vllm::{Continuity, VllmEventStream, decode_multipart};
+use protocol::vllm::{VllmEventStream, decode_multipart};
 use protocol::{KvEventBatch, Subjects, WorkerMessage};
 use serde_json::{Value, json};
 use zeromq::{Socket, SocketRecv};
@@ -170,16 +170,53 @@ async fn zmq_frames_in_vllm_format_rebuild_the_engines_cache() {
     let mut sub = zeromq::SubSocket::new();
     sub.connect(&endpoint).await.unwrap();
     sub.subscribe("").await.unwrap();
-    // PUB drops messages until the subscription has reached it.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // PUB drops messages until the subscription has reached it: warm up with short requests
+    // until a frame arrives.
+    let base = server.url();
+    let mut first = None;
+    for attempt in 0..50u32 {
+        let prompt: Vec<u32> = (0..40).map(|t| t + attempt * 1000).collect();
+        client()
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap();
+        if let Ok(message) = tokio::time::timeout(Duration::from_millis(200), sub.recv()).await {
+            first = Some(message.unwrap());
+            break;
+        }
+    }
+    let first = first.expect("the subscription reaches the publisher");
 
-    let (prompt, reply) = chat_turn(&server.url(), "What does a ZMQ KV event carry?").await;
-    let expected = cached_blocks(&prompt, &reply, 32);
-    let sequence: Vec<u32> = prompt.iter().chain(&reply).copied().collect();
     let hasher = BlockHasher::new(32).unwrap();
     let mut index = KvIndex::new(IndexConfig::default());
     let mut stream = VllmEventStream::new(WorkerId(3), 32);
-    let mut frames = 0;
+    let mut next_seq = None;
+    let mut apply = |message: zeromq::ZmqMessage, index: &mut KvIndex| {
+        let parts: Vec<Vec<u8>> = message.into_vec().into_iter().map(|b| b.to_vec()).collect();
+        assert_eq!(parts.len(), 3, "(topic, seq, payload)");
+        let frame = decode_multipart(&parts).unwrap();
+        if let Some(expected) = next_seq {
+            assert_eq!(frame.seq, expected, "consecutive batch sequence numbers");
+        }
+        next_seq = Some(frame.seq + 1);
+        assert_eq!(frame.batch.data_parallel_rank, Some(0));
+        let accepted = stream.accept(&frame).unwrap();
+        assert!(
+            !accepted.continuity.needs_clear(),
+            "{:?}",
+            accepted.continuity
+        );
+        for event in accepted.events {
+            index.apply(&event).unwrap();
+        }
+    };
+    apply(first, &mut index);
+
+    let (prompt, reply) = chat_turn(&base, "What does a ZMQ KV event carry?").await;
+    let expected = cached_blocks(&prompt, &reply, 32);
+    let sequence: Vec<u32> = prompt.iter().chain(&reply).copied().collect();
     while index
         .find_matches_for_tokens(&hasher, &sequence)
         .get(WorkerId(3))
@@ -189,24 +226,7 @@ async fn zmq_frames_in_vllm_format_rebuild_the_engines_cache() {
             .await
             .expect("ZMQ frames arrive")
             .unwrap();
-        let parts: Vec<Vec<u8>> = message.into_vec().into_iter().map(|b| b.to_vec()).collect();
-        assert_eq!(parts.len(), 3, "(topic, seq, payload)");
-        let frame = decode_multipart(&parts).unwrap();
-        assert_eq!(frame.seq, frames, "batch sequence numbers from 0");
-        assert_eq!(frame.batch.data_parallel_rank, Some(0));
-        let accepted = stream.accept(&frame).unwrap();
-        assert_eq!(
-            accepted.continuity,
-            if frames == 0 {
-                Continuity::First
-            } else {
-                Continuity::InOrder
-            }
-        );
-        frames += 1;
-        for event in accepted.events {
-            index.apply(&event).unwrap();
-        }
+        apply(message, &mut index);
     }
     assert_eq!(
         index
