@@ -62,10 +62,10 @@ pub struct PlannedReply {
 impl PlannedReply {
     /// The text of tokens `0..count`.
     pub fn text_upto(&self, count: u32) -> &str {
-        let end = match count {
-            0 => 0,
-            n => self.text_end[(n as usize).min(self.text_end.len()) - 1] as usize,
-        };
+        let end = (count as usize)
+            .min(self.text_end.len())
+            .checked_sub(1)
+            .map_or(0, |last| self.text_end[last] as usize);
         &self.text[..end]
     }
 }
