@@ -273,6 +273,35 @@ async fn client_disconnect_cancels_the_engine_request() {
     .await;
     // Cancelled, not finished: the 5,000 tokens were never all generated.
     assert_eq!(metric(&base, "vllm:request_success_total").await, Some(0.0));
+
+    // A non-streaming client that gives up cancels too.
+    let gave_up = tokio::spawn(
+        client()
+            .post(format!("{base}/v1/completions"))
+            .timeout(Duration::from_millis(500))
+            .json(
+                &json!({"model": MODEL, "prompt": "another long story", "max_tokens": 5000,
+                          "ignore_eos": true}),
+            )
+            .send(),
+    );
+    wait_for_metric(
+        &base,
+        "vllm:num_requests_running",
+        Duration::from_secs(5),
+        |running| running == 1.0,
+    )
+    .await;
+    let gave_up = gave_up.await.unwrap();
+    assert!(gave_up.unwrap_err().is_timeout());
+    wait_for_metric(
+        &base,
+        "vllm:num_requests_running",
+        Duration::from_secs(10),
+        |running| running == 0.0,
+    )
+    .await;
+    assert_eq!(metric(&base, "vllm:request_success_total").await, Some(0.0));
 }
 
 #[tokio::test]
