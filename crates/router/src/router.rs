@@ -12,7 +12,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 
-use crate::load::{WorkerAccount, WorkerLoad};
+use crate::load::{FleetActive, WorkerAccount, WorkerLoad};
 use crate::policy::{
     Candidate, KvCostParams, PolicyKind, RoutingPolicy, SelectionContext, WorkerLimits,
 };
@@ -238,6 +238,10 @@ pub struct Router {
     counters: RouterCounters,
     /// Scratch space reused by every decision so routing does not allocate per worker.
     candidates: Vec<Candidate>,
+    /// On how many workers each active block is active (see [`FleetActive`]).
+    fleet_active: FleetActive,
+    /// Scratch: the request's possible active-prefix lengths.
+    cuts: Vec<usize>,
 }
 
 impl Router {
@@ -281,6 +285,8 @@ impl Router {
             max_in_flight: config.max_in_flight.max(1),
             counters: RouterCounters::default(),
             candidates: Vec::new(),
+            fleet_active: FleetActive::default(),
+            cuts: Vec::new(),
         })
     }
 
@@ -328,7 +334,8 @@ impl Router {
     /// fails or retries them).
     pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
         if let Ok(i) = self.workers.binary_search_by_key(&worker, |w| w.id) {
-            self.workers.remove(i);
+            let mut entry = self.workers.remove(i);
+            entry.account.forget(&mut self.fleet_active);
         }
         self.index.remove_worker(worker);
         if let Some(approx) = &mut self.approx {
@@ -510,7 +517,9 @@ impl Router {
             load.pending_prefill_tokens = load
                 .pending_prefill_tokens
                 .saturating_sub(tracked.pending_prefill_tokens);
-            entry.account.release(&tracked.blocks);
+            entry
+                .account
+                .release(&tracked.blocks, &mut self.fleet_active);
         }
         self.counters.finished += 1;
     }
@@ -545,7 +554,7 @@ impl Router {
         if let Some(entry) = find_worker(&mut self.workers, worker) {
             entry.account.load.in_flight += 1;
             entry.account.load.pending_prefill_tokens += new_prefill_tokens;
-            entry.account.acquire(&key.seq);
+            entry.account.acquire(&key.seq, &mut self.fleet_active);
         }
         self.requests.insert(
             id,
@@ -570,6 +579,7 @@ impl Router {
         let overlaps = self.index.find_matches(&key.seq);
         let prompt_blocks = key.seq.len();
         let block_size = u64::from(self.block_size);
+        self.fleet_active.prefix_cuts(&key.seq, &mut self.cuts);
         self.candidates.clear();
         // Both lists are ascending by worker id: walk them together instead of a lookup per
         // worker (fleets of a thousand workers route often).
@@ -581,7 +591,7 @@ impl Router {
                 .map_or(0, |(_, blocks)| blocks)
                 .min(key.num_blocks());
             let cached_tokens = (u64::from(overlap) * block_size).min(key.num_tokens);
-            let already_active = w.account.active_prefix_len(&key.seq);
+            let already_active = w.account.active_prefix_len_at_cuts(&key.seq, &self.cuts);
             self.candidates.push(Candidate {
                 worker: w.id,
                 overlap_blocks: overlap,

@@ -432,6 +432,23 @@ proptest! {
                     active_blocks: blocks.len() as u64,
                 });
             }
+            // What a policy would see: each worker's active blocks plus the probe's blocks
+            // not already active there, against a recount of the longest active prefix.
+            for probe in 0..6u32 {
+                let key = router.key(&prompt(probe, 11));
+                let candidates = router.candidates(&key, Nanos::ZERO).to_vec();
+                for c in candidates {
+                    let mut blocks = std::collections::HashSet::new();
+                    for e in model.values().filter(|e| e.0 == c.worker) {
+                        blocks.extend(e.1.seq.iter().copied());
+                    }
+                    let prefix = key.seq.iter().take_while(|h| blocks.contains(h)).count();
+                    prop_assert_eq!(
+                        c.potential_active_blocks,
+                        blocks.len() as u64 + (key.seq.len() - prefix) as u64
+                    );
+                }
+            }
         }
         let ids: Vec<u8> = model.keys().copied().collect();
         for id in ids { router.on_finished(RequestId(u64::from(id)), Nanos::ZERO); }
