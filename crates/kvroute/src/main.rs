@@ -7,8 +7,10 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use kv_index::BlockHasher;
 
+mod bench_cmd;
 mod engine_cmd;
 mod profiles;
+mod sim_cmd;
 
 /// KV-cache-aware routing for LLM fleets.
 #[derive(Debug, Parser)]
@@ -31,6 +33,11 @@ enum Command {
     /// Serve one simulated GPU worker: an OpenAI-compatible HTTP API with vLLM-style metrics,
     /// publishing its KV events over NATS and/or ZMQ (vLLM's format).
     Engine(Box<engine_cmd::EngineArgs>),
+    /// Simulate one cluster in virtual time: N workers, a router, the seed's chat workload.
+    Sim(Box<sim_cmd::SimArgs>),
+    /// Seed 002's benchmark in virtual time: routers × concurrency levels × sweeps, with its
+    /// tables (report.md), plots (SVG) and results.json.
+    Bench(Box<bench_cmd::BenchArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -51,6 +58,8 @@ fn main() -> ExitCode {
         Command::Hash(args) => hash(args),
         Command::Profiles(args) => profiles::run(args),
         Command::Engine(args) => engine_cmd::run(*args),
+        Command::Sim(args) => sim_cmd::run(*args),
+        Command::Bench(args) => bench_cmd::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

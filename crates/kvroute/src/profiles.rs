@@ -56,7 +56,7 @@ pub fn run(args: ProfilesArgs) -> Result<()> {
     }
 }
 
-fn load(path: &Path) -> Result<HardwareProfile> {
+pub(crate) fn load(path: &Path) -> Result<HardwareProfile> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read profile file {}", path.display()))?;
     let is_json = path

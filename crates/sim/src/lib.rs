@@ -81,6 +81,7 @@
 //! ```
 
 pub mod bench;
+pub mod chat;
 mod config;
 mod driver;
 pub mod metrics;

@@ -1,0 +1,408 @@
+//! `kvroute sim`: one simulated run; and the cluster options `kvroute bench` shares.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use engine::{EngineConfig, HardwareProfile};
+use indicatif::{ProgressBar, ProgressStyle};
+use nanotime::Nanos;
+use router::{KvSource, PolicyKind};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sim::bench::{BenchResults, BenchSpec, JobResult, Row};
+use sim::chat::Chat;
+use sim::{FrontendConfig, SimConfig, Simulation};
+use workload::{Assets, WorkloadConfig};
+
+/// The router names the router crate knows, for help texts.
+pub fn router_names() -> String {
+    PolicyKind::ALL
+        .iter()
+        .map(|k| k.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+pub fn parse_router(s: &str) -> Result<PolicyKind, String> {
+    s.parse::<PolicyKind>().map_err(|e| e.to_string())
+}
+
+/// Fleet, hardware, router and workload options shared by `sim` and `bench`.
+#[derive(Debug, clap::Args)]
+pub struct ClusterArgs {
+    /// Number of workers (one GPU each).
+    #[arg(long, default_value_t = 3)]
+    pub workers: u32,
+    /// Built-in hardware profile (see `kvroute profiles`).
+    #[arg(long, default_value = "h200-llama70b-fp8")]
+    pub profile: String,
+    /// A hardware profile file (.toml or .json, as `kvroute profiles check` reads) instead of
+    /// --profile.
+    #[arg(long, value_name = "PATH")]
+    pub profile_file: Option<PathBuf>,
+    /// Override a profile field, e.g. `timing.kv_read_efficiency=0.45` (repeatable; dotted
+    /// path into the profile as `kvroute profiles show NAME --json` prints it).
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub profile_set: Vec<String>,
+    /// Override an engine setting, e.g. `max_num_seqs=64`, `max_num_batched_tokens=8192`,
+    /// `num_gpu_blocks_override=12000` (repeatable).
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub engine_set: Vec<String>,
+    /// A workload configuration file (.toml or .json); fields left out keep the seed's
+    /// defaults.
+    #[arg(long, value_name = "PATH")]
+    pub workload_file: Option<PathBuf>,
+    /// Override a workload setting (repeatable; dotted path into the workload config).
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub workload_set: Vec<String>,
+    /// KV policy: weight of prefill blocks against decode blocks (Dynamo's
+    /// kv_overlap_score_weight).
+    #[arg(long, default_value_t = 1.0)]
+    pub overlap_weight: f64,
+    /// KV policy: softmax temperature over costs (0 = lowest cost wins).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Approximate mode: no KV events; routed prompts are assumed cached for this many
+    /// seconds (Dynamo's --no-kv-events, TTL 120 s).
+    #[arg(long, value_name = "SECONDS")]
+    pub approximate_ttl: Option<f64>,
+    /// Delay between an engine's KV event and the router applying it (models NATS).
+    #[arg(long, default_value_t = 0.0, value_name = "MS")]
+    pub kv_event_delay_ms: f64,
+    /// Hold requests at the frontend while every worker has this many in flight (off by
+    /// default: Dynamo routes at once).
+    #[arg(long, value_name = "N")]
+    pub frontend_cap: Option<u32>,
+    /// Most requests waiting at the frontend; more fail.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub frontend_queue: usize,
+    /// Decode step by step instead of advancing identical decode steps together (slower;
+    /// for checking speed mode).
+    #[arg(long)]
+    pub step_by_step: bool,
+    /// Skip the oracle upper bound (saves memory on very long fleet-scale runs).
+    #[arg(long)]
+    pub no_oracle: bool,
+    /// Seed of the run (sweep seeds derive from it).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// Sets `KEY=VALUE` pairs in a serializable value through its JSON form: `KEY` is a dotted
+/// path that must exist, `VALUE` is JSON (a bare word is taken as a string).
+pub fn patch<T: Serialize + DeserializeOwned>(value: T, sets: &[String], what: &str) -> Result<T> {
+    if sets.is_empty() {
+        return Ok(value);
+    }
+    let mut json = serde_json::to_value(&value)?;
+    for set in sets {
+        let Some((path, raw)) = set.split_once('=') else {
+            bail!("--{what}-set expects KEY=VALUE, got `{set}`");
+        };
+        let new = serde_json::from_str(raw.trim())
+            .unwrap_or_else(|_| serde_json::Value::String(raw.trim().to_string()));
+        let mut slot = &mut json;
+        for key in path.trim().split('.') {
+            let fields = match slot.as_object() {
+                Some(map) => map.keys().cloned().collect::<Vec<_>>().join(", "),
+                None => String::new(),
+            };
+            slot = slot.get_mut(key).with_context(|| {
+                format!("{what} has no field `{path}` (at `{key}`; fields here: {fields})")
+            })?;
+        }
+        *slot = new;
+    }
+    serde_json::from_value(json).with_context(|| format!("{what} settings {sets:?} do not fit"))
+}
+
+fn read_config<T: DeserializeOwned>(path: &Path, what: &str) -> Result<T> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read {what} file {}", path.display()))?;
+    let is_json = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    if is_json {
+        serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a valid {what} (JSON)", path.display()))
+    } else {
+        toml::from_str(&text)
+            .with_context(|| format!("{} is not a valid {what} (TOML)", path.display()))
+    }
+}
+
+fn seconds(s: f64, flag: &str) -> Result<Nanos> {
+    if !(s.is_finite() && s >= 0.0) {
+        bail!("{flag} must be a number of seconds ≥ 0, got {s}");
+    }
+    Ok(Nanos::from_secs_f64(s))
+}
+
+/// Everything a run needs besides its phases.
+pub struct Cluster {
+    pub base: SimConfig,
+    pub workload: WorkloadConfig,
+    pub assets: Arc<Assets>,
+    pub profile_name: String,
+}
+
+impl ClusterArgs {
+    pub fn build(&self) -> Result<Cluster> {
+        if self.workers == 0 {
+            bail!("--workers must be at least 1");
+        }
+        let profile = match &self.profile_file {
+            Some(path) => crate::profiles::load(path)?,
+            None => HardwareProfile::builtin(&self.profile)?,
+        };
+        let profile: HardwareProfile = patch(profile, &self.profile_set, "profile")?;
+        profile
+            .validate()
+            .context("the profile after --profile-set is not usable")?;
+        let profile_name = profile.name.clone();
+        let mut engine = EngineConfig::from_profile(profile);
+        engine.coalesce_decode = !self.step_by_step;
+        let engine: EngineConfig = patch(engine, &self.engine_set, "engine")?;
+        let mut base = SimConfig::new(self.workers, engine.profile.clone(), PolicyKind::Kv);
+        base.engine = engine;
+        base.router.kv.overlap_weight = self.overlap_weight;
+        base.router.kv.temperature = self.temperature;
+        if let Some(ttl) = self.approximate_ttl {
+            base.router.kv_source = KvSource::Approximate {
+                ttl: seconds(ttl, "--approximate-ttl")?,
+            };
+        }
+        base.router.kv_event_delay = seconds(self.kv_event_delay_ms / 1e3, "--kv-event-delay-ms")?;
+        base.frontend = FrontendConfig {
+            max_in_flight_per_worker: self.frontend_cap,
+            queue_capacity: self.frontend_queue,
+        };
+        base.oracle = !self.no_oracle;
+        let workload = match &self.workload_file {
+            Some(path) => read_config(path, "workload config")?,
+            None => WorkloadConfig::default(),
+        };
+        let workload = patch(workload, &self.workload_set, "workload")?;
+        let assets = Assets::builtin().context("loading the workload's corpus")?;
+        Ok(Cluster {
+            base,
+            workload,
+            assets,
+            profile_name,
+        })
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SimArgs {
+    /// Routing policy.
+    #[arg(long, default_value = "kv", value_parser = parse_router, help = format!("Routing policy: {}", router_names()))]
+    pub router: PolicyKind,
+    /// Concurrent conversations.
+    #[arg(long, default_value_t = 60)]
+    pub concurrency: u32,
+    /// Simulated seconds in all (warmup included).
+    #[arg(long, default_value_t = 360.0)]
+    pub duration: f64,
+    /// Simulated seconds before measuring.
+    #[arg(long, default_value_t = 60.0)]
+    pub warmup: f64,
+    /// Snapshots the measurement window is read as (averaged).
+    #[arg(long, default_value_t = 1)]
+    pub snapshots: u32,
+    /// Seconds each snapshot looks back (default: its own share of the window).
+    #[arg(long, value_name = "SECONDS")]
+    pub lookback: Option<f64>,
+    /// Print JSON (results.json's shape plus run totals) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Write every request's record to this file as JSON lines.
+    #[arg(long, value_name = "PATH")]
+    pub records: Option<PathBuf>,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+}
+
+pub fn run(args: SimArgs) -> Result<()> {
+    let started = Instant::now();
+    let mut cluster = args.cluster.build()?;
+    let duration = seconds(args.duration, "--duration")?;
+    let warmup = seconds(args.warmup, "--warmup")?;
+    if warmup >= duration {
+        bail!(
+            "--warmup ({} s) must be shorter than --duration ({} s)",
+            args.warmup,
+            args.duration
+        );
+    }
+    cluster.base.keep_all_records = args.records.is_some();
+    let spec = BenchSpec {
+        routers: vec![args.router],
+        levels: vec![args.concurrency],
+        sweeps: 1,
+        warmup,
+        window: duration - warmup,
+        snapshots: args.snapshots,
+        lookback: args
+            .lookback
+            .map(|l| seconds(l, "--lookback"))
+            .transpose()?,
+        seed: args.cluster.seed,
+        continuous: true,
+        base: cluster.base.clone(),
+    };
+    let job = spec.jobs().remove(0);
+    let workload = Chat::new(
+        &cluster.workload,
+        Arc::clone(&cluster.assets),
+        job.seed,
+        args.concurrency,
+    )?;
+    let mut simulation = Simulation::new(spec.config(&job), workload, spec.phases(&job))?;
+    let end = simulation.end();
+    let bar = progress_bar(end.0 / 1_000_000_000, "simulated s");
+    let step = Nanos::from_secs(5);
+    let mut t = Nanos::ZERO;
+    while t < end {
+        t = (t + step).min(end);
+        simulation.run_until(t)?;
+        if let Some(bar) = &bar {
+            bar.set_position(t.0 / 1_000_000_000);
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let out = simulation.finish();
+    if let Some(path) = &args.records {
+        write_records(path, &out.records)?;
+    }
+    let totals = out.totals.clone();
+    let snapshots = out.phases[0].snapshots.clone();
+    let result = JobResult {
+        job,
+        phases: out.phases,
+        totals: out.totals,
+    };
+    let results = sim::bench::aggregate(&spec, vec![result], &cluster.profile_name);
+    let wall = started.elapsed().as_secs_f64();
+    if args.json {
+        let doc = serde_json::json!({
+            "summary": results.summary,
+            "runs": results.runs,
+            "bench": results.bench,
+            "snapshots": snapshots,
+            "totals": totals,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print_run(&results, &totals);
+    }
+    eprintln!(
+        "sim: {:.0} simulated s in {wall:.1} s wall ({:.0}× real time)",
+        end.as_secs_f64(),
+        end.as_secs_f64() / wall.max(1e-9)
+    );
+    Ok(())
+}
+
+fn write_records(path: &Path, records: &[sim::RequestRecord]) -> Result<()> {
+    let file =
+        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    for r in records {
+        serde_json::to_writer(&mut w, r)?;
+        w.write_all(b"\n")?;
+    }
+    w.flush()
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// A progress bar on stderr when it is a terminal; `None` otherwise (quiet in CI and pipes).
+pub fn progress_bar(len: u64, unit: &str) -> Option<ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::new(len);
+    let template = format!("{{elapsed_precise}} [{{bar:40}}] {{pos}}/{{len}} {unit} (eta {{eta}})");
+    if let Ok(style) = ProgressStyle::with_template(&template) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    Some(bar)
+}
+
+fn opt(v: Option<f64>, decimals: usize) -> String {
+    v.map_or("–".to_string(), |x| format!("{x:.decimals$}"))
+}
+
+fn print_run(results: &BenchResults, totals: &sim::RunTotals) {
+    let b = &results.bench;
+    let Some(r) = results.runs.first() else {
+        return;
+    };
+    println!(
+        "{} router, {} × {}, {} conversations: {} s measured after {} s warmup, seed {}",
+        r.router, b.workers, b.profile, r.concurrency, b.window_s, b.warmup_s, b.seed
+    );
+    print_latencies(r);
+    println!("\nper worker (measurement window):");
+    println!(
+        "  {:>6}  {:>7}  {:>9}  {:>9}  {:>8}  {:>14}  {:>11}",
+        "worker", "routed", "peak", "mean", "GPU util", "prefill tokens", "preemptions"
+    );
+    for w in &r.per_worker {
+        println!(
+            "  {:>6}  {:>7}  {:>9}  {:>9.1}  {:>7.1}%  {:>14}  {:>11}",
+            w.worker,
+            w.routed,
+            w.peak_in_flight,
+            w.mean_in_flight,
+            w.utilisation * 100.0,
+            w.prefill_tokens,
+            w.preemptions
+        );
+    }
+    println!(
+        "\nturns: {} issued, {} finished, {} failed, {} in flight at the end; {} engine steps, {} KV events",
+        totals.issued,
+        totals.finished,
+        totals.failed,
+        totals.in_flight_at_end,
+        totals.engine_steps,
+        totals.kv_events
+    );
+}
+
+pub fn print_latencies(r: &Row) {
+    println!(
+        "  TTFT  p50 {:>9} ms   p95 {:>9} ms",
+        opt(r.ttft_ms.p50, 1),
+        opt(r.ttft_ms.p95, 1)
+    );
+    println!(
+        "  TPOT  p50 {:>9} ms   p95 {:>9} ms",
+        opt(r.tpot_ms.p50, 1),
+        opt(r.tpot_ms.p95, 1)
+    );
+    println!(
+        "  ITL   p50 {:>9} ms   p95 {:>9} ms",
+        opt(r.itl_ms.p50, 1),
+        opt(r.itl_ms.p95, 1)
+    );
+    println!(
+        "  E2E   p50 {:>9} s    p95 {:>9} s",
+        opt(r.e2e_s.p50, 2),
+        opt(r.e2e_s.p95, 2)
+    );
+    println!(
+        "  output tokens/s {:.1}   requests/s {:.2}   KV hit rate {}   oracle {}   errors {}",
+        r.output_tokens_per_s,
+        r.requests_per_s,
+        opt(r.kv_hit_rate.map(|h| h * 100.0), 1) + "%",
+        opt(r.oracle_hit_rate.map(|h| h * 100.0), 1) + "%",
+        r.errors
+    );
+}

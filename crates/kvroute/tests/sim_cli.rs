@@ -1,0 +1,184 @@
+//! `kvroute sim` and `kvroute bench` as a user runs them: determinism of results.json, the
+//! JSON contract, the report and plots, and clear errors.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn kvroute() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvroute"))
+}
+
+/// A fresh, empty directory for one test's output.
+fn out_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-sim-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn ok(out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "status {}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A small bench: two levels, one sweep, short windows. Seconds of simulated time, not of
+/// wall time.
+fn small_bench(dir: &Path, jobs: &str) -> Output {
+    kvroute()
+        .args([
+            "bench",
+            "--levels",
+            "12,24",
+            "--sweeps",
+            "2",
+            "--warmup",
+            "20",
+            "--window",
+            "60",
+            "--snapshots",
+            "3",
+            "--lookback",
+            "20",
+            "--seed",
+            "5",
+            "--jobs",
+            jobs,
+            "--out",
+        ])
+        .arg(dir)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn bench_is_byte_identical_across_runs_and_thread_counts_and_writes_report_and_plots() {
+    let (a, b) = (out_dir("a"), out_dir("b"));
+    ok(small_bench(&a, "1"));
+    ok(small_bench(&b, "2"));
+    let json_a = std::fs::read(a.join("results.json")).unwrap();
+    let json_b = std::fs::read(b.join("results.json")).unwrap();
+    assert!(json_a == json_b, "results.json differs between runs");
+    assert_eq!(
+        std::fs::read(a.join("report.md")).unwrap(),
+        std::fs::read(b.join("report.md")).unwrap()
+    );
+
+    // The dashboard's contract.
+    let results: serde_json::Value = serde_json::from_slice(&json_a).unwrap();
+    let summary = results["summary"].as_array().unwrap();
+    let runs = results["runs"].as_array().unwrap();
+    assert_eq!(summary.len(), 2 * 2, "routers × levels");
+    assert_eq!(runs.len(), 2 * 2 * 2, "routers × levels × sweeps");
+    for row in summary.iter().chain(runs) {
+        for key in ["router", "workers", "concurrency", "output_tokens_per_s"] {
+            assert!(!row[key].is_null(), "{key} missing in {row}");
+        }
+        for key in ["ttft_ms", "tpot_ms", "itl_ms", "e2e_s"] {
+            assert!(row[key]["p50"].is_number(), "{key}.p50 in {row}");
+            assert!(row[key]["p95"].is_number(), "{key}.p95 in {row}");
+        }
+        let hit = row["kv_hit_rate"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&hit));
+        assert!(row["oracle_hit_rate"].as_f64().unwrap() >= hit);
+        assert!(row["requests_per_s"].as_f64().unwrap() > 0.0);
+        assert!(row["errors"].is_number());
+    }
+    assert!(runs.iter().all(|r| r["seed"].is_u64()));
+    assert!(summary.iter().all(|r| r["seed"].is_null()));
+
+    let report = std::fs::read_to_string(a.join("report.md")).unwrap();
+    for heading in [
+        "## TTFT — Time to First Token",
+        "## Throughput and actual RPS",
+        "## ITL — Inter-Token Latency",
+        "## End-to-end latency",
+        "## Results summary",
+        "## Hit rate against the oracle bound",
+        "## Per-worker balance",
+    ] {
+        assert!(report.contains(heading), "{heading} missing:\n{report}");
+    }
+    for plot in [
+        "ttft_p95.svg",
+        "tpot_p95.svg",
+        "tops.svg",
+        "hit_rate.svg",
+        "e2e_p50.svg",
+    ] {
+        let svg = std::fs::read_to_string(a.join(plot)).unwrap();
+        let doc = roxmltree::Document::parse(&svg)
+            .unwrap_or_else(|e| panic!("{plot} is not well-formed XML: {e}"));
+        assert_eq!(doc.root_element().tag_name().name(), "svg");
+        let lines = doc
+            .descendants()
+            .filter(|n| n.has_tag_name("polyline"))
+            .count();
+        assert!(lines >= 2, "{plot}: one line per router, got {lines}");
+        assert!(report.contains(plot), "report links {plot}");
+    }
+    let ttft = std::fs::read_to_string(a.join("ttft_p95.svg")).unwrap();
+    assert!(ttft.contains("SLO 600 ms"));
+    let _ = std::fs::remove_dir_all(&a);
+    let _ = std::fs::remove_dir_all(&b);
+}
+
+#[test]
+fn sim_prints_a_table_or_the_json_contract() {
+    let args = [
+        "sim",
+        "--router",
+        "kv",
+        "--concurrency",
+        "12",
+        "--duration",
+        "60",
+        "--warmup",
+        "20",
+    ];
+    let table = ok(kvroute().args(args).output().unwrap());
+    let text = String::from_utf8(table.stdout).unwrap();
+    for needle in ["TTFT", "TPOT", "ITL", "E2E", "KV hit rate", "per worker"] {
+        assert!(text.contains(needle), "{needle} missing:\n{text}");
+    }
+    let json = ok(kvroute().args(args).arg("--json").output().unwrap());
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let row = &v["runs"][0];
+    assert_eq!(row["router"], "kv");
+    assert_eq!(row["concurrency"], 12);
+    assert_eq!(row["workers"], 3);
+    assert_eq!(row["per_worker"].as_array().unwrap().len(), 3);
+    let t = &v["totals"];
+    assert_eq!(
+        t["issued"].as_u64().unwrap(),
+        t["finished"].as_u64().unwrap()
+            + t["failed"].as_u64().unwrap()
+            + t["in_flight_at_end"].as_u64().unwrap()
+    );
+}
+
+#[test]
+fn bad_arguments_fail_with_a_clear_error() {
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["bench", "--routers", "round_robin,best"],
+            "round_robin, random, kv",
+        ),
+        (&["sim", "--profile", "tpu-v9"], "h200-llama70b-fp8"),
+        (
+            &["sim", "--profile-set", "timing.warp_factor=9"],
+            "no field `timing.warp_factor`",
+        ),
+        (&["sim", "--warmup", "100", "--duration", "50"], "--warmup"),
+        (&["sim", "--engine-set", "max_num_seqs"], "KEY=VALUE"),
+    ];
+    for (args, needle) in cases {
+        let out = kvroute().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
