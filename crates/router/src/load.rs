@@ -6,7 +6,9 @@
 //! Active blocks are counted once per worker even when several in-flight requests share them
 //! (a shared system prompt or passage is one set of blocks in the engine's cache).
 
-use kv_index::SequenceHash;
+use std::collections::hash_map::Entry;
+
+use kv_index::{SequenceHash, WorkerId};
 use rustc_hash::FxHashMap;
 
 /// A worker's load as the router accounts it.
@@ -35,7 +37,8 @@ impl WorkerAccount {
     ///
     /// The active set is a union of whole prompt prefixes, and equal sequence hashes mean
     /// equal prefixes, so the request blocks found in it always form a leading run: a binary
-    /// search finds its length in O(log n) lookups instead of one lookup per block.
+    /// search finds its length. Routing reads it for every worker at once from
+    /// [`FleetActive::prefix_lens`]; this is the reference the tests compare with.
     #[cfg(test)]
     pub(crate) fn active_prefix_len(&self, hashes: &[SequenceHash]) -> usize {
         if self.active.is_empty() {
@@ -44,31 +47,20 @@ impl WorkerAccount {
         hashes.partition_point(|h| self.active.contains_key(h))
     }
 
-    /// [`active_prefix_len`](Self::active_prefix_len), knowing it is one of `cuts` (from
-    /// [`FleetActive::prefix_cuts`] for the same `hashes`): a binary search over the few cuts
-    /// instead of over every block, so a decision over a large fleet costs a couple of
-    /// lookups per worker.
-    pub(crate) fn active_prefix_len_at_cuts(
-        &self,
+    /// Takes a reference on each of `hashes` for this account's `worker`; returns how many
+    /// were not active before.
+    pub(crate) fn acquire(
+        &mut self,
+        worker: WorkerId,
         hashes: &[SequenceHash],
-        cuts: &[usize],
-    ) -> usize {
-        if self.active.is_empty() || cuts.len() <= 1 {
-            return 0;
-        }
-        // Largest cut `s` with blocks `0..s` active, i.e. block `s − 1` active (cut 0 always).
-        let i = cuts[1..].partition_point(|&s| self.active.contains_key(&hashes[s - 1]));
-        cuts[i]
-    }
-
-    /// Takes a reference on each of `hashes`; returns how many were not active before.
-    pub(crate) fn acquire(&mut self, hashes: &[SequenceHash], fleet: &mut FleetActive) -> u64 {
+        fleet: &mut FleetActive,
+    ) -> u64 {
         let mut added = 0;
         for h in hashes {
             let count = self.active.entry(*h).or_insert(0);
             if *count == 0 {
                 added += 1;
-                fleet.add(*h);
+                fleet.add(*h, worker);
             }
             *count += 1;
         }
@@ -77,56 +69,108 @@ impl WorkerAccount {
     }
 
     /// Drops a reference on each of `hashes`, forgetting blocks nobody holds any more.
-    pub(crate) fn release(&mut self, hashes: &[SequenceHash], fleet: &mut FleetActive) {
+    pub(crate) fn release(
+        &mut self,
+        worker: WorkerId,
+        hashes: &[SequenceHash],
+        fleet: &mut FleetActive,
+    ) {
         for h in hashes {
             if let Some(count) = self.active.get_mut(h) {
                 *count -= 1;
                 if *count == 0 {
                     self.active.remove(h);
-                    fleet.remove(*h);
+                    fleet.remove(*h, worker);
                     self.load.active_blocks = self.load.active_blocks.saturating_sub(1);
                 }
             }
         }
     }
 
-    /// The worker leaves: its active blocks leave the fleet's counts.
-    pub(crate) fn forget(&mut self, fleet: &mut FleetActive) {
+    /// The worker leaves: its active blocks leave the fleet's lists.
+    pub(crate) fn forget(&mut self, worker: WorkerId, fleet: &mut FleetActive) {
         for h in self.active.keys() {
-            fleet.remove(*h);
+            fleet.remove(*h, worker);
         }
         self.active.clear();
     }
 }
 
-/// For each block active on some worker, on how many workers it is active.
+/// For each block active on some worker, the workers it is active on.
 ///
-/// Every worker's active set is closed under prefixes, so the number of workers holding block
-/// `i` of a request never grows with `i`, and a worker's active prefix can only end where that
-/// number drops. [`FleetActive::prefix_cuts`] finds those few places with a binary search over
-/// the request's blocks; each worker then needs a lookup or two instead of a binary search
-/// over all blocks. Bounded like the per-worker sets it counts.
+/// Every worker's active set is closed under prefixes, so the workers holding block `i` of a
+/// request are among those holding block `i − 1`, and a worker's active prefix can only end
+/// where that set shrinks. [`FleetActive::prefix_cuts`] finds those few places with a binary
+/// search over the request's blocks, and [`FleetActive::prefix_lens`] reads every worker's
+/// active prefix off the holder lists there: a decision over a thousand workers costs a few
+/// lookups and a walk over sorted lists instead of hash lookups per worker. Bounded like the
+/// per-worker sets it mirrors (one list entry per active (worker, block)).
 #[derive(Debug, Default)]
 pub(crate) struct FleetActive {
-    workers: FxHashMap<SequenceHash, u32>,
+    holders: FxHashMap<SequenceHash, Holders>,
+}
+
+/// The workers a block is active on, ascending by id. Most blocks (a conversation's own
+/// history) are active on one worker, which needs no allocation.
+#[derive(Debug)]
+enum Holders {
+    One(WorkerId),
+    Many(Vec<WorkerId>),
+}
+
+impl Holders {
+    fn as_slice(&self) -> &[WorkerId] {
+        match self {
+            Holders::One(w) => std::slice::from_ref(w),
+            Holders::Many(v) => v,
+        }
+    }
 }
 
 impl FleetActive {
-    fn add(&mut self, h: SequenceHash) {
-        *self.workers.entry(h).or_insert(0) += 1;
-    }
-
-    fn remove(&mut self, h: SequenceHash) {
-        if let Some(n) = self.workers.get_mut(&h) {
-            *n -= 1;
-            if *n == 0 {
-                self.workers.remove(&h);
+    fn add(&mut self, h: SequenceHash, worker: WorkerId) {
+        match self.holders.entry(h) {
+            Entry::Vacant(e) => {
+                e.insert(Holders::One(worker));
+            }
+            Entry::Occupied(mut e) => {
+                let holders = e.get_mut();
+                if let Holders::One(w) = *holders {
+                    *holders = Holders::Many(vec![w]);
+                }
+                if let Holders::Many(v) = holders {
+                    if let Err(i) = v.binary_search(&worker) {
+                        v.insert(i, worker);
+                    }
+                }
             }
         }
     }
 
-    fn count(&self, h: &SequenceHash) -> u32 {
-        self.workers.get(h).copied().unwrap_or(0)
+    fn remove(&mut self, h: SequenceHash, worker: WorkerId) {
+        let Entry::Occupied(mut e) = self.holders.entry(h) else {
+            return;
+        };
+        let now_empty = match e.get_mut() {
+            Holders::One(w) => *w == worker,
+            Holders::Many(v) => {
+                if let Ok(i) = v.binary_search(&worker) {
+                    v.remove(i);
+                }
+                v.is_empty()
+            }
+        };
+        if now_empty {
+            e.remove();
+        }
+    }
+
+    fn holders(&self, h: &SequenceHash) -> &[WorkerId] {
+        self.holders.get(h).map_or(&[], Holders::as_slice)
+    }
+
+    fn count(&self, h: &SequenceHash) -> usize {
+        self.holders(h).len()
     }
 
     /// Every length a worker's active prefix of `hashes` can have, ascending: 0, each `i`
@@ -154,8 +198,8 @@ impl FleetActive {
     fn drops(
         &self,
         hashes: &[SequenceHash],
-        (lo, c_lo): (usize, u32),
-        (hi, c_hi): (usize, u32),
+        (lo, c_lo): (usize, usize),
+        (hi, c_hi): (usize, usize),
         cuts: &mut Vec<usize>,
     ) {
         if c_lo == c_hi || hi <= lo {
@@ -169,6 +213,37 @@ impl FleetActive {
         let c_mid = self.count(&hashes[mid]);
         self.drops(hashes, (lo, c_lo), (mid, c_mid), cuts);
         self.drops(hashes, (mid, c_mid), (hi, c_hi), cuts);
+    }
+
+    /// For each of `workers` (ascending by `id`), the number of leading blocks of `hashes`
+    /// active on it, into `lens`; `cuts` are the request's [`prefix_cuts`](Self::prefix_cuts).
+    pub(crate) fn prefix_lens<T>(
+        &self,
+        hashes: &[SequenceHash],
+        cuts: &[usize],
+        workers: &[T],
+        id: impl Fn(&T) -> WorkerId,
+        lens: &mut Vec<usize>,
+    ) {
+        lens.clear();
+        lens.resize(workers.len(), 0);
+        // Longest cut first: a worker holding block `s − 1` holds the whole prefix `0..s`,
+        // and is also listed at every shorter cut, where it is already done. Both lists are
+        // ascending by id, so one merge walk per cut.
+        for &s in cuts.iter().rev().filter(|&&s| s > 0) {
+            let mut i = 0;
+            for h in self.holders(&hashes[s - 1]) {
+                while i < workers.len() && id(&workers[i]) < *h {
+                    i += 1;
+                }
+                if i == workers.len() {
+                    break;
+                }
+                if id(&workers[i]) == *h && lens[i] == 0 {
+                    lens[i] = s;
+                }
+            }
+        }
     }
 }
 
@@ -184,24 +259,25 @@ mod tests {
     fn shared_blocks_count_once_and_release_by_reference() {
         let mut fleet = FleetActive::default();
         let mut account = WorkerAccount::default();
-        assert_eq!(account.acquire(&hashes(0..10), &mut fleet), 10);
+        let w = WorkerId(3);
+        assert_eq!(account.acquire(w, &hashes(0..10), &mut fleet), 10);
         // A second request sharing the first 6 blocks adds only its 4 own blocks.
         let second: Vec<SequenceHash> = hashes(0..6).into_iter().chain(hashes(100..104)).collect();
         assert_eq!(account.active_prefix_len(&second), 6);
-        assert_eq!(account.acquire(&second, &mut fleet), 4);
+        assert_eq!(account.acquire(w, &second, &mut fleet), 4);
         assert_eq!(account.load.active_blocks, 14);
-        account.release(&hashes(0..10), &mut fleet);
+        account.release(w, &hashes(0..10), &mut fleet);
         assert_eq!(account.load.active_blocks, 10, "shared blocks stay held");
-        account.release(&second, &mut fleet);
+        account.release(w, &second, &mut fleet);
         assert_eq!(account.load.active_blocks, 0);
         assert_eq!(account.active_prefix_len(&second), 0);
-        assert!(fleet.workers.is_empty());
+        assert!(fleet.holders.is_empty());
     }
 
-    /// The cut-based prefix length equals the plain binary search on every worker, whatever
-    /// prefixes the workers hold.
+    /// Every worker's active prefix read off the fleet's holder lists equals the plain binary
+    /// search over its own set, whatever prefixes the workers hold.
     #[test]
-    fn prefix_cuts_give_every_workers_active_prefix() {
+    fn fleet_prefix_lens_equal_each_workers_active_prefix() {
         // Requests are prefixes of a few chains that share their first blocks.
         let chain = |branch: u64, len: u64| -> Vec<SequenceHash> {
             (0..len)
@@ -209,7 +285,9 @@ mod tests {
                 .collect()
         };
         let mut fleet = FleetActive::default();
-        let mut accounts: Vec<WorkerAccount> = (0..6).map(|_| WorkerAccount::default()).collect();
+        let ids: Vec<WorkerId> = [2, 3, 5, 8, 13, 21].map(WorkerId).to_vec();
+        let mut accounts: Vec<WorkerAccount> =
+            ids.iter().map(|_| WorkerAccount::default()).collect();
         let held = [
             vec![],
             vec![chain(1, 3)],
@@ -218,30 +296,37 @@ mod tests {
             vec![chain(3, 5), chain(1, 6)],
             vec![chain(2, 4)],
         ];
-        for (a, reqs) in accounts.iter_mut().zip(&held) {
+        for ((a, reqs), &w) in accounts.iter_mut().zip(&held).zip(&ids) {
             for r in reqs {
-                a.acquire(r, &mut fleet);
+                a.acquire(w, r, &mut fleet);
             }
         }
-        let mut cuts = Vec::new();
+        let (mut cuts, mut lens) = (Vec::new(), Vec::new());
         for branch in 1..=4 {
             for len in 0..14 {
                 let request = chain(branch, len);
                 fleet.prefix_cuts(&request, &mut cuts);
-                for a in &accounts {
+                fleet.prefix_lens(&request, &cuts, &ids, |w| *w, &mut lens);
+                for (a, &got) in accounts.iter().zip(&lens) {
                     assert_eq!(
-                        a.active_prefix_len_at_cuts(&request, &cuts),
+                        got,
                         a.active_prefix_len(&request),
                         "branch {branch}, len {len}, cuts {cuts:?}"
                     );
                 }
             }
         }
-        for (a, reqs) in accounts.iter_mut().zip(&held).skip(1) {
-            a.release(&reqs[0], &mut fleet);
+        // A subset of the workers (as if others had left the router) lines up by id.
+        let some = [ids[1], ids[3], ids[4]];
+        let request = chain(1, 10);
+        fleet.prefix_cuts(&request, &mut cuts);
+        fleet.prefix_lens(&request, &cuts, &some, |w| *w, &mut lens);
+        assert_eq!(lens, vec![3, 5, 6]);
+        for ((a, reqs), &w) in accounts.iter_mut().zip(&held).zip(&ids).skip(1) {
+            a.release(w, &reqs[0], &mut fleet);
         }
-        accounts[2].forget(&mut fleet);
-        accounts[4].forget(&mut fleet);
-        assert!(fleet.workers.is_empty(), "{:?}", fleet.workers);
+        accounts[2].forget(ids[2], &mut fleet);
+        accounts[4].forget(ids[4], &mut fleet);
+        assert!(fleet.holders.is_empty(), "{:?}", fleet.holders);
     }
 }

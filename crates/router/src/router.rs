@@ -238,10 +238,11 @@ pub struct Router {
     counters: RouterCounters,
     /// Scratch space reused by every decision so routing does not allocate per worker.
     candidates: Vec<Candidate>,
-    /// On how many workers each active block is active (see [`FleetActive`]).
+    /// The workers each active block is active on (see [`FleetActive`]).
     fleet_active: FleetActive,
-    /// Scratch: the request's possible active-prefix lengths.
+    /// Scratch: the request's possible active-prefix lengths, and each worker's.
     cuts: Vec<usize>,
+    prefix_lens: Vec<usize>,
 }
 
 impl Router {
@@ -287,6 +288,7 @@ impl Router {
             candidates: Vec::new(),
             fleet_active: FleetActive::default(),
             cuts: Vec::new(),
+            prefix_lens: Vec::new(),
         })
     }
 
@@ -335,7 +337,7 @@ impl Router {
     pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
         if let Ok(i) = self.workers.binary_search_by_key(&worker, |w| w.id) {
             let mut entry = self.workers.remove(i);
-            entry.account.forget(&mut self.fleet_active);
+            entry.account.forget(worker, &mut self.fleet_active);
         }
         self.index.remove_worker(worker);
         if let Some(approx) = &mut self.approx {
@@ -519,7 +521,7 @@ impl Router {
                 .saturating_sub(tracked.pending_prefill_tokens);
             entry
                 .account
-                .release(&tracked.blocks, &mut self.fleet_active);
+                .release(tracked.worker, &tracked.blocks, &mut self.fleet_active);
         }
         self.counters.finished += 1;
     }
@@ -554,7 +556,9 @@ impl Router {
         if let Some(entry) = find_worker(&mut self.workers, worker) {
             entry.account.load.in_flight += 1;
             entry.account.load.pending_prefill_tokens += new_prefill_tokens;
-            entry.account.acquire(&key.seq, &mut self.fleet_active);
+            entry
+                .account
+                .acquire(worker, &key.seq, &mut self.fleet_active);
         }
         self.requests.insert(
             id,
@@ -580,18 +584,24 @@ impl Router {
         let prompt_blocks = key.seq.len();
         let block_size = u64::from(self.block_size);
         self.fleet_active.prefix_cuts(&key.seq, &mut self.cuts);
+        self.fleet_active.prefix_lens(
+            &key.seq,
+            &self.cuts,
+            &self.workers,
+            |w| w.id,
+            &mut self.prefix_lens,
+        );
         self.candidates.clear();
         // Both lists are ascending by worker id: walk them together instead of a lookup per
         // worker (fleets of a thousand workers route often).
         let mut matched = overlaps.iter().peekable();
-        for w in &self.workers {
+        for (w, &already_active) in self.workers.iter().zip(&self.prefix_lens) {
             while matched.next_if(|&(id, _)| id < w.id).is_some() {}
             let overlap = matched
                 .next_if(|&(id, _)| id == w.id)
                 .map_or(0, |(_, blocks)| blocks)
                 .min(key.num_blocks());
             let cached_tokens = (u64::from(overlap) * block_size).min(key.num_tokens);
-            let already_active = w.account.active_prefix_len_at_cuts(&key.seq, &self.cuts);
             self.candidates.push(Candidate {
                 worker: w.id,
                 overlap_blocks: overlap,
