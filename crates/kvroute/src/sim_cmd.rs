@@ -83,9 +83,13 @@ pub struct ClusterArgs {
     /// for checking speed mode).
     #[arg(long)]
     pub step_by_step: bool,
-    /// Skip the oracle upper bound (saves memory on very long fleet-scale runs).
+    /// Skip the oracle upper bound.
     #[arg(long)]
     pub no_oracle: bool,
+    /// Let the oracle forget blocks unseen for this many seconds (default: never). Bounds its
+    /// memory on hour-long fleet-scale runs; minutes change no answer on the seed workload.
+    #[arg(long, value_name = "SECONDS")]
+    pub oracle_horizon: Option<f64>,
     /// Seed of the run (sweep seeds derive from it).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -181,6 +185,10 @@ impl ClusterArgs {
             queue_capacity: self.frontend_queue,
         };
         base.oracle = !self.no_oracle;
+        base.oracle_horizon = self
+            .oracle_horizon
+            .map(|h| seconds(h, "--oracle-horizon"))
+            .transpose()?;
         let workload = match &self.workload_file {
             Some(path) => read_config(path, "workload config")?,
             None => WorkloadConfig::default(),

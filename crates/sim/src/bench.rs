@@ -232,6 +232,8 @@ pub struct BenchMeta {
     pub continuous: bool,
     pub coalesce_decode: bool,
     pub kv_event_delay_ms: f64,
+    /// Seconds after which the oracle forgets an unseen block (`null`: never).
+    pub oracle_horizon_s: Option<f64>,
     pub percentiles: &'static str,
 }
 
@@ -406,6 +408,7 @@ pub fn aggregate(spec: &BenchSpec, mut results: Vec<JobResult>, profile: &str) -
             continuous: spec.continuous,
             coalesce_decode: spec.base.engine.coalesce_decode,
             kv_event_delay_ms: spec.base.router.kv_event_delay.as_millis_f64(),
+            oracle_horizon_s: spec.base.oracle_horizon.map(Nanos::as_secs_f64),
             percentiles: "exact nearest-rank over each snapshot window, averaged over snapshots then sweeps",
         },
     }

@@ -65,6 +65,9 @@ pub struct SimConfig {
     pub seed: u64,
     /// Compute the oracle hit rate beside the real one ([`crate::oracle`]).
     pub oracle: bool,
+    /// Let the oracle forget blocks unseen for this long (`None`: never, the definition);
+    /// bounds its memory on fleet-scale runs of hours.
+    pub oracle_horizon: Option<Nanos>,
     /// Keep every request's record, not only those the measurement windows use.
     pub keep_all_records: bool,
 }
@@ -82,6 +85,7 @@ impl SimConfig {
             frontend: FrontendConfig::default(),
             seed: 0,
             oracle: true,
+            oracle_horizon: None,
             keep_all_records: false,
         }
     }

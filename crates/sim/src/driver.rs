@@ -257,7 +257,9 @@ impl<W: Workload> Simulation<W> {
                 .add_worker(WorkerId(i as u64), limits)
                 .map_err(ConfigError::from)?;
         }
-        let oracle = cfg.oracle.then(|| Oracle::new(*router.hasher()));
+        let oracle = cfg
+            .oracle
+            .then(|| Oracle::new(*router.hasher(), cfg.oracle_horizon));
         let mut phase_starts = Vec::with_capacity(phases.len());
         let mut schedule = Vec::new();
         let mut windows = Vec::new();
@@ -548,7 +550,7 @@ impl<W: Workload> Simulation<W> {
         self.totals.issued += 1;
         let key = self.router.key(&turn.prompt);
         let oracle_cached = match &mut self.oracle {
-            Some(o) => o.issue(turn.prompt.len(), &key.seq),
+            Some(o) => o.issue(now, turn.prompt.len(), &key.seq),
             None => 0,
         };
         self.in_flight.insert(
@@ -693,7 +695,7 @@ impl<W: Workload> Simulation<W> {
                 self.router.on_finished(RequestId(id.0), at);
                 self.remove_in_flight(worker);
                 if let Some(o) = &mut self.oracle {
-                    o.finish(&f.prompt, f.prompt_last_block, &f.output);
+                    o.finish(at, &f.prompt, f.prompt_last_block, &f.output);
                 }
                 self.totals.finished += 1;
                 self.totals.finished_output_tokens += u64::from(output_tokens);
