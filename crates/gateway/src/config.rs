@@ -219,8 +219,6 @@ pub struct GatewayConfig {
     pub tokenizer_config: Option<PathBuf>,
     /// Most workers known at once (static and dynamic); registrations beyond are refused.
     pub max_workers: usize,
-    /// Bound of the queue of KV events waiting to be applied to the index.
-    pub event_queue: usize,
 }
 
 impl Default for GatewayConfig {
@@ -242,7 +240,6 @@ impl Default for GatewayConfig {
             tokenizer: None,
             tokenizer_config: None,
             max_workers: 1024,
-            event_queue: 65_536,
         }
     }
 }

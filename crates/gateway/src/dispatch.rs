@@ -187,6 +187,8 @@ pub struct Dispatcher {
     max_inflight_per_worker: u32,
     max_workers: usize,
     kv_events: bool,
+    /// Some known worker takes text prompts (so chat requests also render the text).
+    text_workers: std::sync::atomic::AtomicBool,
     events: EventStats,
     metrics: std::sync::OnceLock<Arc<Metrics>>,
 }
@@ -282,6 +284,7 @@ impl Dispatcher {
             max_inflight_per_worker: config.max_inflight_per_worker,
             max_workers: config.max_workers.max(1),
             kv_events: routing.kv_events,
+            text_workers: std::sync::atomic::AtomicBool::new(false),
             events: EventStats::default(),
             metrics: std::sync::OnceLock::new(),
         }))
@@ -494,6 +497,9 @@ impl Dispatcher {
                 router_block_size: self.block_size(),
             });
         }
+        if info.prompt == PromptFormat::Text {
+            self.text_workers.store(true, Ordering::Relaxed);
+        }
         let mut core = lock(&self.core);
         let id = info.id;
         if !core.workers.contains_key(&id) && core.workers.len() >= self.max_workers {
@@ -610,6 +616,11 @@ impl Dispatcher {
             .values()
             .map(|w| (w.info.clone(), w.origin, w.routable))
             .collect()
+    }
+
+    /// Whether any worker ever registered takes text prompts.
+    pub fn has_text_workers(&self) -> bool {
+        self.text_workers.load(Ordering::Relaxed)
     }
 
     /// Routable workers, ascending by id.
@@ -755,5 +766,146 @@ fn route_error(e: RouteError) -> AdmitError {
     match e {
         RouteError::NoWorkers => AdmitError::NoWorkers,
         other => AdmitError::Route(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dispatcher(cap: u32, queue: usize, timeout_ms: u64) -> Arc<Dispatcher> {
+        let config = GatewayConfig {
+            max_inflight_per_worker: cap,
+            queue_capacity: queue,
+            queue_timeout: Duration::from_millis(timeout_ms),
+            routing: crate::config::RoutingConfig {
+                mode: router::PolicyKind::Kv,
+                block_size: 4,
+                ..Default::default()
+            },
+            ..GatewayConfig::default()
+        };
+        let d = Dispatcher::new(&config).unwrap();
+        for id in [1, 2] {
+            let mut info = WorkerInfo::new(WorkerId(id), &format!("http://w{id}"));
+            info.block_size = 4;
+            d.upsert_worker(info, Origin::Static, true).unwrap();
+        }
+        d
+    }
+
+    fn key(d: &Dispatcher, n: u32) -> RoutingKey {
+        d.key(&(n * 100..n * 100 + 16).collect::<Vec<_>>())
+    }
+
+    #[tokio::test]
+    async fn a_full_worker_is_never_chosen_while_another_has_room() {
+        let d = dispatcher(1, 8, 1000);
+        // Make worker 1 hold the prompt: the KV policy would pick it every time.
+        let prompt: Vec<u32> = (0..16).collect();
+        d.apply_events(
+            EventSource::InProcess,
+            &[KvEvent {
+                worker: WorkerId(1),
+                seq: 0,
+                kind: kv_index::KvEventKind::stored_prompt(&d.hasher, &prompt),
+            }],
+        );
+        let first = d.admit(d.key(&prompt)).await.unwrap();
+        assert_eq!(first.worker.id, WorkerId(1));
+        let second = d.admit(d.key(&prompt)).await.unwrap();
+        assert_eq!(second.worker.id, WorkerId(2), "worker 1 is at its cap");
+        drop(first);
+        let third = d.admit(d.key(&prompt)).await.unwrap();
+        assert_eq!(third.worker.id, WorkerId(1));
+    }
+
+    #[tokio::test]
+    async fn waiters_are_served_in_arrival_order_and_a_full_queue_refuses() {
+        let d = dispatcher(1, 3, 5_000);
+        let a = d.admit(key(&d, 1)).await.unwrap();
+        let b = d.admit(key(&d, 2)).await.unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut waiters = Vec::new();
+        for n in 0..3u32 {
+            let shared = d.clone();
+            let tx = tx.clone();
+            waiters.push(tokio::spawn(async move {
+                let ticket = shared.admit(key(&shared, 10 + n)).await.unwrap();
+                tx.send(n).unwrap();
+                // Hold the slot briefly so the order of release is the order of service.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                drop(ticket);
+            }));
+            // Queue them in a known order.
+            while lock(&d.core).queue.len() < (n + 1) as usize {
+                tokio::task::yield_now().await;
+            }
+        }
+        assert!(matches!(
+            d.admit(key(&d, 99)).await,
+            Err(AdmitError::QueueFull { capacity: 3 })
+        ));
+        drop(a);
+        drop(b);
+        for w in waiters {
+            w.await.unwrap();
+        }
+        let order: Vec<u32> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+        assert_eq!(order, vec![0, 1, 2]);
+        assert_eq!(d.snapshot().workers.iter().map(|w| w.in_flight).sum::<u32>(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_waiter_times_out_and_a_cancelled_one_leaves_no_slot_behind() {
+        let d = dispatcher(1, 4, 50);
+        let _a = d.admit(key(&d, 1)).await.unwrap();
+        let _b = d.admit(key(&d, 2)).await.unwrap();
+        assert!(matches!(
+            d.admit(key(&d, 3)).await,
+            Err(AdmitError::QueueTimeout { .. })
+        ));
+        assert_eq!(lock(&d.core).queue.len(), 0);
+        // A waiter dropped while queued (client gone) leaves the queue.
+        let pending = tokio::spawn({
+            let d = d.clone();
+            async move { d.admit(key(&d, 4)).await.map(|_| ()) }
+        });
+        while lock(&d.core).queue.is_empty() {
+            tokio::task::yield_now().await;
+        }
+        pending.abort();
+        let _ = pending.await;
+        assert_eq!(lock(&d.core).queue.len(), 0);
+        assert_eq!(d.snapshot().workers.iter().map(|w| w.in_flight).sum::<u32>(), 2);
+    }
+
+    #[tokio::test]
+    async fn losing_every_worker_fails_the_waiters_at_once() {
+        let d = dispatcher(1, 4, 60_000);
+        let _a = d.admit(key(&d, 1)).await.unwrap();
+        let _b = d.admit(key(&d, 2)).await.unwrap();
+        let waiter = tokio::spawn({
+            let d = d.clone();
+            async move { d.admit(key(&d, 3)).await.map(|_| ()) }
+        });
+        while lock(&d.core).queue.is_empty() {
+            tokio::task::yield_now().await;
+        }
+        d.worker_failed(WorkerId(1));
+        d.set_routable(WorkerId(2), false);
+        assert_eq!(waiter.await.unwrap(), Err(AdmitError::NoWorkers));
+        assert!(matches!(d.admit(key(&d, 4)).await, Err(AdmitError::NoWorkers)));
+    }
+
+    #[tokio::test]
+    async fn workers_with_another_block_size_are_refused() {
+        let d = dispatcher(0, 4, 100);
+        let mut info = WorkerInfo::new(WorkerId(9), "http://w9");
+        info.block_size = 16;
+        assert!(matches!(
+            d.upsert_worker(info, Origin::Static, true),
+            Err(RegistryError::BlockSizeMismatch { .. })
+        ));
     }
 }

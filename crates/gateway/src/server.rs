@@ -271,11 +271,7 @@ async fn chat_completions(
             .iter()
             .map(|m| text::ChatMessage::new(m.role.clone(), m.text()))
             .collect();
-        let need_text = state
-            .dispatcher
-            .workers()
-            .iter()
-            .any(|(w, _, _)| w.prompt == PromptFormat::Text);
+        let need_text = state.dispatcher.has_text_workers();
         let prepared = state
             .preprocessor
             .chat(&messages, need_text)
@@ -316,7 +312,14 @@ async fn completions(
                 tokens: state.preprocessor.text(&text),
                 text: Some(text),
             },
-            Prompt::Tokens(tokens) => Prepared { tokens, text: None },
+            Prompt::Tokens(tokens) => {
+                // Text workers get the ids' text.
+                let text = state
+                    .dispatcher
+                    .has_text_workers()
+                    .then(|| state.preprocessor.tokenizer().decode_lossy(&tokens));
+                Prepared { tokens, text }
+            }
             Prompt::TextBatch(_) | Prompt::TokenBatch(_) => {
                 return Err(ApiError::invalid_param(
                     "prompt",

@@ -9,6 +9,7 @@ use kv_index::BlockHasher;
 
 mod bench_cmd;
 mod engine_cmd;
+mod gateway_cmd;
 mod profiles;
 mod sim_cmd;
 
@@ -33,6 +34,10 @@ enum Command {
     /// Serve one simulated GPU worker: an OpenAI-compatible HTTP API with vLLM-style metrics,
     /// publishing its KV events over NATS and/or ZMQ (vLLM's format).
     Engine(Box<engine_cmd::EngineArgs>),
+    /// Serve the OpenAI-compatible gateway: tokenizes once, routes each request to the worker
+    /// holding its prompt's KV cache (or by round robin / random), relays the stream, and
+    /// exports Dynamo-named Prometheus metrics.
+    Gateway(Box<gateway_cmd::GatewayArgs>),
     /// Simulate one cluster in virtual time: N workers, a router, the seed's chat workload.
     Sim(Box<sim_cmd::SimArgs>),
     /// Seed 002's benchmark in virtual time: routers × concurrency levels × sweeps, with its
@@ -58,6 +63,7 @@ fn main() -> ExitCode {
         Command::Hash(args) => hash(args),
         Command::Profiles(args) => profiles::run(args),
         Command::Engine(args) => engine_cmd::run(*args),
+        Command::Gateway(args) => gateway_cmd::run(*args),
         Command::Sim(args) => sim_cmd::run(*args),
         Command::Bench(args) => bench_cmd::run(*args),
     };

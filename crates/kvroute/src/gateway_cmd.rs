@@ -1,0 +1,205 @@
+//! `kvroute gateway`: the OpenAI-compatible frontend with KV-aware routing, as a process.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+use gateway::{Gateway, GatewayConfig, RoutingConfig, WorkerSpec};
+use router::PolicyKind;
+
+/// `--router-mode` values: every built-in policy by name (and Dynamo's hyphenated spelling),
+/// so a new policy in the router appears here without a change.
+fn router_mode() -> impl TypedValueParser<Value = PolicyKind> {
+    // clap wants 'static aliases: the hyphenated names are made once per process.
+    static DASHED: OnceLock<Vec<&'static str>> = OnceLock::new();
+    let dashed = DASHED.get_or_init(|| {
+        PolicyKind::ALL
+            .iter()
+            .map(|kind| &*Box::leak(kind.name().replace('_', "-").into_boxed_str()))
+            .collect()
+    });
+    let values = PolicyKind::ALL.iter().zip(dashed).map(|(kind, dashed)| {
+        let value = PossibleValue::new(kind.name());
+        if *dashed != kind.name() {
+            value.alias(*dashed)
+        } else {
+            value
+        }
+    });
+    PossibleValuesParser::new(values).try_map(|name| name.parse::<PolicyKind>())
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GatewayArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on (0: any free port; the address is printed on start-up).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// A worker: URL[,id=N][,block_size=N][,capacity=BLOCKS][,max_num_seqs=N]
+    /// [,zmq=tcp://HOST:PORT][,prompt=tokens|text]. Repeat for each worker. The gateway reads
+    /// id, block size and capacity from the worker's /info (kvroute engines); give them here
+    /// for other backends (vLLM: add zmq= for its KV events).
+    #[arg(long = "worker", value_name = "URL[,KEY=VALUE...]")]
+    workers: Vec<WorkerSpec>,
+    /// The model name clients ask for.
+    #[arg(long, default_value = "llama-3.1-70b-instruct")]
+    model: String,
+    /// The model's context length in tokens; longer prompts get `context_length_exceeded`.
+    #[arg(long, default_value_t = 131_072)]
+    context_length: u32,
+    /// Routing policy.
+    #[arg(long, env = "DYN_ROUTER_MODE", default_value = "kv", value_parser = router_mode())]
+    router_mode: PolicyKind,
+    /// Tokens per KV block; must match the workers'.
+    #[arg(long, env = "DYN_KV_CACHE_BLOCK_SIZE", default_value_t = kv_index::DEFAULT_BLOCK_SIZE)]
+    kv_block_size: usize,
+    /// Weight of prefill blocks against decode blocks in the kv policy's cost (0 ignores the
+    /// cache).
+    #[arg(long, default_value_t = 1.0)]
+    kv_overlap_score_weight: f64,
+    /// Softmax temperature of the kv policy (0: always the lowest cost).
+    #[arg(long, default_value_t = 0.0)]
+    router_temperature: f64,
+    /// Do not use workers' KV events: predict caches from routing decisions (approximate
+    /// mode).
+    #[arg(long)]
+    no_kv_events: bool,
+    /// Approximate mode: seconds a routed prompt is assumed to stay cached.
+    #[arg(long, default_value_t = 120.0)]
+    router_ttl: f64,
+    /// Seed of the router's random choices (random policy, tie breaks).
+    #[arg(long, default_value_t = 0)]
+    router_seed: u64,
+    /// NATS server for KV events (kvroute's format) and worker registration.
+    #[arg(long, env = "NATS_URL")]
+    nats: Option<String>,
+    /// NATS subject namespace (`kvroute.<namespace>.…`), as the workers use.
+    #[arg(long, default_value = "default")]
+    namespace: String,
+    /// Largest request body accepted, in bytes (more: 413).
+    #[arg(long, default_value_t = 16 << 20)]
+    max_body_bytes: usize,
+    /// Requests in flight per worker before new ones wait in the frontend queue (0: no cap).
+    #[arg(long, default_value_t = 256)]
+    max_inflight_per_worker: u32,
+    /// Requests that may wait for a worker slot (more: 429).
+    #[arg(long, default_value_t = 1024)]
+    queue_capacity: usize,
+    /// Seconds a request may wait in the queue (then 503).
+    #[arg(long, default_value_t = 30.0)]
+    queue_timeout: f64,
+    /// Seconds between health checks of each worker.
+    #[arg(long, default_value_t = 2.0)]
+    health_interval: f64,
+    /// A Hugging Face tokenizer.json (default: the built-in cl100k + Llama-3 specials).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// A Hugging Face tokenizer_config.json whose chat_template to use (default: Llama-3).
+    #[arg(long)]
+    tokenizer_config: Option<PathBuf>,
+    /// Most workers known at once (static and registered).
+    #[arg(long, default_value_t = 1024)]
+    max_workers: usize,
+}
+
+fn seconds(flag: &str, value: f64) -> Result<Duration> {
+    if !(value.is_finite() && value > 0.0) {
+        bail!("--{flag} must be a positive number of seconds, got {value}");
+    }
+    Ok(Duration::from_secs_f64(value))
+}
+
+pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
+    if args.kv_block_size == 0 {
+        bail!("--kv-block-size must be at least 1");
+    }
+    Ok(GatewayConfig {
+        listen: SocketAddr::new(args.host, args.port),
+        model: args.model.clone(),
+        context_length: args.context_length,
+        workers: args.workers.clone(),
+        routing: RoutingConfig {
+            mode: args.router_mode,
+            block_size: args.kv_block_size,
+            overlap_weight: args.kv_overlap_score_weight,
+            temperature: args.router_temperature,
+            kv_events: !args.no_kv_events,
+            approx_ttl: seconds("router-ttl", args.router_ttl)?,
+            seed: args.router_seed,
+        },
+        nats_url: args.nats.clone(),
+        namespace: args.namespace.clone(),
+        max_body_bytes: args.max_body_bytes,
+        queue_capacity: args.queue_capacity,
+        queue_timeout: seconds("queue-timeout", args.queue_timeout)?,
+        max_inflight_per_worker: args.max_inflight_per_worker,
+        health_interval: seconds("health-interval", args.health_interval)?,
+        tokenizer: args.tokenizer.clone(),
+        tokenizer_config: args.tokenizer_config.clone(),
+        max_workers: args.max_workers,
+        ..GatewayConfig::default()
+    })
+}
+
+pub fn run(args: GatewayArgs) -> Result<()> {
+    let config = config(&args)?;
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let mode = config.routing.mode;
+        let mut gateway = Gateway::bind(config).await?;
+        let workers = gateway.dispatcher().workers();
+        let routable = workers.iter().filter(|w| w.2).count();
+        println!(
+            "kvroute gateway: {} routing over {} workers ({} reachable) listening on {}",
+            mode,
+            workers.len(),
+            routable,
+            gateway.url()
+        );
+        tokio::select! {
+            _ = shutdown_signal() => {}
+            _ = gateway.stopped() => {}
+        }
+        eprintln!("kvroute gateway: shutting down");
+        gateway.shutdown().await;
+        Ok(())
+    })
+}
+
+/// Ctrl-C or SIGTERM (Kubernetes stops pods with SIGTERM).
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,326 @@
+//! `kvroute gateway` as an operator runs it: flags and help, real `kvroute engine`
+//! processes behind it, one of them killed mid-stream, registration over a real nats-server,
+//! and a graceful stop on SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+fn kvroute() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvroute"))
+}
+
+/// A child process killed on drop.
+struct Proc {
+    child: Child,
+    url: String,
+}
+
+impl Proc {
+    /// Starts `kvroute ARGS` and waits for its "listening on URL" line.
+    fn start(args: &[&str]) -> Proc {
+        let mut child = kvroute()
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("kvroute runs");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some((_, url)) = line.split_once("listening on ") {
+                    let _ = tx.send(url.trim().to_string());
+                }
+            }
+        });
+        let url = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("kvroute {args:?} did not start listening"));
+        Proc { child, url }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "no exit 10 s after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+struct Nats(Child, u16);
+
+impl Nats {
+    fn start() -> Nats {
+        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot run nats-server ({e}): install nats-server (apt-get install nats-server)")
+            });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err() {
+            assert!(Instant::now() < deadline, "nats-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Nats(child, port)
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.1)
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn chat(content: &str, max_tokens: u32) -> Value {
+    json!({
+        "model": "llama-3.1-70b-instruct",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": true,
+        "stream": true,
+    })
+}
+
+async fn health(url: &str) -> Value {
+    reqwest::get(format!("{url}/health"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn wait_health(url: &str, routable: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while health(url).await["routable_workers"] != routable {
+        assert!(
+            Instant::now() < deadline,
+            "never {routable} routable workers: {}",
+            health(url).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[test]
+fn help_lists_router_modes_defaults_and_dynamo_variables() {
+    let out = kvroute().args(["gateway", "--help"]).output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    for needle in [
+        "--router-mode",
+        "[env: DYN_ROUTER_MODE=]",
+        "[default: kv]",
+        "round_robin",
+        "random",
+        "--kv-block-size",
+        "[env: DYN_KV_CACHE_BLOCK_SIZE=]",
+        "[default: 32]",
+        "--kv-overlap-score-weight",
+        "--router-temperature",
+        "--no-kv-events",
+        "--worker",
+        "--nats",
+        "--max-body-bytes",
+        "--queue-capacity",
+        "--tokenizer-config",
+    ] {
+        assert!(help.contains(needle), "help lacks {needle}:\n{help}");
+    }
+}
+
+#[test]
+fn bad_flags_fail_with_a_message_that_says_what_to_do() {
+    let run = |args: &[&str]| {
+        let out = kvroute().arg("gateway").args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8(out.stderr).unwrap()
+    };
+    let err = run(&["--router-mode", "cheapest"]);
+    assert!(err.contains("round_robin") && err.contains("kv"), "{err}");
+    let err = run(&["--worker", "localhost:8000"]);
+    assert!(err.contains("http://"), "{err}");
+    let err = run(&["--kv-block-size", "0"]);
+    assert!(err.contains("--kv-block-size"), "{err}");
+    // Dynamo's spelling of the mode is accepted (the error is about the next flag).
+    let err = run(&["--router-mode", "round-robin", "--queue-timeout", "0"]);
+    assert!(err.contains("--queue-timeout"), "{err}");
+    let err = run(&["--tokenizer", "/nonexistent/tokenizer.json", "--port", "0"]);
+    assert!(err.contains("/nonexistent/tokenizer.json"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_routing_set() {
+    let mut engines: Vec<Proc> = (1..=2)
+        .map(|id| {
+            Proc::start(&[
+                "engine",
+                "--port",
+                "0",
+                "--speedup",
+                "20",
+                "--worker-id",
+                &id.to_string(),
+            ])
+        })
+        .collect();
+    let mut gateway = Proc::start(&[
+        "gateway",
+        "--port",
+        "0",
+        "--worker",
+        &engines[0].url,
+        "--worker",
+        &engines[1].url,
+        "--router-mode",
+        "round_robin",
+        "--health-interval",
+        "0.2",
+    ]);
+    wait_health(&gateway.url, 2).await;
+
+    // A long stream; kill the engine serving it after a few chunks.
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", gateway.url))
+        .json(&chat("Tell me a long story.", 5000))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let worker: usize = response.headers()["x-kvroute-worker"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut body = String::new();
+    let mut stream = response.bytes_stream();
+    let mut killed = false;
+    let read = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(chunk) = stream.next().await {
+            body.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            if !killed && body.matches("data: ").count() >= 3 {
+                engines[worker - 1].kill();
+                killed = true;
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "the client hung after the engine died:\n{body}");
+    assert!(killed, "the stream ended before the kill:\n{body}");
+    assert!(body.contains("\"code\":\"worker_failed\""), "{body}");
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+    wait_health(&gateway.url, 1).await;
+
+    // The survivor serves everything now.
+    for _ in 0..3 {
+        let response = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", gateway.url))
+            .json(&chat("Short answer please.", 8))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let served: usize = response.headers()["x-kvroute-worker"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_ne!(served, worker);
+        let text = response.text().await.unwrap();
+        assert!(text.ends_with("data: [DONE]\n\n") && !text.contains("error"), "{text}");
+    }
+    let metrics = reqwest::get(format!("{}/metrics", gateway.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("kvroute_gateway_worker_failures_total 1"), "{metrics}");
+    let status = gateway.terminate();
+    assert!(status.success(), "gateway exit: {status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_register_over_nats_and_a_killed_one_expires() {
+    let nats = Nats::start();
+    let mut engines: Vec<Proc> = (1..=2)
+        .map(|id| {
+            Proc::start(&[
+                "engine",
+                "--port",
+                "0",
+                "--speedup",
+                "50",
+                "--worker-id",
+                &id.to_string(),
+                "--nats",
+                &nats.url(),
+                "--namespace",
+                "cli",
+                "--lease-ms",
+                "1000",
+            ])
+        })
+        .collect();
+    let gateway = Proc::start(&[
+        "gateway",
+        "--port",
+        "0",
+        "--nats",
+        &nats.url(),
+        "--namespace",
+        "cli",
+    ]);
+    wait_health(&gateway.url, 2).await;
+    let http = reqwest::Client::new();
+    let first = http
+        .post(format!("{}/v1/chat/completions", gateway.url))
+        .json(&chat("What is a KV cache?", 8))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 200);
+    assert!(first.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+    // SIGKILL: no goodbye; the lease runs out.
+    engines[0].kill();
+    wait_health(&gateway.url, 1).await;
+}
