@@ -13,13 +13,15 @@
 //!    (tokens as fast as the CPU allows), straight to the engines, then through the gateway;
 //!    tokens/s is the sum of `usage.completion_tokens` over the wall time.
 //!
-//! Everything runs in this one process on one tokio runtime, so the gateway's CPU comes out
-//! of the engines' and the clients': the figures are the honest cost on this machine.
+//! Everything runs in this one process; the gateway has its own tokio runtime
+//! (`--gateway-threads`, threads named `gw`) so its CPU time is reported apart: CPU per
+//! request and per relayed token do not depend on what else the machine is doing, while
+//! latencies do.
 //!
 //! `cargo bench -p gateway --bench overhead -- [--streams 500] [--engines 32] [--speedup 1]
 //! [--max-tokens 64] [--prompt-words 300] [--seconds 60] [--warmup 10] [--tp-streams 64]
 //! [--tp-engines 4] [--tp-speedup 1000] [--tp-max-tokens 4000] [--tp-seconds 8]
-//! [--mode round_robin]`
+//! [--mode round_robin] [--gateway-threads 1]`
 //!
 //! The default router mode is `round_robin`: load-blind like the twins' fixed spread, so the
 //! TTFT difference is the gateway's cost and not a routing gain (`--mode kv` routes around
@@ -53,6 +55,7 @@ struct Args {
     tp_max_tokens: u32,
     tp_seconds: f64,
     mode: String,
+    gateway_threads: usize,
 }
 
 fn parse_args() -> Args {
@@ -70,6 +73,7 @@ fn parse_args() -> Args {
         tp_max_tokens: 4000,
         tp_seconds: 8.0,
         mode: "round_robin".into(),
+        gateway_threads: 1,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -95,6 +99,7 @@ fn parse_args() -> Args {
             "--tp-max-tokens" => a.tp_max_tokens = num() as u32,
             "--tp-seconds" => a.tp_seconds = num(),
             "--mode" => a.mode = value.clone(),
+            "--gateway-threads" => a.gateway_threads = num() as usize,
             // `cargo bench` passes `--bench`; skip flags we do not know.
             _ => {
                 i += 1;
@@ -120,11 +125,77 @@ async fn engines(n: usize, speedup: f64) -> Vec<EngineServerHandle> {
     out
 }
 
-async fn gateway(engines: &[EngineServerHandle], mode: &str) -> Gateway {
+/// The gateway runs on its own runtime (threads named `gw`), so its CPU time can be read
+/// apart from the engines' and clients'.
+struct GatewayRuntime {
+    runtime: Option<tokio::runtime::Runtime>,
+    gateway: Option<Gateway>,
+}
+
+impl GatewayRuntime {
+    async fn start(engines: &[EngineServerHandle], mode: &str, threads: usize) -> GatewayRuntime {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("gw")
+            .enable_all()
+            .build()
+            .expect("gateway runtime");
+        let workers: Vec<WorkerSpec> = engines.iter().map(|e| WorkerSpec::new(e.url())).collect();
+        let mode = mode.to_string();
+        let gateway = runtime
+            .spawn(async move { gateway(workers, &mode).await })
+            .await
+            .expect("gateway task");
+        GatewayRuntime {
+            runtime: Some(runtime),
+            gateway: Some(gateway),
+        }
+    }
+
+    fn url(&self) -> String {
+        self.gateway.as_ref().map(Gateway::url).unwrap_or_default()
+    }
+
+    async fn stop(mut self) {
+        if let (Some(runtime), Some(gateway)) = (&self.runtime, self.gateway.take()) {
+            let _ = runtime.spawn(gateway.shutdown()).await;
+        }
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// CPU seconds used so far by this process's threads named `name`.
+fn thread_cpu_seconds(name: &str) -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return f64::NAN;
+    };
+    let ticks_per_second = 100.0;
+    let mut total = 0.0;
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+        // Fields after the parenthesised command: state is field 3, utime 14, stime 15.
+        let Some(rest) = stat.rsplit_once(") ").map(|(_, r)| r) else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let utime: f64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+        let stime: f64 = fields.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+        total += (utime + stime) / ticks_per_second;
+    }
+    total
+}
+
+async fn gateway(workers: Vec<WorkerSpec>, mode: &str) -> Gateway {
     Gateway::bind(GatewayConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         model: MODEL.into(),
-        workers: engines.iter().map(|e| WorkerSpec::new(e.url())).collect(),
+        workers,
         routing: gateway::RoutingConfig {
             mode: mode.parse().expect("a router mode"),
             ..Default::default()
@@ -323,7 +394,7 @@ fn summarize(samples: &[Sample], from: Instant) -> (usize, [f64; 4], f64, u64) {
 }
 
 /// The direct group's engine URLs and the gateway group's URL.
-fn groups(engines: &[EngineServerHandle], gw: &Gateway) -> (Group, Group) {
+fn groups(engines: &[EngineServerHandle], gw: &GatewayRuntime) -> (Group, Group) {
     (
         Group::new(
             engines
@@ -345,7 +416,7 @@ fn http_client(connections: usize) -> reqwest::Client {
 
 async fn ttft_benchmark(args: &Args, pre: &Preprocessor) {
     let engines = engines(args.engines, args.speedup).await;
-    let gw = gateway(&engines, &args.mode).await;
+    let gw = GatewayRuntime::start(&engines, &args.mode, args.gateway_threads).await;
     let http = http_client(args.streams * 2);
     let start = Instant::now();
     let until = start + Duration::from_secs_f64(args.seconds);
@@ -374,8 +445,12 @@ async fn ttft_benchmark(args: &Args, pre: &Preprocessor) {
         }
         all
     };
+    // The gateway's CPU over the measured part of the run.
+    tokio::time::sleep(Duration::from_secs_f64(args.warmup)).await;
+    let cpu_from = thread_cpu_seconds("gw");
     let direct = collect(direct).await;
     let through = collect(through).await;
+    let cpu = thread_cpu_seconds("gw") - cpu_from;
     let wall = start.elapsed().as_secs_f64();
     let measured = wall - args.warmup;
     let from = start + Duration::from_secs_f64(args.warmup);
@@ -421,7 +496,15 @@ async fn ttft_benchmark(args: &Args, pre: &Preprocessor) {
         g.1[1] - d.1[1],
         g.1[2] - d.1[2]
     );
-    gw.shutdown().await;
+    println!(
+        "gateway CPU: {:.2} s over {:.0} s = {:.0}% of one core; {:.0} µs per request, {:.2} µs per relayed token",
+        cpu,
+        measured,
+        100.0 * cpu / measured,
+        1e6 * cpu / g.0.max(1) as f64,
+        1e6 * cpu / g.3.max(1) as f64
+    );
+    gw.stop().await;
     for e in engines {
         e.shutdown().await;
     }
@@ -429,7 +512,7 @@ async fn ttft_benchmark(args: &Args, pre: &Preprocessor) {
 
 async fn throughput_benchmark(args: &Args, pre: &Preprocessor) {
     let engines = engines(args.tp_engines, args.tp_speedup).await;
-    let gw = gateway(&engines, &args.mode).await;
+    let gw = GatewayRuntime::start(&engines, &args.mode, args.gateway_threads).await;
     let http = http_client(args.tp_streams * 2);
     println!(
         "relay throughput: {} streams, {} engines at speedup {}, max_tokens {}..{}, {} s per side",
@@ -459,7 +542,8 @@ async fn throughput_benchmark(args: &Args, pre: &Preprocessor) {
             samples.extend(t.await.expect("client task"));
         }
         let wall = start.elapsed().as_secs_f64();
-        let rate = samples.iter().map(|s| s.tokens).sum::<u64>() as f64 / wall;
+        let tokens = samples.iter().map(|s| s.tokens).sum::<u64>();
+        let rate = tokens as f64 / wall;
         let base = *direct_rate.get_or_insert(rate);
         println!(
             "{:<10} {:>9} {:>14.0} {:>8.2}",
@@ -468,8 +552,16 @@ async fn throughput_benchmark(args: &Args, pre: &Preprocessor) {
             rate,
             rate / base
         );
+        if side == "gateway" {
+            let cpu = thread_cpu_seconds("gw");
+            println!(
+                "gateway CPU: {:.2} s in total, {:.3} µs per relayed token",
+                cpu,
+                1e6 * cpu / tokens.max(1) as f64
+            );
+        }
     }
-    gw.shutdown().await;
+    gw.stop().await;
     for e in engines {
         e.shutdown().await;
     }

@@ -17,12 +17,13 @@ use std::time::Instant;
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use protocol::{ApiError, ErrorBody, ErrorDetail, SseDecoder, SseMessage, Usage};
+use protocol::{ApiError, ErrorBody, ErrorDetail, Usage};
 use serde::ser::SerializeSeq;
 use serde::{Deserialize, Serialize, Serializer};
 use serde_json::value::RawValue;
 
 use crate::dispatch::Ticket;
+use crate::sse::{DONE, SseReader};
 use crate::metrics::{Endpoint, Metrics};
 
 /// Which API the client called; decides the output shape.
@@ -43,6 +44,12 @@ impl Api {
 
 /// Most choices (`n`) aggregated for a non-streaming response.
 pub const MAX_CHOICES: usize = 128;
+
+/// Initial capacity of each client body frame.
+const FRAME_CAPACITY: usize = 512;
+
+/// Longest upstream SSE event accepted.
+pub const MAX_EVENT_BYTES: usize = 1 << 20;
 
 /// A request's metrics, recorded once when it ends, however it ends.
 #[derive(Debug)]
@@ -304,7 +311,7 @@ pub struct Relay {
     ctx: OutputCtx,
     stream: bool,
     body: BoxStream<'static, reqwest::Result<Bytes>>,
-    decoder: SseDecoder,
+    reader: SseReader,
     ticket: Option<Ticket>,
     record: RequestRecord,
     out: BytesMut,
@@ -327,10 +334,10 @@ impl Relay {
             ctx,
             stream,
             body,
-            decoder: SseDecoder::default(),
+            reader: SseReader::new(MAX_EVENT_BYTES),
             ticket: Some(ticket),
             record,
-            out: BytesMut::with_capacity(1024),
+            out: BytesMut::with_capacity(FRAME_CAPACITY),
             role_sent: false,
             usage: None,
             aggregate: Aggregate::default(),
@@ -359,24 +366,30 @@ impl Relay {
 
     async fn next_output(&mut self) -> Option<Bytes> {
         loop {
-            while let Some(message) = self.decoder.next_message() {
-                self.handle(message);
-                if self.ending.is_some() {
-                    break;
+            while self.ending.is_none() {
+                match self.reader.next_event() {
+                    Ok(Some(data)) => self.handle(data.as_bytes()),
+                    Ok(None) => break,
+                    Err(e) => {
+                        self.break_worker(format!("the worker's stream is not valid SSE: {e}"))
+                    }
                 }
             }
             if self.ending.is_some() && !self.finished {
                 self.finish();
             }
             if !self.out.is_empty() {
-                return Some(self.out.split().freeze());
+                let frame = self.out.split().freeze();
+                // One allocation per frame, sized for a typical chunk, instead of growth steps.
+                self.out.reserve(FRAME_CAPACITY);
+                return Some(frame);
             }
             if self.finished {
                 return None;
             }
             match self.body.next().await {
                 Some(Ok(bytes)) => {
-                    if let Err(e) = self.decoder.push(&bytes) {
+                    if let Err(e) = self.reader.push(&bytes) {
                         self.break_worker(format!("the worker's stream is not valid SSE: {e}"));
                     }
                 }
@@ -472,15 +485,12 @@ impl Relay {
         }
     }
 
-    fn handle(&mut self, message: SseMessage) {
-        let data = match message {
-            SseMessage::Done => {
-                self.ending = Some(Ending::Done);
-                return;
-            }
-            SseMessage::Data(data) => data,
-        };
-        let chunk: UpChunk<'_> = match serde_json::from_str(&data) {
+    fn handle(&mut self, data: &[u8]) {
+        if data == DONE {
+            self.ending = Some(Ending::Done);
+            return;
+        }
+        let chunk: UpChunk<'_> = match serde_json::from_slice(data) {
             Ok(chunk) => chunk,
             Err(e) => {
                 self.break_worker(format!("the worker sent a chunk that is not JSON: {e}"));

@@ -172,12 +172,17 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
     .await;
     assert_eq!(gw.dispatcher().cached_blocks(served), 0);
 
-    // A worker that stops heartbeating leaves when its lease runs out.
+    // A worker that stops heartbeating leaves when its lease runs out (it stays healthy, so
+    // only the lease can remove it).
+    let silent = common::fake_worker::FakeWorker::start(common::fake_worker::Script::Complete {
+        tokens: 1,
+    })
+    .await;
     let client = async_nats::connect(nats.url()).await.unwrap();
     let announce = protocol::WorkerMessage::Announce(protocol::WorkerAnnounce {
         worker: 99,
         instance: 1,
-        url: "http://127.0.0.1:9".into(),
+        url: silent.url(),
         model: MODEL.into(),
         block_size: 32,
         kv_capacity_blocks: 1000,

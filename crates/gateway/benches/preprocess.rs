@@ -1,0 +1,44 @@
+//! Per-request CPU of preprocessing: chat template + tokenization + block hashing, for a
+//! short prompt and for a seed-sized (~3,500-token) conversation.
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use gateway::preprocess::Preprocessor;
+use text::ChatMessage;
+
+fn words(n: usize, salt: usize) -> String {
+    const WORDS: [&str; 16] = [
+        "cache", "prefix", "block", "token", "router", "worker", "latency", "throughput",
+        "prefill", "decode", "batch", "memory", "bandwidth", "attention", "sequence", "hash",
+    ];
+    let mut text = String::new();
+    for i in 0..n {
+        text.push_str(WORDS[(i * 7 + salt * 3 + i / 5) % WORDS.len()]);
+        text.push(if i % 13 == 12 { '.' } else { ' ' });
+    }
+    text
+}
+
+fn bench(c: &mut Criterion) {
+    let pre = Preprocessor::load(None, None).unwrap();
+    let hasher = kv_index::BlockHasher::new(32).unwrap();
+    let short = vec![ChatMessage::user(words(300, 1))];
+    let long = vec![
+        ChatMessage::system(words(2800, 2)),
+        ChatMessage::user(words(40, 3)),
+        ChatMessage::assistant(words(600, 4)),
+        ChatMessage::user(words(30, 5)),
+    ];
+    for (name, messages) in [("chat_300_words", &short), ("chat_3500_words", &long)] {
+        let tokens = pre.chat(messages, false).unwrap().tokens;
+        eprintln!("{name}: {} tokens", tokens.len());
+        c.bench_function(&format!("preprocess/{name}"), |b| {
+            b.iter(|| {
+                let tokens = pre.chat(messages, false).unwrap().tokens;
+                router::RoutingKey::new(&hasher, &tokens)
+            })
+        });
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
