@@ -107,6 +107,14 @@ pub enum Distribution {
     },
     /// Exponential with mean `mean`, truncated at `max`.
     Exponential { mean: f64, max: f64 },
+    /// `cap` minus an exponential shortfall with mean `mean_shortfall`, drawn again below
+    /// `min`: most draws land near the cap and a tail runs short. Answers that run until close
+    /// to a length limit look like this (seed 002's sample: median 875, mean 829, max 1,008).
+    BelowCap {
+        cap: f64,
+        mean_shortfall: f64,
+        min: f64,
+    },
 }
 
 impl Distribution {
@@ -142,6 +150,21 @@ impl Distribution {
                 let u: f64 = rng.random();
                 (-mean * (1.0 - u).ln()).min(max)
             }
+            Distribution::BelowCap {
+                cap,
+                mean_shortfall,
+                min,
+            } => {
+                // Rejection keeps the truncated shape, as for the normal.
+                for _ in 0..64 {
+                    let u: f64 = rng.random();
+                    let x = cap + mean_shortfall * (1.0 - u).ln();
+                    if x >= min {
+                        return x;
+                    }
+                }
+                cap
+            }
         }
     }
 
@@ -152,6 +175,7 @@ impl Distribution {
             Distribution::Uniform { min, max } => (min, max),
             Distribution::Normal { min, max, .. } => (min, max),
             Distribution::Exponential { max, .. } => (0.0, max),
+            Distribution::BelowCap { cap, min, .. } => (min, cap),
         }
     }
 
@@ -169,6 +193,11 @@ impl Distribution {
                 max,
             } => &[*mean, *std_dev, *min, *max],
             Distribution::Exponential { mean, max } => &[*mean, *max],
+            Distribution::BelowCap {
+                cap,
+                mean_shortfall,
+                min,
+            } => &[*cap, *mean_shortfall, *min],
         };
         if params.iter().any(|p| !p.is_finite() || *p < 0.0) {
             return bad("every parameter must be a finite number ≥ 0");
