@@ -156,6 +156,29 @@ impl GatewayRuntime {
         self.gateway.as_ref().map(Gateway::url).unwrap_or_default()
     }
 
+    /// Cumulative buckets `(le, count)` of one of the gateway's histograms.
+    fn buckets(&self, name: &str) -> Vec<(f64, f64)> {
+        let text = self
+            .gateway
+            .as_ref()
+            .map(Gateway::metrics_text)
+            .unwrap_or_default();
+        let prefix = format!("{name}_bucket{{");
+        text.lines()
+            .filter(|l| l.starts_with(&prefix))
+            .filter_map(|l| {
+                let le = l.split("le=\"").nth(1)?.split('"').next()?;
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().ok()?
+                };
+                let count = l.rsplit(' ').next()?.parse().ok()?;
+                Some((le, count))
+            })
+            .collect()
+    }
+
     async fn stop(mut self) {
         if let (Some(runtime), Some(gateway)) = (&self.runtime, self.gateway.take()) {
             let _ = runtime.spawn(gateway.shutdown()).await;
@@ -217,8 +240,22 @@ struct Sample {
 
 fn prompt(client: usize, words: usize) -> String {
     const WORDS: [&str; 16] = [
-        "cache", "prefix", "block", "token", "router", "worker", "latency", "throughput",
-        "prefill", "decode", "batch", "memory", "bandwidth", "attention", "sequence", "hash",
+        "cache",
+        "prefix",
+        "block",
+        "token",
+        "router",
+        "worker",
+        "latency",
+        "throughput",
+        "prefill",
+        "decode",
+        "batch",
+        "memory",
+        "bandwidth",
+        "attention",
+        "sequence",
+        "hash",
     ];
     let mut text = format!("Client {client} asks. ");
     for i in 0..words {
@@ -323,7 +360,12 @@ fn client_pair(
 
 /// A closed-loop client: sends its request, reads the stream to the end, sends the next,
 /// until `until`.
-async fn run_client(http: reqwest::Client, client: Client, delay: Duration, until: Instant) -> Vec<Sample> {
+async fn run_client(
+    http: reqwest::Client,
+    client: Client,
+    delay: Duration,
+    until: Instant,
+) -> Vec<Sample> {
     let mut samples = Vec::new();
     tokio::time::sleep(delay).await;
     while Instant::now() < until {
@@ -361,6 +403,38 @@ async fn run_client(http: reqwest::Client, client: Client, delay: Duration, unti
         });
     }
     samples
+}
+
+/// Quantile `q` of the observations between two snapshots of cumulative buckets, linear
+/// within a bucket.
+fn bucket_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> f64 {
+    let counts: Vec<(f64, f64)> = after
+        .iter()
+        .zip(before.iter().map(|b| b.1).chain(std::iter::repeat(0.0)))
+        .map(|(&(le, a), b)| (le, a - b))
+        .collect();
+    let total = counts.last().map_or(0.0, |c| c.1);
+    if total == 0.0 {
+        return f64::NAN;
+    }
+    let target = q * total;
+    let mut lower = (0.0, 0.0);
+    for &(le, count) in &counts {
+        if count >= target {
+            if le.is_infinite() {
+                return lower.0;
+            }
+            let span = count - lower.1;
+            let frac = if span > 0.0 {
+                (target - lower.1) / span
+            } else {
+                1.0
+            };
+            return lower.0 + frac * (le - lower.0);
+        }
+        lower = (le, count);
+    }
+    lower.0
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -448,9 +522,11 @@ async fn ttft_benchmark(args: &Args, pre: &Preprocessor) {
     // The gateway's CPU over the measured part of the run.
     tokio::time::sleep(Duration::from_secs_f64(args.warmup)).await;
     let cpu_from = thread_cpu_seconds("gw");
+    let overhead_from = gw.buckets("kvroute_gateway_overhead_seconds");
     let direct = collect(direct).await;
     let through = collect(through).await;
     let cpu = thread_cpu_seconds("gw") - cpu_from;
+    let overhead_to = gw.buckets("kvroute_gateway_overhead_seconds");
     let wall = start.elapsed().as_secs_f64();
     let measured = wall - args.warmup;
     let from = start + Duration::from_secs_f64(args.warmup);
@@ -497,6 +573,13 @@ async fn ttft_benchmark(args: &Args, pre: &Preprocessor) {
         g.1[2] - d.1[2]
     );
     println!(
+        "gateway's own time before forwarding (parse, template, tokenize, route; \
+         kvroute_gateway_overhead_seconds): p50 {:.3} ms, p90 {:.3} ms, p99 {:.3} ms",
+        1e3 * bucket_quantile(&overhead_from, &overhead_to, 0.50),
+        1e3 * bucket_quantile(&overhead_from, &overhead_to, 0.90),
+        1e3 * bucket_quantile(&overhead_from, &overhead_to, 0.99),
+    );
+    println!(
         "gateway CPU: {:.2} s over {:.0} s = {:.0}% of one core; {:.0} µs per request, {:.2} µs per relayed token",
         cpu,
         measured,
@@ -523,7 +606,10 @@ async fn throughput_benchmark(args: &Args, pre: &Preprocessor) {
         args.tp_max_tokens + 15,
         args.tp_seconds
     );
-    println!("{:<10} {:>9} {:>14} {:>8}", "path", "requests", "tokens/s", "ratio");
+    println!(
+        "{:<10} {:>9} {:>14} {:>8}",
+        "path", "requests", "tokens/s", "ratio"
+    );
     let mut direct_rate = None;
     let (engine_group, gateway_group) = groups(&engines, &gw);
     for side in ["direct", "gateway"] {

@@ -7,8 +7,22 @@ use text::ChatMessage;
 
 fn words(n: usize, salt: usize) -> String {
     const WORDS: [&str; 16] = [
-        "cache", "prefix", "block", "token", "router", "worker", "latency", "throughput",
-        "prefill", "decode", "batch", "memory", "bandwidth", "attention", "sequence", "hash",
+        "cache",
+        "prefix",
+        "block",
+        "token",
+        "router",
+        "worker",
+        "latency",
+        "throughput",
+        "prefill",
+        "decode",
+        "batch",
+        "memory",
+        "bandwidth",
+        "attention",
+        "sequence",
+        "hash",
     ];
     let mut text = String::new();
     for i in 0..n {

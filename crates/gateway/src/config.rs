@@ -116,9 +116,10 @@ impl FromStr for WorkerSpec {
                 }
                 "capacity" => spec.kv_capacity_blocks = Some(number("capacity")?),
                 "max_num_seqs" => {
-                    spec.max_num_seqs = Some(u32::try_from(number("max_num_seqs")?).map_err(
-                        |_| WorkerSpecError(format!("worker `{s}`: max_num_seqs is too large")),
-                    )?)
+                    spec.max_num_seqs =
+                        Some(u32::try_from(number("max_num_seqs")?).map_err(|_| {
+                            WorkerSpecError(format!("worker `{s}`: max_num_seqs is too large"))
+                        })?)
                 }
                 "zmq" => {
                     if !value.starts_with("tcp://") {

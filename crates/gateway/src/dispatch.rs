@@ -119,6 +119,8 @@ pub struct Ticket {
     pub id: RequestId,
     pub worker: Arc<WorkerInfo>,
     pub decision: RouteDecision,
+    /// The request waited in the frontend queue.
+    pub queued: bool,
     first_token_seen: bool,
 }
 
@@ -268,7 +270,7 @@ impl Dispatcher {
             positions: Vec::new(),
         };
         let router = Router::with_policy(router_config, Box::new(gate))?;
-        let hasher = router.hasher().clone();
+        let hasher = *router.hasher();
         Ok(Arc::new(Dispatcher {
             core: Mutex::new(Core {
                 router,
@@ -335,7 +337,7 @@ impl Dispatcher {
                     .get(&decision.worker)
                     .map(|w| w.info.clone())
                     .ok_or(AdmitError::NoWorkers)?;
-                return Ok(self.ticket(id, worker, decision));
+                return Ok(self.ticket(id, worker, decision, false));
             }
             if core.queue.len() >= self.queue_capacity {
                 return Err(AdmitError::QueueFull {
@@ -371,7 +373,7 @@ impl Dispatcher {
             }
         };
         let (id, worker, decision) = assignment?;
-        Ok(self.ticket(id, worker, decision))
+        Ok(self.ticket(id, worker, decision, true))
     }
 
     fn ticket(
@@ -379,12 +381,14 @@ impl Dispatcher {
         id: RequestId,
         worker: Arc<WorkerInfo>,
         decision: RouteDecision,
+        queued: bool,
     ) -> Ticket {
         Ticket {
             dispatcher: self.clone(),
             id,
             worker,
             decision,
+            queued,
             first_token_seen: false,
         }
     }
@@ -625,7 +629,11 @@ impl Dispatcher {
 
     /// Routable workers, ascending by id.
     pub fn routable_workers(&self) -> Vec<WorkerId> {
-        lock(&self.core).router.workers().map(|(id, _)| id).collect()
+        lock(&self.core)
+            .router
+            .workers()
+            .map(|(id, _)| id)
+            .collect()
     }
 
     /// Applies KV events from `source`. A sequence gap clears that worker's blocks and
@@ -853,7 +861,14 @@ mod tests {
         }
         let order: Vec<u32> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
         assert_eq!(order, vec![0, 1, 2]);
-        assert_eq!(d.snapshot().workers.iter().map(|w| w.in_flight).sum::<u32>(), 0);
+        assert_eq!(
+            d.snapshot()
+                .workers
+                .iter()
+                .map(|w| w.in_flight)
+                .sum::<u32>(),
+            0
+        );
     }
 
     #[tokio::test]
@@ -877,7 +892,14 @@ mod tests {
         pending.abort();
         let _ = pending.await;
         assert_eq!(lock(&d.core).queue.len(), 0);
-        assert_eq!(d.snapshot().workers.iter().map(|w| w.in_flight).sum::<u32>(), 2);
+        assert_eq!(
+            d.snapshot()
+                .workers
+                .iter()
+                .map(|w| w.in_flight)
+                .sum::<u32>(),
+            2
+        );
     }
 
     #[tokio::test]
@@ -895,7 +917,10 @@ mod tests {
         d.worker_failed(WorkerId(1));
         d.set_routable(WorkerId(2), false);
         assert_eq!(waiter.await.unwrap(), Err(AdmitError::NoWorkers));
-        assert!(matches!(d.admit(key(&d, 4)).await, Err(AdmitError::NoWorkers)));
+        assert!(matches!(
+            d.admit(key(&d, 4)).await,
+            Err(AdmitError::NoWorkers)
+        ));
     }
 
     #[tokio::test]

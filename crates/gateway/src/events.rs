@@ -36,8 +36,7 @@ impl KvEventSink {
 
     /// Applies `events` now (a short critical section, no waiting).
     pub fn publish(&self, events: &[KvEvent]) {
-        self.dispatcher
-            .apply_events(EventSource::InProcess, events);
+        self.dispatcher.apply_events(EventSource::InProcess, events);
     }
 }
 

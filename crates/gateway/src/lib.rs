@@ -85,9 +85,7 @@ pub enum GatewayError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error(
-        "cannot connect to NATS at {url}: {message} (is nats-server running? --nats URL)"
-    )]
+    #[error("cannot connect to NATS at {url}: {message} (is nats-server running? --nats URL)")]
     Nats { url: String, message: String },
     #[error("worker {url}: {source}")]
     Worker {
@@ -184,10 +182,9 @@ impl Gateway {
             registry: registry.clone(),
         };
 
-        let added = futures::future::join_all(
-            config.workers.iter().map(|spec| registry.add_static(spec)),
-        )
-        .await;
+        let added =
+            futures::future::join_all(config.workers.iter().map(|spec| registry.add_static(spec)))
+                .await;
         for (spec, result) in config.workers.iter().zip(added) {
             result.map_err(|source| GatewayError::Worker {
                 url: spec.url.clone(),

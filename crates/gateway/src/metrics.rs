@@ -138,6 +138,10 @@ const DURATION_BUCKETS: &[f64] = &[
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0,
     600.0,
 ];
+const OVERHEAD_BUCKETS: &[f64] = &[
+    0.000025, 0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005,
+    0.01, 0.025, 0.05,
+];
 const TOKEN_BUCKETS: &[f64] = &[
     0.0, 16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0,
     65536.0, 131072.0,
@@ -203,6 +207,9 @@ impl EventSource {
 }
 
 type SnapshotFn = dyn Fn() -> RouterSnapshot + Send + Sync;
+
+/// A per-worker gauge: name, help, value.
+type PerWorkerGauge = (&'static str, &'static str, fn(&WorkerSnapshot) -> i64);
 
 /// Emits the router, worker and event metrics from a fresh snapshot at every scrape.
 struct RouterCollector {
@@ -335,14 +342,13 @@ impl Collector for RouterCollector {
                 s.events.dropped,
             ),
         ] {
-            let mut family =
-                encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
             for source in EventSource::ALL {
                 let metric = ConstCounter::new(values[source as usize]);
                 metric.encode(family.encode_family(&[("source", source.label())])?)?;
             }
         }
-        let per_worker: [(&str, &str, fn(&WorkerSnapshot) -> i64); 5] = [
+        let per_worker: [PerWorkerGauge; 5] = [
             (
                 "dynamo_component_inflight_requests",
                 "Requests in flight on each worker, as the gateway routed them",
@@ -398,8 +404,11 @@ pub struct Metrics {
     pub output_tokens: AtomicHistogram,
     pub cached_tokens: AtomicHistogram,
     pub output_tokens_total: Counter,
-    /// Routing decisions refused with an error other than queueing (e.g. no worker).
+    /// Worker connections that failed (connect errors, broken streams).
     pub worker_failures: Counter,
+    /// Time the gateway itself spends on a request before forwarding it (parse, template,
+    /// tokenize, hash, route, build the worker request), queue waits excluded.
+    pub overhead: AtomicHistogram,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -428,10 +437,11 @@ impl Metrics {
             cached_tokens: AtomicHistogram::new(TOKEN_BUCKETS),
             output_tokens_total: Counter::default(),
             worker_failures: Counter::default(),
+            overhead: AtomicHistogram::new(OVERHEAD_BUCKETS),
         };
         {
-            let frontend = registry
-                .sub_registry_with_label(("model".into(), model.to_string().into()));
+            let frontend =
+                registry.sub_registry_with_label(("model".into(), model.to_string().into()));
             frontend.register(
                 "dynamo_frontend_requests",
                 "Requests handled, by endpoint, request type (stream/unary) and status",
@@ -487,6 +497,12 @@ impl Metrics {
             "kvroute_gateway_worker_failures",
             "Worker connections that failed (connect errors, broken streams)",
             m.worker_failures.clone(),
+        );
+        registry.register(
+            "kvroute_gateway_overhead_seconds",
+            "Time the gateway spends on a request before forwarding it (parse, template, \
+             tokenize, hash, route), queue waits excluded",
+            m.overhead.clone(),
         );
         registry.register_collector(Box::new(RouterCollector {
             snapshot: Arc::new(snapshot),

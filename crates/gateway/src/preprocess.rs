@@ -159,7 +159,10 @@ mod tests {
         let pre = Preprocessor::load(None, Some(&path)).unwrap();
         let prepared = pre.chat(&[ChatMessage::user("hi")], true).unwrap();
         assert_eq!(prepared.text.as_deref(), Some("<s>[user] hi\n[assistant] "));
-        assert_eq!(prepared.tokens, pre.tokenizer().encode("<s>[user] hi\n[assistant] "));
+        assert_eq!(
+            prepared.tokens,
+            pre.tokenizer().encode("<s>[user] hi\n[assistant] ")
+        );
         let missing = Preprocessor::load(None, Some(&dir.join("nope.json"))).unwrap_err();
         assert!(missing.to_string().contains("nope.json"), "{missing}");
     }

@@ -141,8 +141,13 @@ impl RegistryCtx {
     fn start_zmq(&self, info: &WorkerInfo) {
         if let Some(endpoint) = &info.zmq {
             let block_size = u32::try_from(info.block_size).unwrap_or(u32::MAX);
-            self.zmq
-                .ensure(info.id, endpoint, block_size, &self.dispatcher, &self.cancel);
+            self.zmq.ensure(
+                info.id,
+                endpoint,
+                block_size,
+                &self.dispatcher,
+                &self.cancel,
+            );
         }
     }
 
@@ -295,7 +300,9 @@ pub(crate) async fn run_discovery(
                     instances.insert(id, a.instance);
                     continue;
                 }
-                if !restarted && instances.contains_key(&id) && ctx.dispatcher.renew_lease(id, deadline)
+                if !restarted
+                    && instances.contains_key(&id)
+                    && ctx.dispatcher.renew_lease(id, deadline)
                 {
                     continue;
                 }

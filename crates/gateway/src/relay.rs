@@ -23,8 +23,8 @@ use serde::{Deserialize, Serialize, Serializer};
 use serde_json::value::RawValue;
 
 use crate::dispatch::Ticket;
-use crate::sse::{DONE, SseReader};
 use crate::metrics::{Endpoint, Metrics};
+use crate::sse::{DONE, SseReader};
 
 /// Which API the client called; decides the output shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +85,11 @@ impl RequestRecord {
         }
     }
 
+    /// When the request arrived.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
     pub fn set_stream(&mut self, stream: bool) {
         self.stream = stream;
     }
@@ -125,7 +130,8 @@ impl Drop for RequestRecord {
         m.duration.observe(self.started.elapsed().as_secs_f64());
         if let Some(prompt) = self.prompt_tokens {
             m.input_tokens.observe(prompt as f64);
-            m.cached_tokens.observe(self.cached_tokens.unwrap_or(0) as f64);
+            m.cached_tokens
+                .observe(self.cached_tokens.unwrap_or(0) as f64);
             m.output_tokens.observe(self.output_tokens as f64);
         }
     }
@@ -441,13 +447,11 @@ impl Relay {
                     self.out.put_slice(b"data: [DONE]\n\n");
                 }
             }
-            Some(Ending::WorkerError(e)) | Some(Ending::Broken(e)) => {
-                if self.stream {
-                    write_error_event(&mut self.out, e);
-                    self.out.put_slice(b"data: [DONE]\n\n");
-                }
+            Some(Ending::WorkerError(e)) | Some(Ending::Broken(e)) if self.stream => {
+                write_error_event(&mut self.out, e);
+                self.out.put_slice(b"data: [DONE]\n\n");
             }
-            None => {}
+            Some(Ending::WorkerError(_)) | Some(Ending::Broken(_)) | None => {}
         }
         if let Some(usage) = self.usage {
             // Chunks without token ids were counted one token each; the worker's count wins.

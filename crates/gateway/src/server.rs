@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router as HttpRouter;
 use axum::body::{Body, Bytes};
@@ -123,8 +123,9 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Byte
     let mut buf = bytes::BytesMut::with_capacity(capacity);
     let mut stream = body.into_data_stream();
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk
-            .map_err(|e| ApiError::invalid_request(format!("could not read the request body: {e}")))?;
+        let chunk = chunk.map_err(|e| {
+            ApiError::invalid_request(format!("could not read the request body: {e}"))
+        })?;
         if buf.len() + chunk.len() > limit {
             return Err(ApiError::payload_too_large(limit));
         }
@@ -162,7 +163,9 @@ impl AppState {
         let output = u64::from(max_tokens.unwrap_or(0));
         let context = u64::from(self.context_length);
         if prompt >= context || prompt + output > context {
-            Err(ApiError::context_length_exceeded(param, prompt, output, context))
+            Err(ApiError::context_length_exceeded(
+                param, prompt, output, context,
+            ))
         } else {
             Ok(())
         }
@@ -179,9 +182,9 @@ impl AppState {
 
 fn admit_error(e: AdmitError) -> ApiError {
     match e {
-        AdmitError::QueueFull { .. } => ApiError::overloaded(format!(
-            "The server is overloaded: {e}. Retry later."
-        )),
+        AdmitError::QueueFull { .. } => {
+            ApiError::overloaded(format!("The server is overloaded: {e}. Retry later."))
+        }
         AdmitError::NoWorkers
         | AdmitError::QueueTimeout { .. }
         | AdmitError::ShuttingDown
@@ -359,9 +362,15 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
     let key = state.dispatcher.key(&parsed.prepared.tokens);
     let mut last_error = None;
     for _attempt in 0..CONNECT_ATTEMPTS {
+        let admit_start = Instant::now();
         let ticket = match state.dispatcher.admit(key.clone()).await {
             Ok(t) => t,
             Err(e) => return error_response(&admit_error(e)),
+        };
+        let queue_wait = if ticket.queued {
+            admit_start.elapsed()
+        } else {
+            Duration::ZERO
         };
         let body = worker_body(
             &parsed.model,
@@ -369,6 +378,13 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
             &ticket.worker,
             parsed.params.clone(),
             &parsed.extra,
+        );
+        state.metrics.overhead.observe(
+            record
+                .started()
+                .elapsed()
+                .saturating_sub(queue_wait)
+                .as_secs_f64(),
         );
         let sent = state
             .http

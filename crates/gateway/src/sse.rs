@@ -108,7 +108,10 @@ fn data_of(mut event: Bytes) -> Option<EventData> {
     let mut first: Option<Bytes> = None;
     let mut joined: Option<Vec<u8>> = None;
     while !event.is_empty() {
-        let end = event.iter().position(|&b| b == b'\n').unwrap_or(event.len());
+        let end = event
+            .iter()
+            .position(|&b| b == b'\n')
+            .unwrap_or(event.len());
         let mut line = event.split_to(end);
         if event.has_remaining() {
             event.advance(1);
@@ -190,9 +193,6 @@ mod tests {
     fn an_endless_event_is_an_error_not_unbounded_memory() {
         let mut reader = SseReader::new(64);
         reader.push(&[b'x'; 65]).unwrap();
-        assert_eq!(
-            reader.next_event(),
-            Err(SseError::EventTooLong { max: 64 })
-        );
+        assert_eq!(reader.next_event(), Err(SseError::EventTooLong { max: 64 }));
     }
 }

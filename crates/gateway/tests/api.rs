@@ -14,7 +14,10 @@ fn assert_error(status: u16, body: &Value, want_status: u16, want_type: &str) {
     assert_eq!(status, want_status, "{body}");
     let error = &body["error"];
     assert_eq!(error["type"], want_type, "{body}");
-    assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
+    assert!(
+        error["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
 }
 
 async fn raw_post(url: &str, path: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
@@ -43,7 +46,12 @@ async fn every_client_error_has_its_status_and_openai_json() {
     // Malformed JSON: 400.
     let (status, body) = raw_post(&url, "/v1/chat/completions", "{\"model\": ").await;
     assert_error(status, &body, 400, "invalid_request_error");
-    assert!(body["error"]["message"].as_str().unwrap().contains("not valid JSON"));
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not valid JSON")
+    );
     // Valid JSON of the wrong shape: 400 too.
     let (status, body) = raw_post(&url, "/v1/chat/completions", "{\"model\": \"m\"}").await;
     assert_error(status, &body, 400, "invalid_request_error");
@@ -57,8 +65,12 @@ async fn every_client_error_has_its_status_and_openai_json() {
 
     // Prompt longer than the context: 400 context_length_exceeded, for both APIs.
     let long = passage(0, 600);
-    let (status, _, body) =
-        post_json(&url, "/v1/chat/completions", &chat(&[("user", &long)], 4, false)).await;
+    let (status, _, body) = post_json(
+        &url,
+        "/v1/chat/completions",
+        &chat(&[("user", &long)], 4, false),
+    )
+    .await;
     assert_error(status, &body, 400, "invalid_request_error");
     assert_eq!(body["error"]["code"], "context_length_exceeded");
     assert_eq!(body["error"]["param"], "messages");
@@ -118,8 +130,12 @@ async fn every_client_error_has_its_status_and_openai_json() {
 async fn no_healthy_worker_is_503() {
     // No worker at all.
     let gw = gateway(gateway_config(&[])).await;
-    let (status, _, body) =
-        post_json(&gw.url(), "/v1/chat/completions", &chat(&[("user", "hi")], 4, false)).await;
+    let (status, _, body) = post_json(
+        &gw.url(),
+        "/v1/chat/completions",
+        &chat(&[("user", "hi")], 4, false),
+    )
+    .await;
     assert_error(status, &body, 503, "service_unavailable_error");
     let health = reqwest::get(format!("{}/health", gw.url())).await.unwrap();
     assert_eq!(health.status().as_u16(), 503);
@@ -134,7 +150,12 @@ async fn no_healthy_worker_is_503() {
     .await;
     assert_eq!(gw.dispatcher().workers().len(), 1);
     assert!(gw.dispatcher().routable_workers().is_empty());
-    let s = post_stream(&gw.url(), "/v1/chat/completions", &chat(&[("user", "hi")], 4, true)).await;
+    let s = post_stream(
+        &gw.url(),
+        "/v1/chat/completions",
+        &chat(&[("user", "hi")], 4, true),
+    )
+    .await;
     assert_eq!(s.status, 503);
     gw.shutdown().await;
 }
@@ -160,32 +181,51 @@ async fn a_full_frontend_queue_is_429_and_a_long_wait_is_503() {
         let long = long.clone();
         async move { post_stream(&url, "/v1/chat/completions", &long).await }
     });
-    wait_for("the first request to hold the slot", Duration::from_secs(5), || {
-        gw.dispatcher().snapshot().workers[0].in_flight == 1
-    })
+    wait_for(
+        "the first request to hold the slot",
+        Duration::from_secs(5),
+        || gw.dispatcher().snapshot().workers[0].in_flight == 1,
+    )
     .await;
     let second = tokio::spawn({
         let url = url.clone();
         async move {
-            post_json(&url, "/v1/chat/completions", &chat(&[("user", "q")], 4, false)).await
+            post_json(
+                &url,
+                "/v1/chat/completions",
+                &chat(&[("user", "q")], 4, false),
+            )
+            .await
         }
     });
-    wait_for("the second request to queue", Duration::from_secs(5), || {
-        gw.metrics_text()
-            .contains("dynamo_frontend_queued_requests{model=\"llama-3.1-70b-instruct\"} 1")
-    })
+    wait_for(
+        "the second request to queue",
+        Duration::from_secs(5),
+        || {
+            gw.metrics_text()
+                .contains("dynamo_frontend_queued_requests{model=\"llama-3.1-70b-instruct\"} 1")
+        },
+    )
     .await;
     // The queue is full: the third is refused at once.
-    let (status, _, body) =
-        post_json(&url, "/v1/chat/completions", &chat(&[("user", "q3")], 4, false)).await;
+    let (status, _, body) = post_json(
+        &url,
+        "/v1/chat/completions",
+        &chat(&[("user", "q3")], 4, false),
+    )
+    .await;
     assert_error(status, &body, 429, "rate_limit_error");
     // The second waited past the queue timeout: 503.
     let (status, _, body) = second.await.unwrap();
     assert_error(status, &body, 503, "service_unavailable_error");
-    assert!(body["error"]["message"].as_str().unwrap().contains("free"), "{body}");
-    assert!(gw
-        .metrics_text()
-        .contains("dynamo_frontend_queued_requests{model=\"llama-3.1-70b-instruct\"} 0"));
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("free"),
+        "{body}"
+    );
+    assert!(
+        gw.metrics_text()
+            .contains("dynamo_frontend_queued_requests{model=\"llama-3.1-70b-instruct\"} 0")
+    );
     first.abort();
     gw.shutdown().await;
     slow.shutdown().await;
@@ -229,7 +269,12 @@ async fn chat_stream_chunks_are_openai_chunks_with_done_last_and_usage_when_aske
     let gw = gateway(gateway_config(&[&engine])).await;
     let url = gw.url();
 
-    let s = post_stream(&url, "/v1/chat/completions", &chat(&[("user", "Explain caches.")], 20, true)).await;
+    let s = post_stream(
+        &url,
+        "/v1/chat/completions",
+        &chat(&[("user", "Explain caches.")], 20, true),
+    )
+    .await;
     assert_eq!(s.status, 200);
     assert!(s.done);
     let (content, usage) = s.chunks.split_at(s.chunks.len() - 1);
@@ -246,7 +291,10 @@ async fn chat_stream_chunks_are_openai_chunks_with_done_last_and_usage_when_aske
         assert!(choice["delta"].is_object(), "{c}");
         assert!(c.get("usage").is_none(), "{c}");
     }
-    assert_eq!(content.last().unwrap()["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        content.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
     let usage_chunk = &usage[0];
     assert_eq!(usage_chunk["choices"], json!([]));
     assert_eq!(usage_chunk["object"], "chat.completion.chunk");
@@ -265,16 +313,29 @@ async fn chat_stream_chunks_are_openai_chunks_with_done_last_and_usage_when_aske
     let s = post_stream(&url, "/v1/chat/completions", &request).await;
     assert!(s.done);
     assert!(s.usage().is_none(), "{s:?}");
-    assert!(s.chunks.iter().all(|c| c["choices"].as_array().unwrap().len() == 1));
+    assert!(
+        s.chunks
+            .iter()
+            .all(|c| c["choices"].as_array().unwrap().len() == 1)
+    );
 
     // Not streamed: one chat.completion with the whole message.
-    let (status, worker, body) =
-        post_json(&url, "/v1/chat/completions", &chat(&[("user", "Explain caches.")], 12, false)).await;
+    let (status, worker, body) = post_json(
+        &url,
+        "/v1/chat/completions",
+        &chat(&[("user", "Explain caches.")], 12, false),
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(worker, Some(1));
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["choices"][0]["message"]["role"], "assistant");
-    assert!(!body["choices"][0]["message"]["content"].as_str().unwrap().is_empty());
+    assert!(
+        !body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(body["choices"][0]["finish_reason"], "length");
     assert_eq!(body["usage"]["completion_tokens"], 12);
 
@@ -308,13 +369,23 @@ async fn chat_stream_chunks_are_openai_chunks_with_done_last_and_usage_when_aske
     assert_eq!(body["usage"]["completion_tokens"], 6);
 
     // Models, health, metrics.
-    let models: Value = reqwest::get(format!("{url}/v1/models")).await.unwrap().json().await.unwrap();
+    let models: Value = reqwest::get(format!("{url}/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], MODEL);
     let health = reqwest::get(format!("{url}/health")).await.unwrap();
     assert_eq!(health.status().as_u16(), 200);
     let metrics = reqwest::get(format!("{url}/metrics")).await.unwrap();
-    assert!(metrics.headers()["content-type"].to_str().unwrap().contains("openmetrics"));
+    assert!(
+        metrics.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .contains("openmetrics")
+    );
     let text = metrics.text().await.unwrap();
     for name in [
         "dynamo_frontend_requests_total{model=\"llama-3.1-70b-instruct\",endpoint=\"chat_completions\",request_type=\"stream\",status=\"success\"} 2",
@@ -377,7 +448,9 @@ async fn workers_get_token_ids_and_unknown_fields_or_text_when_configured() {
     assert!(ids.as_array().unwrap().iter().all(Value::is_u64), "{ids}");
     let text = text_worker.last_request()["prompt"].clone();
     assert!(
-        text.as_str().unwrap().starts_with("<|begin_of_text|><|start_header_id|>system"),
+        text.as_str()
+            .unwrap()
+            .starts_with("<|begin_of_text|><|start_header_id|>system"),
         "{text}"
     );
     // A worker's own error is relayed with its status.
@@ -416,7 +489,11 @@ async fn a_worker_dying_mid_stream_gives_a_clean_error_and_leaves_the_routing_se
     // Round robin starts at worker 1, the one that crashes.
     let s = tokio::time::timeout(
         Duration::from_secs(5),
-        post_stream(&gw.url(), "/v1/chat/completions", &chat(&[("user", "hi")], 10, true)),
+        post_stream(
+            &gw.url(),
+            "/v1/chat/completions",
+            &chat(&[("user", "hi")], 10, true),
+        ),
     )
     .await
     .expect("no hang");
@@ -433,7 +510,12 @@ async fn a_worker_dying_mid_stream_gives_a_clean_error_and_leaves_the_routing_se
     );
     // The next requests go to the healthy worker.
     for _ in 0..2 {
-        let s = post_stream(&gw.url(), "/v1/chat/completions", &chat(&[("user", "hi")], 4, true)).await;
+        let s = post_stream(
+            &gw.url(),
+            "/v1/chat/completions",
+            &chat(&[("user", "hi")], 4, true),
+        )
+        .await;
         assert_eq!(s.worker, Some(2));
         assert!(s.error().is_none() && s.done);
     }
@@ -444,8 +526,12 @@ async fn a_worker_dying_mid_stream_gives_a_clean_error_and_leaves_the_routing_se
         ..gateway_config(&[])
     })
     .await;
-    let (status, _, body) =
-        post_json(&gw_crash_only.url(), "/v1/chat/completions", &chat(&[("user", "hi")], 4, false)).await;
+    let (status, _, body) = post_json(
+        &gw_crash_only.url(),
+        "/v1/chat/completions",
+        &chat(&[("user", "hi")], 4, false),
+    )
+    .await;
     assert_eq!(status, 502, "{body}");
     assert_eq!(body["error"]["code"], "worker_failed");
     gw.shutdown().await;
@@ -465,18 +551,32 @@ async fn an_unreachable_worker_is_skipped_and_health_checks_bring_workers_back()
     })
     .await;
     // The dead one never became routable; requests succeed on the live one.
-    assert_eq!(gw.dispatcher().routable_workers(), vec![kv_index::WorkerId(1)]);
-    let s = post_stream(&gw.url(), "/v1/chat/completions", &chat(&[("user", "hi")], 4, true)).await;
+    assert_eq!(
+        gw.dispatcher().routable_workers(),
+        vec![kv_index::WorkerId(1)]
+    );
+    let s = post_stream(
+        &gw.url(),
+        "/v1/chat/completions",
+        &chat(&[("user", "hi")], 4, true),
+    )
+    .await;
     assert_eq!(s.worker, Some(1));
     // The engine stops: the health check takes it out; 503 follows.
     let engine_url = engine.url();
     engine.shutdown().await;
-    wait_for("the health check to drop the engine", Duration::from_secs(5), || {
-        gw.dispatcher().routable_workers().is_empty()
-    })
+    wait_for(
+        "the health check to drop the engine",
+        Duration::from_secs(5),
+        || gw.dispatcher().routable_workers().is_empty(),
+    )
     .await;
-    let (status, _, _) =
-        post_json(&gw.url(), "/v1/chat/completions", &chat(&[("user", "hi")], 4, false)).await;
+    let (status, _, _) = post_json(
+        &gw.url(),
+        "/v1/chat/completions",
+        &chat(&[("user", "hi")], 4, false),
+    )
+    .await;
     assert_eq!(status, 503);
     // A worker comes back on the same address: routable again.
     let port: u16 = engine_url.rsplit(':').next().unwrap().parse().unwrap();
@@ -486,11 +586,18 @@ async fn an_unreachable_worker_is_skipped_and_health_checks_bring_workers_back()
     config.model = MODEL.into();
     config.speedup = 200.0;
     let revived = engine_server::EngineServer::bind(config).await.unwrap();
-    wait_for("the health check to bring it back", Duration::from_secs(5), || {
-        gw.dispatcher().routable_workers() == vec![kv_index::WorkerId(1)]
-    })
+    wait_for(
+        "the health check to bring it back",
+        Duration::from_secs(5),
+        || gw.dispatcher().routable_workers() == vec![kv_index::WorkerId(1)],
+    )
     .await;
-    let s = post_stream(&gw.url(), "/v1/chat/completions", &chat(&[("user", "hi")], 4, true)).await;
+    let s = post_stream(
+        &gw.url(),
+        "/v1/chat/completions",
+        &chat(&[("user", "hi")], 4, true),
+    )
+    .await;
     assert!(s.done && s.error().is_none());
     gw.shutdown().await;
     revived.shutdown().await;

@@ -60,7 +60,10 @@ fn stored_map(hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u64>)
     Value::Map(vec![
         ("type".into(), "BlockStored".into()),
         ("block_hashes".into(), ints(hashes.iter().copied())),
-        ("parent_block_hash".into(), parent.map_or(Value::Nil, Value::from)),
+        (
+            "parent_block_hash".into(),
+            parent.map_or(Value::Nil, Value::from),
+        ),
         ("token_ids".into(), ints(tokens)),
         ("block_size".into(), Value::from(BLOCK as u64)),
         ("lora_id".into(), Value::Nil),
@@ -77,7 +80,11 @@ fn removed_map(hashes: &[u64]) -> Value {
 }
 
 fn batch_array(events: Vec<Value>) -> Vec<u8> {
-    let batch = Value::Array(vec![Value::F64(1.7e9), Value::Array(events), Value::from(0)]);
+    let batch = Value::Array(vec![
+        Value::F64(1.7e9),
+        Value::Array(events),
+        Value::from(0),
+    ]);
     let mut out = Vec::new();
     rmpv::encode::write_value(&mut out, &batch).unwrap();
     out
@@ -113,15 +120,21 @@ fn tokens(range: std::ops::Range<u32>) -> Vec<u32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() {
     let mut publisher = zeromq::PubSocket::new();
-    let endpoint = publisher.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let endpoint = publisher
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .unwrap()
+        .to_string();
     // A vLLM worker the gateway cannot reach over HTTP (not needed here): its events flow
     // all the same.
     let http = dead_port().await;
     let worker = WorkerId(5);
     let gw = gateway(GatewayConfig {
-        workers: vec![format!("http://{http},id=5,block_size={BLOCK},zmq={endpoint}")
-            .parse::<WorkerSpec>()
-            .unwrap()],
+        workers: vec![
+            format!("http://{http},id=5,block_size={BLOCK},zmq={endpoint}")
+                .parse::<WorkerSpec>()
+                .unwrap(),
+        ],
         ..config()
     })
     .await;
@@ -136,14 +149,24 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
     }
 
     // Array encoding: two blocks of tokens 0..8 with vLLM's own ids 101, 102.
-    send(&mut publisher, seq, batch_array(vec![stored_array(&[101, 102], None, 0..8)])).await;
+    send(
+        &mut publisher,
+        seq,
+        batch_array(vec![stored_array(&[101, 102], None, 0..8)]),
+    )
+    .await;
     seq += 1;
     wait_for("the array-encoded batch", Duration::from_secs(2), || {
         gw.dispatcher().cached_blocks(worker) == 2
     })
     .await;
     // Map encoding: a child block, chained by vLLM's parent id.
-    send(&mut publisher, seq, batch_map(vec![stored_map(&[103], Some(102), 8..12)])).await;
+    send(
+        &mut publisher,
+        seq,
+        batch_map(vec![stored_map(&[103], Some(102), 8..12)]),
+    )
+    .await;
     seq += 1;
     wait_for("the map-encoded batch", Duration::from_secs(2), || {
         gw.dispatcher().cached_blocks(worker) == 3
@@ -152,12 +175,20 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
     // The index hashed the tokens itself: the prompt 0..14 matches 3 leading blocks there.
     let key = gw.dispatcher().key(&tokens(0..14));
     assert_eq!(gw.dispatcher().overlaps(&key).get(worker), 3);
-    assert_eq!(metric(&gw, "kvroute_router_kv_resyncs_total{source=\"zmq\"} "), 0.0);
+    assert_eq!(
+        metric(&gw, "kvroute_router_kv_resyncs_total{source=\"zmq\"} "),
+        0.0
+    );
 
     // Batch seq+1 is lost: the next one reveals the gap. The worker's blocks are cleared
     // (they may no longer be true), counted, and the new batch is applied on a clean slate.
     seq += 1;
-    send(&mut publisher, seq, batch_array(vec![stored_array(&[201], None, 100..104)])).await;
+    send(
+        &mut publisher,
+        seq,
+        batch_array(vec![stored_array(&[201], None, 100..104)]),
+    )
+    .await;
     seq += 1;
     wait_for("the resync", Duration::from_secs(2), || {
         metric(&gw, "kvroute_router_kv_resyncs_total{source=\"zmq\"} ") == 1.0
@@ -178,9 +209,19 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
         gw.dispatcher().cached_blocks(worker) == 0
     })
     .await;
-    send(&mut publisher, seq, batch_array(vec![stored_array(&[301], None, 0..4)])).await;
+    send(
+        &mut publisher,
+        seq,
+        batch_array(vec![stored_array(&[301], None, 0..4)]),
+    )
+    .await;
     seq += 1;
-    send(&mut publisher, seq, batch_array(vec![Value::Array(vec!["AllBlocksCleared".into()])])).await;
+    send(
+        &mut publisher,
+        seq,
+        batch_array(vec![Value::Array(vec!["AllBlocksCleared".into()])]),
+    )
+    .await;
     wait_for("the clear", Duration::from_secs(2), || {
         metric(&gw, received) >= 7.0 && gw.dispatcher().cached_blocks(worker) == 0
     })
@@ -191,7 +232,10 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
         .await
         .unwrap();
     wait_for("the decode error", Duration::from_secs(2), || {
-        metric(&gw, "kvroute_router_kv_event_decode_errors_total{source=\"zmq\"} ") == 1.0
+        metric(
+            &gw,
+            "kvroute_router_kv_event_decode_errors_total{source=\"zmq\"} ",
+        ) == 1.0
     })
     .await;
     gw.shutdown().await;
@@ -227,7 +271,14 @@ async fn nats_batches_feed_the_index_and_gaps_and_restarts_clear_the_worker() {
             client.flush().await.unwrap();
         }
     };
-    publish(vec![stored(worker, 0, &tokens(0..8)), stored(worker, 1, &tokens(50..58))], 1).await;
+    publish(
+        vec![
+            stored(worker, 0, &tokens(0..8)),
+            stored(worker, 1, &tokens(50..58)),
+        ],
+        1,
+    )
+    .await;
     wait_for("two stored prompts", Duration::from_secs(2), || {
         gw.dispatcher().cached_blocks(worker) == 4
     })
@@ -265,7 +316,10 @@ async fn nats_batches_feed_the_index_and_gaps_and_restarts_clear_the_worker() {
         .unwrap();
     client.flush().await.unwrap();
     wait_for("the decode error", Duration::from_secs(2), || {
-        metric(&gw, "kvroute_router_kv_event_decode_errors_total{source=\"nats\"} ") == 1.0
+        metric(
+            &gw,
+            "kvroute_router_kv_event_decode_errors_total{source=\"nats\"} ",
+        ) == 1.0
             && gw.dispatcher().cached_blocks(worker) == 0
     })
     .await;
@@ -282,7 +336,10 @@ async fn the_in_process_sink_feeds_the_index_with_the_same_gap_policy() {
     sink.publish(&[stored(worker, 12, &tokens(40..44))]);
     assert_eq!(gw.dispatcher().cached_blocks(worker), 1);
     assert_eq!(
-        metric(&gw, "kvroute_router_kv_resyncs_total{source=\"in_process\"} "),
+        metric(
+            &gw,
+            "kvroute_router_kv_resyncs_total{source=\"in_process\"} "
+        ),
         1.0
     );
     gw.shutdown().await;

@@ -13,28 +13,34 @@ use router::PolicyKind;
 
 /// Turn 1 of a conversation, then turn 2 with turn 1's reply in the history, streamed.
 /// Returns (worker, prompt tokens, cached tokens) per turn.
-async fn conversation(
-    gw: &gateway::Gateway,
-    index: usize,
-    turns: usize,
-) -> Vec<(u64, u64, u64)> {
+async fn conversation(gw: &gateway::Gateway, index: usize, turns: usize) -> Vec<(u64, u64, u64)> {
     let system = passage(index, 1200);
     let mut history: Vec<(String, String)> = vec![("system".into(), system)];
     let mut out = Vec::new();
     let preprocessor = gateway::preprocess::Preprocessor::load(None, None).unwrap();
     for turn in 0..turns {
-        history.push(("user".into(), format!("Question {turn} about passage {index}?")));
+        history.push((
+            "user".into(),
+            format!("Question {turn} about passage {index}?"),
+        ));
         let messages: Vec<(&str, &str)> = history
             .iter()
             .map(|(r, c)| (r.as_str(), c.as_str()))
             .collect();
-        let s = post_stream(&gw.url(), "/v1/chat/completions", &chat(&messages, 24, true)).await;
+        let s = post_stream(
+            &gw.url(),
+            "/v1/chat/completions",
+            &chat(&messages, 24, true),
+        )
+        .await;
         assert_eq!(s.status, 200, "{s:?}");
         assert!(s.done, "stream ended without [DONE]: {s:?}");
         assert!(s.error().is_none(), "{s:?}");
         let usage = s.usage().expect("usage chunk").clone();
         let prompt = usage["prompt_tokens"].as_u64().unwrap();
-        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
         let worker = s.worker.expect("x-kvroute-worker header");
         out.push((worker, prompt, cached));
         let reply = s.text();
@@ -45,7 +51,11 @@ async fn conversation(
             .map(|(r, c)| text::ChatMessage::new(*r, *c))
             .collect();
         let tokens = preprocessor.chat(&chat_messages, false).unwrap().tokens;
-        assert_eq!(tokens.len() as u64, prompt, "the engine saw the gateway's tokens");
+        assert_eq!(
+            tokens.len() as u64,
+            prompt,
+            "the engine saw the gateway's tokens"
+        );
         let key = gw.dispatcher().key(&tokens);
         wait_for("the turn's KV events", Duration::from_secs(5), || {
             gw.dispatcher().overlaps(&key).get(WorkerId(worker)) == key.num_blocks()
@@ -95,7 +105,10 @@ async fn kv_routing_sends_each_next_turn_to_the_worker_that_cached_the_last() {
             // The whole previous prompt (full blocks) is a hit, and so is most of the reply
             // the engine generated, because its tokens round-trip through the history.
             let floor = prev_prompt / 32 * 32;
-            assert!(cached >= floor, "conversation {c}: cached {cached} < {floor}: {turns:?}");
+            assert!(
+                cached >= floor,
+                "conversation {c}: cached {cached} < {floor}: {turns:?}"
+            );
         }
         assert!(first_prompt > 1000, "{turns:?}");
     }
@@ -106,7 +119,9 @@ async fn kv_routing_sends_each_next_turn_to_the_worker_that_cached_the_last() {
     );
     let cached_sum: f64 = metrics
         .lines()
-        .find_map(|l| l.strip_prefix("dynamo_frontend_cached_tokens_sum{model=\"llama-3.1-70b-instruct\"} "))
+        .find_map(|l| {
+            l.strip_prefix("dynamo_frontend_cached_tokens_sum{model=\"llama-3.1-70b-instruct\"} ")
+        })
         .expect("cached tokens metric")
         .parse()
         .unwrap();
@@ -174,10 +189,9 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
 
     // A worker that stops heartbeating leaves when its lease runs out (it stays healthy, so
     // only the lease can remove it).
-    let silent = common::fake_worker::FakeWorker::start(common::fake_worker::Script::Complete {
-        tokens: 1,
-    })
-    .await;
+    let silent =
+        common::fake_worker::FakeWorker::start(common::fake_worker::Script::Complete { tokens: 1 })
+            .await;
     let client = async_nats::connect(nats.url()).await.unwrap();
     let announce = protocol::WorkerMessage::Announce(protocol::WorkerAnnounce {
         worker: 99,

@@ -244,7 +244,10 @@ async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_ro
         }
     })
     .await;
-    assert!(read.is_ok(), "the client hung after the engine died:\n{body}");
+    assert!(
+        read.is_ok(),
+        "the client hung after the engine died:\n{body}"
+    );
     assert!(killed, "the stream ended before the kill:\n{body}");
     assert!(body.contains("\"code\":\"worker_failed\""), "{body}");
     assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
@@ -266,7 +269,10 @@ async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_ro
             .unwrap();
         assert_ne!(served, worker);
         let text = response.text().await.unwrap();
-        assert!(text.ends_with("data: [DONE]\n\n") && !text.contains("error"), "{text}");
+        assert!(
+            text.ends_with("data: [DONE]\n\n") && !text.contains("error"),
+            "{text}"
+        );
     }
     let metrics = reqwest::get(format!("{}/metrics", gateway.url))
         .await
@@ -274,7 +280,10 @@ async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_ro
         .text()
         .await
         .unwrap();
-    assert!(metrics.contains("kvroute_gateway_worker_failures_total 1"), "{metrics}");
+    assert!(
+        metrics.contains("kvroute_gateway_worker_failures_total 1"),
+        "{metrics}"
+    );
     let status = gateway.terminate();
     assert!(status.success(), "gateway exit: {status:?}");
 }

@@ -65,7 +65,12 @@ impl FakeWorker {
     }
 
     pub fn last_request(&self) -> Value {
-        self.requests.lock().unwrap().last().cloned().expect("a request arrived")
+        self.requests
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .expect("a request arrived")
     }
 
     /// Stops serving (in-flight connections die with the task).

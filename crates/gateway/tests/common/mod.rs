@@ -27,7 +27,9 @@ pub async fn engine(id: u64, nats: Option<(&str, &str)>) -> EngineServerHandle {
         namespace: namespace.to_string(),
         lease_ms: 1_000,
     });
-    EngineServer::bind(config).await.expect("engine server starts")
+    EngineServer::bind(config)
+        .await
+        .expect("engine server starts")
 }
 
 /// A gateway config on a free port for `workers`.
@@ -76,7 +78,9 @@ impl Streamed {
     }
 
     pub fn usage(&self) -> Option<&Value> {
-        self.chunks.iter().find_map(|c| c.get("usage").filter(|u| !u.is_null()))
+        self.chunks
+            .iter()
+            .find_map(|c| c.get("usage").filter(|u| !u.is_null()))
     }
 
     pub fn error(&self) -> Option<&Value> {
@@ -148,8 +152,22 @@ pub async fn post_json(url: &str, path: &str, body: &Value) -> (u16, Option<u64>
 /// A long system prompt: a distinct technical passage per conversation, ~`words` words.
 pub fn passage(conversation: usize, words: usize) -> String {
     let vocabulary = [
-        "cache", "prefix", "block", "token", "router", "worker", "latency", "throughput",
-        "prefill", "decode", "batch", "memory", "bandwidth", "attention", "sequence", "hash",
+        "cache",
+        "prefix",
+        "block",
+        "token",
+        "router",
+        "worker",
+        "latency",
+        "throughput",
+        "prefill",
+        "decode",
+        "batch",
+        "memory",
+        "bandwidth",
+        "attention",
+        "sequence",
+        "hash",
     ];
     let mut text = format!("Passage {conversation}. ");
     for i in 0..words {
