@@ -602,3 +602,65 @@ async fn an_unreachable_worker_is_skipped_and_health_checks_bring_workers_back()
     gw.shutdown().await;
     revived.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_cancels_the_worker_request() {
+    let mut config = engine_server::EngineServerConfig::new();
+    config.speedup = 5.0;
+    config.model = MODEL.into();
+    let engine = engine_server::EngineServer::bind(config).await.unwrap();
+    let gw = gateway(gateway_config(&[&engine])).await;
+    let running = || async {
+        let text = reqwest::get(format!("{}/metrics", engine.url()))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find(|l| l.starts_with("vllm:num_requests_running"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .expect("vllm:num_requests_running")
+    };
+    // A reply that would take minutes at this speed.
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", gw.url()))
+        .json(&chat(&[("user", "Tell me everything.")], 20_000, true))
+        .send()
+        .await
+        .unwrap();
+    let mut stream = response.bytes_stream();
+    let mut chunks = 0;
+    while chunks < 3 {
+        use futures::StreamExt;
+        stream.next().await.unwrap().unwrap();
+        chunks += 1;
+    }
+    assert_eq!(running().await, 1.0);
+    assert_eq!(gw.dispatcher().snapshot().workers[0].in_flight, 1);
+    drop(stream);
+    // The gateway drops its upstream response: the engine cancels the request, and the
+    // router's accounting releases it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while running().await != 0.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the engine kept generating"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wait_for(
+        "the router to release the request",
+        Duration::from_secs(2),
+        || gw.dispatcher().snapshot().workers[0].in_flight == 0,
+    )
+    .await;
+    let metrics = gw.metrics_text();
+    assert!(
+        metrics.contains("dynamo_frontend_inflight_requests{model=\"llama-3.1-70b-instruct\"} 0"),
+        "{metrics}"
+    );
+    gw.shutdown().await;
+    engine.shutdown().await;
+}

@@ -225,3 +225,61 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
         e.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approximate_mode_keeps_conversations_on_their_worker_without_events() {
+    // No NATS, no ZMQ: the router predicts caches from its own decisions.
+    let mut engines = Vec::new();
+    for id in 1..=3 {
+        engines.push(engine(id, None).await);
+    }
+    let refs: Vec<_> = engines.iter().collect();
+    let mut config = gateway_config(&refs);
+    config.routing.kv_events = false;
+    let gw = gateway(config).await;
+    for c in 0..3 {
+        let system = passage(20 + c, 1000);
+        let mut history = vec![
+            ("system", system.clone()),
+            ("user", "First question?".to_string()),
+        ];
+        let messages: Vec<(&str, &str)> = history.iter().map(|(r, t)| (*r, t.as_str())).collect();
+        let first = post_stream(
+            &gw.url(),
+            "/v1/chat/completions",
+            &chat(&messages, 16, true),
+        )
+        .await;
+        assert!(first.done && first.error().is_none(), "{first:?}");
+        history.push(("assistant", first.text()));
+        history.push(("user", "Second question?".to_string()));
+        let messages: Vec<(&str, &str)> = history.iter().map(|(r, t)| (*r, t.as_str())).collect();
+        let second = post_stream(
+            &gw.url(),
+            "/v1/chat/completions",
+            &chat(&messages, 16, true),
+        )
+        .await;
+        assert_eq!(second.worker, first.worker, "conversation {c}");
+        // The engine really had it cached.
+        let prompt = first.usage().unwrap()["prompt_tokens"].as_u64().unwrap();
+        let cached = second.usage().unwrap()["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(cached >= prompt / 32 * 32, "{cached} < {prompt}");
+    }
+    let metrics = gw.metrics_text();
+    // Predictions, not events, filled the index.
+    assert!(
+        metrics.contains("kvroute_router_kv_events_received_total{source=\"nats\"} 0"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("kvroute_router_index_blocks 0\n"),
+        "{metrics}"
+    );
+    gw.shutdown().await;
+    for e in engines {
+        e.shutdown().await;
+    }
+}
