@@ -108,6 +108,15 @@ pub enum RegistryError {
         worker_block_size: usize,
         router_block_size: usize,
     },
+    #[error(
+        "{worker} is already registered at {existing}; {url} reports the same id. Give each \
+         worker its own id (kvroute engine --worker-id N, or id=N in --worker)"
+    )]
+    DuplicateId {
+        worker: WorkerId,
+        existing: String,
+        url: String,
+    },
     #[error("{0}")]
     Router(RouteError),
 }
@@ -506,6 +515,18 @@ impl Dispatcher {
         }
         let mut core = lock(&self.core);
         let id = info.id;
+        if let Some(existing) = core.workers.get(&id) {
+            // A dynamic worker may come back at a new address; a static one may not share
+            // its id with another.
+            let both_static = existing.origin == Origin::Static && origin == Origin::Static;
+            if both_static && existing.info.url != info.url {
+                return Err(RegistryError::DuplicateId {
+                    worker: id,
+                    existing: existing.info.url.clone(),
+                    url: info.url.clone(),
+                });
+            }
+        }
         if !core.workers.contains_key(&id) && core.workers.len() >= self.max_workers {
             return Err(RegistryError::Full {
                 limit: self.max_workers,
@@ -921,6 +942,15 @@ mod tests {
             d.admit(key(&d, 4)).await,
             Err(AdmitError::NoWorkers)
         ));
+    }
+
+    #[tokio::test]
+    async fn two_static_workers_with_one_id_are_refused() {
+        let d = dispatcher(0, 4, 100);
+        let mut info = WorkerInfo::new(WorkerId(1), "http://elsewhere");
+        info.block_size = 4;
+        let err = d.upsert_worker(info, Origin::Static, true).unwrap_err();
+        assert!(err.to_string().contains("--worker-id"), "{err}");
     }
 
     #[tokio::test]

@@ -166,6 +166,7 @@ impl Gateway {
         let zmq = Arc::new(ZmqSubscriptions::default());
         let registry = RegistryCtx {
             dispatcher: dispatcher.clone(),
+            statics: Arc::default(),
             http: http.clone(),
             zmq: zmq.clone(),
             cancel: cancel.clone(),
@@ -221,7 +222,6 @@ impl Gateway {
         }
         gateway.tasks.push(tokio::spawn(registry::run_health_checks(
             registry.clone(),
-            config.workers.clone(),
             config.health_interval,
         )));
         if !config.routing.kv_events {

@@ -131,6 +131,9 @@ pub async fn check_health(http: &reqwest::Client, url: &str, timeout: Duration) 
 #[derive(Debug, Clone)]
 pub(crate) struct RegistryCtx {
     pub dispatcher: Arc<Dispatcher>,
+    /// Static workers by URL (flags and `Gateway::add_worker`), to describe them again when
+    /// they come back.
+    pub statics: Arc<std::sync::Mutex<BTreeMap<String, WorkerSpec>>>,
     pub http: reqwest::Client,
     pub zmq: Arc<ZmqSubscriptions>,
     pub cancel: CancellationToken,
@@ -165,6 +168,10 @@ impl RegistryCtx {
         };
         self.dispatcher
             .upsert_worker(info.clone(), Origin::Static, up)?;
+        self.statics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(spec.url.clone(), spec.clone());
         self.start_zmq(&info);
         Ok(info)
     }
@@ -172,13 +179,7 @@ impl RegistryCtx {
 
 /// Checks every known worker's `/health` every `interval` until cancelled. A static worker
 /// that comes back is described again from its `/info` (it may have restarted).
-pub(crate) async fn run_health_checks(
-    ctx: RegistryCtx,
-    statics: Vec<WorkerSpec>,
-    interval: Duration,
-) {
-    let statics: BTreeMap<String, WorkerSpec> =
-        statics.into_iter().map(|s| (s.url.clone(), s)).collect();
+pub(crate) async fn run_health_checks(ctx: RegistryCtx, interval: Duration) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -187,6 +188,11 @@ pub(crate) async fn run_health_checks(
             _ = ticker.tick() => {}
         }
         let workers = ctx.dispatcher.workers();
+        let statics = ctx
+            .statics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let checks = workers.into_iter().map(|(info, origin, routable)| {
             let ctx = &ctx;
             let statics = &statics;
