@@ -68,7 +68,8 @@ pub struct SimConfig {
     /// Let the oracle forget blocks unseen for this long (`None`: never, the definition);
     /// bounds its memory on fleet-scale runs of hours.
     pub oracle_horizon: Option<Nanos>,
-    /// Keep every request's record, not only those the measurement windows use.
+    /// Keep every request's record in [`crate::RunOutput::records`] (metrics never need
+    /// them: windows keep only their samples).
     pub keep_all_records: bool,
 }
 

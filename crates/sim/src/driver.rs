@@ -12,7 +12,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::config::{ConfigError, Phase, SimConfig};
-use crate::metrics::{Metrics, Outcome, RequestRecord, tokens_in_window};
+use crate::metrics::{Metrics, Outcome, RequestRecord, WindowAcc, tokens_in_window};
 use crate::oracle::Oracle;
 use crate::timers::{Source, Timers};
 use crate::workload::{Turn, TurnKey, Workload};
@@ -151,7 +151,7 @@ pub struct RunTotals {
 pub struct RunOutput {
     pub phases: Vec<PhaseResult>,
     pub totals: RunTotals,
-    /// Requests the measurement windows cover (all of them with `keep_all_records`).
+    /// Every request's record, with `keep_all_records` (empty otherwise).
     pub records: Vec<RequestRecord>,
 }
 
@@ -180,9 +180,9 @@ pub struct Simulation<W: Workload> {
     /// KV events on their way to the router (fixed delay, so in delivery order).
     kv_queue: VecDeque<(Nanos, KvEvent)>,
     oracle: Option<Oracle>,
-    /// Every phase's snapshot windows, flattened, with the tokens emitted in each.
-    windows: Vec<(Nanos, Nanos)>,
-    window_tokens: Vec<u64>,
+    /// Every phase's snapshot windows, flattened, with what each has seen.
+    windows: Vec<WindowAcc>,
+    /// Every request's record, with `keep_all_records` only.
     records: Vec<RequestRecord>,
     schedule: Vec<(Nanos, Action)>,
     next_action: usize,
@@ -268,7 +268,7 @@ impl<W: Workload> Simulation<W> {
             phase_starts.push(t);
             schedule.push((t, Action::PhaseStart(k)));
             schedule.push((t + p.warmup, Action::MeasureStart(k)));
-            windows.extend(p.windows(t));
+            windows.extend(p.windows(t).into_iter().map(|(a, b)| WindowAcc::new(a, b)));
             t += p.duration();
             schedule.push((t, Action::MeasureEnd(k)));
         }
@@ -290,7 +290,6 @@ impl<W: Workload> Simulation<W> {
             is_dirty: vec![false; n],
             kv_queue: VecDeque::new(),
             oracle,
-            window_tokens: vec![0; windows.len()],
             windows,
             records: Vec::new(),
             schedule,
@@ -381,24 +380,20 @@ impl<W: Workload> Simulation<W> {
     /// Stops the run: computes every phase's metrics.
     pub fn finish(mut self) -> RunOutput {
         let mut phases = Vec::with_capacity(self.phases.len());
-        let mut w = 0;
+        let mut windows = std::mem::take(&mut self.windows).into_iter();
         for (k, p) in self.phases.iter().enumerate() {
-            let n = p.snapshots as usize;
-            let windows = &self.windows[w..w + n];
-            let snapshots: Vec<Metrics> = windows
+            let accs: Vec<WindowAcc> = windows.by_ref().take(p.snapshots as usize).collect();
+            let windows_s = accs
                 .iter()
-                .zip(&self.window_tokens[w..w + n])
-                .map(|(&(from, to), &tokens)| {
-                    Metrics::of_window(&self.records, from, to, tokens, self.cfg.oracle)
-                })
+                .map(|w| (w.from.as_secs_f64(), w.to.as_secs_f64()))
                 .collect();
-            w += n;
+            let snapshots: Vec<Metrics> = accs
+                .into_iter()
+                .map(|w| w.metrics(self.cfg.oracle))
+                .collect();
             phases.push(PhaseResult {
                 concurrency: p.concurrency,
-                windows_s: windows
-                    .iter()
-                    .map(|(a, b)| (a.as_secs_f64(), b.as_secs_f64()))
-                    .collect(),
+                windows_s,
                 metrics: Metrics::mean(&snapshots),
                 snapshots,
                 workers: std::mem::take(&mut self.worker_stats[k]),
@@ -773,9 +768,9 @@ impl<W: Workload> Simulation<W> {
         f.tokens = end;
         f.spans += 1;
         self.totals.tokens_emitted += u64::from(count);
-        for (w, &(from, to)) in self.windows.iter().enumerate() {
-            if prev < to && at > from {
-                self.window_tokens[w] += tokens_in_window(prev, at, count, from, to);
+        for w in &mut self.windows {
+            if prev < w.to && at > w.from {
+                w.tokens += tokens_in_window(prev, at, count, w.from, w.to);
             }
         }
     }
@@ -809,14 +804,14 @@ impl<W: Workload> Simulation<W> {
         self.workload.on_turn_failed(f.turn, self.now);
     }
 
-    /// Keeps a record if a window needs it (or all records are kept).
+    /// Counts an ended request in the windows it touches; keeps its record if asked to.
     fn keep(&mut self, record: RequestRecord) {
-        let needed = self.cfg.keep_all_records
-            || self.windows.iter().any(|&(from, to)| {
-                let inside = |t: Nanos| from < t && t <= to;
-                inside(record.ended_at) || record.first_token_at.is_some_and(inside)
-            });
-        if needed {
+        for w in &mut self.windows {
+            if w.touches(&record) {
+                w.add(&record);
+            }
+        }
+        if self.cfg.keep_all_records {
             self.records.push(record);
         }
     }

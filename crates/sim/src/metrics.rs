@@ -159,6 +159,98 @@ pub struct Metrics {
     pub mean_output_tokens: Option<f64>,
 }
 
+/// What one window `(from, to]` has seen so far: the samples its percentiles need and the
+/// sums behind its rates. Requests are added as they end (and at their first token), so a
+/// run keeps 4 numbers per request per window instead of every request's record.
+#[derive(Debug, Clone, Default)]
+pub struct WindowAcc {
+    pub from: Nanos,
+    pub to: Nanos,
+    ttft_ms: Vec<f64>,
+    tpot_ms: Vec<f64>,
+    itl_ms: Vec<f64>,
+    e2e_s: Vec<f64>,
+    prompt: u64,
+    cached: u64,
+    oracle_cached: u64,
+    output: u64,
+    finished: u64,
+    errors: u64,
+    /// Output tokens emitted inside the window.
+    pub tokens: u64,
+}
+
+impl WindowAcc {
+    pub fn new(from: Nanos, to: Nanos) -> Self {
+        Self {
+            from,
+            to,
+            ..Self::default()
+        }
+    }
+
+    fn inside(&self, t: Nanos) -> bool {
+        self.from < t && t <= self.to
+    }
+
+    /// Counts a request that ended (finished or failed), under the rules in the module docs.
+    pub fn add(&mut self, r: &RequestRecord) {
+        if let Some(t) = r.first_token_at.filter(|&t| self.inside(t)) {
+            self.ttft_ms.push((t - r.issued_at).as_millis_f64());
+        }
+        if !self.inside(r.ended_at) {
+            return;
+        }
+        if r.outcome != Outcome::Finished {
+            self.errors += 1;
+            return;
+        }
+        self.finished += 1;
+        self.prompt += u64::from(r.prompt_tokens);
+        self.cached += u64::from(r.cached_prompt_tokens);
+        self.oracle_cached += u64::from(r.oracle_cached_tokens);
+        self.output += u64::from(r.output_tokens);
+        if let Some(e) = r.e2e() {
+            self.e2e_s.push(e.as_secs_f64());
+        }
+        if let Some(t) = r.tpot_secs() {
+            self.tpot_ms.push(t * 1e3);
+        }
+        if let Some(t) = r.itl_secs() {
+            self.itl_ms.push(t * 1e3);
+        }
+    }
+
+    /// Whether a request ending now could count in this window.
+    pub fn touches(&self, r: &RequestRecord) -> bool {
+        self.inside(r.ended_at) || r.first_token_at.is_some_and(|t| self.inside(t))
+    }
+
+    /// The window's metrics (`oracle`: whether the oracle ran).
+    pub fn metrics(mut self, oracle: bool) -> Metrics {
+        let secs = (self.to - self.from).as_secs_f64();
+        let ratio = |a: u64, b: u64| (b > 0).then(|| a as f64 / b as f64);
+        Metrics {
+            ttft_ms: Percentiles::of(&mut self.ttft_ms),
+            tpot_ms: Percentiles::of(&mut self.tpot_ms),
+            itl_ms: Percentiles::of(&mut self.itl_ms),
+            e2e_s: Percentiles::of(&mut self.e2e_s),
+            output_tokens_per_s: self.tokens as f64 / secs,
+            requests_per_s: self.finished as f64 / secs,
+            kv_hit_rate: ratio(self.cached, self.prompt),
+            oracle_hit_rate: if oracle {
+                ratio(self.oracle_cached, self.prompt)
+            } else {
+                None
+            },
+            errors: self.errors as f64,
+            requests: self.finished as f64,
+            mean_prompt_tokens: ratio(self.prompt, self.finished),
+            mean_output_tokens: ratio(self.output, self.finished),
+        }
+    }
+}
+
 impl Metrics {
     /// The metrics of window `(from, to]` over `records`, with `tokens` emitted in it.
     pub fn of_window(
@@ -168,56 +260,12 @@ impl Metrics {
         tokens: u64,
         oracle: bool,
     ) -> Self {
-        let inside = |t: Nanos| from < t && t <= to;
-        let (mut ttft, mut tpot, mut itl, mut e2e) = (vec![], vec![], vec![], vec![]);
-        let (mut prompt, mut cached, mut oracle_cached, mut output) = (0u64, 0u64, 0u64, 0u64);
-        let (mut finished, mut errors) = (0u64, 0u64);
+        let mut acc = WindowAcc::new(from, to);
+        acc.tokens = tokens;
         for r in records {
-            if let Some(t) = r.first_token_at.filter(|&t| inside(t)) {
-                ttft.push((t - r.issued_at).as_millis_f64());
-            }
-            if !inside(r.ended_at) {
-                continue;
-            }
-            if r.outcome != Outcome::Finished {
-                errors += 1;
-                continue;
-            }
-            finished += 1;
-            prompt += u64::from(r.prompt_tokens);
-            cached += u64::from(r.cached_prompt_tokens);
-            oracle_cached += u64::from(r.oracle_cached_tokens);
-            output += u64::from(r.output_tokens);
-            if let Some(e) = r.e2e() {
-                e2e.push(e.as_secs_f64());
-            }
-            if let Some(t) = r.tpot_secs() {
-                tpot.push(t * 1e3);
-            }
-            if let Some(t) = r.itl_secs() {
-                itl.push(t * 1e3);
-            }
+            acc.add(r);
         }
-        let secs = (to - from).as_secs_f64();
-        let ratio = |a: u64, b: u64| (b > 0).then(|| a as f64 / b as f64);
-        Self {
-            ttft_ms: Percentiles::of(&mut ttft),
-            tpot_ms: Percentiles::of(&mut tpot),
-            itl_ms: Percentiles::of(&mut itl),
-            e2e_s: Percentiles::of(&mut e2e),
-            output_tokens_per_s: tokens as f64 / secs,
-            requests_per_s: finished as f64 / secs,
-            kv_hit_rate: ratio(cached, prompt),
-            oracle_hit_rate: if oracle {
-                ratio(oracle_cached, prompt)
-            } else {
-                None
-            },
-            errors: errors as f64,
-            requests: finished as f64,
-            mean_prompt_tokens: ratio(prompt, finished),
-            mean_output_tokens: ratio(output, finished),
-        }
+        acc.metrics(oracle)
     }
 
     /// The mean of several windows (snapshots, or sweeps), as the seed averages them.

@@ -763,7 +763,8 @@ pub fn compare_seed_002(results: &BenchResults) -> String {
 struct PlotSpec {
     file: &'static str,
     title: &'static str,
-    unit: &'static str,
+    /// The y axis: what and in which unit.
+    axis: &'static str,
     get: Getter,
     /// Seed 002's value of the same metric, when it publishes one.
     seed: Option<fn(&SeedSide) -> f64>,
@@ -779,7 +780,7 @@ pub fn plots(results: &BenchResults, with_seed: bool) -> Vec<(String, String)> {
         PlotSpec {
             file: "ttft_p95.svg",
             title: "TTFT p95",
-            unit: "ms",
+            axis: "TTFT p95 (ms)",
             get: |r| r.ttft_ms.p95,
             seed: Some(|s| s.ttft_p95_ms),
             slo: Some((SLO_TTFT_P95_MS, "SLO 600 ms")),
@@ -788,7 +789,7 @@ pub fn plots(results: &BenchResults, with_seed: bool) -> Vec<(String, String)> {
         PlotSpec {
             file: "tpot_p95.svg",
             title: "TPOT p95",
-            unit: "ms",
+            axis: "TPOT p95 (ms)",
             get: |r| r.tpot_ms.p95,
             // The seed publishes ITL, "synonymous with TPOT in this context".
             seed: Some(|s| s.itl_p95_ms),
@@ -798,7 +799,7 @@ pub fn plots(results: &BenchResults, with_seed: bool) -> Vec<(String, String)> {
         PlotSpec {
             file: "tops.svg",
             title: "Output tokens per second",
-            unit: "tokens/s",
+            axis: "output tokens/s",
             get: |r| Some(r.output_tokens_per_s),
             seed: Some(|s| s.tops),
             slo: None,
@@ -807,7 +808,7 @@ pub fn plots(results: &BenchResults, with_seed: bool) -> Vec<(String, String)> {
         PlotSpec {
             file: "hit_rate.svg",
             title: "KV cache hit rate (dashed: oracle bound)",
-            unit: "%",
+            axis: "hit rate (%)",
             get: |r| r.kv_hit_rate.map(|h| h * 100.0),
             seed: Some(|s| s.hit_rate * 100.0),
             slo: None,
@@ -816,7 +817,7 @@ pub fn plots(results: &BenchResults, with_seed: bool) -> Vec<(String, String)> {
         PlotSpec {
             file: "e2e_p50.svg",
             title: "End-to-end latency p50",
-            unit: "s",
+            axis: "E2E p50 (s)",
             get: |r| r.e2e_s.p50,
             seed: Some(|s| s.e2e_p50_s),
             slo: None,
@@ -828,7 +829,7 @@ pub fn plots(results: &BenchResults, with_seed: bool) -> Vec<(String, String)> {
     for PlotSpec {
         file,
         title,
-        unit,
+        axis,
         get,
         seed: seed_get,
         slo,
@@ -887,7 +888,7 @@ pub fn plots(results: &BenchResults, with_seed: bool) -> Vec<(String, String)> {
         let chart = Chart {
             title: format!("{title} vs concurrency ({} workers)", results.bench.workers),
             x_label: "concurrent conversations".into(),
-            y_label: format!("{title} ({unit})"),
+            y_label: axis.to_string(),
             series,
             threshold: slo.map(|(value, label)| Threshold {
                 value,

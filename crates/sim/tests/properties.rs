@@ -72,7 +72,35 @@ fn every_turn_ends_once_and_every_token_is_accounted_for() {
             .map(|r| u64::from(r.output_tokens))
             .sum();
         assert_eq!(finished_tokens, t.finished_output_tokens);
-        // Per-worker routed counts add up to the requests routed in the windows' period.
+        // Each window's streaming accumulators agree with a recomputation from the records.
+        for p in &out.phases {
+            for (snap, &(from, to)) in p.snapshots.iter().zip(&p.windows_s) {
+                let again = sim::Metrics::of_window(
+                    &out.records,
+                    Nanos::from_secs_f64(from),
+                    Nanos::from_secs_f64(to),
+                    0,
+                    true,
+                );
+                assert_eq!(
+                    (
+                        &snap.ttft_ms,
+                        &snap.e2e_s,
+                        &snap.itl_ms,
+                        snap.kv_hit_rate,
+                        snap.requests
+                    ),
+                    (
+                        &again.ttft_ms,
+                        &again.e2e_s,
+                        &again.itl_ms,
+                        again.kv_hit_rate,
+                        again.requests
+                    ),
+                    "{policy}"
+                );
+            }
+        }
         for p in &out.phases {
             assert_eq!(p.workers.len(), WORKERS as usize);
             assert!(
