@@ -93,19 +93,21 @@ impl AtomicHistogram {
             });
     }
 
-    /// (sum, count, cumulative buckets).
+    /// (sum, count, per-bucket counts): each bucket's own count, not cumulative; the last
+    /// bucket is +Inf. The exposition encoder accumulates them.
     pub fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
         let h = &*self.inner;
-        let mut cumulative = 0;
+        let mut total = 0;
         let mut buckets = Vec::with_capacity(h.counts.len());
         for (i, count) in h.counts.iter().enumerate() {
-            cumulative += count.load(Ordering::Relaxed);
+            let count = count.load(Ordering::Relaxed);
+            total += count;
             let bound = h.bounds.get(i).copied().unwrap_or(f64::INFINITY);
-            buckets.push((bound, cumulative));
+            buckets.push((bound, count));
         }
         (
             f64::from_bits(h.sum.load(Ordering::Relaxed)),
-            cumulative,
+            total,
             buckets,
         )
     }
@@ -538,8 +540,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn histogram_buckets_are_cumulative_and_sum_counts() {
-        let h = AtomicHistogram::new(&[1.0, 2.0]);
+    fn histogram_counts_by_bucket_and_exposes_cumulative_buckets() {
+        const BOUNDS: &[f64] = &[1.0, 2.0];
+        let h = AtomicHistogram::new(BOUNDS);
         h.observe(0.5);
         h.observe(1.0);
         h.observe_n(1.5, 3);
@@ -548,7 +551,19 @@ mod tests {
         let (sum, count, buckets) = h.snapshot();
         assert_eq!(count, 6);
         assert!((sum - (0.5 + 1.0 + 4.5 + 7.0)).abs() < 1e-9);
-        assert_eq!(buckets, vec![(1.0, 2), (2.0, 5), (f64::INFINITY, 6)]);
+        assert_eq!(buckets, vec![(1.0, 2), (2.0, 3), (f64::INFINITY, 1)]);
+        let mut registry = Registry::default();
+        registry.register("h", "test", h.clone());
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        for line in [
+            "h_bucket{le=\"1.0\"} 2",
+            "h_bucket{le=\"2.0\"} 5",
+            "h_bucket{le=\"+Inf\"} 6",
+            "h_count 6",
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
     }
 
     #[test]
