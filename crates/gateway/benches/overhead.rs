@@ -8,7 +8,10 @@
 //!    relays. Its twin sends what the gateway would send: `/v1/completions` with the token
 //!    ids. Both groups meet the same engine steps and bursts, so the difference of their TTFT
 //!    distributions (request sent → first body bytes, measured by the client) is what the
-//!    gateway adds. Client lengths differ (`max_tokens` + 0..15) so they do not run in lockstep.
+//!    gateway adds. Client lengths differ (`max_tokens` + 0..15) and each client thinks for a
+//!    random 0..2×`--think-ms` between requests, so arrivals fall at random points of the
+//!    engines' step cycle (a closed loop without think time sends each request right after
+//!    the step that ended the last reply, which turns a small delay into a whole step).
 //! 2. **Relay throughput.** `--tp-streams` long streams against engines at `--tp-speedup`
 //!    (tokens as fast as the CPU allows), straight to the engines, then through the gateway;
 //!    tokens/s is the sum of `usage.completion_tokens` over the wall time.
@@ -21,7 +24,7 @@
 //! `cargo bench -p gateway --bench overhead -- [--streams 500] [--engines 32] [--speedup 1]
 //! [--max-tokens 64] [--prompt-words 300] [--seconds 60] [--warmup 10] [--tp-streams 64]
 //! [--tp-engines 4] [--tp-speedup 1000] [--tp-max-tokens 4000] [--tp-seconds 8]
-//! [--mode round_robin] [--gateway-threads 1]`
+//! [--think-ms 50] [--mode round_robin] [--gateway-threads 1]`
 //!
 //! The default router mode is `round_robin`: load-blind like the twins' fixed spread, so the
 //! TTFT difference is the gateway's cost and not a routing gain (`--mode kv` routes around
@@ -56,6 +59,7 @@ struct Args {
     tp_seconds: f64,
     mode: String,
     gateway_threads: usize,
+    think_ms: f64,
 }
 
 fn parse_args() -> Args {
@@ -74,6 +78,7 @@ fn parse_args() -> Args {
         tp_seconds: 8.0,
         mode: "round_robin".into(),
         gateway_threads: 1,
+        think_ms: 50.0,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -100,6 +105,7 @@ fn parse_args() -> Args {
             "--tp-seconds" => a.tp_seconds = num(),
             "--mode" => a.mode = value.clone(),
             "--gateway-threads" => a.gateway_threads = num() as usize,
+            "--think-ms" => a.think_ms = num(),
             // `cargo bench` passes `--bench`; skip flags we do not know.
             _ => {
                 i += 1;
@@ -364,10 +370,13 @@ async fn run_client(
     http: reqwest::Client,
     client: Client,
     delay: Duration,
+    think_ms: f64,
+    seed: u64,
     until: Instant,
 ) -> Vec<Sample> {
     let mut samples = Vec::new();
     tokio::time::sleep(delay).await;
+    let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     while Instant::now() < until {
         let started = Instant::now();
         let url = client.next_url();
@@ -401,6 +410,14 @@ async fn run_client(
             ttft: ttft.unwrap_or_default(),
             tokens,
         });
+        // Think time, uniform in [0, 2 × mean): arrivals then fall at random points of the
+        // engines' step cycle instead of right after the step that ended the last reply,
+        // so the two groups' TTFTs differ only by the path.
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let fraction = (rng >> 11) as f64 / (1u64 << 53) as f64;
+        tokio::time::sleep(Duration::from_secs_f64(2.0 * think_ms * fraction / 1e3)).await;
     }
     samples
 }
@@ -509,8 +526,23 @@ async fn ttft_benchmark(args: &Args, pre: &Preprocessor) {
         );
         // Stagger arrivals over the first second.
         let delay = Duration::from_micros((c as u64 * 7_919) % 1_000_000);
-        direct.push(tokio::spawn(run_client(http.clone(), d, delay, until)));
-        through.push(tokio::spawn(run_client(http.clone(), g, delay, until)));
+        let seed = c as u64;
+        direct.push(tokio::spawn(run_client(
+            http.clone(),
+            d,
+            delay,
+            args.think_ms,
+            seed,
+            until,
+        )));
+        through.push(tokio::spawn(run_client(
+            http.clone(),
+            g,
+            delay,
+            args.think_ms,
+            seed + (1 << 32),
+            until,
+        )));
     }
     let collect = |tasks: Vec<tokio::task::JoinHandle<Vec<Sample>>>| async move {
         let mut all = Vec::new();
@@ -533,7 +565,7 @@ async fn ttft_benchmark(args: &Args, pre: &Preprocessor) {
     println!(
         "TTFT, {} streams through the gateway + {} twin streams straight to the engines, at once: \
          {} engines (h200-llama70b-fp8, speedup {}, prefix caching off), prompt {} words, \
-         max_tokens {}..{}, {:.0} s ({} s warm-up excluded)",
+         max_tokens {}..{}, think time 0..{} ms, {:.0} s ({} s warm-up excluded)",
         args.streams,
         args.streams,
         args.engines,
@@ -541,6 +573,7 @@ async fn ttft_benchmark(args: &Args, pre: &Preprocessor) {
         args.prompt_words,
         args.max_tokens,
         args.max_tokens + 15,
+        2.0 * args.think_ms,
         wall,
         args.warmup
     );
@@ -620,7 +653,14 @@ async fn throughput_benchmark(args: &Args, pre: &Preprocessor) {
                 let max_tokens = args.tp_max_tokens + (c % 16) as u32;
                 let (d, g) = client_pair(pre, c, 50, max_tokens, &gateway_group, &engine_group);
                 let client = if side == "direct" { d } else { g };
-                tokio::spawn(run_client(http.clone(), client, Duration::ZERO, until))
+                tokio::spawn(run_client(
+                    http.clone(),
+                    client,
+                    Duration::ZERO,
+                    0.0,
+                    c as u64,
+                    until,
+                ))
             })
             .collect();
         let mut samples = Vec::new();
