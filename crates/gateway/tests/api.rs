@@ -652,7 +652,7 @@ async fn a_client_that_disconnects_cancels_the_worker_request() {
     }
     wait_for(
         "the router to release the request",
-        Duration::from_secs(2),
+        Duration::from_secs(5),
         || gw.dispatcher().snapshot().workers[0].in_flight == 0,
     )
     .await;

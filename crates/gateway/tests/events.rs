@@ -156,7 +156,7 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
     )
     .await;
     seq += 1;
-    wait_for("the array-encoded batch", Duration::from_secs(2), || {
+    wait_for("the array-encoded batch", Duration::from_secs(5), || {
         gw.dispatcher().cached_blocks(worker) == 2
     })
     .await;
@@ -168,7 +168,7 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
     )
     .await;
     seq += 1;
-    wait_for("the map-encoded batch", Duration::from_secs(2), || {
+    wait_for("the map-encoded batch", Duration::from_secs(5), || {
         gw.dispatcher().cached_blocks(worker) == 3
     })
     .await;
@@ -190,11 +190,11 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
     )
     .await;
     seq += 1;
-    wait_for("the resync", Duration::from_secs(2), || {
+    wait_for("the resync", Duration::from_secs(5), || {
         metric(&gw, "kvroute_router_kv_resyncs_total{source=\"zmq\"} ") == 1.0
     })
     .await;
-    wait_for("the post-gap state", Duration::from_secs(2), || {
+    wait_for("the post-gap state", Duration::from_secs(5), || {
         gw.dispatcher().cached_blocks(worker) == 1
     })
     .await;
@@ -205,7 +205,7 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
     // Removal (map form) and a clear.
     send(&mut publisher, seq, batch_map(vec![removed_map(&[201])])).await;
     seq += 1;
-    wait_for("the removal", Duration::from_secs(2), || {
+    wait_for("the removal", Duration::from_secs(5), || {
         gw.dispatcher().cached_blocks(worker) == 0
     })
     .await;
@@ -222,7 +222,7 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
         batch_array(vec![Value::Array(vec!["AllBlocksCleared".into()])]),
     )
     .await;
-    wait_for("the clear", Duration::from_secs(2), || {
+    wait_for("the clear", Duration::from_secs(5), || {
         metric(&gw, received) >= 7.0 && gw.dispatcher().cached_blocks(worker) == 0
     })
     .await;
@@ -231,7 +231,7 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
         .send(ZmqMessage::try_from(vec![Bytes::from_static(b"kv-events")]).unwrap())
         .await
         .unwrap();
-    wait_for("the decode error", Duration::from_secs(2), || {
+    wait_for("the decode error", Duration::from_secs(5), || {
         metric(
             &gw,
             "kvroute_router_kv_event_decode_errors_total{source=\"zmq\"} ",
@@ -279,13 +279,13 @@ async fn nats_batches_feed_the_index_and_gaps_and_restarts_clear_the_worker() {
         1,
     )
     .await;
-    wait_for("two stored prompts", Duration::from_secs(2), || {
+    wait_for("two stored prompts", Duration::from_secs(5), || {
         gw.dispatcher().cached_blocks(worker) == 4
     })
     .await;
     // seq 2 is lost: seq 3 reveals the gap → the worker is cleared, then seq 3 applies.
     publish(vec![stored(worker, 3, &tokens(200..204))], 1).await;
-    wait_for("the resync", Duration::from_secs(2), || {
+    wait_for("the resync", Duration::from_secs(5), || {
         gw.dispatcher().cached_blocks(worker) == 1
     })
     .await;
@@ -299,13 +299,13 @@ async fn nats_batches_feed_the_index_and_gaps_and_restarts_clear_the_worker() {
     );
     // In order again: applied.
     publish(vec![stored(worker, 4, &tokens(0..8))], 1).await;
-    wait_for("in-order events", Duration::from_secs(2), || {
+    wait_for("in-order events", Duration::from_secs(5), || {
         gw.dispatcher().cached_blocks(worker) == 3
     })
     .await;
     // A new instance (the worker restarted, seq from 0): the old blocks go.
     publish(vec![stored(worker, 0, &tokens(300..304))], 2).await;
-    wait_for("the restart", Duration::from_secs(2), || {
+    wait_for("the restart", Duration::from_secs(5), || {
         gw.dispatcher().cached_blocks(worker) == 1 && metric(&gw, resyncs) == 2.0
     })
     .await;
@@ -315,7 +315,7 @@ async fn nats_batches_feed_the_index_and_gaps_and_restarts_clear_the_worker() {
         .await
         .unwrap();
     client.flush().await.unwrap();
-    wait_for("the decode error", Duration::from_secs(2), || {
+    wait_for("the decode error", Duration::from_secs(5), || {
         metric(
             &gw,
             "kvroute_router_kv_event_decode_errors_total{source=\"nats\"} ",

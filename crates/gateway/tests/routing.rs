@@ -181,7 +181,7 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
         .position(|e| e.info().worker == served.0)
         .unwrap();
     engines.remove(position).shutdown().await;
-    wait_for("the goodbye", Duration::from_secs(2), || {
+    wait_for("the goodbye", Duration::from_secs(5), || {
         !gw.dispatcher().routable_workers().contains(&served)
     })
     .await;
@@ -211,11 +211,11 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
         .await
         .unwrap();
     client.flush().await.unwrap();
-    wait_for("the announced worker", Duration::from_secs(2), || {
+    wait_for("the announced worker", Duration::from_secs(5), || {
         gw.dispatcher().routable_workers().contains(&WorkerId(99))
     })
     .await;
-    wait_for("the lease to run out", Duration::from_secs(2), || {
+    wait_for("the lease to run out", Duration::from_secs(5), || {
         !gw.dispatcher().routable_workers().contains(&WorkerId(99))
     })
     .await;
