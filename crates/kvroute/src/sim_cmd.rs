@@ -14,6 +14,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sim::bench::{BenchResults, BenchSpec, JobResult, Row};
 use sim::chat::Chat;
+use sim::ServingPath;
 use sim::{FrontendConfig, SimConfig, Simulation};
 use workload::{Assets, WorkloadConfig};
 
@@ -79,6 +80,11 @@ pub struct ClusterArgs {
     /// Most requests waiting at the frontend; more fail.
     #[arg(long, default_value_t = 1 << 20)]
     pub frontend_queue: usize,
+    /// Round trip of the serving path outside the GPUs (client, load balancer, frontend,
+    /// network), added to every TTFT and E2E. The default is fitted to seed 002's deployment
+    /// (docs/CALIBRATION.md).
+    #[arg(long, default_value_t = sim::SEED_002_PATH_LATENCY_MS, value_name = "MS")]
+    pub path_latency_ms: f64,
     /// Decode step by step instead of advancing identical decode steps together (slower;
     /// for checking speed mode).
     #[arg(long)]
@@ -183,6 +189,7 @@ impl ClusterArgs {
         base.frontend = FrontendConfig {
             max_in_flight_per_worker: self.frontend_cap,
             queue_capacity: self.frontend_queue,
+            path_latency: seconds(self.path_latency_ms / 1e3, "--path-latency-ms")?,
         };
         base.oracle = !self.no_oracle;
         base.oracle_horizon = self
@@ -269,6 +276,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         job.seed,
         args.concurrency,
     )?;
+    let workload = ServingPath::new(workload, spec.base.frontend.path_latency);
     let mut simulation = Simulation::new(spec.config(&job), workload, spec.phases(&job))?;
     let end = simulation.end();
     let bar = progress_bar(end.0 / 1_000_000_000, "simulated s");

@@ -7,7 +7,7 @@ use workload::{Assets, ChatWorkload, ConversationId, TurnId, WorkloadConfig, Wor
 
 use crate::bench::{BenchJob, BenchSpec, JobResult, run_job};
 use crate::driver::{SimError, derive_seed, streams};
-use crate::workload::{Turn, TurnKey, Workload};
+use crate::workload::{ServingPath, Turn, TurnKey, Workload};
 
 /// [`ChatWorkload`] driven by the simulator.
 #[derive(Debug)]
@@ -93,5 +93,6 @@ pub fn run_chat_job(
 ) -> Result<JobResult, ChatJobError> {
     let first = job.levels.first().copied().unwrap_or(0);
     let workload = Chat::new(config, assets, job.seed, first)?;
+    let workload = ServingPath::new(workload, spec.base.frontend.path_latency);
     Ok(run_job(spec, job, workload, progress)?)
 }

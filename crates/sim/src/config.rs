@@ -40,6 +40,9 @@ pub struct FrontendConfig {
     /// Most requests waiting at the frontend. A turn arriving at a full queue fails (an
     /// error, reported to the workload).
     pub queue_capacity: usize,
+    /// Round trip of the serving path outside the GPUs (client, load balancer, frontend,
+    /// network), added to every turn's TTFT and E2E ([`crate::ServingPath`]).
+    pub path_latency: Nanos,
 }
 
 impl Default for FrontendConfig {
@@ -47,6 +50,7 @@ impl Default for FrontendConfig {
         Self {
             max_in_flight_per_worker: None,
             queue_capacity: 1 << 20,
+            path_latency: Nanos::ZERO,
         }
     }
 }

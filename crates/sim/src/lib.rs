@@ -96,4 +96,9 @@ pub use driver::{
     PhaseResult, RunOutput, RunTotals, SimError, Simulation, WorkerStats, derive_seed, streams,
 };
 pub use metrics::{Metrics, Outcome, Percentiles, RequestRecord};
-pub use workload::{Turn, TurnKey, Workload};
+pub use workload::{ServingPath, Turn, TurnKey, Workload};
+
+/// The serving path's round trip outside the GPUs in seed 002's deployment (load generator,
+/// cloud load balancer, Dynamo frontend, network), fitted to its TTFT at low load where no
+/// queueing happens (docs/CALIBRATION.md). `kvroute sim` / `bench` use it by default.
+pub const SEED_002_PATH_LATENCY_MS: f64 = 200.0;

@@ -31,13 +31,15 @@ pub struct WorkloadConfig {
     pub concurrency: u32,
     /// Turns per conversation, uniform over `min..=max` (seed: 3–5).
     pub turns: TurnRange,
-    /// Output tokens per turn. Seed: ~830 on average, 555–1,008 in its sample conversation;
-    /// default: a normal with mean 830 and standard deviation 150, truncated to 530–1,130
-    /// (symmetric, so the mean stays 830).
+    /// Output tokens per turn. Seed 002: ~830 on average; its sample conversation has 555,
+    /// 818, 1,008, 875 and 888 (median 875, mean 829: most answers run close to a limit, a
+    /// few stop early). Default: a 1,024-token limit minus an exponential shortfall of mean
+    /// 198, redrawn below 300 — mean 845, median 891, standard deviation 158
+    /// (docs/CALIBRATION.md).
     pub output_tokens: Distribution,
-    /// Seconds the simulated user takes between a reply and the next question. The seed's
-    /// user is an 8B model on a serverless endpoint writing a short question: default
-    /// uniform 0.5–1.5 s.
+    /// Seconds the simulated user takes between a reply and the next question. Default 0:
+    /// seed 002's own numbers say its next question arrived at once (by Little's law,
+    /// concurrency ≈ requests/s × mean E2E at every level; docs/CALIBRATION.md).
     pub think_time_s: Distribution,
     /// The first `concurrency` conversations start evenly spread over this many seconds, so
     /// that time zero is not one burst of first turns. Growth by `set_concurrency` is
@@ -54,13 +56,12 @@ impl Default for WorkloadConfig {
         WorkloadConfig {
             concurrency: 100,
             turns: TurnRange { min: 3, max: 5 },
-            output_tokens: Distribution::Normal {
-                mean: 830.0,
-                std_dev: 150.0,
-                min: 530.0,
-                max: 1_130.0,
+            output_tokens: Distribution::BelowCap {
+                cap: 1_024.0,
+                mean_shortfall: 198.0,
+                min: 300.0,
             },
-            think_time_s: Distribution::Uniform { min: 0.5, max: 1.5 },
+            think_time_s: Distribution::Constant { value: 0.0 },
             ramp_s: 30.0,
             passages: 10,
             system_prompt: DEFAULT_SYSTEM_PROMPT.to_owned(),
@@ -268,7 +269,7 @@ mod tests {
         let dists = [
             (Distribution::Constant { value: 2.0 }, 2.0),
             (Distribution::Uniform { min: 0.5, max: 1.5 }, 1.0),
-            (WorkloadConfig::default().output_tokens, 830.0),
+            (WorkloadConfig::default().output_tokens, 845.0),
             (
                 Distribution::Exponential {
                     mean: 3.0,
