@@ -111,8 +111,15 @@ impl<W: Workload> Workload for ServingPath<W> {
 
     fn poll_request(&mut self) -> Option<Turn> {
         self.collect();
-        let due = self.in_transit.front().is_some_and(|t| self.arrival(t) <= self.now);
-        if due { self.in_transit.pop_front() } else { None }
+        let due = self
+            .in_transit
+            .front()
+            .is_some_and(|t| self.arrival(t) <= self.now);
+        if due {
+            self.in_transit.pop_front()
+        } else {
+            None
+        }
     }
 
     fn on_turn_finished(&mut self, key: TurnKey, now: Nanos) {
@@ -132,5 +139,90 @@ impl<W: Workload> Workload for ServingPath<W> {
 
     fn active_conversations(&self) -> u32 {
         self.inner.active_conversations()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issues one turn of conversation `k` whenever told to, at the instant it is told.
+    #[derive(Default)]
+    struct Script {
+        now: Nanos,
+        ready: Vec<TurnKey>,
+    }
+
+    impl Workload for Script {
+        fn poll_timeout(&self) -> Option<Nanos> {
+            None
+        }
+        fn handle_timeout(&mut self, now: Nanos) {
+            self.now = now;
+        }
+        fn poll_request(&mut self) -> Option<Turn> {
+            let key = self.ready.pop()?;
+            Some(Turn {
+                key,
+                prompt: Arc::from(vec![1u32; 4]),
+                output: Arc::from(vec![2u32; 2]),
+                issued_at: self.now,
+            })
+        }
+        fn on_turn_finished(&mut self, key: TurnKey, now: Nanos) {
+            self.now = now;
+            self.ready.push(TurnKey {
+                conversation: key.conversation,
+                turn: key.turn + 1,
+            });
+        }
+        fn on_turn_failed(&mut self, _: TurnKey, now: Nanos) {
+            self.now = now;
+        }
+        fn set_concurrency(&mut self, _: u32, now: Nanos) {
+            self.now = now;
+        }
+        fn active_conversations(&self) -> u32 {
+            1
+        }
+    }
+
+    #[test]
+    fn turns_reach_the_router_one_round_trip_after_the_client_sent_them() {
+        let latency = Nanos::from_millis(200);
+        let mut path = ServingPath::new(Script::default(), latency);
+        let first = TurnKey {
+            conversation: 7,
+            turn: 0,
+        };
+        // The previous turn ends at 10 s: the client sends the next one at once.
+        path.on_turn_finished(first, Nanos::from_secs(10));
+        assert!(path.poll_request().is_none(), "still on the wire");
+        assert_eq!(
+            path.poll_timeout(),
+            Some(Nanos::from_secs(10) + latency),
+            "the driver is woken when it arrives"
+        );
+        path.handle_timeout(Nanos::from_secs(10) + latency);
+        let turn = path.poll_request().expect("arrived");
+        assert_eq!(turn.key.turn, 1);
+        // The client's clock: TTFT and E2E measured from here include the round trip.
+        assert_eq!(turn.issued_at, Nanos::from_secs(10));
+        assert!(path.poll_request().is_none());
+        assert_eq!(path.poll_timeout(), None);
+    }
+
+    #[test]
+    fn zero_latency_is_transparent() {
+        let mut path = ServingPath::new(Script::default(), Nanos::ZERO);
+        path.on_turn_finished(
+            TurnKey {
+                conversation: 1,
+                turn: 0,
+            },
+            Nanos::from_secs(3),
+        );
+        let turn = path.poll_request().expect("no delay");
+        assert_eq!(turn.issued_at, Nanos::from_secs(3));
     }
 }
