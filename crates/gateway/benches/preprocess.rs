@@ -45,7 +45,21 @@ fn bench(c: &mut Criterion) {
     for (name, messages) in [("chat_300_words", &short), ("chat_3500_words", &long)] {
         let tokens = pre.chat(messages, false).unwrap().tokens;
         eprintln!("{name}: {} tokens", tokens.len());
-        c.bench_function(&format!("preprocess/{name}"), |b| {
+        // Every message new (a first turn): all of it is tokenized.
+        let mut n = 0u64;
+        c.bench_function(&format!("preprocess/{name}/new"), |b| {
+            b.iter(|| {
+                n += 1;
+                let fresh: Vec<ChatMessage> = messages
+                    .iter()
+                    .map(|m| ChatMessage::new(m.role.clone(), format!("{n} {}", m.content)))
+                    .collect();
+                let tokens = pre.chat(&fresh, false).unwrap().tokens;
+                router::RoutingKey::new(&hasher, &tokens)
+            })
+        });
+        // The same history again (a later turn resends it): messages come from the cache.
+        c.bench_function(&format!("preprocess/{name}/history"), |b| {
             b.iter(|| {
                 let tokens = pre.chat(messages, false).unwrap().tokens;
                 router::RoutingKey::new(&hasher, &tokens)

@@ -5,8 +5,9 @@
 //! rendering and encoding the whole conversation. Any other template renders the text first
 //! and encodes it as a whole.
 
+use std::collections::{HashMap, VecDeque};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use text::{ChatMessage, ChatTemplate, Llama3Format, Tokenizer};
 
@@ -29,12 +30,56 @@ pub struct Prepared {
     pub text: Option<String>,
 }
 
+/// Messages shorter than this are encoded every time (cheaper than hashing and locking).
+const CACHE_MIN_BYTES: usize = 256;
+/// Bound of the message cache, in cached tokens (about 4 bytes each).
+const CACHE_MAX_TOKENS: usize = 8 << 20;
+
+/// Token ids of recently seen messages under the built-in format. Multi-turn chats resend
+/// their whole history every turn; with this, a turn encodes only its new messages.
+/// Keyed by a 128-bit hash of role and content; bounded by [`CACHE_MAX_TOKENS`], oldest
+/// first out.
+#[derive(Debug, Default)]
+struct MessageCache {
+    map: HashMap<u128, Arc<[u32]>>,
+    order: VecDeque<u128>,
+    tokens: usize,
+}
+
+impl MessageCache {
+    fn key(message: &ChatMessage) -> u128 {
+        let mut bytes = Vec::with_capacity(message.role.len() + message.content.len() + 1);
+        bytes.extend_from_slice(message.role.as_bytes());
+        bytes.push(0);
+        bytes.extend_from_slice(message.content.as_bytes());
+        xxhash_rust::xxh3::xxh3_128(&bytes)
+    }
+
+    fn insert(&mut self, key: u128, tokens: Arc<[u32]>) {
+        if tokens.len() > CACHE_MAX_TOKENS || self.map.contains_key(&key) {
+            return;
+        }
+        while self.tokens + tokens.len() > CACHE_MAX_TOKENS {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(evicted) = self.map.remove(&old) {
+                self.tokens -= evicted.len();
+            }
+        }
+        self.tokens += tokens.len();
+        self.order.push_back(key);
+        self.map.insert(key, tokens);
+    }
+}
+
 /// Tokenizer + chat template.
 #[derive(Debug)]
 pub struct Preprocessor {
     tokenizer: Arc<Tokenizer>,
     template: ChatTemplate,
     fast: Option<Llama3Format>,
+    cache: Mutex<MessageCache>,
 }
 
 fn read(path: &Path) -> Result<String, PreprocessError> {
@@ -84,6 +129,7 @@ impl Preprocessor {
             tokenizer,
             template,
             fast,
+            cache: Mutex::default(),
         }
     }
 
@@ -101,8 +147,11 @@ impl Preprocessor {
         };
         match &self.fast {
             Some(format) => {
-                let mut tokens = Vec::new();
-                format.push_conversation(&self.tokenizer, messages, true, &mut tokens);
+                let mut tokens = vec![format.bos()];
+                for message in messages {
+                    self.push_message(format, message, &mut tokens);
+                }
+                tokens.extend_from_slice(format.generation_prompt());
                 let text = if with_text {
                     Some(rendered(&self.template)?)
                 } else {
@@ -119,6 +168,33 @@ impl Preprocessor {
                 })
             }
         }
+    }
+
+    /// Appends one message's tokens, from the cache when it was seen before.
+    fn push_message(&self, format: &Llama3Format, message: &ChatMessage, out: &mut Vec<u32>) {
+        if message.content.len() < CACHE_MIN_BYTES {
+            format.push_message(&self.tokenizer, message, out);
+            return;
+        }
+        let key = MessageCache::key(message);
+        let cached = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map
+            .get(&key)
+            .cloned();
+        if let Some(tokens) = cached {
+            out.extend_from_slice(&tokens);
+            return;
+        }
+        let start = out.len();
+        format.push_message(&self.tokenizer, message, out);
+        let tokens: Arc<[u32]> = out[start..].into();
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, tokens);
     }
 
     /// A completion prompt given as text.
@@ -144,6 +220,49 @@ mod tests {
         let text = prepared.text.unwrap();
         assert_eq!(prepared.tokens, pre.tokenizer().encode(&text));
         assert!(text.ends_with("<|start_header_id|>assistant<|end_header_id|>\n\n"));
+    }
+
+    #[test]
+    fn cached_messages_give_the_same_tokens_and_the_cache_stays_bounded() {
+        let pre = Preprocessor::load(None, None).unwrap();
+        let long = "A long passage about caches. ".repeat(40);
+        let turn = |n: usize| {
+            let mut messages = vec![ChatMessage::system(long.clone())];
+            for i in 0..n {
+                messages.push(ChatMessage::user(format!(
+                    "question {i} {}",
+                    "why? ".repeat(60)
+                )));
+                messages.push(ChatMessage::assistant(format!(
+                    "answer {i} {}",
+                    "because. ".repeat(60)
+                )));
+            }
+            messages
+        };
+        for n in [0, 1, 2, 3, 2] {
+            let messages = turn(n);
+            let prepared = pre.chat(&messages, true).unwrap();
+            assert_eq!(
+                prepared.tokens,
+                pre.tokenizer().encode(&prepared.text.unwrap()),
+                "turn {n}"
+            );
+        }
+        let cache = pre.cache.lock().unwrap();
+        assert_eq!(cache.map.len(), 7, "system + 3 questions + 3 answers");
+        assert_eq!(
+            cache.tokens,
+            cache.map.values().map(|t| t.len()).sum::<usize>()
+        );
+        drop(cache);
+        let mut small = MessageCache::default();
+        let big: Arc<[u32]> = vec![0; CACHE_MAX_TOKENS / 2 + 1].into();
+        small.insert(1, big.clone());
+        small.insert(2, big.clone());
+        assert_eq!(small.map.len(), 1, "the oldest entry made room");
+        assert!(small.map.contains_key(&2));
+        assert!(small.tokens <= CACHE_MAX_TOKENS);
     }
 
     #[test]
