@@ -7,7 +7,6 @@ use engine::{Engine, EngineEvent, EngineRequest, OutputSpec};
 use kv_index::{IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
 use router::{KvSource, RequestId, RouteError, Router, RouterConfig, RoutingKey, WorkerLimits};
-use rustc_hash::FxHashMap;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -55,6 +54,8 @@ pub mod streams {
 /// A turn between issue and end.
 #[derive(Debug)]
 struct InFlight {
+    /// Issue order (the record's id); engines and the router know the turn by its handle.
+    id: u64,
     turn: TurnKey,
     prompt: Arc<[u32]>,
     output: Arc<[u32]>,
@@ -71,6 +72,63 @@ struct InFlight {
     prompt_last_block: Option<SequenceHash>,
     /// The routing key, kept only while the turn waits at the frontend.
     key: Option<RoutingKey>,
+}
+
+/// Turns in flight, found by handle (`generation << 32 | slot`) with an index instead of a
+/// hash: the loop looks a turn up for every token span. A slot is reused after its turn
+/// ends (the engine and router have forgotten the handle by then); the generation makes a
+/// stale handle miss. Bounded by the turns in flight at once (the workload's concurrency
+/// plus the frontend queue).
+#[derive(Debug, Default)]
+struct Turns {
+    slots: Vec<(u32, Option<InFlight>)>,
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl Turns {
+    fn insert(&mut self, turn: InFlight) -> u64 {
+        self.len += 1;
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push((0, None));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let entry = &mut self.slots[slot as usize];
+        entry.1 = Some(turn);
+        u64::from(entry.0) << 32 | u64::from(slot)
+    }
+
+    fn get_mut(&mut self, handle: u64) -> Option<&mut InFlight> {
+        let (generation, slot) = ((handle >> 32) as u32, handle as u32);
+        match self.slots.get_mut(slot as usize) {
+            Some((g, turn)) if *g == generation => turn.as_mut(),
+            _ => None,
+        }
+    }
+
+    fn remove(&mut self, handle: u64) -> Option<InFlight> {
+        let (generation, slot) = ((handle >> 32) as u32, handle as u32);
+        let (g, turn) = self.slots.get_mut(slot as usize)?;
+        if *g != generation {
+            return None;
+        }
+        let turn = turn.take()?;
+        *g = g.wrapping_add(1);
+        self.free.push(slot);
+        self.len -= 1;
+        Some(turn)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &InFlight> {
+        self.slots.iter().filter_map(|s| s.1.as_ref())
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -166,7 +224,7 @@ pub struct Simulation<W: Workload> {
     timers: Timers,
     now: Nanos,
     next_id: u64,
-    in_flight: FxHashMap<u64, InFlight>,
+    in_flight: Turns,
     /// Frontend queue of turn ids, bounded by `frontend.queue_capacity`.
     queue: VecDeque<u64>,
     /// Router refused for lack of tracking room: wait for a finish before routing again.
@@ -281,7 +339,7 @@ impl<W: Workload> Simulation<W> {
             timers: Timers::new(n),
             now: Nanos::ZERO,
             next_id: 0,
-            in_flight: FxHashMap::default(),
+            in_flight: Turns::default(),
             queue: VecDeque::new(),
             router_full: false,
             worker_in_flight: vec![0; n],
@@ -402,7 +460,7 @@ impl<W: Workload> Simulation<W> {
         let mut totals = self.totals.clone();
         totals.in_flight_at_end = self.in_flight.len() as u64;
         totals.queued_at_end = self.queue.len() as u64;
-        totals.in_flight_tokens_at_end = self.in_flight.values().map(|f| u64::from(f.tokens)).sum();
+        totals.in_flight_tokens_at_end = self.in_flight.iter().map(|f| u64::from(f.tokens)).sum();
         totals.engine_steps = self.engines.iter().map(|e| e.metrics().steps).sum();
         totals.oracle_blocks = self.oracle.as_ref().map_or(0, |o| o.len() as u64);
         totals.simulated = self.now;
@@ -540,7 +598,7 @@ impl<W: Workload> Simulation<W> {
         } else {
             self.burst = (now, 1);
         }
-        let id = self.next_id;
+        let seq = self.next_id;
         self.next_id += 1;
         self.totals.issued += 1;
         let key = self.router.key(&turn.prompt);
@@ -548,25 +606,23 @@ impl<W: Workload> Simulation<W> {
             Some(o) => o.issue(now, turn.prompt.len(), &key.seq),
             None => 0,
         };
-        self.in_flight.insert(
-            id,
-            InFlight {
-                turn: turn.key,
-                prompt_last_block: key.seq.last().copied(),
-                prompt: turn.prompt,
-                output: turn.output,
-                issued_at: turn.issued_at.min(now),
-                routed_at: None,
-                worker: None,
-                first_token_at: None,
-                last_token_at: None,
-                tokens: 0,
-                spans: 0,
-                oracle_cached,
-                overlap_blocks: 0,
-                key: Some(key),
-            },
-        );
+        let id = self.in_flight.insert(InFlight {
+            id: seq,
+            turn: turn.key,
+            prompt_last_block: key.seq.last().copied(),
+            prompt: turn.prompt,
+            output: turn.output,
+            issued_at: turn.issued_at.min(now),
+            routed_at: None,
+            worker: None,
+            first_token_at: None,
+            last_token_at: None,
+            tokens: 0,
+            spans: 0,
+            oracle_cached,
+            overlap_blocks: 0,
+            key: Some(key),
+        });
         if self.queue.is_empty() && self.has_room() {
             self.route(id);
         } else if self.queue.len() < self.cfg.frontend.queue_capacity {
@@ -593,7 +649,7 @@ impl<W: Workload> Simulation<W> {
 
     fn route(&mut self, id: u64) {
         let now = self.now;
-        let Some(f) = self.in_flight.get_mut(&id) else {
+        let Some(f) = self.in_flight.get_mut(id) else {
             return;
         };
         let Some(key) = f.key.take() else {
@@ -670,7 +726,7 @@ impl<W: Workload> Simulation<W> {
     fn on_engine_event(&mut self, worker: u32, ev: EngineEvent) {
         match ev {
             EngineEvent::FirstToken { id, at } => {
-                if let Some(f) = self.in_flight.get_mut(&id.0) {
+                if let Some(f) = self.in_flight.get_mut(id.0) {
                     f.first_token_at = Some(at);
                 }
                 self.router.on_first_token(RequestId(id.0), at);
@@ -684,7 +740,7 @@ impl<W: Workload> Simulation<W> {
                 output_tokens,
                 preemptions,
             } => {
-                let Some(f) = self.in_flight.remove(&id.0) else {
+                let Some(f) = self.in_flight.remove(id.0) else {
                     return;
                 };
                 self.router.on_finished(RequestId(id.0), at);
@@ -695,7 +751,7 @@ impl<W: Workload> Simulation<W> {
                 self.totals.finished += 1;
                 self.totals.finished_output_tokens += u64::from(output_tokens);
                 let record = RequestRecord {
-                    id: id.0,
+                    id: f.id,
                     conversation: f.turn.conversation,
                     turn: f.turn.turn,
                     worker: f.worker,
@@ -756,7 +812,7 @@ impl<W: Workload> Simulation<W> {
     }
 
     fn on_tokens(&mut self, id: u64, start: u32, end: u32, at: Nanos) {
-        let Some(f) = self.in_flight.get_mut(&id) else {
+        let Some(f) = self.in_flight.get_mut(id) else {
             return;
         };
         let count = end.saturating_sub(start);
@@ -777,12 +833,12 @@ impl<W: Workload> Simulation<W> {
 
     /// Ends a turn that did not finish: records it and tells the workload.
     fn fail(&mut self, id: u64, outcome: Outcome) {
-        let Some(f) = self.in_flight.remove(&id) else {
+        let Some(f) = self.in_flight.remove(id) else {
             return;
         };
         self.totals.failed += 1;
         let record = RequestRecord {
-            id,
+            id: f.id,
             conversation: f.turn.conversation,
             turn: f.turn.turn,
             worker: f.worker,

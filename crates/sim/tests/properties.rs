@@ -182,8 +182,11 @@ fn speed_mode_matches_step_by_step() {
     for (a, b) in step.phases.iter().zip(&fast.phases) {
         assert_eq!(a.metrics.ttft_ms, b.metrics.ttft_ms);
         assert_eq!(a.metrics.e2e_s, b.metrics.e2e_s);
+        // Tokens of a stretch that crosses a window edge are spread evenly over it, so each
+        // running request may put a token or two on the wrong side of each edge: a few
+        // tenths of a percent of a 20-second window.
         let (x, y) = (a.metrics.output_tokens_per_s, b.metrics.output_tokens_per_s);
-        assert!((x - y).abs() / x < 0.002, "TOPS {x} vs {y}");
+        assert!((x - y).abs() / x < 0.005, "TOPS {x} vs {y}");
     }
     let step = run(PolicyKind::Kv, false, 5);
     let fast = run(PolicyKind::Kv, true, 5);
