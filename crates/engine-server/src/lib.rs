@@ -53,6 +53,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use axum::serve::ListenerExt;
 use engine::{Engine, EngineConfigError};
 use kv_index::BlockHasher;
 use protocol::WorkerInfo;
@@ -224,6 +225,13 @@ impl EngineServer {
         });
         let app = http::router(state);
         let mut server_shutdown = shutdown_rx;
+        // Streams are many small writes: without TCP_NODELAY, Nagle holds a token chunk back
+        // until the previous one is acknowledged (uvicorn, vLLM's server, sets it too).
+        let listener = listener.tap_io(|tcp| {
+            if let Err(err) = tcp.set_nodelay(true) {
+                tracing::debug!(%err, "TCP_NODELAY not set");
+            }
+        });
         let server = tokio::spawn(async move {
             let result = axum::serve(listener, app)
                 .with_graceful_shutdown(async move {
