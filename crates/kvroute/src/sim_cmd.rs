@@ -12,9 +12,9 @@ use nanotime::Nanos;
 use router::{KvSource, PolicyKind};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use sim::ServingPath;
 use sim::bench::{BenchResults, BenchSpec, JobResult, Row};
 use sim::chat::Chat;
-use sim::ServingPath;
 use sim::{FrontendConfig, SimConfig, Simulation};
 use workload::{Assets, WorkloadConfig};
 
@@ -281,12 +281,28 @@ pub fn run(args: SimArgs) -> Result<()> {
     let end = simulation.end();
     let bar = progress_bar(end.0 / 1_000_000_000, "simulated s");
     let step = Nanos::from_secs(5);
+    // Without a terminal, long runs (over ten simulated minutes) report every tenth instead.
+    let tenth = Nanos(end.0 / 10);
+    let mut next_report = if bar.is_none() && end > Nanos::from_secs(600) {
+        tenth
+    } else {
+        Nanos::MAX
+    };
     let mut t = Nanos::ZERO;
     while t < end {
         t = (t + step).min(end);
         simulation.run_until(t)?;
         if let Some(bar) = &bar {
             bar.set_position(t.0 / 1_000_000_000);
+        }
+        if t >= next_report {
+            eprintln!(
+                "sim: {:.0} of {:.0} simulated s after {:.0} s wall",
+                t.as_secs_f64(),
+                end.as_secs_f64(),
+                started.elapsed().as_secs_f64()
+            );
+            next_report = next_report + tenth;
         }
     }
     if let Some(bar) = bar {
