@@ -302,7 +302,7 @@ pub fn run(args: SimArgs) -> Result<()> {
                 end.as_secs_f64(),
                 started.elapsed().as_secs_f64()
             );
-            next_report = next_report + tenth;
+            next_report += tenth;
         }
     }
     if let Some(bar) = bar {
