@@ -102,7 +102,9 @@ fn small_config(concurrency: u32) -> WorkloadConfig {
 
 #[test]
 fn statistics_match_the_config() {
-    let config = small_config(40);
+    // The calibrated default think time is 0 (seed 002); a uniform one checks the mechanism.
+    let mut config = small_config(40);
+    config.think_time_s = Distribution::Uniform { min: 0.5, max: 1.5 };
     let mut d = Driver::new(config.clone(), 1);
     d.run_until(Nanos::from_secs(4 * 3600), |_| {});
     // Group turns by conversation.
