@@ -7,6 +7,11 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use kv_index::BlockHasher;
 
+/// mimalloc instead of glibc malloc: same results, about a quarter less CPU on the
+/// simulator's fleet-scale runs, whose heaps grow to gigabytes of small, churning objects.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod bench_cmd;
 mod engine_cmd;
 mod gateway_cmd;
