@@ -33,12 +33,23 @@
 //! requests each window covers, are in [`metrics`]. The oracle hit rate ([`oracle`]) is
 //! computed beside the engines' own.
 //!
-//! # Sweeps ([`bench`])
+//! # Sweeps ([`bench`](mod@bench))
 //!
 //! [`bench::BenchSpec`] describes the seed 002 benchmark (routers × levels × sweeps);
 //! [`bench::BenchSpec::jobs`] cuts it into independent runs that a caller may run on
 //! threads (this crate starts none), [`bench::aggregate`] puts their results back in a fixed
 //! order and averages them, and [`report`] renders the seed's tables and SVG plots.
+//!
+//! # Invariant and bounds
+//!
+//! No I/O, no clock, no threads: time is [`Nanos`](nanotime::Nanos), randomness comes from
+//! seeds derived from [`SimConfig::seed`] ([`derive_seed`]), ties are broken by a fixed
+//! order, so a run is reproducible byte for byte. Memory is bounded by what is simulated:
+//! turns in flight (the workload's concurrency plus the frontend queue's capacity), the
+//! engines' pools and the router's index (sized above the fleet's KV capacity), four samples
+//! per request per snapshot window, and the oracle (unbounded by definition unless
+//! [`SimConfig::oracle_horizon`] is set). Per-request records are kept only with
+//! [`SimConfig::keep_all_records`].
 //!
 //! ```
 //! use std::sync::Arc;
