@@ -139,18 +139,7 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
 
 pub fn run(args: EngineArgs) -> Result<()> {
     let config = config(&args)?;
-    // Warnings (NATS or ZMQ trouble, dropped KV batches) to stderr; RUST_LOG overrides.
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .try_init();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let server = EngineServer::bind(config).await?;
         let info = server.info();

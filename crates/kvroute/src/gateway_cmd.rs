@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use gateway::{Gateway, GatewayConfig, RoutingConfig, WorkerSpec};
 use router::PolicyKind;
@@ -148,17 +148,7 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
 
 pub fn run(args: GatewayArgs) -> Result<()> {
     let config = config(&args)?;
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .try_init();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let mode = config.routing.mode;
         let mut gateway = Gateway::bind(config).await?;

@@ -148,3 +148,19 @@ fn hash(args: HashArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// Logging and the async runtime of a server subcommand (`engine`, `gateway`): warnings
+/// (NATS or ZMQ trouble, dropped KV batches, failed workers) to stderr, `RUST_LOG` overrides.
+fn server_runtime() -> Result<tokio::runtime::Runtime> {
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .try_init();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
