@@ -119,8 +119,8 @@ mod types;
 pub use engine::Engine;
 pub use pool::BlockPool;
 pub use profile::{
-    DynamoMockerTiming, EngineDefaults, HardwareProfile, KvLink, KvTransferProfile, ProfileError,
-    RooflineTiming, StepShape, TimingModel,
+    DynamoMockerTiming, EngineDefaults, HardwareProfile, KvLink, KvTransferProfile, MarginalTiming,
+    ProfileError, RooflineTiming, StepShape, TimingModel,
 };
 pub use spec::{SpecDecodeConfig, SpecMethod, expected_tokens_per_step};
 pub use types::{

@@ -168,6 +168,15 @@ pub struct HardwareProfile {
     pub engine_defaults: EngineDefaults,
 }
 
+/// Marginal costs of one token on this hardware ([`HardwareProfile::marginal_timing`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MarginalTiming {
+    /// Seconds to prefill one more prompt token.
+    pub prefill_secs_per_token: f64,
+    /// Seconds one more token of context adds to each decode step.
+    pub decode_secs_per_context_token: f64,
+}
+
 /// What one scheduler step computes; the input of [`HardwareProfile::step_time`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepShape {
@@ -500,6 +509,26 @@ impl HardwareProfile {
         let bytes = tokens.saturating_mul(self.kv_bytes_per_token) as f64;
         let secs = if bw > 0.0 { bytes / bw } else { 0.0 };
         Nanos(self.kv_transfer.latency_ns) + Nanos::from_secs_f64(secs)
+    }
+
+    /// What one more token costs, in seconds: prefilling it (the mean over a 4,096-token
+    /// chunk after 4,096 cached tokens, above the weight-read floor), and keeping it in the
+    /// context of a decoding batch (each step of a 64-sequence batch reads it once; measured
+    /// between 2k and 6k tokens per sequence). Load-aware routing prices workers with these.
+    pub fn marginal_timing(&self) -> MarginalTiming {
+        let chunk = 4096u64;
+        let prefill = (self.step_secs(&StepShape::prefill(chunk, 4096))
+            - self.step_secs(&StepShape::prefill(1, 4096)))
+            / (chunk - 1) as f64;
+        let pool = self.kv_capacity_blocks(32, 0.9, 0).max(1);
+        let (seqs, short, long) = (64u64, 2048u64, 6144u64);
+        let decode = (self.step_secs(&StepShape::decode(seqs, long, 32, pool))
+            - self.step_secs(&StepShape::decode(seqs, short, 32, pool)))
+            / (seqs * (long - short)) as f64;
+        MarginalTiming {
+            prefill_secs_per_token: prefill.max(0.0),
+            decode_secs_per_context_token: decode.max(0.0),
+        }
     }
 
     /// Duration of one step of this shape. Pure; an empty shape takes no time.

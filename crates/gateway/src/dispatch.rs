@@ -20,8 +20,8 @@ use kv_index::{EventError, KvEvent, WorkerId};
 use nanotime::Nanos;
 use rand_chacha::ChaCha8Rng;
 use router::{
-    Candidate, KvCostParams, KvSource, RequestId, RouteDecision, RouteError, Router, RouterConfig,
-    RoutingKey, RoutingPolicy, SelectionContext, WorkerLimits,
+    Candidate, KvCostParams, KvSource, PolicyParams, RequestId, RouteDecision, RouteError, Router,
+    RouterConfig, RoutingKey, RoutingPolicy, SelectionContext, WorkerLimits,
 };
 use tokio::sync::oneshot;
 
@@ -258,9 +258,14 @@ impl Dispatcher {
             overlap_weight: routing.overlap_weight,
             temperature: routing.temperature,
         };
+        let params = PolicyParams {
+            kv,
+            ..PolicyParams::default()
+        };
         let router_config = RouterConfig {
             policy: routing.mode,
             kv,
+            kv_load: params.kv_load,
             block_size: routing.block_size,
             seed: routing.seed,
             kv_source: if routing.kv_events {
@@ -273,7 +278,7 @@ impl Dispatcher {
             ..RouterConfig::default()
         };
         let gate = CapacityGate {
-            inner: routing.mode.build(kv),
+            inner: routing.mode.build(params),
             cap: config.max_inflight_per_worker,
             open: Vec::new(),
             positions: Vec::new(),

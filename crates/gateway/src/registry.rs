@@ -71,6 +71,7 @@ pub fn describe(spec: &WorkerSpec, info: Option<&InfoDoc>, router_block_size: us
         kv_capacity_blocks: spec
             .kv_capacity_blocks
             .or(info.and_then(|i| i.kv_capacity_blocks)),
+        timing: None,
     };
     // vLLM-format ZMQ events only when asked for by flag, or when the worker offers them
     // and does not publish over NATS (which the gateway reads for every worker at once).
@@ -251,6 +252,7 @@ fn announced(a: &WorkerAnnounce) -> WorkerInfo {
     w.limits = WorkerLimits {
         max_num_seqs: Some(a.max_num_seqs),
         kv_capacity_blocks: Some(a.kv_capacity_blocks),
+        timing: None,
     };
     if !a.nats_kv_events {
         w.zmq = a.zmq_endpoint.clone();

@@ -66,6 +66,10 @@ pub struct ClusterArgs {
     /// KV policy: softmax temperature over costs (0 = lowest cost wins).
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// Override a `kv_load` policy parameter, e.g. `stall_weight=0.5` (repeatable; fields as
+    /// `docs/ROUTING.md` lists them).
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub kv_load_set: Vec<String>,
     /// Approximate mode: no KV events; routed prompts are assumed cached for this many
     /// seconds (Dynamo's --no-kv-events, TTL 120 s).
     #[arg(long, value_name = "SECONDS")]
@@ -180,6 +184,7 @@ impl ClusterArgs {
         base.engine = engine;
         base.router.kv.overlap_weight = self.overlap_weight;
         base.router.kv.temperature = self.temperature;
+        base.router.kv_load = patch(base.router.kv_load, &self.kv_load_set, "kv-load")?;
         if let Some(ttl) = self.approximate_ttl {
             base.router.kv_source = KvSource::Approximate {
                 ttl: seconds(ttl, "--approximate-ttl")?,

@@ -10,10 +10,12 @@
 //!   [`Router::route`] → [`Router::on_first_token`] → [`Router::on_finished`], and feeds KV
 //!   events through [`Router::apply_event`]. A request placed without `route` (by another
 //!   router replica, or pinned) enters the accounting through [`Router::on_routed`].
-//! - [`policy`]: the built-in policies — `round_robin`, `random` (seeded) and `kv`
+//! - [`policy`]: the built-in policies — `round_robin`, `random` (seeded), `kv`
 //!   (Dynamo-compatible cost `overlap_weight × prefill_blocks + decode_blocks`, lowest wins,
-//!   random tie break, optional softmax temperature) — and the [`RoutingPolicy`] trait that new
-//!   policies implement without touching callers.
+//!   random tie break, optional softmax temperature) and [`KvLoad`] (`kv_load`, kvroute's
+//!   load-aware KV policy and the default: cache affinity priced in seconds from each worker's
+//!   timing, within each worker's batch and KV limits) — and the [`RoutingPolicy`] trait that
+//!   new policies implement without touching callers.
 //! - Approximate mode ([`KvSource::Approximate`]): without KV events, every routed prompt is
 //!   assumed cached on its worker until a TTL after it was last routed.
 //!
@@ -33,14 +35,16 @@
 //! assert!(decision.worker == WorkerId(1) || decision.worker == WorkerId(2));
 //! ```
 
+mod kv_load;
 mod load;
 pub mod policy;
 mod router;
 
+pub use kv_load::{KvLoad, KvLoadParams};
 pub use load::WorkerLoad;
 pub use policy::{
-    Candidate, KvCost, KvCostParams, PolicyKind, Random, RoundRobin, RoutingPolicy,
-    SelectionContext, UnknownPolicy, WorkerLimits,
+    Candidate, KvCost, KvCostParams, PolicyKind, PolicyParams, Random, RoundRobin, RoutingPolicy,
+    SelectionContext, UnknownPolicy, WorkerLimits, WorkerTiming,
 };
 pub use router::{
     KvSource, RequestId, RouteDecision, RouteError, Router, RouterConfig, RouterConfigError,

@@ -21,6 +21,9 @@ pub struct WorkerLoad {
     pub pending_prefill_tokens: u64,
     /// Distinct KV blocks of the worker's in-flight requests' prompts.
     pub active_blocks: u64,
+    /// Σ prompt tokens of the worker's in-flight requests: shared prefixes counted once per
+    /// request, as each decode step's attention reads every sequence's whole context.
+    pub context_tokens: u64,
 }
 
 /// Per-worker accounting: the load plus the reference-counted set of active blocks.

@@ -12,9 +12,11 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 
+use crate::KvLoadParams;
 use crate::load::{FleetActive, WorkerAccount, WorkerLoad};
 use crate::policy::{
-    Candidate, KvCostParams, PolicyKind, RoutingPolicy, SelectionContext, WorkerLimits,
+    Candidate, KvCostParams, PolicyKind, PolicyParams, RoutingPolicy, SelectionContext,
+    WorkerLimits,
 };
 
 /// Identifies a request to the router (the caller's id; unique among in-flight requests).
@@ -44,6 +46,8 @@ pub struct RouterConfig {
     pub policy: PolicyKind,
     /// Parameters of the KV cost (used by the `kv` policy).
     pub kv: KvCostParams,
+    /// Parameters of the `kv_load` policy.
+    pub kv_load: KvLoadParams,
     /// Tokens per KV block; must match the workers' block size.
     pub block_size: usize,
     /// Seed of the router's RNG (random policy, tie breaks, softmax sampling).
@@ -64,6 +68,7 @@ impl Default for RouterConfig {
         Self {
             policy: PolicyKind::Kv,
             kv: KvCostParams::default(),
+            kv_load: KvLoadParams::default(),
             block_size: kv_index::DEFAULT_BLOCK_SIZE,
             seed: 0,
             kv_source: KvSource::Events,
@@ -213,6 +218,7 @@ struct Tracked {
     worker: WorkerId,
     blocks: Vec<SequenceHash>,
     pending_prefill_tokens: u64,
+    prompt_tokens: u64,
 }
 
 /// The router: a prefix index, per-worker load accounting and a routing policy.
@@ -248,7 +254,10 @@ pub struct Router {
 impl Router {
     /// A router with the built-in policy named in `config`.
     pub fn new(config: RouterConfig) -> Result<Self, RouterConfigError> {
-        let policy = config.policy.build(config.kv);
+        let policy = config.policy.build(PolicyParams {
+            kv: config.kv,
+            kv_load: config.kv_load,
+        });
         Self::with_policy(config, policy)
     }
 
@@ -519,6 +528,7 @@ impl Router {
             load.pending_prefill_tokens = load
                 .pending_prefill_tokens
                 .saturating_sub(tracked.pending_prefill_tokens);
+            load.context_tokens = load.context_tokens.saturating_sub(tracked.prompt_tokens);
             entry
                 .account
                 .release(tracked.worker, &tracked.blocks, &mut self.fleet_active);
@@ -556,6 +566,7 @@ impl Router {
         if let Some(entry) = find_worker(&mut self.workers, worker) {
             entry.account.load.in_flight += 1;
             entry.account.load.pending_prefill_tokens += new_prefill_tokens;
+            entry.account.load.context_tokens += key.num_tokens;
             entry
                 .account
                 .acquire(worker, &key.seq, &mut self.fleet_active);
@@ -566,6 +577,7 @@ impl Router {
                 worker,
                 blocks: key.seq.clone(),
                 pending_prefill_tokens: new_prefill_tokens,
+                prompt_tokens: key.num_tokens,
             },
         );
         if let Some(approx) = &mut self.approx {

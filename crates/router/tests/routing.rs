@@ -79,6 +79,7 @@ fn load_accounting_follows_the_request_lifecycle() {
             in_flight: 1,
             pending_prefill_tokens: tokens.len() as u64,
             active_blocks: 10,
+            context_tokens: tokens.len() as u64,
         })
     );
     router.on_first_token(RequestId(9), Nanos::from_millis(200));
@@ -430,6 +431,7 @@ proptest! {
                     in_flight: mine.len() as u32,
                     pending_prefill_tokens: mine.iter().map(|e| e.2).sum(),
                     active_blocks: blocks.len() as u64,
+                    context_tokens: mine.iter().map(|e| e.1.num_tokens).sum(),
                 });
             }
             // What a policy would see: each worker's active blocks plus the probe's blocks
@@ -475,6 +477,7 @@ fn requests_routed_elsewhere_are_accounted_like_routed_ones() {
             in_flight: 1,
             pending_prefill_tokens: tokens.len() as u64,
             active_blocks: 20,
+            context_tokens: tokens.len() as u64,
         })
     );
     let d = router
@@ -515,6 +518,7 @@ fn workers_beyond_the_bound_are_refused() {
     let limits = WorkerLimits {
         max_num_seqs: Some(64),
         kv_capacity_blocks: Some(13_022),
+        timing: None,
     };
     router.add_worker(WorkerId(2), limits).unwrap();
     assert_eq!(
@@ -524,4 +528,23 @@ fn workers_beyond_the_bound_are_refused() {
     assert_eq!(router.workers().count(), 2);
     let key = router.key(&prompt(1, 4));
     assert_eq!(router.candidates(&key, Nanos::ZERO)[1].limits, limits);
+}
+
+/// The timing `kv_load` assumes for workers that declare none is the calibrated seed-002
+/// worker's, as the engine's profile derives it.
+#[test]
+fn default_worker_timing_is_the_calibrated_h200_profile() {
+    let derived = engine::HardwareProfile::h200_llama70b_fp8().marginal_timing();
+    let assumed = router::WorkerTiming::H200_LLAMA70B_FP8;
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-3 * b.abs();
+    assert!(
+        close(
+            assumed.prefill_secs_per_token,
+            derived.prefill_secs_per_token
+        ) && close(
+            assumed.decode_secs_per_context_token,
+            derived.decode_secs_per_context_token
+        ),
+        "assumed {assumed:?}, profile gives {derived:?}"
+    );
 }

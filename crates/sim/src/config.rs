@@ -2,7 +2,7 @@
 
 use engine::{EngineConfig, HardwareProfile};
 use nanotime::Nanos;
-use router::{KvCostParams, KvSource, PolicyKind};
+use router::{KvCostParams, KvLoadParams, KvSource, PolicyKind};
 use thiserror::Error;
 
 /// The router in front of the fleet.
@@ -13,6 +13,8 @@ pub struct RouterSetup {
     pub policy: PolicyKind,
     /// `kv` cost parameters (overlap weight, softmax temperature).
     pub kv: KvCostParams,
+    /// `kv_load` parameters.
+    pub kv_load: KvLoadParams,
     /// KV events from the engines, or approximate mode (no events, predictions with a TTL).
     pub kv_source: KvSource,
     /// Fixed delay between an engine emitting a KV event and the router applying it (models
@@ -25,6 +27,7 @@ impl RouterSetup {
         Self {
             policy,
             kv: KvCostParams::default(),
+            kv_load: KvLoadParams::default(),
             kv_source: KvSource::Events,
             kv_event_delay: Nanos::ZERO,
         }

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use engine::{Engine, EngineEvent, EngineRequest, OutputSpec};
 use kv_index::{IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
-use router::{KvSource, RequestId, RouteError, Router, RouterConfig, RoutingKey, WorkerLimits};
+use router::{
+    KvSource, RequestId, RouteError, Router, RouterConfig, RoutingKey, WorkerLimits, WorkerTiming,
+};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -293,6 +295,7 @@ impl<W: Workload> Simulation<W> {
         let router_cfg = RouterConfig {
             policy: cfg.router.policy,
             kv: cfg.router.kv,
+            kv_load: cfg.router.kv_load,
             block_size,
             seed: derive_seed(cfg.seed, streams::ROUTER),
             kv_source: cfg.router.kv_source,
@@ -306,10 +309,16 @@ impl<W: Workload> Simulation<W> {
             ..RouterConfig::default()
         };
         let mut router = Router::new(router_cfg).map_err(ConfigError::from)?;
+        let marginal = cfg.engine.profile.marginal_timing();
+        let timing = WorkerTiming {
+            prefill_secs_per_token: marginal.prefill_secs_per_token,
+            decode_secs_per_context_token: marginal.decode_secs_per_context_token,
+        };
         for (i, e) in engines.iter().enumerate() {
             let limits = WorkerLimits {
                 max_num_seqs: Some(cfg.engine.max_num_seqs),
                 kv_capacity_blocks: Some(u64::from(e.kv_capacity_blocks())),
+                timing: Some(timing),
             };
             router
                 .add_worker(WorkerId(i as u64), limits)
