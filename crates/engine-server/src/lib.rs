@@ -145,6 +145,9 @@ impl EngineServer {
             None => None,
         };
         let block_size = engine.config().block_size;
+        let timing = engine
+            .profile()
+            .marginal_timing(block_size, u64::from(engine.kv_capacity_blocks()));
         let info = WorkerInfo {
             worker: config.worker_id.0,
             instance: instance_id(),
@@ -165,6 +168,8 @@ impl EngineServer {
                 .as_ref()
                 .map(|n| n.subjects.kv_events(config.worker_id)),
             zmq_endpoint: zmq.as_ref().map(|z| z.endpoint.clone()),
+            prefill_secs_per_token: Some(timing.prefill_secs_per_token),
+            decode_secs_per_context_token: Some(timing.decode_secs_per_context_token),
         };
 
         let metrics = Arc::new(metrics::ServerMetrics::new(

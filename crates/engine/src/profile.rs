@@ -511,19 +511,24 @@ impl HardwareProfile {
         Nanos(self.kv_transfer.latency_ns) + Nanos::from_secs_f64(secs)
     }
 
-    /// What one more token costs, in seconds: prefilling it (the mean over a 4,096-token
-    /// chunk after 4,096 cached tokens, above the weight-read floor), and keeping it in the
-    /// context of a decoding batch (each step of a 64-sequence batch reads it once; measured
-    /// between 2k and 6k tokens per sequence). Load-aware routing prices workers with these.
-    pub fn marginal_timing(&self) -> MarginalTiming {
+    /// What one more token costs, in seconds, on an engine with a pool of `pool_blocks` KV
+    /// blocks of `block_size` tokens: prefilling it (the mean over a 4,096-token chunk after
+    /// 4,096 cached tokens, above the cost of a 1-token chunk), and keeping it in the context
+    /// of a decoding batch (the step time's slope in the batch's total context, 64 sequences
+    /// filling 20% to 40% of the pool). Load-aware routing prices workers with these.
+    pub fn marginal_timing(&self, block_size: u32, pool_blocks: u64) -> MarginalTiming {
         let chunk = 4096u64;
         let prefill = (self.step_secs(&StepShape::prefill(chunk, 4096))
             - self.step_secs(&StepShape::prefill(1, 4096)))
             / (chunk - 1) as f64;
-        let pool = self.kv_capacity_blocks(32, 0.9, 0).max(1);
-        let (seqs, short, long) = (64u64, 2048u64, 6144u64);
-        let decode = (self.step_secs(&StepShape::decode(seqs, long, 32, pool))
-            - self.step_secs(&StepShape::decode(seqs, short, 32, pool)))
+        let seqs = 64u64;
+        let pool_tokens = pool_blocks
+            .max(1)
+            .saturating_mul(u64::from(block_size.max(1)));
+        let per_seq = |share: u64| (pool_tokens * share / 10 / seqs).max(1);
+        let (short, long) = (per_seq(2), per_seq(4).max(per_seq(2) + 1));
+        let decode = (self.step_secs(&StepShape::decode(seqs, long, block_size, pool_blocks))
+            - self.step_secs(&StepShape::decode(seqs, short, block_size, pool_blocks)))
             / (seqs * (long - short)) as f64;
         MarginalTiming {
             prefill_secs_per_token: prefill.max(0.0),

@@ -169,18 +169,21 @@ pub struct RoutingConfig {
     pub approx_ttl: Duration,
     /// Seed of the router's RNG.
     pub seed: u64,
+    /// Parameters of the `kv_load` policy (`--kv-load-set`).
+    pub kv_load: router::KvLoadParams,
 }
 
 impl Default for RoutingConfig {
     fn default() -> Self {
         RoutingConfig {
-            mode: PolicyKind::Kv,
+            mode: PolicyKind::DEFAULT,
             block_size: kv_index::DEFAULT_BLOCK_SIZE,
             overlap_weight: 1.0,
             temperature: 0.0,
             kv_events: true,
             approx_ttl: Duration::from_secs(120),
             seed: 0,
+            kv_load: router::KvLoadParams::default(),
         }
     }
 }

@@ -260,7 +260,7 @@ impl Dispatcher {
         };
         let params = PolicyParams {
             kv,
-            ..PolicyParams::default()
+            kv_load: routing.kv_load,
         };
         let router_config = RouterConfig {
             policy: routing.mode,

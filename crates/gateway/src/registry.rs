@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use kv_index::WorkerId;
 use protocol::{Subjects, WorkerAnnounce, WorkerMessage};
-use router::WorkerLimits;
+use router::{WorkerLimits, WorkerTiming};
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
@@ -44,6 +44,11 @@ pub struct InfoDoc {
     /// Set when the worker publishes its KV events over NATS (our engine server).
     #[serde(default)]
     pub nats_kv_subject: Option<String>,
+    /// The worker's marginal timing (our engine server), for `kv_load`.
+    #[serde(default)]
+    pub prefill_secs_per_token: Option<f64>,
+    #[serde(default)]
+    pub decode_secs_per_context_token: Option<f64>,
 }
 
 impl InfoDoc {
@@ -71,7 +76,8 @@ pub fn describe(spec: &WorkerSpec, info: Option<&InfoDoc>, router_block_size: us
         kv_capacity_blocks: spec
             .kv_capacity_blocks
             .or(info.and_then(|i| i.kv_capacity_blocks)),
-        timing: None,
+        timing: info
+            .and_then(|i| worker_timing(i.prefill_secs_per_token, i.decode_secs_per_context_token)),
     };
     // vLLM-format ZMQ events only when asked for by flag, or when the worker offers them
     // and does not publish over NATS (which the gateway reads for every worker at once).
@@ -81,6 +87,18 @@ pub fn describe(spec: &WorkerSpec, info: Option<&InfoDoc>, router_block_size: us
     });
     w.token_ids = info.is_some_and(InfoDoc::is_kvroute_engine);
     w
+}
+
+/// A worker's declared timing, when it declares both figures and they are usable.
+fn worker_timing(prefill: Option<f64>, decode: Option<f64>) -> Option<WorkerTiming> {
+    let usable = |v: f64| v.is_finite() && v >= 0.0;
+    match (prefill, decode) {
+        (Some(p), Some(d)) if usable(p) && usable(d) => Some(WorkerTiming {
+            prefill_secs_per_token: p,
+            decode_secs_per_context_token: d,
+        }),
+        _ => None,
+    }
 }
 
 /// Outcome of probing a worker's `/info`.
@@ -252,7 +270,7 @@ fn announced(a: &WorkerAnnounce) -> WorkerInfo {
     w.limits = WorkerLimits {
         max_num_seqs: Some(a.max_num_seqs),
         kv_capacity_blocks: Some(a.kv_capacity_blocks),
-        timing: None,
+        timing: worker_timing(a.prefill_secs_per_token, a.decode_secs_per_context_token),
     };
     if !a.nats_kv_events {
         w.zmq = a.zmq_endpoint.clone();
@@ -366,8 +384,18 @@ mod tests {
             max_num_seqs: Some(64),
             zmq_endpoint: Some("tcp://w:5557".into()),
             nats_kv_subject: None,
+            prefill_secs_per_token: Some(1.5e-4),
+            decode_secs_per_context_token: Some(1e-7),
         };
         let w = describe(&spec, Some(&doc), 32);
+        assert_eq!(
+            w.limits.timing,
+            Some(WorkerTiming {
+                prefill_secs_per_token: 1.5e-4,
+                decode_secs_per_context_token: 1e-7,
+            }),
+            "kv_load prices the worker with the timing it declares"
+        );
         assert_eq!(w.id, WorkerId(9));
         assert_eq!(w.block_size, 16);
         assert_eq!(w.limits.max_num_seqs, Some(8));
@@ -377,6 +405,7 @@ mod tests {
 
         let bare = describe(&spec, None, 32);
         assert_eq!(bare.id, WorkerSpec::default_id("http://w:1"));
+        assert_eq!(bare.limits.timing, None);
         assert_eq!(bare.zmq, None);
 
         assert!(w.token_ids);

@@ -205,6 +205,8 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
         max_model_len: None,
         zmq_endpoint: None,
         nats_kv_events: true,
+        prefill_secs_per_token: None,
+        decode_secs_per_context_token: None,
     });
     client
         .publish("kvroute.dyn.workers", announce.encode().into())

@@ -40,7 +40,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
     pub lookback: f64,
     /// Routers to compare; the first is the baseline of the Δ columns.
-    #[arg(long, value_delimiter = ',', default_value = "round_robin,kv", value_parser = parse_router, help = format!("Routers to compare, comma-separated ({}); the first is the baseline", router_names()))]
+    #[arg(long, value_delimiter = ',', default_value = "round_robin,kv,kv_load", value_parser = parse_router, help = format!("Routers to compare, comma-separated ({}); the first is the baseline", router_names()))]
     pub routers: Vec<PolicyKind>,
     /// Run every level as its own cold run instead of one continuous run per sweep.
     #[arg(long)]

@@ -52,8 +52,9 @@ pub struct GatewayArgs {
     /// The model's context length in tokens; longer prompts get `context_length_exceeded`.
     #[arg(long, default_value_t = 131_072)]
     context_length: u32,
-    /// Routing policy.
-    #[arg(long, env = "DYN_ROUTER_MODE", default_value = "kv", value_parser = router_mode())]
+    /// Routing policy: kvroute's load-aware `kv_load` (docs/ROUTING.md), Dynamo's `kv`,
+    /// `round_robin` or `random`.
+    #[arg(long, env = "DYN_ROUTER_MODE", default_value_t = PolicyKind::DEFAULT, value_parser = router_mode())]
     router_mode: PolicyKind,
     /// Tokens per KV block; must match the workers'.
     #[arg(long, env = "DYN_KV_CACHE_BLOCK_SIZE", default_value_t = kv_index::DEFAULT_BLOCK_SIZE)]
@@ -65,6 +66,10 @@ pub struct GatewayArgs {
     /// Softmax temperature of the kv policy (0: always the lowest cost).
     #[arg(long, default_value_t = 0.0)]
     router_temperature: f64,
+    /// Override a `kv_load` parameter, e.g. `expected_output_tokens=1024` (repeatable;
+    /// docs/ROUTING.md lists them).
+    #[arg(long, value_name = "KEY=VALUE")]
+    kv_load_set: Vec<String>,
     /// Do not use workers' KV events: predict caches from routing decisions (approximate
     /// mode).
     #[arg(long)]
@@ -131,6 +136,11 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
             kv_events: !args.no_kv_events,
             approx_ttl: seconds("router-ttl", args.router_ttl)?,
             seed: args.router_seed,
+            kv_load: crate::sim_cmd::patch(
+                router::KvLoadParams::default(),
+                &args.kv_load_set,
+                "kv-load",
+            )?,
         },
         nats_url: args.nats.clone(),
         namespace: args.namespace.clone(),

@@ -219,7 +219,7 @@ impl ClusterArgs {
 #[derive(Debug, clap::Args)]
 pub struct SimArgs {
     /// Routing policy.
-    #[arg(long, default_value = "kv", value_parser = parse_router, help = format!("Routing policy: {}", router_names()))]
+    #[arg(long, default_value_t = PolicyKind::DEFAULT, value_parser = parse_router, help = format!("Routing policy: {}", router_names()))]
     pub router: PolicyKind,
     /// Concurrent conversations.
     #[arg(long, default_value_t = 60)]

@@ -121,6 +121,13 @@ pub struct WorkerAnnounce {
     /// Whether it publishes KV events on [`Subjects::kv_events`].
     #[serde(default)]
     pub nats_kv_events: bool,
+    /// Modelled seconds to prefill one more prompt token (not divided by any speedup), for
+    /// load-aware routing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_secs_per_token: Option<f64>,
+    /// Modelled seconds one more token of context adds to each decode step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_secs_per_context_token: Option<f64>,
 }
 
 /// `GET /info` of a kvroute engine server: what a gateway needs to route to it and where its
@@ -151,6 +158,13 @@ pub struct WorkerInfo {
     /// ZMQ endpoint of its KV events (vLLM's format), if it publishes there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zmq_endpoint: Option<String>,
+    /// Modelled seconds to prefill one more prompt token (not divided by any speedup), for
+    /// load-aware routing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_secs_per_token: Option<f64>,
+    /// Modelled seconds one more token of context adds to each decode step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_secs_per_context_token: Option<f64>,
 }
 
 impl WorkerInfo {
@@ -168,6 +182,8 @@ impl WorkerInfo {
             max_model_len: Some(self.max_model_len),
             zmq_endpoint: self.zmq_endpoint.clone(),
             nats_kv_events: self.nats_kv_subject.is_some(),
+            prefill_secs_per_token: self.prefill_secs_per_token,
+            decode_secs_per_context_token: self.decode_secs_per_context_token,
         }
     }
 }
@@ -237,6 +253,8 @@ mod tests {
             max_model_len: Some(131_072),
             zmq_endpoint: None,
             nats_kv_events: true,
+            prefill_secs_per_token: None,
+            decode_secs_per_context_token: None,
         });
         let bytes = announce.encode();
         let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();

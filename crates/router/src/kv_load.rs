@@ -13,9 +13,11 @@
 //!
 //! 1. **Headroom first.** Workers whose predicted in-flight requests would pass their
 //!    `max_num_seqs`, or whose predicted active blocks would pass their KV capacity, are chosen
-//!    only when every worker is in that state. Passing the batch limit queues the request in
-//!    the engine behind a whole reply (tens of seconds at 60 per batch); spilling to another
-//!    worker costs one prefill. The spill is paid knowingly.
+//!    only when every worker is in that state (then the request goes where the fewest requests
+//!    wait for a slot). Passing the batch limit queues the request in the engine until a
+//!    running one finishes (most of a second at 64 per batch and replies of tens of seconds,
+//!    far over a 600 ms TTFT objective); spilling to another worker costs one prefill. The
+//!    spill is paid knowingly.
 //! 2. **Among workers with headroom, the lowest predicted cost** (seconds):
 //!    - *time to first token*: the worker's pending prefill plus this request's uncached
 //!      tokens, at the worker's prefill rate;
@@ -190,9 +192,21 @@ impl RoutingPolicy for KvLoad {
                 .map(|(i, _)| i),
         );
         if self.eligible.is_empty() {
-            // Every worker is at a limit: all are eligible, and the cost (with its slot
-            // penalty) picks the least bad.
-            self.eligible.extend(0..ctx.candidates.len());
+            // Every worker is at a limit: the request will wait for a slot wherever it goes,
+            // so it goes where the fewest are ahead of it (the cost breaks ties).
+            let overflow = |c: &Candidate| {
+                c.limits
+                    .max_num_seqs
+                    .map_or(0, |m| c.load.in_flight.saturating_sub(m))
+            };
+            let least = ctx.candidates.iter().map(overflow).min().unwrap_or(0);
+            self.eligible.extend(
+                ctx.candidates
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| overflow(c) == least)
+                    .map(|(i, _)| i),
+            );
         }
         let shared = Self::shared_prefix_blocks(ctx);
         self.costs.clear();
@@ -228,4 +242,232 @@ fn active_prefix_blocks(ctx: &SelectionContext<'_>, c: &Candidate) -> u64 {
         .potential_active_blocks
         .saturating_sub(c.load.active_blocks);
     u64::from(ctx.prompt_blocks).saturating_sub(added)
+}
+
+#[cfg(test)]
+mod tests {
+    use kv_index::WorkerId;
+    use rand::SeedableRng;
+
+    use super::*;
+    use crate::WorkerLoad;
+    use crate::policy::WorkerLimits;
+
+    const BLOCK: u32 = 32;
+    /// A conversation's turn: a 3,712-token shared document (116 blocks) plus 2,688 tokens of
+    /// its own history and question (84 blocks).
+    const DOC_BLOCKS: u32 = 116;
+    const PROMPT_BLOCKS: u32 = 200;
+    const PROMPT_TOKENS: u64 = PROMPT_BLOCKS as u64 * BLOCK as u64;
+
+    /// A worker of seed 002's fleet (64 seqs, 13,022 blocks, H200 timing) with `in_flight`
+    /// requests of `context_per_request` tokens each.
+    struct Worker {
+        id: u64,
+        in_flight: u32,
+        context_per_request: u64,
+        /// Leading blocks of the request this worker has cached.
+        cached: u32,
+        /// Leading blocks of the request in use by this worker's in-flight requests.
+        active: u32,
+    }
+
+    impl Worker {
+        fn new(id: u64, in_flight: u32) -> Self {
+            Worker {
+                id,
+                in_flight,
+                context_per_request: 6_000,
+                cached: 0,
+                active: 0,
+            }
+        }
+        fn cached(mut self, blocks: u32) -> Self {
+            self.cached = blocks;
+            self
+        }
+        fn active(mut self, blocks: u32) -> Self {
+            self.active = blocks;
+            self.cached = self.cached.max(blocks);
+            self
+        }
+        fn candidate(&self) -> Candidate {
+            let context = u64::from(self.in_flight) * self.context_per_request;
+            let active_blocks = context / u64::from(BLOCK) / 2;
+            Candidate {
+                worker: WorkerId(self.id),
+                overlap_blocks: self.cached,
+                new_prefill_tokens: PROMPT_TOKENS - u64::from(self.cached) * u64::from(BLOCK),
+                potential_active_blocks: active_blocks + u64::from(PROMPT_BLOCKS - self.active),
+                load: WorkerLoad {
+                    in_flight: self.in_flight,
+                    pending_prefill_tokens: 0,
+                    active_blocks,
+                    context_tokens: context,
+                },
+                limits: WorkerLimits {
+                    max_num_seqs: Some(64),
+                    kv_capacity_blocks: Some(13_022),
+                    timing: Some(WorkerTiming::H200_LLAMA70B_FP8),
+                },
+            }
+        }
+    }
+
+    fn pick(workers: &[Worker]) -> u64 {
+        pick_with(KvLoadParams::default(), workers)
+    }
+
+    fn pick_with(params: KvLoadParams, workers: &[Worker]) -> u64 {
+        let candidates: Vec<Candidate> = workers.iter().map(Worker::candidate).collect();
+        let ctx = SelectionContext {
+            prompt_tokens: PROMPT_TOKENS,
+            prompt_blocks: PROMPT_BLOCKS,
+            block_size: BLOCK,
+            candidates: &candidates,
+        };
+        let mut policy = KvLoad::new(params);
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        candidates[policy.select(&ctx, &mut rng)].worker.0
+    }
+
+    #[test]
+    fn a_conversation_stays_with_its_history_on_a_busier_worker() {
+        // Worker 1 holds the whole history (idle between turns) and has 8 more requests
+        // running than the others: moving would recompute 6,400 tokens while 28 requests wait.
+        let workers = [
+            Worker::new(1, 28).cached(PROMPT_BLOCKS - 1),
+            Worker::new(2, 20).active(DOC_BLOCKS),
+            Worker::new(3, 20).active(DOC_BLOCKS),
+        ];
+        assert_eq!(pick(&workers), 1);
+    }
+
+    #[test]
+    fn a_full_worker_spills_to_one_with_a_free_slot() {
+        // The history's worker is at max_num_seqs: the request would queue behind a whole
+        // reply there, so it pays the prefill elsewhere.
+        let workers = [
+            Worker::new(1, 64).cached(PROMPT_BLOCKS - 1),
+            Worker::new(2, 60).active(DOC_BLOCKS),
+            Worker::new(3, 63),
+        ];
+        assert_eq!(pick(&workers), 2);
+    }
+
+    #[test]
+    fn a_worker_out_of_kv_blocks_is_avoided_while_another_has_room() {
+        // Same requests and context on both; worker 1 holds the history but its active
+        // blocks plus the request's would pass its 13,022-block pool (the engine would
+        // preempt), so the request goes to worker 2 although it recomputes everything there.
+        let with_history = Worker::new(1, 20).cached(PROMPT_BLOCKS - 1);
+        let without = Worker::new(2, 20);
+        let mut candidates = [with_history.candidate(), without.candidate()];
+        assert!(
+            KvLoad::has_headroom(&candidates[0]),
+            "within its pool, the history's worker is chosen"
+        );
+        candidates[0].load.active_blocks = 12_900;
+        candidates[0].potential_active_blocks = 12_900 + u64::from(PROMPT_BLOCKS);
+        assert!(!KvLoad::has_headroom(&candidates[0]));
+        let choose = |candidates: &[Candidate]| {
+            let ctx = SelectionContext {
+                prompt_tokens: PROMPT_TOKENS,
+                prompt_blocks: PROMPT_BLOCKS,
+                block_size: BLOCK,
+                candidates,
+            };
+            let mut rng = ChaCha8Rng::seed_from_u64(7);
+            let mut policy = KvLoad::new(KvLoadParams::default());
+            candidates[policy.select(&ctx, &mut rng)].worker
+        };
+        assert_eq!(choose(&candidates), WorkerId(2));
+        // With room in its pool the history wins.
+        candidates[0].load.active_blocks = 1_000;
+        candidates[0].potential_active_blocks = 1_000 + u64::from(PROMPT_BLOCKS);
+        assert_eq!(choose(&candidates), WorkerId(1));
+    }
+
+    #[test]
+    fn when_every_worker_is_full_the_least_loaded_still_gets_it() {
+        let workers = [
+            Worker::new(1, 70).cached(PROMPT_BLOCKS - 1),
+            Worker::new(2, 64),
+            Worker::new(3, 66),
+        ];
+        assert_eq!(pick(&workers), 2);
+    }
+
+    #[test]
+    fn a_shared_document_is_replicated_to_balance_load() {
+        // A new conversation on a document only worker 1 holds, and worker 1 is 6 requests
+        // busier: computing the document on worker 2 makes a copy later conversations reuse,
+        // so its stall is not charged, and the lighter worker wins.
+        let workers = [Worker::new(1, 26).active(DOC_BLOCKS), Worker::new(2, 20)];
+        assert_eq!(pick(&workers), 2);
+        // The same prefix as one conversation's private history (cached, idle) keeps it.
+        let workers = [Worker::new(1, 26).cached(DOC_BLOCKS), Worker::new(2, 20)];
+        assert_eq!(pick(&workers), 1);
+        // Charging replication like private history would keep it on the busy worker too:
+        // the behaviour the parameter exists to avoid.
+        let params = KvLoadParams {
+            replication_stall_weight: 1.0,
+            ..KvLoadParams::default()
+        };
+        let workers = [Worker::new(1, 26).active(DOC_BLOCKS), Worker::new(2, 20)];
+        assert_eq!(pick_with(params, &workers), 1);
+    }
+
+    #[test]
+    fn new_conversations_go_where_decode_is_cheapest() {
+        // Same cache everywhere, same request counts: the worker whose running requests have
+        // the least context decodes fastest.
+        let mut long = Worker::new(1, 20).active(DOC_BLOCKS);
+        long.context_per_request = 9_000;
+        let mut short = Worker::new(2, 20).active(DOC_BLOCKS);
+        short.context_per_request = 4_000;
+        let workers = [long, short];
+        assert_eq!(pick(&workers), 2);
+    }
+
+    #[test]
+    fn equal_costs_go_to_the_fewest_in_flight() {
+        let idle = |id| Worker {
+            context_per_request: 0,
+            ..Worker::new(id, 0)
+        };
+        let mut busy = idle(1);
+        busy.in_flight = 3;
+        // Requests with no context yet (all prefilling) cost the same decode everywhere.
+        assert_eq!(pick(&[busy, idle(2)]), 2);
+    }
+
+    #[test]
+    fn cost_is_in_seconds_from_the_worker_timing() {
+        let params = KvLoadParams {
+            expected_output_tokens: 0.0,
+            slot_soft_limit: 1.0,
+            ..KvLoadParams::default()
+        };
+        let idle = Worker {
+            context_per_request: 0,
+            ..Worker::new(1, 0)
+        };
+        let candidates = [idle.candidate()];
+        let ctx = SelectionContext {
+            prompt_tokens: PROMPT_TOKENS,
+            prompt_blocks: PROMPT_BLOCKS,
+            block_size: BLOCK,
+            candidates: &candidates,
+        };
+        // Nothing running, nothing cached: the cost is the request's own prefill time.
+        let cost = KvLoad::cost(&params, &ctx, 0, &candidates[0]);
+        let expected =
+            PROMPT_TOKENS as f64 * WorkerTiming::H200_LLAMA70B_FP8.prefill_secs_per_token;
+        assert!((cost - expected).abs() < 1e-9, "{cost} vs {expected}");
+        assert!(
+            (0.8..1.0).contains(&cost),
+            "6,400 tokens take about 0.9 s: {cost}"
+        );
+    }
 }

@@ -39,7 +39,7 @@ pub enum KvSource {
     Approximate { ttl: Nanos },
 }
 
-/// Router settings. [`Default`] gives Dynamo's defaults with the KV policy.
+/// Router settings. [`Default`] gives Dynamo's defaults with kvroute's `kv_load` policy.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
     /// Policy built by [`Router::new`]; [`Router::with_policy`] takes any policy instead.
@@ -66,7 +66,7 @@ pub struct RouterConfig {
 impl Default for RouterConfig {
     fn default() -> Self {
         Self {
-            policy: PolicyKind::Kv,
+            policy: PolicyKind::DEFAULT,
             kv: KvCostParams::default(),
             kv_load: KvLoadParams::default(),
             block_size: kv_index::DEFAULT_BLOCK_SIZE,

@@ -534,7 +534,7 @@ fn workers_beyond_the_bound_are_refused() {
 /// worker's, as the engine's profile derives it.
 #[test]
 fn default_worker_timing_is_the_calibrated_h200_profile() {
-    let derived = engine::HardwareProfile::h200_llama70b_fp8().marginal_timing();
+    let derived = engine::HardwareProfile::h200_llama70b_fp8().marginal_timing(32, 13_022);
     let assumed = router::WorkerTiming::H200_LLAMA70B_FP8;
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-3 * b.abs();
     assert!(

@@ -309,12 +309,15 @@ impl<W: Workload> Simulation<W> {
             ..RouterConfig::default()
         };
         let mut router = Router::new(router_cfg).map_err(ConfigError::from)?;
-        let marginal = cfg.engine.profile.marginal_timing();
-        let timing = WorkerTiming {
-            prefill_secs_per_token: marginal.prefill_secs_per_token,
-            decode_secs_per_context_token: marginal.decode_secs_per_context_token,
-        };
         for (i, e) in engines.iter().enumerate() {
+            let marginal = cfg
+                .engine
+                .profile
+                .marginal_timing(cfg.engine.block_size, u64::from(e.kv_capacity_blocks()));
+            let timing = WorkerTiming {
+                prefill_secs_per_token: marginal.prefill_secs_per_token,
+                decode_secs_per_context_token: marginal.decode_secs_per_context_token,
+            };
             let limits = WorkerLimits {
                 max_num_seqs: Some(cfg.engine.max_num_seqs),
                 kv_capacity_blocks: Some(u64::from(e.kv_capacity_blocks())),
