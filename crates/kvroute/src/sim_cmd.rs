@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 use sim::ServingPath;
 use sim::bench::{BenchResults, BenchSpec, JobResult, Row};
 use sim::chat::Chat;
-use sim::{FrontendConfig, SimConfig, Simulation};
+use sim::{FrontendConfig, SimConfig, Simulation, Timeline, TimelineConfig};
 use workload::{Assets, WorkloadConfig};
 
 /// The router names the router crate knows, for help texts.
@@ -242,6 +242,17 @@ pub struct SimArgs {
     /// Write every request's record to this file as JSON lines.
     #[arg(long, value_name = "PATH")]
     pub records: Option<PathBuf>,
+    /// Sample every worker's in-flight, running and waiting requests and the interval's TTFT
+    /// over the whole run; write DIR/timeline.csv and DIR/timeline.svg.
+    #[arg(long, value_name = "DIR")]
+    pub timeline: Option<PathBuf>,
+    /// Simulated seconds between timeline samples.
+    #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]
+    pub timeline_interval: f64,
+    /// Draw only this stretch of the timeline in timeline.svg, in simulated seconds, e.g.
+    /// `120:180` (the CSV keeps every sample).
+    #[arg(long, value_name = "FROM:TO", value_parser = parse_window)]
+    pub timeline_window: Option<(f64, f64)>,
     #[command(flatten)]
     pub cluster: ClusterArgs,
 }
@@ -283,6 +294,15 @@ pub fn run(args: SimArgs) -> Result<()> {
     )?;
     let workload = ServingPath::new(workload, spec.base.frontend.path_latency);
     let mut simulation = Simulation::new(spec.config(&job), workload, spec.phases(&job))?;
+    if let Some(dir) = &args.timeline {
+        // Before the run, so that a bad path fails at once.
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        let interval = seconds(args.timeline_interval, "--timeline-interval")?;
+        simulation = simulation.with_timeline(TimelineConfig {
+            interval,
+            ..TimelineConfig::default()
+        })?;
+    }
     let end = simulation.end();
     let bar = progress_bar(end.0 / 1_000_000_000, "simulated s");
     let step = Nanos::from_secs(5);
@@ -316,6 +336,13 @@ pub fn run(args: SimArgs) -> Result<()> {
     let out = simulation.finish();
     if let Some(path) = &args.records {
         write_records(path, &out.records)?;
+    }
+    if let (Some(dir), Some(timeline)) = (&args.timeline, &out.timeline) {
+        let title = format!(
+            "{}, {} workers, {} conversations",
+            args.router, args.cluster.workers, args.concurrency
+        );
+        write_timeline(dir, timeline, &title, args.timeline_window)?;
     }
     let totals = out.totals.clone();
     let snapshots = out.phases[0].snapshots.clone();
@@ -356,6 +383,33 @@ fn write_records(path: &Path, records: &[sim::RequestRecord]) -> Result<()> {
     }
     w.flush()
         .with_context(|| format!("writing {}", path.display()))
+}
+
+fn parse_window(s: &str) -> Result<(f64, f64), String> {
+    let bad = || format!("expected FROM:TO in simulated seconds with FROM < TO, got `{s}`");
+    let (from, to) = s.split_once(':').ok_or_else(bad)?;
+    let from: f64 = from.trim().parse().map_err(|_| bad())?;
+    let to: f64 = to.trim().parse().map_err(|_| bad())?;
+    if !(from.is_finite() && to.is_finite() && from >= 0.0 && from < to) {
+        return Err(bad());
+    }
+    Ok((from, to))
+}
+
+/// DIR/timeline.csv and DIR/timeline.svg (in flight, waiting and TTFT per worker, one chart
+/// above the other).
+fn write_timeline(
+    dir: &Path,
+    timeline: &Timeline,
+    title: &str,
+    window: Option<(f64, f64)>,
+) -> Result<()> {
+    let csv = dir.join("timeline.csv");
+    std::fs::write(&csv, timeline.to_csv())
+        .with_context(|| format!("cannot write {}", csv.display()))?;
+    let svg = dir.join("timeline.svg");
+    std::fs::write(&svg, sim::svg::stack(&timeline.charts(title, window)))
+        .with_context(|| format!("cannot write {}", svg.display()))
 }
 
 /// A progress bar on stderr when it is a terminal; `None` otherwise (quiet in CI and pipes).

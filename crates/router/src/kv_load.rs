@@ -13,8 +13,9 @@
 //!
 //! 1. **Headroom first.** Workers whose predicted in-flight requests would pass their
 //!    `max_num_seqs`, or whose predicted active blocks would pass their KV capacity, are chosen
-//!    only when every worker is in that state (then the request goes where the fewest requests
-//!    wait for a slot). Passing the batch limit queues the request in the engine until a
+//!    only when every worker is in that state (overload: the request waits for a slot wherever
+//!    it goes, and the cost below, whose slot penalty keeps growing past the limit, decides).
+//!    Passing the batch limit queues the request in the engine until a
 //!    running one finishes (most of a second at 64 per batch and replies of tens of seconds,
 //!    far over a 600 ms TTFT objective); spilling to another worker costs one prefill. The
 //!    spill is paid knowingly.
@@ -192,21 +193,10 @@ impl RoutingPolicy for KvLoad {
                 .map(|(i, _)| i),
         );
         if self.eligible.is_empty() {
-            // Every worker is at a limit: the request will wait for a slot wherever it goes,
-            // so it goes where the fewest are ahead of it (the cost breaks ties).
-            let overflow = |c: &Candidate| {
-                c.limits
-                    .max_num_seqs
-                    .map_or(0, |m| c.load.in_flight.saturating_sub(m))
-            };
-            let least = ctx.candidates.iter().map(overflow).min().unwrap_or(0);
-            self.eligible.extend(
-                ctx.candidates
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, c)| overflow(c) == least)
-                    .map(|(i, _)| i),
-            );
+            // Overload: the request waits for a slot wherever it goes. Recomputing its history
+            // elsewhere would also stall a full batch, so the cost (with its slot penalty,
+            // which keeps growing past the limit) decides among all workers.
+            self.eligible.extend(0..ctx.candidates.len());
         }
         let shared = Self::shared_prefix_blocks(ctx);
         self.costs.clear();
@@ -389,11 +379,20 @@ mod tests {
     }
 
     #[test]
-    fn when_every_worker_is_full_the_least_loaded_still_gets_it() {
+    fn in_overload_a_conversation_keeps_its_cache_within_reason() {
+        // Every worker is at its batch limit: the request waits for a slot anywhere, and
+        // recomputing 6,400 tokens elsewhere would stall 64 running requests.
         let workers = [
-            Worker::new(1, 70).cached(PROMPT_BLOCKS - 1),
+            Worker::new(1, 66).cached(PROMPT_BLOCKS - 1),
             Worker::new(2, 64),
-            Worker::new(3, 66),
+            Worker::new(3, 65),
+        ];
+        assert_eq!(pick(&workers), 1);
+        // Far past its limit, a worker loses the request to the one with the shortest queue.
+        let workers = [
+            Worker::new(1, 100).cached(PROMPT_BLOCKS - 1),
+            Worker::new(2, 64),
+            Worker::new(3, 65),
         ];
         assert_eq!(pick(&workers), 2);
     }

@@ -15,6 +15,7 @@ use thiserror::Error;
 use crate::config::{ConfigError, Phase, SimConfig};
 use crate::metrics::{Metrics, Outcome, RequestRecord, WindowAcc, tokens_in_window};
 use crate::oracle::Oracle;
+use crate::timeline::{Recorder, Timeline, TimelineConfig, TimelineError, WorkerSample};
 use crate::timers::{Source, Timers};
 use crate::workload::{Turn, TurnKey, Workload};
 
@@ -28,6 +29,8 @@ pub enum SimError {
          (every turn failing at once?); stopping instead of spinning"
     )]
     Livelock { turns: u64, at: Nanos },
+    #[error("timeline: {0}")]
+    Timeline(#[from] TimelineError),
 }
 
 /// Most turns issued at one instant before the run is declared stuck: far above any real
@@ -213,6 +216,9 @@ pub struct RunOutput {
     pub totals: RunTotals,
     /// Every request's record, with `keep_all_records` (empty otherwise).
     pub records: Vec<RequestRecord>,
+    /// The per-worker timeline, when [`Simulation::with_timeline`] turned it on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Timeline>,
 }
 
 /// A deterministic virtual-time cluster: see the crate docs.
@@ -253,6 +259,10 @@ pub struct Simulation<W: Workload> {
     totals: RunTotals,
     burst: (Nanos, u64),
     fatal: Option<SimError>,
+    /// The timeline, when on, and its next sample instant (`Nanos::MAX` when off or done:
+    /// a run without a timeline pays one comparison per event).
+    timeline: Option<Recorder>,
+    next_sample: Nanos,
 }
 
 impl<W: Workload> std::fmt::Debug for Simulation<W> {
@@ -370,12 +380,35 @@ impl<W: Workload> Simulation<W> {
             totals: RunTotals::default(),
             burst: (Nanos::ZERO, 0),
             fatal: None,
+            timeline: None,
+            next_sample: Nanos::MAX,
             engines,
             cfg,
         };
         sim.worker_stats = vec![Vec::new(); sim.phases.len()];
         sim.timers.arm(Source::Schedule, Some(Nanos::ZERO));
         Ok(sim)
+    }
+
+    /// Records a per-worker timeline ([`crate::timeline`]) from the first instant of its grid
+    /// after [`now`](Self::now) to the run's [`end`](Self::end). Refuses a grid over
+    /// `cfg.max_rows` rows.
+    pub fn with_timeline(mut self, cfg: TimelineConfig) -> Result<Self, SimError> {
+        let (recorder, next) = Recorder::new(
+            cfg,
+            self.now,
+            self.end(),
+            self.cfg.workers,
+            self.cfg.engine.max_num_seqs,
+        )?;
+        self.timeline = Some(recorder);
+        self.next_sample = next;
+        Ok(self)
+    }
+
+    /// The timeline so far, when on.
+    pub fn timeline(&self) -> Option<&Timeline> {
+        self.timeline.as_ref().map(Recorder::timeline)
     }
 
     /// Virtual time reached.
@@ -426,6 +459,10 @@ impl<W: Workload> Simulation<W> {
             if at > t {
                 break;
             }
+            if at > self.next_sample {
+                // Every event before `at` is in: samples strictly before it are complete.
+                self.sample_through(Nanos(at.0 - 1));
+            }
             self.timers.pop();
             self.now = at;
             match source {
@@ -444,7 +481,38 @@ impl<W: Workload> Simulation<W> {
             }
         }
         self.now = self.now.max(t);
+        if t >= self.next_sample {
+            self.sample_through(t);
+        }
         Ok(())
+    }
+
+    /// Takes every timeline sample due at or before `t` (all events up to `t` applied).
+    fn sample_through(&mut self, t: Nanos) {
+        while self.next_sample <= t {
+            let Some(recorder) = &mut self.timeline else {
+                self.next_sample = Nanos::MAX;
+                return;
+            };
+            let workers = self
+                .engines
+                .iter()
+                .map(|e| {
+                    let m = e.metrics();
+                    let load = self.router.load(e.worker()).unwrap_or_default();
+                    WorkerSample {
+                        in_flight: load.in_flight,
+                        running: m.running,
+                        waiting: m.waiting,
+                        kv_blocks_used: m.kv_blocks_used,
+                        pending_prefill_tokens: load.pending_prefill_tokens,
+                        ..WorkerSample::default()
+                    }
+                })
+                .collect();
+            let queued = u32::try_from(self.queue.len()).unwrap_or(u32::MAX);
+            self.next_sample = recorder.push(self.next_sample, queued, workers);
+        }
     }
 
     /// Stops the run: computes every phase's metrics.
@@ -480,6 +548,7 @@ impl<W: Workload> Simulation<W> {
             phases,
             totals,
             records: self.records,
+            timeline: self.timeline.map(Recorder::into_timeline),
         }
     }
 
@@ -740,6 +809,9 @@ impl<W: Workload> Simulation<W> {
             EngineEvent::FirstToken { id, at } => {
                 if let Some(f) = self.in_flight.get_mut(id.0) {
                     f.first_token_at = Some(at);
+                    if let Some(recorder) = &mut self.timeline {
+                        recorder.first_token(worker, at.saturating_sub(f.issued_at));
+                    }
                 }
                 self.router.on_first_token(RequestId(id.0), at);
             }

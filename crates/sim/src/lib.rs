@@ -33,6 +33,10 @@
 //! requests each window covers, are in [`metrics`]. The oracle hit rate ([`oracle`]) is
 //! computed beside the engines' own.
 //!
+//! An optional per-worker [`timeline`] (off by default; [`Simulation::with_timeline`])
+//! samples every worker's in-flight, running and waiting requests on a fixed virtual-time
+//! grid, with the TTFT of each interval, to show what averages hide.
+//!
 //! # Sweeps ([`bench`](mod@bench))
 //!
 //! [`bench::BenchSpec`] describes the seed 002 benchmark (routers × levels × sweeps);
@@ -49,7 +53,8 @@
 //! engines' pools and the router's index (sized above the fleet's KV capacity), four samples
 //! per request per snapshot window, and the oracle (unbounded by definition unless
 //! [`SimConfig::oracle_horizon`] is set). Per-request records are kept only with
-//! [`SimConfig::keep_all_records`].
+//! [`SimConfig::keep_all_records`]; the timeline's rows are bounded by
+//! [`TimelineConfig::max_rows`].
 //!
 //! ```
 //! use std::sync::Arc;
@@ -99,6 +104,7 @@ pub mod metrics;
 pub mod oracle;
 pub mod report;
 pub mod svg;
+pub mod timeline;
 pub mod timers;
 mod workload;
 
@@ -107,6 +113,7 @@ pub use driver::{
     PhaseResult, RunOutput, RunTotals, SimError, Simulation, WorkerStats, derive_seed, streams,
 };
 pub use metrics::{Metrics, Outcome, Percentiles, RequestRecord};
+pub use timeline::{Timeline, TimelineConfig, TimelineError};
 pub use workload::{ServingPath, Turn, TurnKey, Workload};
 
 /// The serving path's round trip outside the GPUs in seed 002's deployment (load generator,

@@ -1,5 +1,6 @@
-//! Minimal SVG line charts (metric vs concurrency), written by hand so reports need no
-//! plotting dependency. Output is deterministic: fixed sizes, fixed decimal formatting.
+//! Minimal SVG line charts (metric vs concurrency, or over time), written by hand so reports
+//! need no plotting dependency. Output is deterministic: fixed sizes, fixed decimal
+//! formatting. [`stack`] puts several charts one above the other in one document.
 
 use std::fmt::Write;
 
@@ -43,6 +44,12 @@ const LEFT: f64 = 70.0;
 const RIGHT: f64 = 170.0;
 const TOP: f64 = 40.0;
 const BOTTOM: f64 = 50.0;
+/// Up to this many distinct x values each get a tick (concurrency levels); more (a time
+/// series) get evenly spaced ticks.
+const MAX_DATA_TICKS: usize = 20;
+/// Series with more points than this are drawn without a marker per point (a lone point
+/// between gaps keeps its marker, or it would not show).
+const MAX_MARKED_POINTS: usize = 60;
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
@@ -80,9 +87,38 @@ fn fmt_tick(v: f64, step: f64) -> String {
     format!("{v:.decimals$}")
 }
 
+/// `charts` one above the other in one SVG document.
+pub fn stack(charts: &[Chart]) -> String {
+    let height = H * charts.len() as f64;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" viewBox="0 0 {W} {height}" font-family="sans-serif" font-size="12">"#
+    );
+    for (i, chart) in charts.iter().enumerate() {
+        let _ = writeln!(s, r#"<g transform="translate(0 {:.1})">"#, H * i as f64);
+        chart.body(&mut s);
+        s.push_str("</g>\n");
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
 impl Chart {
     /// The chart as a standalone SVG document.
     pub fn render(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
+        );
+        self.body(&mut s);
+        s.push_str("</svg>\n");
+        s
+    }
+
+    /// The chart's elements, drawn in a `W × H` box at the origin.
+    fn body(&self, s: &mut String) {
         let xs: Vec<f64> = self
             .series
             .iter()
@@ -120,11 +156,6 @@ impl Chart {
         let px = |x: f64| LEFT + (x - x_min) / x_span * pw;
         let py = |y: f64| TOP + (1.0 - (y - y_min) / (y_max - y_min)) * ph;
 
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
-        );
         let _ = writeln!(s, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
         let _ = writeln!(
             s,
@@ -152,17 +183,24 @@ impl Chart {
             v += step;
             guard += 1;
         }
-        // X ticks at the data's x values.
+        // X ticks at the data's x values, or evenly spaced when there are many.
         let mut xt = xs.clone();
         xt.sort_by(f64::total_cmp);
         xt.dedup();
+        let mut x_step = 1.0;
+        if xt.len() > MAX_DATA_TICKS {
+            x_step = nice_step(x_span, 8.0);
+            let first = (x_min / x_step).ceil() as i64;
+            let last = (x_max / x_step + 1e-9).floor() as i64;
+            xt = (first..=last).map(|k| k as f64 * x_step).collect();
+        }
         for x in &xt {
             let _ = writeln!(
                 s,
                 r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
                 px(*x),
                 TOP + ph + 18.0,
-                fmt_tick(*x, 1.0)
+                fmt_tick(*x, x_step)
             );
         }
         let _ = writeln!(
@@ -204,6 +242,7 @@ impl Chart {
             } else {
                 ""
             };
+            let marked = series.points.len() <= MAX_MARKED_POINTS;
             // Consecutive present points form one polyline; a missing y breaks the line.
             for run in series
                 .points
@@ -220,6 +259,9 @@ impl Chart {
                     pts.join(" "),
                     series.color
                 );
+                if !marked && run.len() > 1 {
+                    continue;
+                }
                 for &(x, y) in run {
                     let _ = writeln!(
                         s,
@@ -254,8 +296,6 @@ impl Chart {
                 esc(&series.name)
             );
         }
-        s.push_str("</svg>\n");
-        s
     }
 }
 
@@ -300,5 +340,37 @@ mod tests {
         assert_eq!(svg.matches("<polyline").count(), 2);
         assert!(svg.contains("a &lt; b &amp; c"));
         assert!(svg.ends_with("</svg>\n"));
+    }
+
+    #[test]
+    fn time_series_get_spaced_ticks_no_markers_and_stack_in_one_document() {
+        let series = |color| Series {
+            name: "s".into(),
+            points: (1..=360).map(|t| (f64::from(t), Some(f64::from(t % 70)))).collect(),
+            color,
+            dashed: false,
+        };
+        let chart = Chart {
+            title: "t".into(),
+            x_label: "x".into(),
+            y_label: "y".into(),
+            series: vec![series(PALETTE[0])],
+            threshold: Some(Threshold {
+                value: 64.0,
+                label: "max_num_seqs 64".into(),
+            }),
+            y_from_zero: true,
+        };
+        let one = chart.render();
+        // Ticks every 50 s (50..350), not one per sample; no marker per point.
+        let ticks = one.matches(r#"text-anchor="middle">"#).count() - 2; // minus title, x label
+        assert_eq!(ticks, 7, "{one}");
+        assert_eq!(one.matches("<circle").count(), 0);
+        let both = stack(&[chart.clone(), chart]);
+        assert_eq!(both.matches("<svg").count(), 1);
+        assert_eq!(both.matches("<g transform").count(), 2);
+        assert!(both.contains(r#"height="840""#));
+        assert!(both.contains(r#"translate(0 420.0)"#));
+        assert!(both.ends_with("</g>\n</svg>\n"));
     }
 }
