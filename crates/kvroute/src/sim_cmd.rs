@@ -242,8 +242,9 @@ pub struct SimArgs {
     /// Write every request's record to this file as JSON lines.
     #[arg(long, value_name = "PATH")]
     pub records: Option<PathBuf>,
-    /// Sample every worker's in-flight, running and waiting requests and the interval's TTFT
-    /// over the whole run; write DIR/timeline.csv and DIR/timeline.svg.
+    /// Sample every worker's in-flight, running and waiting requests and its largest TTFT of
+    /// each interval over the whole run (at most a million rows, samples × workers); write
+    /// DIR/timeline.csv and DIR/timeline.svg.
     #[arg(long, value_name = "DIR")]
     pub timeline: Option<PathBuf>,
     /// Simulated seconds between timeline samples.
@@ -294,6 +295,11 @@ pub fn run(args: SimArgs) -> Result<()> {
     )?;
     let workload = ServingPath::new(workload, spec.base.frontend.path_latency);
     let mut simulation = Simulation::new(spec.config(&job), workload, spec.phases(&job))?;
+    if let Some((from, _)) = args.timeline_window {
+        if args.timeline.is_none() || from >= args.duration {
+            bail!("--timeline-window needs --timeline and must start before --duration ends");
+        }
+    }
     if let Some(dir) = &args.timeline {
         // Before the run, so that a bad path fails at once.
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;

@@ -79,7 +79,11 @@ fn sim_timeline_writes_a_row_per_worker_per_sample_and_a_chart() {
         assert_eq!(time, 2.0 * (i / 4 + 1) as f64, "row {i}");
         assert_eq!(row[col("worker")], (i % 4).to_string(), "row {i}");
         let n = |name: &str| row[col(name)].parse::<u32>().unwrap();
-        assert_eq!(n("in_flight"), n("running") + n("waiting"), "row {i}: {row:?}");
+        assert_eq!(
+            n("in_flight"),
+            n("running") + n("waiting"),
+            "row {i}: {row:?}"
+        );
     }
     // Requests were in flight, and first tokens came with a TTFT.
     assert!(rows.iter().any(|r| r[col("in_flight")] != "0"));
@@ -97,8 +101,8 @@ fn sim_timeline_writes_a_row_per_worker_per_sample_and_a_chart() {
         "kv, 4 workers, 24 conversations",
         "max_num_seqs 64",
         "SLO 600 ms",
-        "requests waiting inside each engine",
-        "largest TTFT per worker",
+        "waiting in each engine",
+        "largest TTFT per worker per 2 s",
         "worker 3",
     ] {
         assert!(text.contains(needle), "{needle} missing from the chart");
@@ -118,7 +122,10 @@ fn a_zero_timeline_interval_is_refused_before_the_run() {
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8(out.stderr).unwrap();
-    assert!(stderr.contains("interval must be longer than zero"), "{stderr}");
+    assert!(
+        stderr.contains("interval must be longer than zero"),
+        "{stderr}"
+    );
     assert!(!dir.join("timeline.csv").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -147,7 +147,9 @@ impl Chart {
         let y_min = if self.y_from_zero {
             0.0
         } else {
-            ((y_lo - y_span * 0.1) / step).floor() * step
+            let below = ((y_lo - y_span * 0.1) / step).floor() * step;
+            // Non-negative data never gets a negative axis.
+            if y_lo >= 0.0 { below.max(0.0) } else { below }
         };
         let y_max = ((y_hi + y_span * 0.05) / step).ceil() * step;
         let y_max = if y_max <= y_min { y_min + step } else { y_max };
@@ -346,7 +348,9 @@ mod tests {
     fn time_series_get_spaced_ticks_no_markers_and_stack_in_one_document() {
         let series = |color| Series {
             name: "s".into(),
-            points: (1..=360).map(|t| (f64::from(t), Some(f64::from(t % 70)))).collect(),
+            points: (1..=360)
+                .map(|t| (f64::from(t), Some(f64::from(t % 70))))
+                .collect(),
             color,
             dashed: false,
         };

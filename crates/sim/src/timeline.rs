@@ -214,7 +214,7 @@ impl Timeline {
         let secs = self.interval.as_secs_f64();
         [
             Chart {
-                title: format!("{title}: requests in flight per worker{shown}"),
+                title: format!("{title}: in flight per worker{shown}"),
                 x_label: x_label.clone(),
                 y_label: "requests in flight (router)".into(),
                 series: per_worker(|w| Some(f64::from(w.in_flight))),
@@ -225,7 +225,7 @@ impl Timeline {
                 y_from_zero: false,
             },
             Chart {
-                title: format!("{title}: requests waiting inside each engine"),
+                title: format!("{title}: waiting in each engine"),
                 x_label: x_label.clone(),
                 y_label: "requests waiting (engine)".into(),
                 series: per_worker(|w| Some(f64::from(w.waiting))),
@@ -233,7 +233,7 @@ impl Timeline {
                 y_from_zero: true,
             },
             Chart {
-                title: format!("{title}: largest TTFT per worker, each {secs} s"),
+                title: format!("{title}: largest TTFT per worker per {secs} s"),
                 x_label,
                 y_label: "TTFT (ms)".into(),
                 series: per_worker(|w| w.ttft_max_ms),
@@ -418,8 +418,14 @@ mod tests {
         let csv = t.to_csv();
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines[0], CSV_HEADER);
-        assert_eq!(lines[1], "1.000,0,0,0,0,0,0,19,1900.0,0,20,1000.0,1900.0,2000.0");
-        assert_eq!(lines[2], "1.000,1,0,0,0,0,0,1,2000.0,0,20,1000.0,1900.0,2000.0");
+        assert_eq!(
+            lines[1],
+            "1.000,0,0,0,0,0,0,19,1900.0,0,20,1000.0,1900.0,2000.0"
+        );
+        assert_eq!(
+            lines[2],
+            "1.000,1,0,0,0,0,0,1,2000.0,0,20,1000.0,1900.0,2000.0"
+        );
         assert_eq!(lines[3], "2.000,0,0,0,0,0,0,0,,3,0,,,");
     }
 }

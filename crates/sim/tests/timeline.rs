@@ -5,8 +5,8 @@ mod common;
 
 use common::TestChat;
 use engine::HardwareProfile;
-use nanotime::Nanos;
 use kv_index::WorkerId;
+use nanotime::Nanos;
 use router::PolicyKind;
 use sim::{
     Outcome, Phase, SimConfig, SimError, Simulation, Timeline, TimelineConfig, TimelineError,
@@ -18,7 +18,11 @@ const CONCURRENCY: u32 = 30;
 const MAX_NUM_SEQS: u32 = 8;
 
 fn config(seed: u64) -> SimConfig {
-    let mut cfg = SimConfig::new(WORKERS, HardwareProfile::h200_llama70b_fp8(), PolicyKind::Kv);
+    let mut cfg = SimConfig::new(
+        WORKERS,
+        HardwareProfile::h200_llama70b_fp8(),
+        PolicyKind::Kv,
+    );
     cfg.engine.max_num_seqs = MAX_NUM_SEQS;
     cfg.engine.num_gpu_blocks_override = Some(1_500);
     cfg.seed = seed;
@@ -88,7 +92,11 @@ fn the_grid_covers_the_run_within_its_row_bound() {
     let instants: Vec<Nanos> = t.samples.iter().map(|s| s.at).collect();
     let grid: Vec<Nanos> = (1..=60).map(Nanos::from_secs).collect();
     assert_eq!(instants, grid);
-    assert!(t.samples.iter().all(|s| s.workers.len() == WORKERS as usize));
+    assert!(
+        t.samples
+            .iter()
+            .all(|s| s.workers.len() == WORKERS as usize)
+    );
 
     let over = TimelineConfig {
         max_rows: 179,
@@ -144,7 +152,11 @@ fn samples_match_router_and_engines_at_the_instant() {
                 "worker {w} at {t}"
             );
             // What the router sent and has not seen finish is in the engine, admitted or not.
-            assert_eq!(row.in_flight, row.running + row.waiting, "worker {w} at {t}");
+            assert_eq!(
+                row.in_flight,
+                row.running + row.waiting,
+                "worker {w} at {t}"
+            );
             assert!(row.running <= MAX_NUM_SEQS, "worker {w} at {t}: {row:?}");
             queued_somewhere |= row.waiting > 0;
             total += row.in_flight;
@@ -153,7 +165,10 @@ fn samples_match_router_and_engines_at_the_instant() {
         assert_eq!(sample.queued, 0);
         assert_eq!(total, CONCURRENCY, "at {t}");
     }
-    assert!(queued_somewhere, "30 conversations on 3 × 8 slots must queue");
+    assert!(
+        queued_somewhere,
+        "30 conversations on 3 × 8 slots must queue"
+    );
     assert_eq!(sim.timeline().unwrap().samples.len(), 85, "⌊60 s / 0.7 s⌋");
 }
 
@@ -183,14 +198,24 @@ fn interval_ttft_agrees_with_the_records() {
         let max = ttfts.iter().copied().reduce(f64::max);
         assert_eq!(s.ttft_max_ms, max, "at {}", s.at);
         let p = sim::Percentiles::of(&mut ttfts);
-        assert_eq!((s.ttft_p50_ms, s.ttft_p95_ms), (p.p50, p.p95), "at {}", s.at);
+        assert_eq!(
+            (s.ttft_p50_ms, s.ttft_p95_ms),
+            (p.p50, p.p95),
+            "at {}",
+            s.at
+        );
         for (w, row) in s.workers.iter().enumerate() {
             let mine: Vec<f64> = in_interval
                 .iter()
                 .filter(|r| r.worker == Some(w as u32))
                 .map(ms)
                 .collect();
-            assert_eq!(row.first_tokens as usize, mine.len(), "worker {w} at {}", s.at);
+            assert_eq!(
+                row.first_tokens as usize,
+                mine.len(),
+                "worker {w} at {}",
+                s.at
+            );
             let max = mine.iter().copied().reduce(f64::max);
             assert_eq!(row.ttft_max_ms, max, "worker {w} at {}", s.at);
         }
