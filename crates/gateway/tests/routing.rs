@@ -90,8 +90,17 @@ async fn cluster(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_routing_sends_each_next_turn_to_the_worker_that_cached_the_last() {
+    next_turns_go_to_the_worker_that_cached_the_last(PolicyKind::Kv).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_load_routing_sends_each_next_turn_to_the_worker_that_cached_the_last() {
+    next_turns_go_to_the_worker_that_cached_the_last(PolicyKind::KvLoad).await;
+}
+
+async fn next_turns_go_to_the_worker_that_cached_the_last(mode: PolicyKind) {
     let nats = NatsServer::start();
-    let (engines, gw) = cluster(&nats, "kvtest", PolicyKind::Kv).await;
+    let (engines, gw) = cluster(&nats, mode.name(), mode).await;
     let mut first_workers = Vec::new();
     for c in 0..4 {
         let turns = conversation(&gw, c, 3).await;
@@ -113,10 +122,11 @@ async fn kv_routing_sends_each_next_turn_to_the_worker_that_cached_the_last() {
         assert!(first_prompt > 1000, "{turns:?}");
     }
     let metrics = gw.metrics_text();
-    assert!(
-        metrics.contains("kvroute_router_decisions_total{policy=\"kv\"} 12"),
-        "{metrics}"
+    let decisions = format!(
+        "kvroute_router_decisions_total{{policy=\"{}\"}} 12",
+        mode.name()
     );
+    assert!(metrics.contains(&decisions), "{metrics}");
     let cached_sum: f64 = metrics
         .lines()
         .find_map(|l| {

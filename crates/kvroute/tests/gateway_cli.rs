@@ -149,7 +149,8 @@ fn help_lists_router_modes_defaults_and_dynamo_variables() {
     for needle in [
         "--router-mode",
         "[env: DYN_ROUTER_MODE=]",
-        "[default: kv]",
+        "[default: kv_load]",
+        "kv_load",
         "round_robin",
         "random",
         "--kv-block-size",

@@ -71,8 +71,24 @@ fn bench_is_byte_identical_across_runs_and_thread_counts_and_writes_report_and_p
     let results: serde_json::Value = serde_json::from_slice(&json_a).unwrap();
     let summary = results["summary"].as_array().unwrap();
     let runs = results["runs"].as_array().unwrap();
-    assert_eq!(summary.len(), 2 * 2, "routers × levels");
-    assert_eq!(runs.len(), 2 * 2 * 2, "routers × levels × sweeps");
+    // The default routers: round_robin, kv and kv_load, in that order.
+    let routers: Vec<&str> = summary
+        .iter()
+        .map(|r| r["router"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        routers,
+        [
+            "round_robin",
+            "round_robin",
+            "kv",
+            "kv",
+            "kv_load",
+            "kv_load"
+        ]
+    );
+    assert_eq!(summary.len(), 3 * 2, "routers × levels");
+    assert_eq!(runs.len(), 3 * 2 * 2, "routers × levels × sweeps");
     for row in summary.iter().chain(runs) {
         for key in ["router", "workers", "concurrency", "output_tokens_per_s"] {
             assert!(!row[key].is_null(), "{key} missing in {row}");
