@@ -411,6 +411,10 @@ pub struct Metrics {
     /// Time the gateway itself spends on a request before forwarding it (parse, template,
     /// tokenize, hash, route, build the worker request), queue waits excluded.
     pub overhead: AtomicHistogram,
+    /// What the gateway adds to a streamed request's time to first token: its time before
+    /// forwarding plus the time from reading the worker's first token to handing the client's
+    /// first token frame to the connection.
+    pub added_ttft: AtomicHistogram,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -440,6 +444,7 @@ impl Metrics {
             output_tokens_total: Counter::default(),
             worker_failures: Counter::default(),
             overhead: AtomicHistogram::new(OVERHEAD_BUCKETS),
+            added_ttft: AtomicHistogram::new(OVERHEAD_BUCKETS),
         };
         {
             let frontend =
@@ -505,6 +510,12 @@ impl Metrics {
             "Time the gateway spends on a request before forwarding it (parse, template, \
              tokenize, hash, route), queue waits excluded",
             m.overhead.clone(),
+        );
+        registry.register(
+            "kvroute_gateway_added_ttft_seconds",
+            "What the gateway adds to a streamed request's TTFT: time before forwarding plus \
+             time from reading the worker's first token to handing it to the client connection",
+            m.added_ttft.clone(),
         );
         registry.register_collector(Box::new(RouterCollector {
             snapshot: Arc::new(snapshot),

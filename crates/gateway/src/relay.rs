@@ -12,7 +12,7 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::StreamExt;
@@ -65,6 +65,8 @@ pub struct RequestRecord {
     pub prompt_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
     pub success: bool,
+    /// The gateway's own time before forwarding (queue waits excluded), once forwarded.
+    pub pre_forward: Option<Duration>,
 }
 
 impl RequestRecord {
@@ -82,6 +84,7 @@ impl RequestRecord {
             prompt_tokens: None,
             cached_tokens: None,
             success: false,
+            pre_forward: None,
         }
     }
 
@@ -326,6 +329,10 @@ pub struct Relay {
     aggregate: Aggregate,
     ending: Option<Ending>,
     finished: bool,
+    /// When the latest upstream read returned.
+    last_read: Option<Instant>,
+    /// When the read holding the first token returned, until its frame goes out.
+    first_token_read: Option<Instant>,
 }
 
 impl Relay {
@@ -349,6 +356,8 @@ impl Relay {
             aggregate: Aggregate::default(),
             ending: None,
             finished: false,
+            last_read: None,
+            first_token_read: None,
         }
     }
 
@@ -385,6 +394,14 @@ impl Relay {
                 self.finish();
             }
             if !self.out.is_empty() {
+                if let (Some(read), Some(pre), true) = (
+                    self.first_token_read.take(),
+                    self.record.pre_forward,
+                    self.stream,
+                ) {
+                    let added = pre + read.elapsed();
+                    self.record.metrics.added_ttft.observe(added.as_secs_f64());
+                }
                 let frame = self.out.split().freeze();
                 // One allocation per frame, sized for a typical chunk, instead of growth steps.
                 self.out.reserve(FRAME_CAPACITY);
@@ -395,6 +412,7 @@ impl Relay {
             }
             match self.body.next().await {
                 Some(Ok(bytes)) => {
+                    self.last_read = Some(Instant::now());
                     if let Err(e) = self.reader.push(&bytes) {
                         self.break_worker(format!("the worker's stream is not valid SSE: {e}"));
                     }
@@ -519,6 +537,7 @@ impl Relay {
             if let Some(ticket) = &mut self.ticket {
                 ticket.first_token();
             }
+            self.first_token_read = self.last_read;
         }
         if self.stream {
             let role = self.ctx.api == Api::Chat && !self.role_sent;

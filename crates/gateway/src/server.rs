@@ -379,13 +379,9 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
             parsed.params.clone(),
             &parsed.extra,
         );
-        state.metrics.overhead.observe(
-            record
-                .started()
-                .elapsed()
-                .saturating_sub(queue_wait)
-                .as_secs_f64(),
-        );
+        let pre_forward = record.started().elapsed().saturating_sub(queue_wait);
+        record.pre_forward = Some(pre_forward);
+        state.metrics.overhead.observe(pre_forward.as_secs_f64());
         let sent = state
             .http
             .post(&ticket.worker.completions_url)

@@ -319,6 +319,17 @@ async fn chat_stream_chunks_are_openai_chunks_with_done_last_and_usage_when_aske
             .all(|c| c["choices"].as_array().unwrap().len() == 1)
     );
 
+    // Each streamed request's added TTFT was measured once; the unary one below adds none.
+    let added_count = |metrics: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("kvroute_gateway_added_ttft_seconds_count "))
+            .expect("the added-TTFT histogram")
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(added_count(&gw.metrics_text()), 2);
+
     // Not streamed: one chat.completion with the whole message.
     let (status, worker, body) = post_json(
         &url,
@@ -338,6 +349,11 @@ async fn chat_stream_chunks_are_openai_chunks_with_done_last_and_usage_when_aske
     );
     assert_eq!(body["choices"][0]["finish_reason"], "length");
     assert_eq!(body["usage"]["completion_tokens"], 12);
+    assert_eq!(
+        added_count(&gw.metrics_text()),
+        2,
+        "unary requests have no TTFT to add to"
+    );
 
     // Completions with token ids, streamed, with the ids passed back when asked.
     let s = post_stream(
