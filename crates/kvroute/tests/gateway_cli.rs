@@ -3,12 +3,15 @@
 //! and a graceful stop on SIGTERM.
 
 use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+// The gateway's tests' nats-server harness, shared rather than copied.
+#[path = "../../gateway/tests/common/nats.rs"]
+mod nats;
+use nats::NatsServer;
 use serde_json::{Value, json};
 
 fn kvroute() -> Command {
@@ -70,43 +73,6 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         self.kill();
-    }
-}
-
-struct Nats(Child, u16);
-
-impl Nats {
-    fn start() -> Nats {
-        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot run nats-server ({e}): install nats-server (apt-get install nats-server)")
-            });
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err() {
-            assert!(Instant::now() < deadline, "nats-server did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Nats(child, port)
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.1)
-    }
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 
@@ -291,7 +257,7 @@ async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_ro
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_register_over_nats_and_a_killed_one_expires() {
-    let nats = Nats::start();
+    let nats = NatsServer::start();
     let mut engines: Vec<Proc> = (1..=2)
         .map(|id| {
             Proc::start(&[
