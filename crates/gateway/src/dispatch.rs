@@ -264,8 +264,7 @@ impl Dispatcher {
         };
         let router_config = RouterConfig {
             policy: routing.mode,
-            kv,
-            kv_load: params.kv_load,
+            params,
             block_size: routing.block_size,
             seed: routing.seed,
             kv_source: if routing.kv_events {

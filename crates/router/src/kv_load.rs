@@ -82,6 +82,39 @@ impl Default for KvLoadParams {
     }
 }
 
+impl KvLoadParams {
+    /// Refuses values that would make costs meaningless (NaN, negative, a soft limit
+    /// outside [0, 1]), naming the parameter.
+    pub fn validate(&self) -> Result<(), String> {
+        let non_negative = [
+            ("expected_output_tokens", self.expected_output_tokens),
+            ("stall_weight", self.stall_weight),
+            ("replication_stall_weight", self.replication_stall_weight),
+            ("slot_penalty_secs", self.slot_penalty_secs),
+            (
+                "default_timing.prefill_secs_per_token",
+                self.default_timing.prefill_secs_per_token,
+            ),
+            (
+                "default_timing.decode_secs_per_context_token",
+                self.default_timing.decode_secs_per_context_token,
+            ),
+        ];
+        for (name, value) in non_negative {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(format!("{name} must be a finite number ≥ 0, got {value}"));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.slot_soft_limit) {
+            return Err(format!(
+                "slot_soft_limit must be within [0, 1] (a fraction of max_num_seqs), got {}",
+                self.slot_soft_limit
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// kvroute's load-aware KV policy (module docs).
 #[derive(Debug)]
 pub struct KvLoad {

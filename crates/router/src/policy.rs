@@ -126,7 +126,7 @@ impl PolicyKind {
     }
 }
 
-/// Parameters of the parameterised policies.
+/// Parameters of the parameterised policies ([`RouterConfig::params`](crate::RouterConfig)).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct PolicyParams {
     /// `kv` (Dynamo's cost).

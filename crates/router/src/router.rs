@@ -12,11 +12,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 
-use crate::KvLoadParams;
 use crate::load::{FleetActive, WorkerAccount, WorkerLoad};
 use crate::policy::{
-    Candidate, KvCostParams, PolicyKind, PolicyParams, RoutingPolicy, SelectionContext,
-    WorkerLimits,
+    Candidate, PolicyKind, PolicyParams, RoutingPolicy, SelectionContext, WorkerLimits,
 };
 
 /// Identifies a request to the router (the caller's id; unique among in-flight requests).
@@ -44,10 +42,9 @@ pub enum KvSource {
 pub struct RouterConfig {
     /// Policy built by [`Router::new`]; [`Router::with_policy`] takes any policy instead.
     pub policy: PolicyKind,
-    /// Parameters of the KV cost (used by the `kv` policy).
-    pub kv: KvCostParams,
-    /// Parameters of the `kv_load` policy.
-    pub kv_load: KvLoadParams,
+    /// Parameters of the built-in policies (`kv`'s cost, `kv_load`'s), validated by
+    /// [`Router::new`] and [`Router::with_policy`].
+    pub params: PolicyParams,
     /// Tokens per KV block; must match the workers' block size.
     pub block_size: usize,
     /// Seed of the router's RNG (random policy, tie breaks, softmax sampling).
@@ -67,8 +64,7 @@ impl Default for RouterConfig {
     fn default() -> Self {
         Self {
             policy: PolicyKind::DEFAULT,
-            kv: KvCostParams::default(),
-            kv_load: KvLoadParams::default(),
+            params: PolicyParams::default(),
             block_size: kv_index::DEFAULT_BLOCK_SIZE,
             seed: 0,
             kv_source: KvSource::Events,
@@ -85,6 +81,8 @@ pub enum RouterConfigError {
     ZeroBlockSize,
     NegativeOverlapWeight(f64),
     InvalidTemperature(f64),
+    /// A `kv_load` parameter out of range (the message names it).
+    InvalidKvLoad(String),
 }
 
 impl fmt::Display for RouterConfigError {
@@ -97,6 +95,7 @@ impl fmt::Display for RouterConfigError {
             Self::InvalidTemperature(t) => {
                 write!(f, "router temperature must be a finite number ≥ 0, got {t}")
             }
+            Self::InvalidKvLoad(why) => write!(f, "kv_load parameters: {why}"),
         }
     }
 }
@@ -254,10 +253,7 @@ pub struct Router {
 impl Router {
     /// A router with the built-in policy named in `config`.
     pub fn new(config: RouterConfig) -> Result<Self, RouterConfigError> {
-        let policy = config.policy.build(PolicyParams {
-            kv: config.kv,
-            kv_load: config.kv_load,
-        });
+        let policy = config.policy.build(config.params);
         Self::with_policy(config, policy)
     }
 
@@ -269,14 +265,19 @@ impl Router {
         let hasher = BlockHasher::new(config.block_size).ok_or(RouterConfigError::ZeroBlockSize)?;
         let block_size =
             u32::try_from(config.block_size).map_err(|_| RouterConfigError::ZeroBlockSize)?;
-        let w = config.kv.overlap_weight;
+        let w = config.params.kv.overlap_weight;
         if !(w.is_finite() && w >= 0.0) {
             return Err(RouterConfigError::NegativeOverlapWeight(w));
         }
-        let t = config.kv.temperature;
+        let t = config.params.kv.temperature;
         if !(t.is_finite() && t >= 0.0) {
             return Err(RouterConfigError::InvalidTemperature(t));
         }
+        config
+            .params
+            .kv_load
+            .validate()
+            .map_err(RouterConfigError::InvalidKvLoad)?;
         let approx = match config.kv_source {
             KvSource::Events => None,
             KvSource::Approximate { ttl } => {

@@ -296,16 +296,42 @@ fn bad_configs_are_refused_with_a_reason() {
             ..RouterConfig::default()
         },
         RouterConfig {
-            kv: router::KvCostParams {
-                overlap_weight: -1.0,
-                temperature: 0.0,
+            params: router::PolicyParams {
+                kv: router::KvCostParams {
+                    overlap_weight: -1.0,
+                    temperature: 0.0,
+                },
+                ..Default::default()
             },
             ..RouterConfig::default()
         },
         RouterConfig {
-            kv: router::KvCostParams {
-                overlap_weight: 1.0,
-                temperature: f64::NAN,
+            params: router::PolicyParams {
+                kv: router::KvCostParams {
+                    overlap_weight: 1.0,
+                    temperature: f64::NAN,
+                },
+                ..Default::default()
+            },
+            ..RouterConfig::default()
+        },
+        RouterConfig {
+            params: router::PolicyParams {
+                kv_load: router::KvLoadParams {
+                    stall_weight: f64::NAN,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            ..RouterConfig::default()
+        },
+        RouterConfig {
+            params: router::PolicyParams {
+                kv_load: router::KvLoadParams {
+                    slot_soft_limit: 1.5,
+                    ..Default::default()
+                },
+                ..Default::default()
             },
             ..RouterConfig::default()
         },
@@ -313,6 +339,21 @@ fn bad_configs_are_refused_with_a_reason() {
         let err = Router::new(bad).unwrap_err();
         assert!(!err.to_string().is_empty());
     }
+    let err = Router::new(RouterConfig {
+        params: router::PolicyParams {
+            kv_load: router::KvLoadParams {
+                stall_weight: -2.0,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        ..RouterConfig::default()
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("stall_weight") && err.to_string().contains("-2"),
+        "the error names the parameter and its value: {err}"
+    );
 }
 
 #[test]
