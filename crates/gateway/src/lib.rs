@@ -76,8 +76,9 @@ use crate::registry::RegistryCtx;
 pub enum GatewayError {
     #[error("invalid configuration: {0}")]
     Config(String),
+    // The cause is in the message, not a `source` too, so an error chain prints it once.
     #[error("router: {0}")]
-    Router(#[from] router::RouterConfigError),
+    Router(router::RouterConfigError),
     #[error("tokenizer or chat template: {0}")]
     Preprocess(#[from] preprocess::PreprocessError),
     #[error("cannot listen on {addr}: {source}")]
@@ -94,6 +95,12 @@ pub enum GatewayError {
     },
     #[error("HTTP client: {0}")]
     Http(#[from] reqwest::Error),
+}
+
+impl From<router::RouterConfigError> for GatewayError {
+    fn from(e: router::RouterConfigError) -> Self {
+        GatewayError::Router(e)
+    }
 }
 
 /// A running gateway. Dropping it stops its background tasks; [`Gateway::shutdown`] also

@@ -148,6 +148,14 @@ fn bad_flags_fail_with_a_message_that_says_what_to_do() {
     assert!(err.contains("http://"), "{err}");
     let err = run(&["--kv-block-size", "0"]);
     assert!(err.contains("--kv-block-size"), "{err}");
+    let err = run(&["--kv-load-set", "stall_weight=-1", "--port", "0"]);
+    assert!(err.contains("stall_weight") && err.contains("≥ 0"), "{err}");
+    assert_eq!(err.matches("stall_weight").count(), 1, "said once: {err}");
+    let err = run(&["--kv-load-set", "stall=1"]);
+    assert!(
+        err.contains("no field `stall`") && err.contains("stall_weight"),
+        "{err}"
+    );
     // Dynamo's spelling of the mode is accepted (the error is about the next flag).
     let err = run(&["--router-mode", "round-robin", "--queue-timeout", "0"]);
     assert!(err.contains("--queue-timeout"), "{err}");

@@ -179,15 +179,35 @@ pub enum ConfigError {
     BadLookback { lookback_s: f64, max_s: f64 },
     #[error("the frontend queue capacity must be at least 1")]
     ZeroQueue,
+    // These carry the cause in their message, not as a `source` too, so an error chain does
+    // not print it twice.
     #[error("engine: {0}")]
-    Engine(#[from] engine::EngineConfigError),
+    Engine(engine::EngineConfigError),
     #[error("router: {0}")]
-    Router(#[from] router::RouterConfigError),
+    Router(router::RouterConfigError),
     #[error("router: {0}")]
-    Route(#[from] router::RouteError),
+    Route(router::RouteError),
     #[error(
         "the router's block size ({router}) differs from the engines' ({engine}); KV events \
          would never match"
     )]
     BlockSizeMismatch { router: usize, engine: u32 },
+}
+
+impl From<engine::EngineConfigError> for ConfigError {
+    fn from(e: engine::EngineConfigError) -> Self {
+        ConfigError::Engine(e)
+    }
+}
+
+impl From<router::RouterConfigError> for ConfigError {
+    fn from(e: router::RouterConfigError) -> Self {
+        ConfigError::Router(e)
+    }
+}
+
+impl From<router::RouteError> for ConfigError {
+    fn from(e: router::RouteError) -> Self {
+        ConfigError::Route(e)
+    }
 }
