@@ -254,31 +254,14 @@ struct Sample {
     tokens: u64,
 }
 
+/// `words` words of the shipped corpus, a different excerpt per client.
 fn prompt(client: usize, words: usize) -> String {
-    const WORDS: [&str; 16] = [
-        "cache",
-        "prefix",
-        "block",
-        "token",
-        "router",
-        "worker",
-        "latency",
-        "throughput",
-        "prefill",
-        "decode",
-        "batch",
-        "memory",
-        "bandwidth",
-        "attention",
-        "sequence",
-        "hash",
-    ];
-    let mut text = format!("Client {client} asks. ");
-    for i in 0..words {
-        text.push_str(WORDS[(i * 7 + client * 3 + i / 5) % WORDS.len()]);
-        text.push(if i % 13 == 12 { '.' } else { ' ' });
-    }
-    text
+    static CORPUS: std::sync::OnceLock<text::Corpus> = std::sync::OnceLock::new();
+    let corpus = CORPUS.get_or_init(text::Corpus::builtin);
+    format!(
+        "Client {client} asks. {}",
+        corpus.excerpt(client * 997, words)
+    )
 }
 
 /// Finds `"completion_tokens":N` in the tail of a stream.

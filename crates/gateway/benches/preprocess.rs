@@ -5,31 +5,9 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use gateway::preprocess::Preprocessor;
 use text::ChatMessage;
 
+/// `n` words of the shipped corpus, a different excerpt per `salt`.
 fn words(n: usize, salt: usize) -> String {
-    const WORDS: [&str; 16] = [
-        "cache",
-        "prefix",
-        "block",
-        "token",
-        "router",
-        "worker",
-        "latency",
-        "throughput",
-        "prefill",
-        "decode",
-        "batch",
-        "memory",
-        "bandwidth",
-        "attention",
-        "sequence",
-        "hash",
-    ];
-    let mut text = String::new();
-    for i in 0..n {
-        text.push_str(WORDS[(i * 7 + salt * 3 + i / 5) % WORDS.len()]);
-        text.push(if i % 13 == 12 { '.' } else { ' ' });
-    }
-    text
+    text::Corpus::builtin().excerpt(salt * 997, n)
 }
 
 fn bench(c: &mut Criterion) {

@@ -180,6 +180,25 @@ impl Corpus {
     pub fn is_empty(&self) -> bool {
         self.passages.is_empty()
     }
+
+    /// `words` words of the corpus's prose (every passage's paragraphs in order, wrapping
+    /// around), starting at word `start` (also wrapping). Readable text of a chosen length,
+    /// different for different starts: prompts for tests and benchmarks.
+    pub fn excerpt(&self, start: usize, words: usize) -> String {
+        let prose: Vec<String> = self
+            .passages
+            .iter()
+            .flat_map(Passage::prose_paragraphs)
+            .collect();
+        let all: Vec<&str> = prose.iter().flat_map(|p| p.split(' ')).collect();
+        if all.is_empty() {
+            return String::new();
+        }
+        (0..words)
+            .map(|i| all[(start + i) % all.len()])
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
 }
 
 /// A passage's key term: `display` as written most often (`"KV cache"`), `key` lowercased.
@@ -356,6 +375,27 @@ pub(crate) fn is_stopword(word: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn excerpts_have_the_asked_length_differ_by_start_and_wrap_around() {
+        let corpus = Corpus::builtin();
+        let a = corpus.excerpt(0, 300);
+        assert_eq!(a.split(' ').count(), 300);
+        assert_ne!(a, corpus.excerpt(997, 300));
+        assert_eq!(a, corpus.excerpt(0, 300), "deterministic");
+        let total: usize = corpus
+            .passages()
+            .iter()
+            .flat_map(Passage::prose_paragraphs)
+            .map(|p| p.split(' ').count())
+            .sum();
+        // Longer than the whole corpus: it wraps instead of stopping short.
+        let long = corpus.excerpt(total - 5, total + 10);
+        assert_eq!(long.split(' ').count(), total + 10);
+        let seam = format!("{} {}", corpus.excerpt(total - 5, 5), corpus.excerpt(0, 5));
+        assert_eq!(corpus.excerpt(total - 5, 10), seam);
+    }
+
     use super::*;
 
     #[test]

@@ -149,33 +149,11 @@ pub async fn post_json(url: &str, path: &str, body: &Value) -> (u16, Option<u64>
     (status, worker, body)
 }
 
-/// A long system prompt: a distinct technical passage per conversation, ~`words` words.
+/// A long system prompt: a distinct excerpt of the shipped corpus per conversation, `words`
+/// words.
 pub fn passage(conversation: usize, words: usize) -> String {
-    let vocabulary = [
-        "cache",
-        "prefix",
-        "block",
-        "token",
-        "router",
-        "worker",
-        "latency",
-        "throughput",
-        "prefill",
-        "decode",
-        "batch",
-        "memory",
-        "bandwidth",
-        "attention",
-        "sequence",
-        "hash",
-    ];
-    let mut text = format!("Passage {conversation}. ");
-    for i in 0..words {
-        let w = vocabulary[(i * 7 + conversation * 13 + i / 5) % vocabulary.len()];
-        text.push_str(w);
-        text.push(if i % 11 == 10 { '.' } else { ' ' });
-    }
-    text
+    let excerpt = text::Corpus::builtin().excerpt(conversation * 997, words);
+    format!("Passage {conversation}. {excerpt}")
 }
 
 /// A chat request body.
