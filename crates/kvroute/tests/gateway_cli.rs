@@ -86,6 +86,24 @@ fn chat(content: &str, max_tokens: u32) -> Value {
     })
 }
 
+/// Streams a one-message chat through the gateway at `url`; the response (status 200 checked)
+/// and the worker that served it (`x-kvroute-worker`).
+async fn stream_chat(url: &str, content: &str, max_tokens: u32) -> (reqwest::Response, usize) {
+    let response = reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&chat(content, max_tokens))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let worker = response.headers()["x-kvroute-worker"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    (response, worker)
+}
+
 async fn health(url: &str) -> Value {
     reqwest::get(format!("{url}/health"))
         .await
@@ -194,18 +212,7 @@ async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_ro
     wait_health(&gateway.url, 2).await;
 
     // A long stream; kill the engine serving it after a few chunks.
-    let response = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", gateway.url))
-        .json(&chat("Tell me a long story.", 5000))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    let worker: usize = response.headers()["x-kvroute-worker"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let (response, worker) = stream_chat(&gateway.url, "Tell me a long story.", 5000).await;
     let mut body = String::new();
     let mut stream = response.bytes_stream();
     let mut killed = false;
@@ -230,18 +237,7 @@ async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_ro
 
     // The survivor serves everything now.
     for _ in 0..3 {
-        let response = reqwest::Client::new()
-            .post(format!("{}/v1/chat/completions", gateway.url))
-            .json(&chat("Short answer please.", 8))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(response.status(), 200);
-        let served: usize = response.headers()["x-kvroute-worker"]
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap();
+        let (response, served) = stream_chat(&gateway.url, "Short answer please.", 8).await;
         assert_ne!(served, worker);
         let text = response.text().await.unwrap();
         assert!(
@@ -295,14 +291,7 @@ async fn engines_register_over_nats_and_a_killed_one_expires() {
         "cli",
     ]);
     wait_health(&gateway.url, 2).await;
-    let http = reqwest::Client::new();
-    let first = http
-        .post(format!("{}/v1/chat/completions", gateway.url))
-        .json(&chat("What is a KV cache?", 8))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(first.status(), 200);
+    let (first, _) = stream_chat(&gateway.url, "What is a KV cache?", 8).await;
     assert!(first.text().await.unwrap().ends_with("data: [DONE]\n\n"));
     // SIGKILL: no goodbye; the lease runs out.
     engines[0].kill();
