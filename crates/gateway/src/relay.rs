@@ -412,7 +412,10 @@ impl Relay {
             }
             match self.body.next().await {
                 Some(Ok(bytes)) => {
-                    self.last_read = Some(Instant::now());
+                    // Only the read that brings the first token is timed.
+                    if self.record.first_token.is_none() {
+                        self.last_read = Some(Instant::now());
+                    }
                     if let Err(e) = self.reader.push(&bytes) {
                         self.break_worker(format!("the worker's stream is not valid SSE: {e}"));
                     }

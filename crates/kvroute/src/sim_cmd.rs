@@ -182,9 +182,10 @@ impl ClusterArgs {
         let engine: EngineConfig = patch(engine, &self.engine_set, "engine")?;
         let mut base = SimConfig::new(self.workers, engine.profile.clone(), PolicyKind::Kv);
         base.engine = engine;
-        base.router.kv.overlap_weight = self.overlap_weight;
-        base.router.kv.temperature = self.temperature;
-        base.router.kv_load = patch(base.router.kv_load, &self.kv_load_set, "kv-load")?;
+        let params = &mut base.router.params;
+        params.kv.overlap_weight = self.overlap_weight;
+        params.kv.temperature = self.temperature;
+        params.kv_load = patch(params.kv_load, &self.kv_load_set, "kv-load")?;
         if let Some(ttl) = self.approximate_ttl {
             base.router.kv_source = KvSource::Approximate {
                 ttl: seconds(ttl, "--approximate-ttl")?,

@@ -133,10 +133,6 @@ impl KvLoad {
         }
     }
 
-    pub fn params(&self) -> &KvLoadParams {
-        &self.params
-    }
-
     /// Whether sending the request to `c` keeps it within its declared limits.
     pub fn has_headroom(c: &Candidate) -> bool {
         let seqs_ok = c.limits.max_num_seqs.is_none_or(|m| c.load.in_flight < m);

@@ -2,7 +2,7 @@
 
 use engine::{EngineConfig, HardwareProfile};
 use nanotime::Nanos;
-use router::{KvCostParams, KvLoadParams, KvSource, PolicyKind};
+use router::{KvSource, PolicyKind, PolicyParams};
 use thiserror::Error;
 
 /// The router in front of the fleet.
@@ -11,10 +11,9 @@ pub struct RouterSetup {
     /// The policy, chosen by name through [`PolicyKind`]'s `FromStr` (the router crate owns
     /// the list, so a new policy there is a new name here).
     pub policy: PolicyKind,
-    /// `kv` cost parameters (overlap weight, softmax temperature).
-    pub kv: KvCostParams,
-    /// `kv_load` parameters.
-    pub kv_load: KvLoadParams,
+    /// Parameters of the built-in policies: `kv`'s cost (overlap weight, softmax
+    /// temperature) and `kv_load`'s.
+    pub params: PolicyParams,
     /// KV events from the engines, or approximate mode (no events, predictions with a TTL).
     pub kv_source: KvSource,
     /// Fixed delay between an engine emitting a KV event and the router applying it (models
@@ -26,8 +25,7 @@ impl RouterSetup {
     pub fn new(policy: PolicyKind) -> Self {
         Self {
             policy,
-            kv: KvCostParams::default(),
-            kv_load: KvLoadParams::default(),
+            params: PolicyParams::default(),
             kv_source: KvSource::Events,
             kv_event_delay: Nanos::ZERO,
         }

@@ -7,8 +7,7 @@ use engine::{Engine, EngineEvent, EngineRequest, OutputSpec};
 use kv_index::{IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
 use router::{
-    KvSource, PolicyParams, RequestId, RouteError, Router, RouterConfig, RoutingKey, WorkerLimits,
-    WorkerTiming,
+    KvSource, RequestId, RouteError, Router, RouterConfig, RoutingKey, WorkerLimits, WorkerTiming,
 };
 use serde::Serialize;
 use thiserror::Error;
@@ -305,10 +304,7 @@ impl<W: Workload> Simulation<W> {
         let block_size = cfg.engine.block_size as usize;
         let router_cfg = RouterConfig {
             policy: cfg.router.policy,
-            params: PolicyParams {
-                kv: cfg.router.kv,
-                kv_load: cfg.router.kv_load,
-            },
+            params: cfg.router.params,
             block_size,
             seed: derive_seed(cfg.seed, streams::ROUTER),
             kv_source: cfg.router.kv_source,
