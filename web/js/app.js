@@ -1,0 +1,163 @@
+// Entry point: hash routing between the pages, the header (Start/Stop, connection state), the
+// status WebSocket, and the wiring of the dashboard and conversation pages.
+
+import * as api from './api.js';
+import { setText } from './dom.js';
+import { Dashboard } from './dashboard.js';
+import { Conversations } from './conversations.js';
+
+const STATUS_POLL_MS = 3000; // REST polling of /api/status while the WebSocket is down
+const TOAST_MS = 6000;
+
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  status: null,
+  connected: false,
+  busy: false, // a Start/Stop request is in flight
+  baselineLoaded: false,
+  page: null,
+};
+
+let toastTimer = null;
+function toast(message) {
+  const box = $('toast');
+  setText(box, message);
+  box.hidden = false;
+  clearTimeout(toastTimer);
+  toastTimer = setTimeout(() => { box.hidden = true; }, TOAST_MS);
+}
+
+const dashboard = new Dashboard({
+  onConcurrency: async (n) => {
+    try {
+      applyStatus(await api.setConcurrency(n));
+    } catch (err) {
+      toast(`Could not set concurrency to ${n}: ${err.message}`);
+    }
+  },
+});
+
+const conversations = new Conversations({
+  isCompare: () => (state.status?.lanes?.length ?? 0) === 2,
+});
+
+// ---- header ----
+
+function renderHeader() {
+  const running = !!state.status?.running;
+  const known = state.status !== null;
+  $('btn-start').disabled = !state.connected || state.busy || !known || running;
+  $('btn-stop').disabled = !state.connected || state.busy || !known || !running;
+  setText($('ws-state'), state.connected ? 'connected' : 'disconnected');
+  $('ws-indicator').classList.toggle('up', state.connected);
+  const runState = $('run-state');
+  setText(runState, !known ? '' : running ? 'running' : 'stopped');
+  runState.classList.toggle('running', running);
+}
+
+async function runAction(action, label) {
+  state.busy = true;
+  renderHeader();
+  try {
+    applyStatus(await action());
+  } catch (err) {
+    toast(`${label} failed: ${err.message}`);
+    // 409 means our view was stale; fetch the truth.
+    api.getStatus().then(applyStatus, () => {});
+  } finally {
+    state.busy = false;
+    renderHeader();
+  }
+}
+
+$('btn-start').addEventListener('click', () =>
+  runAction(() => api.startWorkload(dashboard.concurrency()), 'Start'));
+$('btn-stop').addEventListener('click', () => runAction(() => api.stopWorkload(), 'Stop'));
+
+// ---- status ----
+
+function applyStatus(status) {
+  if (!status || typeof status !== 'object') return;
+  // Ignore answers older than what is shown (a REST answer racing the WebSocket).
+  if (state.status && typeof status.time_ms === 'number' && typeof state.status.time_ms === 'number'
+    && status.time_ms < state.status.time_ms) return;
+  state.status = status;
+  renderHeader();
+  dashboard.update(status);
+}
+
+function loadBaseline() {
+  api.getBaseline().then(
+    (baseline) => { state.baselineLoaded = true; dashboard.setBaseline(baseline); },
+    (err) => {
+      const text = err.status === 404
+        ? 'No benchmark results loaded. Run kvroute bench --out DIR and point the load generator at its results.json.'
+        : `Could not load benchmark results: ${err.message}`;
+      dashboard.setBaseline(null, text);
+    });
+}
+
+function loadHistory() {
+  api.getHistory().then((history) => dashboard.seedHistory(history), () => {});
+}
+
+const socket = new api.StatusSocket({
+  onStatus: applyStatus,
+  onConnection: (connected) => {
+    state.connected = connected;
+    renderHeader();
+    if (connected) {
+      // Fill what was missed while disconnected.
+      loadHistory();
+      if (!state.baselineLoaded) loadBaseline();
+    }
+  },
+});
+
+setInterval(() => {
+  if (!state.connected) api.getStatus().then(applyStatus, () => {});
+}, STATUS_POLL_MS);
+
+// ---- routing ----
+
+const PAGES = ['dashboard', 'conversations', 'conversation', 'architecture', 'kv-routing', 'features'];
+
+function parseHash() {
+  const parts = location.hash.replace(/^#\/?/, '').split('/');
+  if (parts[0] === 'conversations' && parts[1]) {
+    return { page: 'conversation', id: decodeURIComponent(parts.slice(1).join('/')) };
+  }
+  return { page: PAGES.includes(parts[0]) && parts[0] !== 'conversation' ? parts[0] : 'dashboard' };
+}
+
+function route() {
+  const { page, id } = parseHash();
+  for (const section of document.querySelectorAll('main > .page')) {
+    section.hidden = section.dataset.page !== page;
+  }
+  const tab = page === 'conversation' ? 'conversations' : page;
+  for (const link of document.querySelectorAll('nav.tabs a')) {
+    const active = link.dataset.page === tab;
+    link.classList.toggle('active', active);
+    if (active) link.setAttribute('aria-current', 'page');
+    else link.removeAttribute('aria-current');
+  }
+  conversations.stop();
+  if (page === 'conversations') conversations.showList();
+  if (page === 'conversation') conversations.showDetail(id);
+  dashboard.setVisible(page === 'dashboard');
+  if (state.page !== page) window.scrollTo(0, 0);
+  state.page = page;
+}
+
+window.addEventListener('hashchange', route);
+
+// ---- start ----
+
+renderHeader();
+route();
+api.getStatus().then(applyStatus, () => {});
+loadBaseline();
+loadHistory();
+socket.open();

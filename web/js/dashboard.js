@@ -1,0 +1,395 @@
+// The dashboard page: live table with the concurrency slider, KPI cards, live charts, the
+// static benchmark table and the per-worker GPU view. Everything is built once per layout
+// (single lane or compare mode) and then updated in place, so elements keep their identity
+// between the once-a-second status messages.
+
+import { el, replaceChildren, setText, setClassFrom } from './dom.js';
+import * as fmt from './format.js';
+import { HistoryStore, TimeSeriesChart } from './charts.js';
+
+const SLO_CLASSES = ['slo-red', 'slo-yellow', 'slo-ok'];
+const UTIL_CLASSES = ['util-low', 'util-mid', 'util-high'];
+const SLIDER_DEBOUNCE_MS = 300;
+
+const LIVE_ROWS = [
+  { key: 'ttft', label: 'TTFT (ms)', metric: 'ttft_ms', format: fmt.ms, slo: 'ttft_p95_ms' },
+  { key: 'tpot', label: 'TPOT (ms)', metric: 'tpot_ms', format: fmt.ms, slo: 'tpot_p95_ms' },
+  { key: 'itl', label: 'ITL (ms)', metric: 'itl_ms', format: fmt.ms, slo: null },
+  { key: 'latency', label: 'Latency (s)', metric: 'e2e_s', format: fmt.seconds, slo: null },
+];
+// source 0: the live lane (lane 0); source 1: the round-robin baseline, or lane 1 in compare mode.
+const LIVE_COLS = [
+  { key: 'live-p50', source: 0, q: 'p50' },
+  { key: 'rr-p50', source: 1, q: 'p50' },
+  { key: 'live-p95', source: 0, q: 'p95' },
+  { key: 'rr-p95', source: 1, q: 'p95' },
+];
+
+const KPIS = [
+  { key: 'rps', label: 'RPS', value: (m) => fmt.rps(m.rps), live: true },
+  { key: 'requests', label: 'Requests', value: (m) => fmt.integer(m.requests), live: false },
+  { key: 'tops', label: 'TOPS', value: (m) => fmt.tops(m.tops), live: true },
+  { key: 'kv-hit', label: 'KV Cache Hit', value: (m) => fmt.kvHit(m.kv_hit_rate), live: true },
+  { key: 'queued', label: 'Queued', value: (m) => fmt.integer(m.queued), live: true },
+  { key: 'errors', label: 'Errors', value: (m) => fmt.integer(m.errors), live: false },
+];
+
+const $ = (id) => document.getElementById(id);
+
+function isCompare(status) {
+  return Array.isArray(status?.lanes) && status.lanes.length === 2;
+}
+
+function laneLabel(lane, i) {
+  return lane?.name || `lane ${i}`;
+}
+
+export class Dashboard {
+  /** `onConcurrency(n)` is called (debounced) when the user moves the slider. */
+  constructor({ onConcurrency }) {
+    this.onConcurrency = onConcurrency;
+    this.status = null;
+    this.baseline = null;
+    this.visible = false;
+    this.liveLayout = null;
+    this.kpiLayout = null;
+    this.workersLayout = null;
+    this.history = new HistoryStore();
+    this.slider = $('concurrency-slider');
+    this.sliderValue = $('concurrency-value');
+    this.dragging = false;
+    this.debounceTimer = null;
+    this.pendingSince = 0; // a user change not yet confirmed by the server
+    this.setupSlider();
+    const slo = (key) => () => this.status?.slo?.[key] ?? null;
+    this.charts = {
+      ttft: new TimeSeriesChart($('chart-ttft'), { unit: 'ms', slo: slo('ttft_p95_ms'), tickFormat: (v) => fmt.ms(v) }),
+      tpot: new TimeSeriesChart($('chart-tpot'), { unit: 'ms', slo: slo('tpot_p95_ms'), tickFormat: (v) => fmt.ms(v) }),
+      tops: new TimeSeriesChart($('chart-tops'), { unit: 'tok/s', tickFormat: (v) => fmt.tops(v) }),
+      kv: new TimeSeriesChart($('chart-kv-hit'), { unit: '%', fixedMax: 100, tickFormat: (v) => fmt.integer(v) }),
+    };
+    this.renderKpis(null);
+  }
+
+  setVisible(visible) {
+    this.visible = visible;
+    if (visible) this.renderCharts();
+  }
+
+  // ---- concurrency slider ----
+
+  setupSlider() {
+    const s = this.slider;
+    s.addEventListener('pointerdown', () => { this.dragging = true; });
+    const release = () => { this.dragging = false; };
+    window.addEventListener('pointerup', release);
+    window.addEventListener('pointercancel', release);
+    s.addEventListener('input', () => {
+      const n = Number(s.value);
+      setText(this.sliderValue, String(n));
+      this.pendingSince = Date.now();
+      clearTimeout(this.debounceTimer);
+      this.debounceTimer = setTimeout(() => {
+        this.debounceTimer = null;
+        Promise.resolve(this.onConcurrency(n)).finally(() => { this.pendingSince = 0; });
+      }, SLIDER_DEBOUNCE_MS);
+    });
+  }
+
+  /** The slider's value (what Start sends). */
+  concurrency() {
+    return Number(this.slider.value);
+  }
+
+  updateSlider(status) {
+    const range = status.slider || {};
+    for (const attr of ['min', 'max', 'step']) {
+      if (typeof range[attr] === 'number' && this.slider.getAttribute(attr) !== String(range[attr])) {
+        this.slider.setAttribute(attr, String(range[attr]));
+      }
+    }
+    // Follow changes made elsewhere, but never fight the user's hand: not while dragging, not
+    // while a debounced change waits, not while its POST is in flight (bounded to 5 s).
+    const userBusy = this.dragging || this.debounceTimer !== null
+      || (this.pendingSince && Date.now() - this.pendingSince < 5000);
+    if (!userBusy && typeof status.concurrency === 'number') {
+      if (this.slider.value !== String(status.concurrency)) this.slider.value = String(status.concurrency);
+      setText(this.sliderValue, String(status.concurrency));
+    }
+  }
+
+  // ---- status ----
+
+  update(status) {
+    this.status = status;
+    const slo = status.slo || {};
+    setText($('slo-line'), `SLO: TTFT p95 < ${fmt.ms(slo.ttft_p95_ms)} ms, TPOT p95 < ${fmt.ms(slo.tpot_p95_ms)} ms`);
+    this.updateSlider(status);
+    this.renderLive(status);
+    this.renderKpis(status);
+    this.renderWorkers(status);
+    this.highlightStaticRow();
+    this.history.setOrder((status.lanes || []).map((l) => l.name));
+    if (this.history.append(status) || !this.chartsDrawn) this.renderCharts();
+  }
+
+  seedHistory(history) {
+    this.history.seed(history);
+    this.renderCharts();
+  }
+
+  renderCharts() {
+    if (!this.visible) return;
+    this.chartsDrawn = true;
+    const range = this.history.timeRange();
+    this.charts.ttft.render(this.history.series('ttft'), range);
+    this.charts.tpot.render(this.history.series('tpot'), range);
+    this.charts.tops.render(this.history.series('tops'), range);
+    this.charts.kv.render(this.history.series('kv'), range);
+  }
+
+  // ---- section 1: live table ----
+
+  renderLive(status) {
+    const lanes = status.lanes || [];
+    const compare = isCompare(status);
+    const hasData = lanes.some((l) => {
+      const m = l.metrics || {};
+      return (m.requests || 0) > 0 || (m.errors || 0) > 0 || LIVE_ROWS.some((r) => m[r.metric]);
+    });
+    $('live-placeholder').hidden = hasData;
+    $('live-table-box').hidden = !hasData;
+    const names = compare ? [laneLabel(lanes[0], 0), laneLabel(lanes[1], 1)] : ['Live', 'RR'];
+    setText($('live-heading'), compare ? `${names[0]} vs ${names[1]} (both live)` : 'Live vs Round-Robin');
+    const layoutKey = `${compare}|${names.join('|')}`;
+    if (this.liveLayout !== layoutKey) {
+      this.liveLayout = layoutKey;
+      this.buildLiveTable(names);
+    }
+
+    const slo = status.slo || {};
+    const sources = [lanes[0]?.metrics || null, compare ? lanes[1]?.metrics || null : status.baseline];
+    for (const row of LIVE_ROWS) {
+      for (const col of LIVE_COLS) {
+        const cell = this.liveCells[`${row.key}-${col.key}`];
+        const value = sources[col.source]?.[row.metric]?.[col.q] ?? null;
+        setText(cell, row.format(value));
+        // SLO colours on live values only (lane 1 is live too in compare mode); the p50 cells
+        // use the p95 SLO as well, since the SLO is defined on p95.
+        const live = col.source === 0 || compare;
+        setClassFrom(cell, SLO_CLASSES, live && row.slo ? fmt.sloClass(value, slo[row.slo]) : '');
+      }
+    }
+
+    let caption;
+    const windowText = typeof status.window_s === 'number' ? `last ${Math.round(status.window_s)} s` : 'recent window';
+    if (compare) {
+      caption = `Both columns are live, fed the same conversations: ${names[0]} (router ${lanes[0]?.router ?? 'unknown'}) vs ${names[1]} (router ${lanes[1]?.router ?? 'unknown'}), ${windowText}.`;
+    } else {
+      const lane = lanes[0];
+      const live = lane ? `Live: ${lane.name}${lane.router ? ` (router ${lane.router})` : ''}, ${windowText}, ${fmt.integer(lane.metrics?.window_samples)} turns.` : '';
+      const b = status.baseline;
+      const rr = b ? ` RR: ${b.router} measured by kvroute bench at concurrency ${b.concurrency}.` : ' RR: no baseline loaded.';
+      caption = live + rr;
+    }
+    setText($('live-caption'), caption);
+  }
+
+  buildLiveTable(names) {
+    const head = $('live-head');
+    const headers = [`${names[0]} p50`, `${names[1]} p50`, `${names[0]} p95`, `${names[1]} p95`];
+    replaceChildren(head, el('th', { scope: 'col', text: 'Metric' }),
+      headers.map((h, i) => el('th', { scope: 'col', class: LIVE_COLS[i].source === 1 ? 'muted' : '', text: h })));
+    this.liveCells = {};
+    const rows = LIVE_ROWS.map((row) => el('tr', {},
+      el('th', { scope: 'row', text: row.label }),
+      LIVE_COLS.map((col) => {
+        const cell = el('td', {
+          class: `num${col.source === 1 ? ' muted' : ''}`,
+          testid: `cell-${row.key}-${col.key}`,
+          text: fmt.DASH,
+        });
+        this.liveCells[`${row.key}-${col.key}`] = cell;
+        return cell;
+      })));
+    replaceChildren($('live-body'), rows);
+  }
+
+  // ---- section 2: KPI cards ----
+
+  renderKpis(status) {
+    const lanes = status?.lanes?.length ? status.lanes : [null];
+    const compare = isCompare(status);
+    const layoutKey = compare ? lanes.map((l, i) => laneLabel(l, i)).join('|') : 'single';
+    if (this.kpiLayout !== layoutKey) {
+      this.kpiLayout = layoutKey;
+      this.kpiCells = [];
+      const rows = lanes.map((lane, i) => {
+        const cells = {};
+        this.kpiCells.push(cells);
+        return el('div', { class: 'kpi-row' },
+          compare ? el('div', { class: 'kpi-lane', text: laneLabel(lane, i) }) : null,
+          el('div', { class: 'kpi-cards' }, KPIS.map((k) => {
+            const value = el('div', { class: 'kpi-value', testid: `kpi-${k.key}${i === 0 ? '' : `-${i}`}`, text: fmt.DASH });
+            cells[k.key] = value;
+            return el('div', { class: `kpi-card kpi-${k.key}` }, el('div', { class: 'kpi-label', text: k.label }), value);
+          })));
+      });
+      replaceChildren($('kpi-rows'), rows);
+    }
+    lanes.forEach((lane, i) => {
+      const m = lane?.metrics || {};
+      const running = !!status?.running;
+      // Totals since start stay meaningful after Stop; window rates do not.
+      const started = running || (m.requests || 0) > 0 || (m.errors || 0) > 0;
+      for (const k of KPIS) {
+        const cell = this.kpiCells[i][k.key];
+        const show = lane && (k.live ? running : started);
+        setText(cell, show ? k.value(m) : fmt.DASH);
+        if (k.key === 'errors') cell.classList.toggle('error', !!show && (m.errors || 0) > 0);
+      }
+    });
+  }
+
+  // ---- section 3: static benchmark table ----
+
+  setBaseline(baseline, errorText) {
+    this.baseline = baseline;
+    const table = $('static-table');
+    const placeholder = $('static-placeholder');
+    const note = $('static-note');
+    if (!baseline) {
+      table.hidden = true;
+      note.hidden = true;
+      placeholder.hidden = false;
+      setText(placeholder, errorText || 'No benchmark results loaded.');
+      return;
+    }
+    placeholder.hidden = true;
+    table.hidden = false;
+    const rr = baseline.baseline_router || 'baseline';
+    const kv = baseline.kv_router || 'kv';
+    const slo = baseline.slo || this.status?.slo || {};
+    setText($('static-sub'), `p95 latency of ${rr} vs ${kv} at every tested concurrency level (static data, `
+      + `SLO: TTFT p95 < ${fmt.ms(slo.ttft_p95_ms)} ms, TPOT p95 < ${fmt.ms(slo.tpot_p95_ms)} ms).`);
+    replaceChildren($('static-head'),
+      el('tr', {},
+        el('th', { rowspan: 2, scope: 'col', text: 'Concurrency' }),
+        el('th', { colspan: 3, scope: 'colgroup', class: 'group', text: 'TTFT p95 (ms)' }),
+        el('th', { colspan: 3, scope: 'colgroup', class: 'group', text: 'TPOT p95 (ms)' })),
+      el('tr', {}, [0, 1].map(() => [
+        el('th', { scope: 'col', text: rr }),
+        el('th', { scope: 'col', text: kv }),
+        el('th', { scope: 'col', text: 'Improvement' }),
+      ])));
+    const metrics = [{ key: 'ttft', field: 'ttft_ms', slo: slo.ttft_p95_ms }, { key: 'tpot', field: 'tpot_ms', slo: slo.tpot_p95_ms }];
+    const levels = (baseline.levels || []).slice().sort((a, b) => a.concurrency - b.concurrency);
+    replaceChildren($('static-body'), levels.map((level) => {
+      const c = level.concurrency;
+      return el('tr', { testid: `static-row-${c}`, 'data-concurrency': c },
+        el('th', { scope: 'row', class: 'num', text: fmt.integer(c) }),
+        metrics.map((m) => {
+          const rrValue = level.baseline?.[m.field]?.p95 ?? null;
+          const kvValue = level.kv?.[m.field]?.p95 ?? null;
+          const pct = fmt.improvementPct(rrValue, kvValue);
+          return [
+            el('td', { class: `num ${fmt.sloClass(rrValue, m.slo)}`, testid: `static-${c}-${m.key}-rr`, text: fmt.ms(rrValue) }),
+            el('td', { class: `num ${fmt.sloClass(kvValue, m.slo)}`, testid: `static-${c}-${m.key}-kv`, text: fmt.ms(kvValue) }),
+            el('td', {
+              class: `num imp ${pct === null ? '' : pct > 0.05 ? 'imp-pos' : pct < -0.05 ? 'imp-neg' : ''}`,
+              testid: `static-${c}-${m.key}-imp`,
+              text: fmt.improvement(rrValue, kvValue),
+            }),
+          ];
+        }));
+    }));
+    note.hidden = false;
+    replaceChildren(note, 'Simulated by ', el('code', { text: 'kvroute bench' }),
+      ' (3 × H200, Llama-3.3-70B FP8); replace with your own results.json',
+      baseline.source ? [' — source: ', el('code', { text: baseline.source })] : '', '.');
+    this.highlightStaticRow();
+  }
+
+  /** Highlights the row of the current concurrency (the nearest level when none is equal). */
+  highlightStaticRow() {
+    const levels = this.baseline?.levels || [];
+    const target = this.status?.concurrency;
+    let current = null;
+    if (typeof target === 'number' && levels.length) {
+      current = levels.reduce((best, l) =>
+        (Math.abs(l.concurrency - target) < Math.abs(best.concurrency - target) ? l : best)).concurrency;
+    }
+    for (const row of $('static-body').querySelectorAll('tr')) {
+      row.classList.toggle('current', Number(row.dataset.concurrency) === current);
+    }
+  }
+
+  // ---- section 4: infrastructure ----
+
+  renderWorkers(status) {
+    const lanes = status.lanes || [];
+    const compare = isCompare(status);
+    const box = $('workers');
+    // Rebuild only when what is shown changes shape; values update in place.
+    const shape = JSON.stringify(lanes.map((l) => {
+      const w = l.workers || {};
+      return [l.name, w.available, w.error, w.gpu, w.model, (w.list || []).map((k) => [k.name, (k.gpus || []).map((g) => g.index)])];
+    }));
+    if (this.workersLayout !== shape) {
+      this.workersLayout = shape;
+      this.gpuCells = [];
+      if (!lanes.length) {
+        replaceChildren(box, el('p', { class: 'placeholder', text: 'No lanes reported.' }));
+        return;
+      }
+      replaceChildren(box, lanes.map((lane, i) => this.buildWorkerGroup(lane, i, compare)));
+    }
+    let n = 0;
+    for (const lane of lanes) {
+      for (const worker of lane.workers?.list || []) {
+        for (const gpu of worker.gpus || []) {
+          const cells = this.gpuCells[n++];
+          if (!cells) continue;
+          setText(cells.util, fmt.percent(gpu.util_pct));
+          setClassFrom(cells.util, UTIL_CLASSES, fmt.utilClass(gpu.util_pct));
+          setClassFrom(cells.box, UTIL_CLASSES, fmt.utilClass(gpu.util_pct));
+          setText(cells.mem, fmt.percent(gpu.memory_pct));
+          cells.bar.style.width = `${Math.min(100, Math.max(0, gpu.memory_pct || 0))}%`;
+        }
+      }
+    }
+  }
+
+  buildWorkerGroup(lane, i, compare) {
+    const w = lane.workers || { available: false, error: 'no worker data reported' };
+    const meta = [];
+    if (w.gpu) meta.push(el('span', { class: 'meta-item' }, el('span', { class: 'meta-label', text: 'GPU' }), w.gpu));
+    if (w.model) meta.push(el('span', { class: 'meta-item' }, el('span', { class: 'meta-label', text: 'Model' }), w.model));
+    const warning = w.available === false
+      ? el('div', { class: 'warning', testid: 'prometheus-unavailable' },
+        el('strong', { text: 'Prometheus unavailable' }), w.error ? `: ${w.error}` : '')
+      : null;
+    const workers = w.list || [];
+    const cards = workers.map((worker) => el('div', { class: 'worker-card', testid: 'worker-card' },
+      el('div', { class: 'worker-name', text: worker.name }),
+      el('div', { class: 'gpu-boxes' }, (worker.gpus || []).map((gpu) => {
+        const util = el('div', { class: 'gpu-util', testid: 'gpu-util', text: fmt.DASH });
+        const mem = el('span', { class: 'gpu-mem', testid: 'gpu-mem', text: fmt.DASH });
+        const bar = el('div', { class: 'mem-bar-fill' });
+        const box = el('div', { class: 'gpu-box' },
+          el('div', { class: 'gpu-index', text: `GPU ${gpu.index}` }),
+          util,
+          el('div', { class: 'gpu-caption', text: 'utilisation' }),
+          el('div', { class: 'mem-bar' }, bar),
+          el('div', { class: 'gpu-caption' }, 'memory ', mem));
+        this.gpuCells.push({ util, mem, bar, box });
+        return box;
+      }))));
+    return el('div', { class: 'worker-group' },
+      compare ? el('h3', { class: 'lane-title', text: laneLabel(lane, i) }) : null,
+      meta.length ? el('div', { class: 'worker-meta' }, meta) : null,
+      warning,
+      cards.length ? el('div', { class: 'worker-cards' }, cards)
+        : (w.available !== false ? el('p', { class: 'placeholder', text: 'No workers reported.' }) : null));
+  }
+}
