@@ -147,7 +147,7 @@ const HEIGHT = 250;
 
 /**
  * One chart. Options: `unit` (axis title), `slo` (a function returning the SLO in the chart's
- * unit, or null), `fixedMax` (a fixed y maximum, e.g. 100 for a percent), `tickFormat`.
+ * unit, or null), `fixedMax` (a fixed y maximum, e.g. 100 for a percent).
  */
 export class TimeSeriesChart {
   constructor(svgElement, options) {
@@ -169,7 +169,7 @@ export class TimeSeriesChart {
     this.svg.setAttribute('height', String(height));
     const plotW = width - MARGIN.left - MARGIN.right;
     const plotH = height - MARGIN.top - MARGIN.bottom;
-    const { unit, tickFormat = (v) => String(v) } = this.options;
+    const { unit } = this.options;
     const slo = this.options.slo ? this.options.slo() : null;
 
     const children = [];
@@ -183,7 +183,7 @@ export class TimeSeriesChart {
       let dataMax = 0;
       for (const s of series) for (const [, v] of s.points) if (v !== null) dataMax = Math.max(dataMax, v);
       if (typeof slo === 'number') dataMax = Math.max(dataMax, slo * 1.25);
-      if (dataMax <= 0) dataMax = 1;
+      if (dataMax <= 0) dataMax = 10;
       yStep = niceStep(dataMax, 4);
       yMax = Math.ceil(dataMax / yStep) * yStep;
     } else {
@@ -192,8 +192,11 @@ export class TimeSeriesChart {
     const x = (t) => MARGIN.left + ((t - t0) / Math.max(1, t1 - t0)) * plotW;
     const y = (v) => MARGIN.top + plotH - (Math.min(Math.max(v, 0), yMax) / yMax) * plotH;
 
-    // Grid and y axis.
-    for (let v = 0; v <= yMax + yStep / 1000; v += yStep) {
+    // Grid and y axis; labels get as many decimals as the step needs (0.5 -> one decimal).
+    const decimals = Math.max(0, -Math.floor(Math.log10(yStep) + 1e-9));
+    const tickFormat = (v) => v.toFixed(decimals);
+    for (let i = 0; i * yStep <= yMax * (1 + 1e-9); i++) {
+      const v = i * yStep;
       const yy = y(v);
       children.push(svg('line', { class: 'grid', x1: MARGIN.left, x2: MARGIN.left + plotW, y1: yy, y2: yy }));
       children.push(svg('text', { class: 'tick tick-y', x: MARGIN.left - 6, y: yy + 4, 'text-anchor': 'end', text: tickFormat(v) }));
@@ -215,7 +218,7 @@ export class TimeSeriesChart {
       const ys = y(slo);
       children.push(svg('rect', { class: 'slo-area', x: MARGIN.left, y: MARGIN.top, width: plotW, height: ys - MARGIN.top }));
       children.push(svg('line', { class: 'slo-line', x1: MARGIN.left, x2: MARGIN.left + plotW, y1: ys, y2: ys }));
-      children.push(svg('text', { class: 'slo-label', x: MARGIN.left + plotW - 4, y: ys - 5, 'text-anchor': 'end', text: `SLO ${tickFormat(slo)} ${unit}` }));
+      children.push(svg('text', { class: 'slo-label', x: MARGIN.left + 6, y: ys - 5, text: `SLO ${Math.round(slo * 1000) / 1000} ${unit}` }));
     }
 
     // Series: a path per lane, broken where a value is missing; a lone point is drawn as a dot

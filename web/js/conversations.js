@@ -142,7 +142,7 @@ export class Conversations {
       ['Duration', fmt.duration(c.duration_s)],
       ['Started', fmt.localTime(c.started_at_ms)],
     ];
-    if (this.isCompare() || c.lane) facts.push(['Lane', c.lane || '']);
+    if (this.isCompare()) facts.push(['Lane', c.lane || '']);
     const header = el('div', { class: 'detail-head' },
       el('div', { class: 'detail-title' }, el('h2', { text: c.topic || `Conversation ${c.id}` }), badge(c.status)),
       el('dl', { class: 'facts' }, facts.map(([k, v]) => el('div', {}, el('dt', { text: k }), el('dd', { text: v })))));

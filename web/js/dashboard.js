@@ -63,10 +63,10 @@ export class Dashboard {
     this.setupSlider();
     const slo = (key) => () => this.status?.slo?.[key] ?? null;
     this.charts = {
-      ttft: new TimeSeriesChart($('chart-ttft'), { unit: 'ms', slo: slo('ttft_p95_ms'), tickFormat: (v) => fmt.ms(v) }),
-      tpot: new TimeSeriesChart($('chart-tpot'), { unit: 'ms', slo: slo('tpot_p95_ms'), tickFormat: (v) => fmt.ms(v) }),
-      tops: new TimeSeriesChart($('chart-tops'), { unit: 'tok/s', tickFormat: (v) => fmt.tops(v) }),
-      kv: new TimeSeriesChart($('chart-kv-hit'), { unit: '%', fixedMax: 100, tickFormat: (v) => fmt.integer(v) }),
+      ttft: new TimeSeriesChart($('chart-ttft'), { unit: 'ms', slo: slo('ttft_p95_ms') }),
+      tpot: new TimeSeriesChart($('chart-tpot'), { unit: 'ms', slo: slo('tpot_p95_ms') }),
+      tops: new TimeSeriesChart($('chart-tops'), { unit: 'tok/s' }),
+      kv: new TimeSeriesChart($('chart-kv-hit'), { unit: '%', fixedMax: 100 }),
     };
     this.renderKpis(null);
   }
@@ -130,7 +130,13 @@ export class Dashboard {
     this.renderWorkers(status);
     this.highlightStaticRow();
     this.history.setOrder((status.lanes || []).map((l) => l.name));
-    if (this.history.append(status) || !this.chartsDrawn) this.renderCharts();
+    // Redraw on a new point, and when the SLO lines move (the first status brings them).
+    const sloKey = `${slo.ttft_p95_ms}|${slo.tpot_p95_ms}`;
+    const appended = this.history.append(status);
+    if (appended || sloKey !== this.chartSloKey) {
+      this.chartSloKey = sloKey;
+      this.renderCharts();
+    }
   }
 
   seedHistory(history) {
@@ -140,7 +146,6 @@ export class Dashboard {
 
   renderCharts() {
     if (!this.visible) return;
-    this.chartsDrawn = true;
     const range = this.history.timeRange();
     this.charts.ttft.render(this.history.series('ttft'), range);
     this.charts.tpot.render(this.history.series('tpot'), range);
@@ -287,7 +292,7 @@ export class Dashboard {
     replaceChildren($('static-body'), levels.map((level) => {
       const c = level.concurrency;
       return el('tr', { testid: `static-row-${c}`, 'data-concurrency': c },
-        el('th', { scope: 'row', class: 'num', text: fmt.integer(c) }),
+        el('th', { scope: 'row', text: fmt.integer(c) }),
         metrics.map((m) => {
           const rrValue = level.baseline?.[m.field]?.p95 ?? null;
           const kvValue = level.kv?.[m.field]?.p95 ?? null;
