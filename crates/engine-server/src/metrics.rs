@@ -10,7 +10,8 @@
 //! - TensorRT-LLM as seed 001's dashboard queries it: `trtllm_request_queue_time_seconds`
 //!   (histogram: submission to first scheduling).
 //! - DCGM: `DCGM_FI_DEV_GPU_UTIL` (percent busy over the time since the previous scrape at
-//!   least a second ago) and `DCGM_FI_DEV_FB_USED` (MiB: weights + KV blocks in use), labels
+//!   least a second ago), `DCGM_FI_DEV_FB_USED` (MiB: weights + KV blocks in use) and
+//!   `DCGM_FI_DEV_FB_FREE` (MiB: the rest of the GPU's memory), labels
 //!   `gpu`, `Hostname`, `modelName`.
 //!
 //! Durations are modelled seconds (what the simulated GPU took), not wall seconds: at
@@ -49,6 +50,7 @@ pub struct ServerMetrics {
     queue_time: HistogramFamily,
     gpu_util: Family<Labels, FloatGauge>,
     fb_used: Family<Labels, FloatGauge>,
+    fb_free: Family<Labels, FloatGauge>,
     /// Requests the engine refused (queue full, too long…).
     pub rejected: Counter,
     /// KV event batches dropped because the publishers fell behind.
@@ -98,6 +100,7 @@ impl ServerMetrics {
             queue_time: histogram_family(),
             gpu_util: Family::default(),
             fb_used: Family::default(),
+            fb_free: Family::default(),
             rejected: Counter::default(),
             kv_batches_dropped: Counter::default(),
             kv_blocks_without_tokens: Counter::default(),
@@ -170,6 +173,11 @@ impl ServerMetrics {
             m.fb_used.clone(),
         );
         registry.register(
+            "DCGM_FI_DEV_FB_FREE",
+            "Simulated GPU framebuffer memory free (MiB)",
+            m.fb_free.clone(),
+        );
+        registry.register(
             "kvroute_engine_rejected_requests",
             "Requests the engine refused",
             m.rejected.clone(),
@@ -203,6 +211,7 @@ impl ServerMetrics {
         let _ = m.cache_usage.get_or_create(&m.labels);
         let _ = m.gpu_util.get_or_create(&m.gpu_labels);
         let _ = m.fb_used.get_or_create(&m.gpu_labels);
+        let _ = m.fb_free.get_or_create(&m.gpu_labels);
         ServerMetrics { registry, ..m }
     }
 
@@ -220,6 +229,12 @@ impl ServerMetrics {
         self.fb_used
             .get_or_create(&self.gpu_labels)
             .set(metrics.memory_used_bytes as f64 / (1u64 << 20) as f64);
+        self.fb_free.get_or_create(&self.gpu_labels).set(
+            metrics
+                .gpu_memory_bytes
+                .saturating_sub(metrics.memory_used_bytes) as f64
+                / (1u64 << 20) as f64,
+        );
         let Ok(mut last) = self.last.lock() else {
             return;
         };

@@ -13,6 +13,7 @@ use kv_index::BlockHasher;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bench_cmd;
+mod demo_cmd;
 mod engine_cmd;
 mod gateway_cmd;
 mod profiles;
@@ -48,6 +49,12 @@ enum Command {
     /// Seed 002's benchmark in virtual time: routers × concurrency levels × sweeps, with its
     /// tables (report.md), plots (SVG) and results.json.
     Bench(Box<bench_cmd::BenchArgs>),
+    /// The booth demo on one machine: simulated GPU workers (3 × H200 by default), the gateway,
+    /// the load generator and the live dashboard; prints the URL, stops cleanly on Ctrl-C.
+    Demo(Box<demo_cmd::DemoArgs>),
+    /// The load generator and live dashboard against any OpenAI-compatible endpoint: seed
+    /// 002's multi-turn chats, client-side TTFT/TPOT/ITL/latency, the control API and UI.
+    Loadgen(Box<demo_cmd::LoadgenArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -71,6 +78,8 @@ fn main() -> ExitCode {
         Command::Gateway(args) => gateway_cmd::run(*args),
         Command::Sim(args) => sim_cmd::run(*args),
         Command::Bench(args) => bench_cmd::run(*args),
+        Command::Demo(args) => demo_cmd::run_demo(*args),
+        Command::Loadgen(args) => demo_cmd::run_loadgen(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -467,8 +467,17 @@ impl ChatWorkload {
 
     /// The open conversations, by id.
     pub fn conversations(&self) -> impl Iterator<Item = ConversationInfo> + '_ {
-        self.conversations.iter().map(|(id, c)| ConversationInfo {
-            id: *id,
+        self.conversations
+            .keys()
+            .filter_map(|id| self.conversation(*id))
+    }
+
+    /// One open conversation, in O(log n) (drivers that keep their own per-conversation state
+    /// look up a new conversation's passage and turn count here).
+    pub fn conversation(&self, id: ConversationId) -> Option<ConversationInfo> {
+        let c = self.conversations.get(&id)?;
+        Some(ConversationInfo {
+            id,
             passage: c.script.passage(),
             turns: c.script.turns(),
             turns_issued: c.next_turn + u32::from(matches!(c.phase, Phase::InFlight { .. })),

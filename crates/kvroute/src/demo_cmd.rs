@@ -1,0 +1,402 @@
+//! `kvroute loadgen` (the load generator and dashboard against any OpenAI-compatible endpoint)
+//! and `kvroute demo` (a whole simulated cluster, its gateway, the load generator and the
+//! dashboard on one machine).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use engine_server::{EngineServer, EngineServerHandle};
+use gateway::Gateway;
+use loadgen::{Baseline, DriveConfig, LaneSpec, Loadgen, LoadgenConfig, UserSimulator};
+use router::PolicyKind;
+use workload::{Distribution, WorkloadConfig};
+
+use crate::{engine_cmd, gateway_cmd};
+
+/// Workload, user and dashboard settings shared by `loadgen` and `demo`.
+#[derive(Debug, clap::Args)]
+pub struct DriveArgs {
+    /// Conversations kept open at once (the dashboard's slider moves it live: 60–180).
+    #[arg(long, default_value_t = 60)]
+    concurrency: u32,
+    /// Start the workload at once instead of waiting for Start in the dashboard or the API.
+    #[arg(long)]
+    start: bool,
+    /// Workload seed: the same seed gives the same conversations (passages, turns, lengths).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Mean think time of the simulated user between a reply and the next question, seconds
+    /// (exponential; 0, the seed's calibration, sends the next question at once).
+    #[arg(long, default_value_t = 0.0)]
+    think_time: f64,
+    /// The first conversations start spread over this many seconds.
+    #[arg(long, default_value_t = 10.0)]
+    ramp: f64,
+    /// Let the model end its replies (no `ignore_eos`): lengths then differ between targets.
+    #[arg(long)]
+    natural_replies: bool,
+    /// An OpenAI-compatible chat completions URL of a "user model" that writes the follow-up
+    /// questions (seed 000's 8B model), e.g. https://inference.example/v1/chat/completions.
+    #[arg(long, requires = "user_model")]
+    user_model_url: Option<String>,
+    /// The user model's name.
+    #[arg(long, requires = "user_model_url")]
+    user_model: Option<String>,
+    /// Environment variable holding the user model's API key.
+    #[arg(long, default_value = "USER_MODEL_API_KEY")]
+    user_model_api_key_env: String,
+    /// The recorded baseline for the RR columns and the static table: a results.json written
+    /// by `kvroute bench` (default: the shipped simulation of seed 002).
+    #[arg(long, conflicts_with = "no_baseline")]
+    baseline: Option<PathBuf>,
+    /// Hide the RR columns and the static table.
+    #[arg(long)]
+    no_baseline: bool,
+    /// Seconds before a turn that has not finished counts as an error.
+    #[arg(long, default_value_t = 600.0)]
+    request_timeout: f64,
+    /// Ended conversations kept for the Conversations page.
+    #[arg(long, default_value_t = 500)]
+    conversations_kept: usize,
+}
+
+impl DriveArgs {
+    fn drive(&self, time_scale: f64) -> Result<DriveConfig> {
+        if !(self.think_time.is_finite() && self.think_time >= 0.0) {
+            bail!(
+                "--think-time must be a number of seconds ≥ 0, got {}",
+                self.think_time
+            );
+        }
+        if !(self.ramp.is_finite() && self.ramp >= 0.0) {
+            bail!("--ramp must be a number of seconds ≥ 0, got {}", self.ramp);
+        }
+        if !(self.request_timeout.is_finite() && self.request_timeout > 0.0) {
+            bail!("--request-timeout must be a positive number of seconds");
+        }
+        let think_time_s = if self.think_time == 0.0 {
+            Distribution::Constant { value: 0.0 }
+        } else {
+            Distribution::Exponential {
+                mean: self.think_time,
+                // The tail is cut at ten means so that one user cannot stall a measurement.
+                max: 10.0 * self.think_time,
+            }
+        };
+        let user = match (&self.user_model_url, &self.user_model) {
+            (Some(url), Some(model)) => UserSimulator::Model {
+                url: url.clone(),
+                model: model.clone(),
+                api_key: std::env::var(&self.user_model_api_key_env).ok(),
+            },
+            _ => UserSimulator::Builtin,
+        };
+        Ok(DriveConfig {
+            workload: WorkloadConfig {
+                concurrency: self.concurrency,
+                think_time_s,
+                ramp_s: self.ramp,
+                ..WorkloadConfig::default()
+            },
+            seed: self.seed,
+            user,
+            fixed_output_length: !self.natural_replies,
+            request_timeout: Duration::from_secs_f64(self.request_timeout),
+            conversations_kept: self.conversations_kept,
+            time_scale,
+            ..DriveConfig::default()
+        })
+    }
+
+    fn baseline(&self) -> Result<Option<Baseline>> {
+        if self.no_baseline {
+            return Ok(None);
+        }
+        match &self.baseline {
+            None => Ok(Some(Baseline::shipped()?)),
+            Some(path) => {
+                let json = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let source = path.display().to_string();
+                Ok(Some(
+                    Baseline::from_results_json(&json, &source, "round_robin")
+                        .with_context(|| format!("baseline {source}"))?,
+                ))
+            }
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LoadgenArgs {
+    /// Address of the dashboard and control API.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Base URL of the OpenAI-compatible endpoint to load (a gateway, vLLM, …), without /v1.
+    #[arg(long)]
+    target: String,
+    /// The model name sent in requests.
+    #[arg(long, default_value = "llama-3.1-70b-instruct")]
+    model: String,
+    /// Environment variable holding the target's API key (sent as a bearer token).
+    #[arg(long, default_value = "OPENAI_API_KEY")]
+    api_key_env: String,
+    /// The dashboard's label for this target.
+    #[arg(long, default_value = "live")]
+    name: String,
+    /// Prometheus endpoint with the gateway's dynamo_frontend_* metrics (KV hit rate, queued);
+    /// default: TARGET/metrics.
+    #[arg(long)]
+    gateway_metrics: Option<String>,
+    /// Do not read gateway metrics (the KV hit and Queued cards show "—").
+    #[arg(long, conflicts_with = "gateway_metrics")]
+    no_gateway_metrics: bool,
+    /// A worker's Prometheus endpoint with DCGM-style GPU metrics (repeat per worker).
+    #[arg(long = "worker-metrics", value_name = "URL")]
+    worker_metrics: Vec<String>,
+    /// Model seconds per wall second of the target (a simulated cluster's --speedup): the
+    /// dashboard then shows modelled time.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    #[command(flatten)]
+    drive: DriveArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// Dashboard port.
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// The gateway's port (with --compare, the second gateway takes the next one).
+    #[arg(long, default_value_t = 8000)]
+    gateway_port: u16,
+    /// Simulated GPU workers per cluster.
+    #[arg(long, default_value_t = 3)]
+    workers: u32,
+    /// Hardware profile of the workers (see `kvroute profiles`).
+    #[arg(long, default_value = "h200-llama70b-fp8")]
+    profile: String,
+    /// Run the simulated GPUs this many times faster than real time; the dashboard shows
+    /// modelled time.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// The gateway's routing policy.
+    #[arg(long, default_value = "kv_load")]
+    router: String,
+    /// Two routers, comma-separated (e.g. round_robin,kv): two identical clusters fed the same
+    /// conversations, compared live side by side.
+    #[arg(long, value_name = "A,B", conflicts_with = "router")]
+    compare: Option<String>,
+    /// Drive an external gateway at this URL instead of starting a simulated cluster.
+    #[arg(long, conflicts_with = "compare")]
+    target: Option<String>,
+    #[command(flatten)]
+    drive: DriveArgs,
+}
+
+/// `kvroute engine`'s flags, parsed from a list: the demo starts its engines exactly as the
+/// command would.
+#[derive(Debug, Parser)]
+struct EngineFlags {
+    #[command(flatten)]
+    args: engine_cmd::EngineArgs,
+}
+
+#[derive(Debug, Parser)]
+struct GatewayFlags {
+    #[command(flatten)]
+    args: gateway_cmd::GatewayArgs,
+}
+
+pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
+    let target = args.target.trim_end_matches('/').to_owned();
+    if !(target.starts_with("http://") || target.starts_with("https://")) {
+        bail!("--target must be an http:// or https:// URL, got {target:?}");
+    }
+    let mut lane = LaneSpec::for_gateway(&args.name, None, &target, &args.model);
+    lane.api_key = std::env::var(&args.api_key_env).ok();
+    if args.no_gateway_metrics {
+        lane.gateway_metrics = None;
+    } else if let Some(url) = &args.gateway_metrics {
+        lane.gateway_metrics = Some(url.clone());
+    }
+    lane.worker_metrics = args.worker_metrics.clone();
+    let config = LoadgenConfig {
+        listen: SocketAddr::new(args.host, args.port),
+        drive: args.drive.drive(args.speedup)?,
+        baseline: args.drive.baseline()?,
+        autostart: args.drive.start,
+        ..LoadgenConfig::new(vec![lane])
+    };
+    let runtime = crate::server_runtime()?;
+    runtime.block_on(async {
+        let loadgen = Loadgen::bind(config).await?;
+        println!("kvroute loadgen: dashboard on {}", loadgen.url());
+        println!("kvroute loadgen: driving {target}; Ctrl-C stops");
+        wait_for_signal().await;
+        println!("kvroute loadgen: shutting down");
+        loadgen.shutdown().await;
+        Ok(())
+    })
+}
+
+/// One simulated cluster: engines and their gateway.
+struct Cluster {
+    router: String,
+    engines: Vec<EngineServerHandle>,
+    gateway: Gateway,
+}
+
+async fn start_cluster(
+    args: &DemoArgs,
+    router: &str,
+    index: u32,
+    gateway_port: u16,
+) -> Result<Cluster> {
+    let mut engines = Vec::new();
+    for w in 0..args.workers {
+        let id = index * 1_000 + w;
+        let hostname = if index == 0 {
+            format!("worker-{w}")
+        } else {
+            format!("{router}-worker-{w}")
+        };
+        let flags = EngineFlags::try_parse_from([
+            "engine".to_owned(),
+            "--port=0".to_owned(),
+            format!("--profile={}", args.profile),
+            format!("--speedup={}", args.speedup),
+            format!("--worker-id={id}"),
+            // The same seeds in both clusters: identical engines.
+            format!("--seed={w}"),
+            "--zmq-pub=tcp://127.0.0.1:0".to_owned(),
+            format!("--hostname={hostname}"),
+        ])
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let config = engine_cmd::config(&flags.args)?;
+        let engine = EngineServer::bind(config)
+            .await
+            .with_context(|| format!("starting simulated worker {w}"))?;
+        engines.push(engine);
+    }
+    let mut gateway_flags = vec![
+        "gateway".to_owned(),
+        format!("--port={gateway_port}"),
+        format!("--router-mode={router}"),
+    ];
+    gateway_flags.extend(engines.iter().map(|e| format!("--worker={}", e.url())));
+    let flags = GatewayFlags::try_parse_from(gateway_flags).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let config = gateway_cmd::config(&flags.args)?;
+    let gateway = Gateway::bind(config)
+        .await
+        .with_context(|| format!("starting the {router} gateway on port {gateway_port}"))?;
+    Ok(Cluster {
+        router: router.to_owned(),
+        engines,
+        gateway,
+    })
+}
+
+pub fn run_demo(args: DemoArgs) -> Result<()> {
+    if args.workers == 0 || args.workers > 64 {
+        bail!("--workers must be between 1 and 64, got {}", args.workers);
+    }
+    let routers: Vec<String> = match &args.compare {
+        Some(list) => {
+            let routers: Vec<String> = list.split(',').map(|r| r.trim().to_owned()).collect();
+            if routers.len() != 2 || routers[0] == routers[1] {
+                bail!("--compare takes two different routers, e.g. round_robin,kv; got {list:?}");
+            }
+            routers
+        }
+        None => vec![args.router.clone()],
+    };
+    for router in &routers {
+        router
+            .parse::<PolicyKind>()
+            .map_err(|e| anyhow::anyhow!("router {router:?}: {e}"))?;
+    }
+    let drive = args.drive.drive(args.speedup)?;
+    let baseline = args.drive.baseline()?;
+    let runtime = crate::server_runtime()?;
+    runtime.block_on(async {
+        let mut clusters = Vec::new();
+        let mut lanes = Vec::new();
+        if let Some(target) = &args.target {
+            lanes.push(LaneSpec::for_gateway(
+                "live",
+                None,
+                target,
+                "llama-3.1-70b-instruct",
+            ));
+        } else {
+            for (i, router) in routers.iter().enumerate() {
+                let port = args
+                    .gateway_port
+                    .checked_add(i as u16)
+                    .context("gateway port")?;
+                let cluster = start_cluster(&args, router, i as u32, port).await?;
+                let mut lane = LaneSpec::for_gateway(
+                    router,
+                    Some(router),
+                    &cluster.gateway.url(),
+                    "llama-3.1-70b-instruct",
+                );
+                lane.worker_metrics = cluster
+                    .engines
+                    .iter()
+                    .map(|e| format!("{}/metrics", e.url()))
+                    .collect();
+                println!(
+                    "kvroute demo: {} simulated {} workers behind the {} gateway on {}",
+                    cluster.engines.len(),
+                    args.profile,
+                    cluster.router,
+                    cluster.gateway.url()
+                );
+                lanes.push(lane);
+                clusters.push(cluster);
+            }
+        }
+        let config = LoadgenConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], args.port)),
+            drive,
+            baseline,
+            autostart: args.drive.start,
+            ..LoadgenConfig::new(lanes)
+        };
+        let loadgen = Loadgen::bind(config).await?;
+        println!("kvroute demo: open {} (Ctrl-C stops)", loadgen.url());
+        wait_for_signal().await;
+        println!("kvroute demo: shutting down");
+        loadgen.shutdown().await;
+        for cluster in clusters {
+            cluster.gateway.shutdown().await;
+            for engine in cluster.engines {
+                engine.shutdown().await;
+            }
+        }
+        println!("kvroute demo: stopped");
+        Ok(())
+    })
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -1,0 +1,189 @@
+//! The recorded baseline: `results.json` as `kvroute bench` writes it. The dashboard's RR
+//! columns and its static table come from here. The shipped default is our simulator's run
+//! of seed 002 (`docs/results/results.json`); `--baseline FILE` replaces it with a user's own.
+
+use serde::{Deserialize, Serialize};
+
+use crate::window::Quantiles;
+
+/// The results file the binary ships (`kvroute bench --out docs/results --compare-seed002`).
+pub const SHIPPED_RESULTS: &str = include_str!("../../../docs/results/results.json");
+
+/// Where the shipped baseline comes from, as the dashboard says it.
+pub const SHIPPED_SOURCE: &str =
+    "docs/results/results.json (kvroute bench: 3 × H200, Llama-3.3-70B FP8, simulated)";
+
+/// One router at one concurrency level.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BaselineRow {
+    pub router: String,
+    pub concurrency: u32,
+    pub ttft_ms: Quantiles,
+    pub tpot_ms: Quantiles,
+    pub itl_ms: Quantiles,
+    pub e2e_s: Quantiles,
+    pub tops: f64,
+    pub kv_hit_rate: f64,
+}
+
+/// A level of the static table: the baseline router and the KV router side by side.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BaselineLevel {
+    pub concurrency: u32,
+    pub baseline: BaselineRow,
+    pub kv: Option<BaselineRow>,
+}
+
+/// The whole recorded comparison.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Baseline {
+    pub source: String,
+    pub baseline_router: String,
+    pub kv_router: Option<String>,
+    pub levels: Vec<BaselineLevel>,
+}
+
+#[derive(Deserialize)]
+struct ResultsFile {
+    summary: Vec<SummaryRow>,
+}
+
+#[derive(Deserialize)]
+struct SummaryRow {
+    router: String,
+    concurrency: u32,
+    ttft_ms: Quantiles2,
+    tpot_ms: Quantiles2,
+    itl_ms: Quantiles2,
+    e2e_s: Quantiles2,
+    output_tokens_per_s: f64,
+    kv_hit_rate: f64,
+}
+
+#[derive(Deserialize)]
+struct Quantiles2 {
+    p50: f64,
+    p95: f64,
+}
+
+impl From<Quantiles2> for Quantiles {
+    fn from(q: Quantiles2) -> Quantiles {
+        Quantiles {
+            p50: q.p50,
+            p95: q.p95,
+        }
+    }
+}
+
+/// Why a results file cannot serve as the baseline.
+#[derive(Debug, thiserror::Error)]
+pub enum BaselineError {
+    #[error("not a kvroute bench results.json: {0}")]
+    Format(#[from] serde_json::Error),
+    #[error("results.json has no {0:?} rows (routers in it: {1})")]
+    NoRouter(String, String),
+}
+
+impl Baseline {
+    /// Reads `results.json`: `baseline_router` rows (normally `round_robin`) are the RR
+    /// columns; the KV column is `kv_load` when present, else `kv`.
+    pub fn from_results_json(
+        json: &str,
+        source: &str,
+        baseline_router: &str,
+    ) -> Result<Baseline, BaselineError> {
+        let file: ResultsFile = serde_json::from_str(json)?;
+        let rows: Vec<BaselineRow> = file
+            .summary
+            .into_iter()
+            .map(|r| BaselineRow {
+                router: r.router,
+                concurrency: r.concurrency,
+                ttft_ms: r.ttft_ms.into(),
+                tpot_ms: r.tpot_ms.into(),
+                itl_ms: r.itl_ms.into(),
+                e2e_s: r.e2e_s.into(),
+                tops: r.output_tokens_per_s,
+                kv_hit_rate: r.kv_hit_rate,
+            })
+            .collect();
+        let mut routers: Vec<&str> = rows.iter().map(|r| r.router.as_str()).collect();
+        routers.dedup();
+        let kv_router = ["kv_load", "kv"]
+            .into_iter()
+            .find(|k| *k != baseline_router && routers.contains(k))
+            .map(str::to_owned);
+        let mut levels: Vec<BaselineLevel> = rows
+            .iter()
+            .filter(|r| r.router == baseline_router)
+            .map(|b| BaselineLevel {
+                concurrency: b.concurrency,
+                baseline: b.clone(),
+                kv: kv_router.as_ref().and_then(|k| {
+                    rows.iter()
+                        .find(|r| &r.router == k && r.concurrency == b.concurrency)
+                        .cloned()
+                }),
+            })
+            .collect();
+        if levels.is_empty() {
+            return Err(BaselineError::NoRouter(
+                baseline_router.to_owned(),
+                routers.join(", "),
+            ));
+        }
+        levels.sort_by_key(|l| l.concurrency);
+        Ok(Baseline {
+            source: source.to_owned(),
+            baseline_router: baseline_router.to_owned(),
+            kv_router,
+            levels,
+        })
+    }
+
+    /// The shipped baseline (round-robin vs kv_load, simulated).
+    pub fn shipped() -> Result<Baseline, BaselineError> {
+        Baseline::from_results_json(SHIPPED_RESULTS, SHIPPED_SOURCE, "round_robin")
+    }
+
+    /// The baseline row at the level nearest `concurrency` (the lower one on a tie).
+    pub fn row_near(&self, concurrency: u32) -> Option<&BaselineRow> {
+        self.levels
+            .iter()
+            .min_by_key(|l| (l.concurrency.abs_diff(concurrency), l.concurrency))
+            .map(|l| &l.baseline)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_results_give_seven_levels_with_both_routers() {
+        let b = Baseline::shipped().unwrap();
+        let levels: Vec<u32> = b.levels.iter().map(|l| l.concurrency).collect();
+        assert_eq!(levels, vec![60, 80, 100, 120, 140, 160, 180]);
+        assert_eq!(b.kv_router.as_deref(), Some("kv_load"));
+        for level in &b.levels {
+            assert_eq!(level.baseline.router, "round_robin");
+            let kv = level.kv.as_ref().unwrap();
+            assert_eq!(kv.concurrency, level.concurrency);
+            assert!(kv.ttft_ms.p95 < level.baseline.ttft_ms.p95);
+        }
+        assert_eq!(b.row_near(130).unwrap().concurrency, 120);
+        assert_eq!(b.row_near(131).unwrap().concurrency, 140);
+        assert_eq!(b.row_near(5_000).unwrap().concurrency, 180);
+    }
+
+    #[test]
+    fn a_file_without_the_baseline_router_is_refused() {
+        let json = r#"{"summary": [{"router": "kv", "concurrency": 60,
+            "ttft_ms": {"p50": 1, "p95": 2}, "tpot_ms": {"p50": 1, "p95": 2},
+            "itl_ms": {"p50": 1, "p95": 2}, "e2e_s": {"p50": 1, "p95": 2},
+            "output_tokens_per_s": 10, "kv_hit_rate": 0.5}]}"#;
+        let err = Baseline::from_results_json(json, "x", "round_robin").unwrap_err();
+        assert!(err.to_string().contains("no \"round_robin\" rows"), "{err}");
+        assert!(Baseline::from_results_json("{}", "x", "round_robin").is_err());
+    }
+}

@@ -1,0 +1,390 @@
+//! One streamed chat turn against an OpenAI-compatible endpoint, measured as the client sees
+//! it, and the user model's question.
+
+use std::borrow::Cow;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use protocol::sse::{SseDecoder, SseMessage};
+use serde::Deserialize;
+
+/// What a successful turn measured and returned.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TurnResult {
+    /// Send to the first chunk with content.
+    pub ttft: Duration,
+    /// Send to the end of the stream.
+    pub e2e: Duration,
+    /// Mean gap between content chunks (`None` with fewer than two).
+    pub itl: Option<Duration>,
+    /// Output tokens: the usage chunk's count, else the number of content chunks.
+    pub output_tokens: u64,
+    /// The reply's text, cut at the text bound (`text_truncated`).
+    pub text: String,
+    pub text_truncated: bool,
+    /// The gateway's `x-kvroute-worker` header.
+    pub worker: Option<String>,
+    /// `usage.prompt_tokens_details.cached_tokens` when the server reports it.
+    pub cached_tokens: Option<u64>,
+    pub prompt_tokens: Option<u64>,
+}
+
+impl TurnResult {
+    /// (E2E − TTFT) / (tokens − 1), the seed's definition; `None` for one token.
+    pub fn tpot(&self) -> Option<Duration> {
+        (self.output_tokens > 1)
+            .then(|| self.e2e.saturating_sub(self.ttft) / (self.output_tokens - 1) as u32)
+    }
+}
+
+/// Why a turn failed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum TurnError {
+    #[error("HTTP {status}: {message}")]
+    Status { status: u16, message: String },
+    #[error("connection: {0}")]
+    Transport(String),
+    #[error("stream: {0}")]
+    Stream(String),
+    #[error("no reply within {0:?}")]
+    Timeout(Duration),
+    #[error("the stream ended without content")]
+    Empty,
+}
+
+/// Longest error body read from a failed response.
+const MAX_ERROR_BODY: usize = 8 << 10;
+
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(borrow, default)]
+    choices: Vec<Choice<'a>>,
+    #[serde(default)]
+    usage: Option<Usage>,
+    #[serde(default)]
+    error: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(borrow, default)]
+    delta: Option<Delta<'a>>,
+    /// `/v1/completions` chunks carry `text` instead of a delta.
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Delta<'a> {
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(Deserialize)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+/// The message of an OpenAI error body, else the body itself (cut).
+fn error_message(body: &[u8]) -> String {
+    if let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) {
+        if let Some(message) = value
+            .pointer("/error/message")
+            .or_else(|| value.pointer("/message"))
+            .and_then(|m| m.as_str())
+        {
+            return message.to_owned();
+        }
+    }
+    let text = String::from_utf8_lossy(&body[..body.len().min(300)]);
+    if text.trim().is_empty() {
+        "(empty body)".to_owned()
+    } else {
+        text.into_owned()
+    }
+}
+
+/// Posts `body` (a chat request with `"stream": true`) to `url` and reads the stream to its
+/// end, measuring TTFT, ITL and E2E from the moment the request is sent. `max_text` bounds
+/// the reply text kept (bytes); tokens are still counted past it.
+pub async fn stream_turn(
+    client: &reqwest::Client,
+    url: &str,
+    api_key: Option<&str>,
+    body: Vec<u8>,
+    timeout: Duration,
+    max_text: usize,
+) -> Result<TurnResult, TurnError> {
+    match tokio::time::timeout(timeout, stream_inner(client, url, api_key, body, max_text)).await {
+        Ok(result) => result,
+        Err(_) => Err(TurnError::Timeout(timeout)),
+    }
+}
+
+async fn stream_inner(
+    client: &reqwest::Client,
+    url: &str,
+    api_key: Option<&str>,
+    body: Vec<u8>,
+    max_text: usize,
+) -> Result<TurnResult, TurnError> {
+    let mut request = client
+        .post(url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .header(reqwest::header::ACCEPT, "text/event-stream")
+        .body(body);
+    if let Some(key) = api_key {
+        request = request.bearer_auth(key);
+    }
+    let sent = Instant::now();
+    let response = request
+        .send()
+        .await
+        .map_err(|e| TurnError::Transport(error_chain(&e)))?;
+    let status = response.status();
+    if !status.is_success() {
+        let mut body = Vec::new();
+        let mut stream = response.bytes_stream();
+        while let Some(Ok(chunk)) = stream.next().await {
+            body.extend_from_slice(&chunk[..chunk.len().min(MAX_ERROR_BODY - body.len())]);
+            if body.len() >= MAX_ERROR_BODY {
+                break;
+            }
+        }
+        return Err(TurnError::Status {
+            status: status.as_u16(),
+            message: error_message(&body),
+        });
+    }
+    let worker = response
+        .headers()
+        .get("x-kvroute-worker")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let mut decoder = SseDecoder::default();
+    let mut stream = response.bytes_stream();
+    let mut first: Option<Instant> = None;
+    let mut last = sent;
+    let mut content_chunks: u64 = 0;
+    let mut text = String::new();
+    let mut text_truncated = false;
+    let mut usage: Option<Usage> = None;
+    let mut done = false;
+    while let Some(bytes) = stream.next().await {
+        let bytes = bytes.map_err(|e| TurnError::Transport(error_chain(&e)))?;
+        let now = Instant::now();
+        decoder
+            .push(&bytes)
+            .map_err(|e| TurnError::Stream(e.to_string()))?;
+        while let Some(message) = decoder.next_message() {
+            let payload = match message {
+                SseMessage::Done => {
+                    done = true;
+                    continue;
+                }
+                SseMessage::Data(payload) => payload,
+            };
+            let chunk: Chunk<'_> = serde_json::from_str(&payload)
+                .map_err(|e| TurnError::Stream(format!("a chunk is not JSON: {e}")))?;
+            if let Some(error) = chunk.error {
+                let message = error
+                    .get("message")
+                    .and_then(|m| m.as_str())
+                    .map_or_else(|| error.to_string(), str::to_owned);
+                return Err(TurnError::Stream(message));
+            }
+            for choice in &chunk.choices {
+                let content = choice
+                    .delta
+                    .as_ref()
+                    .and_then(|d| d.content.as_deref())
+                    .or(choice.text.as_deref())
+                    .unwrap_or("");
+                if content.is_empty() {
+                    continue;
+                }
+                content_chunks += 1;
+                first.get_or_insert(now);
+                last = now;
+                push_bounded(&mut text, content, max_text, &mut text_truncated);
+            }
+            if chunk.usage.is_some() {
+                usage = chunk.usage;
+            }
+        }
+    }
+    let end = Instant::now();
+    let Some(first) = first else {
+        return Err(if done {
+            TurnError::Empty
+        } else {
+            TurnError::Stream("the stream ended early".into())
+        });
+    };
+    if !done {
+        return Err(TurnError::Stream(
+            "the stream ended before [DONE]".to_owned(),
+        ));
+    }
+    let output_tokens = usage
+        .as_ref()
+        .and_then(|u| u.completion_tokens)
+        .unwrap_or(content_chunks)
+        .max(1);
+    Ok(TurnResult {
+        ttft: first - sent,
+        e2e: end - sent,
+        itl: (content_chunks > 1).then(|| (last - first) / (content_chunks - 1) as u32),
+        output_tokens,
+        text,
+        text_truncated,
+        worker,
+        cached_tokens: usage
+            .as_ref()
+            .and_then(|u| u.prompt_tokens_details.as_ref())
+            .and_then(|d| d.cached_tokens),
+        prompt_tokens: usage.as_ref().and_then(|u| u.prompt_tokens),
+    })
+}
+
+fn push_bounded(text: &mut String, content: &str, max: usize, truncated: &mut bool) {
+    if text.len() + content.len() <= max {
+        text.push_str(content);
+        return;
+    }
+    let mut cut = max.saturating_sub(text.len());
+    while cut > 0 && !content.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    text.push_str(&content[..cut]);
+    *truncated = true;
+}
+
+/// An error and its causes on one line (reqwest hides the useful part in `source`).
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut out = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = cause.source();
+    }
+    out
+}
+
+/// Asks a user model (any OpenAI-compatible chat endpoint, not streamed) for the next
+/// question of a conversation about `topic`, given the assistant's last answer.
+pub async fn ask_user_model(
+    client: &reqwest::Client,
+    url: &str,
+    model: &str,
+    api_key: Option<&str>,
+    topic: &str,
+    answer: &str,
+    timeout: Duration,
+) -> Result<String, TurnError> {
+    let excerpt: String = answer.chars().take(4_000).collect();
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [
+            {"role": "system", "content": format!(
+                "You are a curious engineer reading a technical document about {topic} and \
+                 chatting with an assistant about it. Reply with exactly one short follow-up \
+                 question (one or two sentences) about something specific in the assistant's \
+                 last answer. Output only the question.")},
+            {"role": "user", "content": format!("The assistant's last answer:\n\n{excerpt}")}
+        ],
+        "max_tokens": 96,
+        "temperature": 0.8,
+        "stream": false
+    });
+    let mut request = client.post(url).json(&body);
+    if let Some(key) = api_key {
+        request = request.bearer_auth(key);
+    }
+    let call = async {
+        let response = request
+            .send()
+            .await
+            .map_err(|e| TurnError::Transport(error_chain(&e)))?;
+        let status = response.status();
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|e| TurnError::Transport(error_chain(&e)))?;
+        if !status.is_success() {
+            return Err(TurnError::Status {
+                status: status.as_u16(),
+                message: error_message(&bytes),
+            });
+        }
+        let value: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| TurnError::Stream(format!("the user model's answer: {e}")))?;
+        let question = value
+            .pointer("/choices/0/message/content")
+            .and_then(|c| c.as_str())
+            .map(str::trim)
+            .unwrap_or("");
+        if question.is_empty() {
+            return Err(TurnError::Empty);
+        }
+        Ok(question.to_owned())
+    };
+    match tokio::time::timeout(timeout, call).await {
+        Ok(result) => result,
+        Err(_) => Err(TurnError::Timeout(timeout)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_bodies_give_their_message() {
+        let body = br#"{"error":{"message":"too many requests","type":"rate_limit"}}"#;
+        assert_eq!(error_message(body), "too many requests");
+        assert_eq!(error_message(b"plain text"), "plain text");
+        assert_eq!(error_message(b""), "(empty body)");
+    }
+
+    #[test]
+    fn text_is_cut_at_a_character_boundary() {
+        let mut text = String::new();
+        let mut truncated = false;
+        push_bounded(&mut text, "ab", 4, &mut truncated);
+        push_bounded(&mut text, "é€", 4, &mut truncated);
+        assert_eq!(text, "abé");
+        assert!(truncated);
+    }
+
+    #[test]
+    fn tpot_follows_the_seed_definition() {
+        let result = TurnResult {
+            ttft: Duration::from_millis(400),
+            e2e: Duration::from_millis(400 + 99 * 30),
+            itl: None,
+            output_tokens: 100,
+            text: String::new(),
+            text_truncated: false,
+            worker: None,
+            cached_tokens: None,
+            prompt_tokens: None,
+        };
+        assert_eq!(result.tpot(), Some(Duration::from_millis(30)));
+    }
+}

@@ -1,0 +1,762 @@
+//! A lane: one target endpoint driven by the seed's chat workload in real time.
+//!
+//! One task owns the sans-IO [`workload::ChatWorkload`] and a clock; it turns the workload's
+//! turns into streamed chat requests (one task each) and feeds their ends back. Everything the
+//! API shows (window, counters, conversations) lives in [`LaneState`] behind a mutex that the
+//! lane task and the HTTP handlers share; it is held for bookkeeping only, never across I/O.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use nanotime::Nanos;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use workload::{Assets, ChatWorkload, ConversationId, TurnId, TurnRequest, WorkloadConfig};
+
+use crate::client::{self, TurnError, TurnResult};
+use crate::scrape::{GatewayHistory, WorkersView};
+use crate::store::{ConversationRecord, ConversationStatus, Store, TurnRecord, TurnState};
+use crate::window::{TurnSample, Window};
+
+/// Where a lane sends its conversations and where it reads the serving side's metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaneSpec {
+    /// The lane's label (the router's name in the demo).
+    pub name: String,
+    /// The router behind the target, when known.
+    pub router: Option<String>,
+    /// Base URL of an OpenAI-compatible endpoint (`http://127.0.0.1:8000`, no `/v1`).
+    pub target: String,
+    pub model: String,
+    pub api_key: Option<String>,
+    /// The gateway's Prometheus endpoint (KV hit rate, queued), e.g. `{target}/metrics`.
+    pub gateway_metrics: Option<String>,
+    /// Workers' Prometheus endpoints with DCGM-style GPU series, for the per-worker view.
+    pub worker_metrics: Vec<String>,
+}
+
+/// Who writes the users' follow-up questions.
+#[derive(Clone, Debug, PartialEq)]
+pub enum UserSimulator {
+    /// Built in: questions from the passage and the last answer (`text::QuestionGenerator`).
+    Builtin,
+    /// An OpenAI-compatible "user model" (seed 000's 8B model plays the user).
+    Model {
+        /// The chat completions URL (`…/v1/chat/completions`).
+        url: String,
+        model: String,
+        api_key: Option<String>,
+    },
+}
+
+/// Settings every lane shares.
+#[derive(Clone, Debug)]
+pub struct DriveConfig {
+    pub workload: WorkloadConfig,
+    pub seed: u64,
+    pub user: UserSimulator,
+    /// Ask for exactly the planned reply length (`max_tokens` + `ignore_eos`, as benchmark
+    /// clients do), so every target serves the same token counts; off for natural replies.
+    pub fixed_output_length: bool,
+    pub request_timeout: Duration,
+    pub window: Duration,
+    /// Ended conversations kept for the UI.
+    pub conversations_kept: usize,
+    /// Reply text kept per turn (bytes).
+    pub max_reply_text: usize,
+    /// Model seconds per wall second: the engines' `--speedup`. The workload's clock runs this
+    /// much faster (think times, ramp) and every measured duration is multiplied by it, so
+    /// the figures are in the engines' modelled time and compare with `kvroute sim`.
+    pub time_scale: f64,
+}
+
+impl Default for DriveConfig {
+    fn default() -> Self {
+        DriveConfig {
+            workload: WorkloadConfig {
+                concurrency: 60,
+                ramp_s: 10.0,
+                ..WorkloadConfig::default()
+            },
+            seed: 1,
+            user: UserSimulator::Builtin,
+            fixed_output_length: true,
+            request_timeout: Duration::from_secs(600),
+            window: Duration::from_secs(60),
+            conversations_kept: 500,
+            max_reply_text: 64 << 10,
+            time_scale: 1.0,
+        }
+    }
+}
+
+/// Totals since start, with the sums behind the Prometheus summaries.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Totals {
+    pub requests: u64,
+    pub errors: u64,
+    pub output_tokens: u64,
+    pub ttft_sum_s: f64,
+    pub tpot_sum_s: f64,
+    pub tpot_count: u64,
+    pub itl_sum_s: f64,
+    pub itl_count: u64,
+    pub e2e_sum_s: f64,
+    pub user_model_errors: u64,
+}
+
+/// What the API reads of a lane.
+#[derive(Debug)]
+pub struct LaneState {
+    pub running: bool,
+    pub concurrency: u32,
+    /// Lane clock at start (for durations) and the wall-clock start.
+    pub started: Option<(Instant, u64)>,
+    pub window: Window,
+    pub totals: Totals,
+    pub in_flight: u64,
+    pub active_conversations: u32,
+    pub store: Store,
+    pub gateway: GatewayHistory,
+    pub gateway_error: Option<String>,
+    pub workers: WorkersView,
+    pub time_scale: f64,
+}
+
+impl LaneState {
+    /// Seconds on the lane clock (model time) since the start (0 before any).
+    pub fn now_s(&self) -> f64 {
+        self.started
+            .map_or(0.0, |(at, _)| at.elapsed().as_secs_f64() * self.time_scale)
+    }
+}
+
+enum Command {
+    Start {
+        concurrency: u32,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    Stop {
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    Concurrency {
+        concurrency: u32,
+        reply: oneshot::Sender<()>,
+    },
+}
+
+/// A running lane: its spec, its shared state and its command channel.
+pub struct Lane {
+    pub spec: Arc<LaneSpec>,
+    pub state: Arc<Mutex<LaneState>>,
+    commands: mpsc::Sender<Command>,
+}
+
+/// Poisoning only means a panic elsewhere; the state is still the best there is.
+pub fn lock(state: &Mutex<LaneState>) -> MutexGuard<'_, LaneState> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Lane {
+    /// Spawns the lane task (stopped) and its metrics scraper.
+    pub fn spawn(
+        spec: LaneSpec,
+        config: Arc<DriveConfig>,
+        assets: Arc<Assets>,
+        http: reqwest::Client,
+        shutdown: CancellationToken,
+    ) -> Lane {
+        let spec = Arc::new(spec);
+        let state = Arc::new(Mutex::new(LaneState {
+            running: false,
+            concurrency: config.workload.concurrency,
+            started: None,
+            window: Window::new(config.window, 1 << 20),
+            totals: Totals::default(),
+            in_flight: 0,
+            active_conversations: 0,
+            store: Store::new(config.conversations_kept),
+            gateway: GatewayHistory::new(config.window, 1_024),
+            gateway_error: None,
+            workers: WorkersView::default(),
+            time_scale: config.time_scale,
+        }));
+        let (commands, receiver) = mpsc::channel(64);
+        let driver = Driver {
+            spec: spec.clone(),
+            config,
+            assets,
+            http: http.clone(),
+            state: state.clone(),
+            system_messages: Vec::new(),
+            next_number: 0,
+            base: 0,
+            conversations: std::collections::HashMap::new(),
+        };
+        tokio::spawn(driver.run(receiver, shutdown.clone()));
+        tokio::spawn(crate::poll::scrape_loop(
+            spec.clone(),
+            state.clone(),
+            http,
+            shutdown,
+        ));
+        Lane {
+            spec,
+            state,
+            commands,
+        }
+    }
+
+    pub async fn start(&self, concurrency: u32) -> Result<(), String> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Start { concurrency, reply }).await?;
+        answer
+            .await
+            .map_err(|_| "the lane has shut down".to_owned())?
+    }
+
+    pub async fn stop(&self) -> Result<(), String> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Stop { reply }).await?;
+        answer
+            .await
+            .map_err(|_| "the lane has shut down".to_owned())?
+    }
+
+    pub async fn set_concurrency(&self, concurrency: u32) -> Result<(), String> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Concurrency { concurrency, reply })
+            .await?;
+        answer
+            .await
+            .map_err(|_| "the lane has shut down".to_owned())
+    }
+
+    async fn send(&self, command: Command) -> Result<(), String> {
+        self.commands
+            .send(command)
+            .await
+            .map_err(|_| "the lane has shut down".to_owned())
+    }
+}
+
+/// The text side of an open conversation: what the next request sends.
+struct Conversation {
+    number: u64,
+    passage: usize,
+    rng: ChaCha8Rng,
+    /// (question, answer) of each finished turn.
+    history: Vec<(Arc<str>, Arc<str>)>,
+}
+
+/// A turn's end, reported by its request task.
+struct Outcome {
+    run: u64,
+    id: TurnId,
+    question: Arc<str>,
+    result: Result<TurnResult, TurnError>,
+    user_model_failed: bool,
+}
+
+struct Driver {
+    spec: Arc<LaneSpec>,
+    config: Arc<DriveConfig>,
+    assets: Arc<Assets>,
+    http: reqwest::Client,
+    state: Arc<Mutex<LaneState>>,
+    /// Per passage: the system message (instruction + passage), shared by every request.
+    system_messages: Vec<Arc<str>>,
+    /// Conversation numbers continue across restarts, so ids stay unique in the store.
+    next_number: u64,
+    base: u64,
+    conversations: std::collections::HashMap<ConversationId, Conversation>,
+}
+
+/// Most turn outcomes waiting for the lane task: one per open conversation at most.
+const OUTCOME_QUEUE: usize = 1 << 16;
+
+impl Driver {
+    async fn run(mut self, mut commands: mpsc::Receiver<Command>, shutdown: CancellationToken) {
+        self.system_messages = (0..self.assets.corpus().len())
+            .map(|p| {
+                self.assets
+                    .system_message(&self.config.workload.system_prompt, p)
+                    .content
+                    .into()
+            })
+            .collect();
+        let (done_tx, mut done_rx) = mpsc::channel::<Outcome>(OUTCOME_QUEUE);
+        let mut workload: Option<ChatWorkload> = None;
+        let mut epoch = Instant::now();
+        let mut run: u64 = 0;
+        let mut requests = CancellationToken::new();
+        let scale = self.config.time_scale;
+        loop {
+            let wake = workload
+                .as_ref()
+                .and_then(ChatWorkload::poll_timeout)
+                .map(|at| epoch + Duration::from_secs_f64(at.as_secs_f64() / scale));
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                command = commands.recv() => {
+                    let Some(command) = command else { break };
+                    match command {
+                        Command::Start { concurrency, reply } => {
+                            if workload.is_some() {
+                                let _ = reply.send(Err("the workload is already running".into()));
+                                continue;
+                            }
+                            let config = WorkloadConfig {
+                                concurrency,
+                                ..self.config.workload.clone()
+                            };
+                            match ChatWorkload::new(config, self.assets.clone(), self.config.seed, Nanos::ZERO) {
+                                Ok(w) => {
+                                    epoch = Instant::now();
+                                    run += 1;
+                                    requests = CancellationToken::new();
+                                    self.base = self.next_number;
+                                    self.conversations.clear();
+                                    let mut s = lock(&self.state);
+                                    s.running = true;
+                                    s.concurrency = concurrency;
+                                    s.started = Some((epoch, unix_ms()));
+                                    s.window.reset(0.0);
+                                    s.totals = Totals::default();
+                                    s.in_flight = 0;
+                                    s.active_conversations = w.active_conversations();
+                                    s.gateway.clear();
+                                    drop(s);
+                                    workload = Some(w);
+                                    let _ = reply.send(Ok(()));
+                                }
+                                Err(e) => {
+                                    let _ = reply.send(Err(e.to_string()));
+                                }
+                            }
+                        }
+                        Command::Stop { reply } => {
+                            if workload.take().is_none() {
+                                let _ = reply.send(Err("the workload is not running".into()));
+                                continue;
+                            }
+                            requests.cancel();
+                            self.conversations.clear();
+                            let mut s = lock(&self.state);
+                            let now_s = s.now_s();
+                            s.running = false;
+                            s.in_flight = 0;
+                            s.active_conversations = 0;
+                            s.store.stop_all(now_s);
+                            drop(s);
+                            let _ = reply.send(Ok(()));
+                        }
+                        Command::Concurrency { concurrency, reply } => {
+                            let now = clock(epoch, scale);
+                            if let Some(w) = workload.as_mut() {
+                                w.set_concurrency(concurrency, now);
+                            }
+                            let mut s = lock(&self.state);
+                            s.concurrency = concurrency;
+                            if let Some(w) = &workload {
+                                s.active_conversations = w.active_conversations();
+                            }
+                            drop(s);
+                            let _ = reply.send(());
+                        }
+                    }
+                }
+                Some(outcome) = done_rx.recv() => {
+                    if outcome.run == run {
+                        if let Some(w) = workload.as_mut() {
+                            self.finish(w, outcome, clock(epoch, scale));
+                        }
+                    }
+                }
+                () = sleep_until(wake) => {
+                    if let Some(w) = workload.as_mut() {
+                        w.handle_timeout(clock(epoch, scale));
+                    }
+                }
+            }
+            if let Some(w) = workload.as_mut() {
+                while let Some(request) = w.poll_request() {
+                    self.issue(w, request, run, &requests, &done_tx);
+                }
+                lock(&self.state).active_conversations = w.active_conversations();
+            }
+        }
+        requests.cancel();
+    }
+
+    /// Sends one turn: builds the question and the messages, records the turn as streaming,
+    /// and spawns its request task.
+    fn issue(
+        &mut self,
+        workload: &ChatWorkload,
+        request: TurnRequest,
+        run: u64,
+        cancel: &CancellationToken,
+        done: &mpsc::Sender<Outcome>,
+    ) {
+        let id = request.id;
+        let questions = self.assets.questions();
+        if !self.conversations.contains_key(&id.conversation) {
+            let Some(info) = workload.conversation(id.conversation) else {
+                return;
+            };
+            let number = self.base + id.conversation.0;
+            self.next_number = self.next_number.max(number + 1);
+            let mut rng = ChaCha8Rng::seed_from_u64(self.config.seed ^ 0x10ad_9e4e);
+            rng.set_stream(id.conversation.0);
+            let topic: Arc<str> = self
+                .assets
+                .corpus()
+                .get(info.passage)
+                .map_or("a technical passage", |p| p.title())
+                .into();
+            let now_s;
+            {
+                let mut s = lock(&self.state);
+                now_s = s.now_s();
+                s.store.insert(ConversationRecord {
+                    number,
+                    status: ConversationStatus::Active,
+                    passage: info.passage,
+                    topic,
+                    turns_planned: info.turns,
+                    turns: Vec::new(),
+                    started_at_ms: unix_ms(),
+                    started_s: now_s,
+                    ended_s: None,
+                });
+            }
+            self.conversations.insert(
+                id.conversation,
+                Conversation {
+                    number,
+                    passage: info.passage,
+                    rng,
+                    history: Vec::new(),
+                },
+            );
+        }
+        let Some(conversation) = self.conversations.get_mut(&id.conversation) else {
+            return;
+        };
+        // The built-in question: from the passage on the first turn, then from the last answer
+        // (also the fallback when a user model fails).
+        let builtin: Arc<str> = match conversation.history.last() {
+            None => questions.first_question(conversation.passage, &mut conversation.rng),
+            Some((_, answer)) => {
+                questions.follow_up_to_text(conversation.passage, answer, &mut conversation.rng)
+            }
+        }
+        .into();
+        let ask_model = match (&self.config.user, conversation.history.last()) {
+            (
+                UserSimulator::Model {
+                    url,
+                    model,
+                    api_key,
+                },
+                Some((_, answer)),
+            ) => Some((url.clone(), model.clone(), api_key.clone(), answer.clone())),
+            _ => None,
+        };
+        let system = self
+            .system_messages
+            .get(conversation.passage)
+            .cloned()
+            .unwrap_or_else(|| "".into());
+        let history = conversation.history.clone();
+        let number = conversation.number;
+        {
+            let mut s = lock(&self.state);
+            s.in_flight += 1;
+            if let Some(record) = s.store.get_mut(number) {
+                record.turns.push(TurnRecord {
+                    index: id.turn,
+                    user: if ask_model.is_some() {
+                        "(the user model is writing the question)".into()
+                    } else {
+                        builtin.clone()
+                    },
+                    assistant: "".into(),
+                    ttft_ms: None,
+                    itl_ms: None,
+                    tpot_ms: None,
+                    tokens: 0,
+                    latency_s: None,
+                    worker: None,
+                    error: None,
+                    state: TurnState::Streaming,
+                });
+            }
+        }
+        let output_tokens = request.output.len();
+        let topic = self
+            .assets
+            .corpus()
+            .get(conversation.passage)
+            .map_or("a technical passage", |p| p.title())
+            .to_owned();
+        let http = self.http.clone();
+        let spec = self.spec.clone();
+        let config = self.config.clone();
+        let cancel = cancel.clone();
+        let done = done.clone();
+        tokio::spawn(async move {
+            let work = async {
+                let mut user_model_failed = false;
+                let question = match ask_model {
+                    Some((url, model, key, answer)) => match client::ask_user_model(
+                        &http,
+                        &url,
+                        &model,
+                        key.as_deref(),
+                        &topic,
+                        &answer,
+                        Duration::from_secs(60),
+                    )
+                    .await
+                    {
+                        Ok(q) => q.into(),
+                        Err(err) => {
+                            tracing::warn!("user model failed, using a built-in question: {err}");
+                            user_model_failed = true;
+                            builtin
+                        }
+                    },
+                    None => builtin,
+                };
+                let body = request_body(
+                    &spec.model,
+                    &system,
+                    &history,
+                    &question,
+                    output_tokens,
+                    config.fixed_output_length,
+                );
+                let url = format!("{}/v1/chat/completions", spec.target);
+                let result = client::stream_turn(
+                    &http,
+                    &url,
+                    spec.api_key.as_deref(),
+                    body,
+                    config.request_timeout,
+                    config.max_reply_text,
+                )
+                .await;
+                Outcome {
+                    run,
+                    id,
+                    question,
+                    result,
+                    user_model_failed,
+                }
+            };
+            tokio::select! {
+                () = cancel.cancelled() => {}
+                outcome = work => {
+                    let _ = done.send(outcome).await;
+                }
+            }
+        });
+    }
+
+    /// A turn ended: measurements into the window, text into the transcript, and the workload
+    /// told (the user thinks, or the conversation ends and is replaced).
+    fn finish(&mut self, workload: &mut ChatWorkload, outcome: Outcome, now: Nanos) {
+        let id = outcome.id;
+        let Some(conversation) = self.conversations.get_mut(&id.conversation) else {
+            return;
+        };
+        let number = conversation.number;
+        let last_turn = workload
+            .conversation(id.conversation)
+            .is_some_and(|c| id.turn + 1 >= c.turns);
+        let scale = self.config.time_scale;
+        let mut s = lock(&self.state);
+        let now_s = now.as_secs_f64();
+        s.in_flight = s.in_flight.saturating_sub(1);
+        if outcome.user_model_failed {
+            s.totals.user_model_errors += 1;
+        }
+        match outcome.result {
+            Ok(result) => {
+                let tpot = result.tpot();
+                let sample = TurnSample {
+                    at_s: now_s,
+                    ttft_s: result.ttft.as_secs_f64() * scale,
+                    tpot_s: tpot.map(|d| d.as_secs_f64() * scale),
+                    itl_s: result.itl.map(|d| d.as_secs_f64() * scale),
+                    e2e_s: result.e2e.as_secs_f64() * scale,
+                    output_tokens: result.output_tokens,
+                };
+                s.window.push(sample);
+                let t = &mut s.totals;
+                t.requests += 1;
+                t.output_tokens += result.output_tokens;
+                t.ttft_sum_s += sample.ttft_s;
+                t.e2e_sum_s += sample.e2e_s;
+                if let Some(tpot) = sample.tpot_s {
+                    t.tpot_sum_s += tpot;
+                    t.tpot_count += 1;
+                }
+                if let Some(itl) = sample.itl_s {
+                    t.itl_sum_s += itl;
+                    t.itl_count += 1;
+                }
+                let answer: Arc<str> = result.text.into();
+                conversation
+                    .history
+                    .push((outcome.question.clone(), answer.clone()));
+                if let Some(record) = s.store.get_mut(number) {
+                    if let Some(turn) = record.turns.iter_mut().find(|t| t.index == id.turn) {
+                        turn.user = outcome.question;
+                        turn.assistant = answer;
+                        turn.ttft_ms = Some(sample.ttft_s * 1e3);
+                        turn.itl_ms = sample.itl_s.map(|x| x * 1e3);
+                        turn.tpot_ms = sample.tpot_s.map(|x| x * 1e3);
+                        turn.tokens = result.output_tokens;
+                        turn.latency_s = Some(sample.e2e_s);
+                        turn.worker = result.worker;
+                        turn.state = TurnState::Done;
+                    }
+                }
+                if last_turn {
+                    s.store.end(number, ConversationStatus::Completed, now_s);
+                }
+                drop(s);
+                if last_turn {
+                    self.conversations.remove(&id.conversation);
+                }
+                workload.on_turn_finished(id, now);
+            }
+            Err(err) => {
+                s.totals.errors += 1;
+                if let Some(record) = s.store.get_mut(number) {
+                    if let Some(turn) = record.turns.iter_mut().find(|t| t.index == id.turn) {
+                        turn.user = outcome.question;
+                        turn.error = Some(err.to_string());
+                        turn.state = TurnState::Failed;
+                    }
+                }
+                s.store.end(number, ConversationStatus::Error, now_s);
+                drop(s);
+                self.conversations.remove(&id.conversation);
+                workload.on_turn_failed(id, now);
+            }
+        }
+    }
+}
+
+/// The chat request of one turn: the system message, the finished turns, the new question.
+fn request_body(
+    model: &str,
+    system: &str,
+    history: &[(Arc<str>, Arc<str>)],
+    question: &str,
+    max_tokens: usize,
+    fixed_length: bool,
+) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct Message<'a> {
+        role: &'static str,
+        content: &'a str,
+    }
+    #[derive(Serialize)]
+    struct StreamOptions {
+        include_usage: bool,
+    }
+    #[derive(Serialize)]
+    struct Body<'a> {
+        model: &'a str,
+        messages: Vec<Message<'a>>,
+        stream: bool,
+        stream_options: StreamOptions,
+        max_tokens: usize,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        ignore_eos: Option<bool>,
+    }
+    let mut messages = Vec::with_capacity(2 + 2 * history.len());
+    messages.push(Message {
+        role: "system",
+        content: system,
+    });
+    for (q, a) in history {
+        messages.push(Message {
+            role: "user",
+            content: q,
+        });
+        messages.push(Message {
+            role: "assistant",
+            content: a,
+        });
+    }
+    messages.push(Message {
+        role: "user",
+        content: question,
+    });
+    let body = Body {
+        model,
+        messages,
+        stream: true,
+        stream_options: StreamOptions {
+            include_usage: true,
+        },
+        max_tokens,
+        ignore_eos: fixed_length.then_some(true),
+    };
+    // Serializing borrowed strings into a Vec cannot fail.
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// The workload's clock: model time since `epoch`.
+fn clock(epoch: Instant, scale: f64) -> Nanos {
+    Nanos::from_secs_f64(epoch.elapsed().as_secs_f64() * scale)
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_request_carries_the_whole_history_and_the_planned_length() {
+        let history = vec![("q1".into(), "a1".into())];
+        let body = request_body("m", "sys", &history, "q2", 812, true);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let roles: Vec<&str> = v["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["system", "user", "assistant", "user"]);
+        assert_eq!(v["messages"][3]["content"], "q2");
+        assert_eq!(v["max_tokens"], 812);
+        assert_eq!(v["ignore_eos"], true);
+        assert_eq!(v["stream"], true);
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        let natural = request_body("m", "sys", &[], "q", 10, false);
+        let v: serde_json::Value = serde_json::from_slice(&natural).unwrap();
+        assert!(v.get("ignore_eos").is_none());
+    }
+}

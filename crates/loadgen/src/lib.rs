@@ -1,0 +1,303 @@
+//! The load generator and its live web dashboard (real time).
+//!
+//! It drives seed 002's multi-turn chat workload (the sans-IO [`workload::ChatWorkload`], the
+//! same conversations `kvroute sim` runs) against any OpenAI-compatible endpoint: each turn
+//! is a streamed `/v1/chat/completions` request carrying the whole conversation so far, and
+//! the client measures TTFT, TPOT, ITL, end-to-end latency and output tokens. It holds a
+//! target number of open conversations, changeable live; keeps 60-second sliding windows
+//! (p50/p95, RPS, TOPS); reads the KV cache hit rate and queue from the gateway's
+//! Dynamo-named metrics and the GPU view from the workers' DCGM-style metrics; keeps recent
+//! conversations with their transcripts; and serves the control API (seed 004's names:
+//! `docs/LOADGEN-API.md`), a WebSocket of status updates, Prometheus summaries
+//! (`loadgen_ttft_all_seconds`, `loadgen_tpot_all_seconds`, … as seed 001's Grafana reads
+//! them) and the web UI of seed 001, embedded from `web/` at build time.
+//!
+//! Several **lanes** (targets) can be driven at once with the same seed, so they receive the
+//! same conversations: `kvroute demo --compare round_robin,kv` uses two.
+//!
+//! The simulated user is built in (questions written from the passage and the last answer by
+//! `text::QuestionGenerator`) or an OpenAI-compatible "user model" ([`UserSimulator::Model`]).
+//!
+//! # Invariants and bounds
+//!
+//! - One task per lane owns the workload; per-turn request tasks never block it (their ends
+//!   come back over a bounded channel, one outcome per open conversation at most).
+//! - Open conversations are bounded by the concurrency (≤ [`MAX_CONCURRENCY`]); ended ones kept
+//!   for the UI by `conversations_kept`; a reply's text by `max_reply_text`; the window by
+//!   time and by a sample cap; chart points by 15 minutes; scraped bodies by 8 MiB.
+//! - Stop cancels every request in flight; their conversations are marked `stopped`.
+//!
+//! # Example
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), loadgen::LoadgenError> {
+//! use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
+//!
+//! let lane = LaneSpec::for_gateway("live", None, "http://127.0.0.1:8000", "llama");
+//! let config = LoadgenConfig::new(vec![lane]);
+//! let loadgen = Loadgen::bind(config).await?;
+//! println!("dashboard: {}", loadgen.url());
+//! loadgen.app().start(Some(120)).await.ok();
+//! # Ok(()) }
+//! ```
+
+mod baseline;
+mod client;
+mod lane;
+mod poll;
+mod scrape;
+mod server;
+mod store;
+mod window;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use serde::Serialize;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use workload::Assets;
+
+pub use baseline::{Baseline, BaselineError, BaselineLevel, BaselineRow};
+pub use client::{TurnError, TurnResult};
+pub use lane::{DriveConfig, LaneSpec, UserSimulator};
+pub use scrape::{Sample, parse_text};
+pub use server::{ApiError, App, LaneMetrics, LaneStatus, Status};
+pub use window::Quantiles;
+
+/// The largest concurrency the API accepts per lane.
+pub const MAX_CONCURRENCY: u32 = 20_000;
+
+/// The dashboard's concurrency slider (seed 001: 60–180 in steps of 20).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Slider {
+    pub min: u32,
+    pub max: u32,
+    pub step: u32,
+}
+
+impl Default for Slider {
+    fn default() -> Self {
+        Slider {
+            min: 60,
+            max: 180,
+            step: 20,
+        }
+    }
+}
+
+/// The service-level objectives the dashboard colours against (seed 001).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Slo {
+    pub ttft_p95_ms: f64,
+    pub tpot_p95_ms: f64,
+}
+
+impl Default for Slo {
+    fn default() -> Self {
+        Slo {
+            ttft_p95_ms: 600.0,
+            tpot_p95_ms: 60.0,
+        }
+    }
+}
+
+impl LaneSpec {
+    /// A lane sending to a kvroute (or Dynamo) gateway at `target`, reading its `/metrics`.
+    pub fn for_gateway(name: &str, router: Option<&str>, target: &str, model: &str) -> LaneSpec {
+        let target = target.trim_end_matches('/').to_owned();
+        LaneSpec {
+            name: name.to_owned(),
+            router: router.map(str::to_owned),
+            gateway_metrics: Some(format!("{target}/metrics")),
+            target,
+            model: model.to_owned(),
+            api_key: None,
+            worker_metrics: Vec::new(),
+        }
+    }
+}
+
+/// Everything the load generator needs.
+#[derive(Clone, Debug)]
+pub struct LoadgenConfig {
+    /// Where the UI and the API listen (port 0 picks one).
+    pub listen: SocketAddr,
+    pub lanes: Vec<LaneSpec>,
+    pub drive: DriveConfig,
+    /// The RR columns and static table; `None` hides them.
+    pub baseline: Option<Baseline>,
+    pub slider: Slider,
+    pub slo: Slo,
+    /// Start the workload at once instead of waiting for Start.
+    pub autostart: bool,
+}
+
+impl LoadgenConfig {
+    /// Defaults: 127.0.0.1:8080, concurrency 60, the shipped baseline, not started.
+    pub fn new(lanes: Vec<LaneSpec>) -> LoadgenConfig {
+        LoadgenConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            lanes,
+            drive: DriveConfig::default(),
+            baseline: Baseline::shipped().ok(),
+            slider: Slider::default(),
+            slo: Slo::default(),
+            autostart: false,
+        }
+    }
+}
+
+/// Why the load generator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadgenError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("workload: {0}")]
+    Workload(#[from] workload::WorkloadError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("HTTP client: {0}")]
+    Http(String),
+    #[error("starting the workload: {0}")]
+    Start(String),
+}
+
+/// A running load generator: lanes, scrapers, the status publisher and the HTTP server.
+pub struct Loadgen {
+    local_addr: SocketAddr,
+    app: Arc<App>,
+    shutdown: CancellationToken,
+    server: JoinHandle<()>,
+}
+
+impl Loadgen {
+    pub async fn bind(config: LoadgenConfig) -> Result<Loadgen, LoadgenError> {
+        if config.lanes.is_empty() {
+            return Err(LoadgenError::Config("at least one target is needed".into()));
+        }
+        let mut names: Vec<&str> = config.lanes.iter().map(|l| l.name.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        if names.len() != config.lanes.len() {
+            return Err(LoadgenError::Config("lane names must differ".into()));
+        }
+        let concurrency = config.drive.workload.concurrency;
+        if !(1..=MAX_CONCURRENCY).contains(&concurrency) {
+            return Err(LoadgenError::Config(format!(
+                "concurrency must be between 1 and {MAX_CONCURRENCY}, got {concurrency}"
+            )));
+        }
+        config.drive.workload.validate()?;
+        if !(config.drive.time_scale.is_finite() && config.drive.time_scale > 0.0) {
+            return Err(LoadgenError::Config(format!(
+                "the time scale (speedup) must be a positive number, got {}",
+                config.drive.time_scale
+            )));
+        }
+        if config.drive.request_timeout.is_zero() {
+            return Err(LoadgenError::Config(
+                "the request timeout must be positive".into(),
+            ));
+        }
+        let assets = Assets::builtin()?;
+        let http = reqwest::Client::builder()
+            // One connection per request in flight: a turn is one long stream.
+            .pool_max_idle_per_host(MAX_CONCURRENCY as usize)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| LoadgenError::Http(e.to_string()))?;
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|source| LoadgenError::Bind {
+                addr: config.listen,
+                source,
+            })?;
+        let local_addr = listener.local_addr().map_err(|source| LoadgenError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+        let shutdown = CancellationToken::new();
+        let drive = Arc::new(config.drive.clone());
+        let lanes = config
+            .lanes
+            .iter()
+            .map(|spec| {
+                lane::Lane::spawn(
+                    spec.clone(),
+                    drive.clone(),
+                    assets.clone(),
+                    http.clone(),
+                    shutdown.clone(),
+                )
+            })
+            .collect();
+        let system_excerpts = (0..assets.corpus().len())
+            .map(|p| {
+                let text = assets
+                    .system_message(&config.drive.workload.system_prompt, p)
+                    .content;
+                let mut excerpt: String = text.chars().take(400).collect();
+                if excerpt.len() < text.len() {
+                    excerpt.push('…');
+                }
+                excerpt
+            })
+            .collect();
+        let app = Arc::new(App::new(
+            lanes,
+            config.baseline.clone(),
+            config.slider,
+            config.slo,
+            config.drive.window.as_secs_f64(),
+            concurrency,
+            system_excerpts,
+        ));
+        app.publish(false);
+        tokio::spawn(server::status_loop(app.clone(), shutdown.clone()));
+        let router = server::router(app.clone());
+        let stop = shutdown.clone();
+        let server = tokio::spawn(async move {
+            let serve = axum::serve(listener, router)
+                .with_graceful_shutdown(async move { stop.cancelled().await });
+            if let Err(err) = serve.await {
+                tracing::error!("load generator server: {err}");
+            }
+        });
+        if config.autostart {
+            app.start(Some(concurrency))
+                .await
+                .map_err(|e| LoadgenError::Start(format!("{e:?}")))?;
+        }
+        Ok(Loadgen {
+            local_addr,
+            app,
+            shutdown,
+            server,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// `http://ADDR` of the UI and API.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.local_addr)
+    }
+
+    /// The lanes and the control operations (start, stop, concurrency), as the API uses them.
+    pub fn app(&self) -> &Arc<App> {
+        &self.app
+    }
+
+    /// Stops the workload (cancelling requests in flight) and the server.
+    pub async fn shutdown(self) {
+        let _ = self.app.stop().await;
+        self.shutdown.cancel();
+        let _ = self.server.await;
+    }
+}

@@ -1,0 +1,348 @@
+//! What the load generator reads from the serving side: the gateway's Dynamo-named metrics
+//! (KV cache hit rate, queued requests) and the workers' DCGM-style GPU metrics, scraped from
+//! their `/metrics` endpoints.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// One sample of Prometheus text format: name, labels, value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+impl Sample {
+    pub fn label(&self, key: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Parses Prometheus text exposition format (comments skipped, timestamps ignored). Lines
+/// that do not parse are skipped: one odd series must not hide the others.
+pub fn parse_text(text: &str) -> Vec<Sample> {
+    text.lines().filter_map(parse_line).collect()
+}
+
+fn parse_line(line: &str) -> Option<Sample> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
+    let name = &line[..name_end];
+    let mut rest = &line[name_end..];
+    let mut labels = Vec::new();
+    if rest.starts_with('{') {
+        rest = &rest[1..];
+        loop {
+            rest = rest.trim_start_matches([' ', ',']);
+            if let Some(after) = rest.strip_prefix('}') {
+                rest = after;
+                break;
+            }
+            let eq = rest.find('=')?;
+            let key = rest[..eq].trim().to_owned();
+            rest = rest[eq + 1..].strip_prefix('"')?;
+            let mut value = String::new();
+            let mut chars = rest.char_indices();
+            let end = loop {
+                let (i, c) = chars.next()?;
+                match c {
+                    '\\' => match chars.next()?.1 {
+                        'n' => value.push('\n'),
+                        other => value.push(other),
+                    },
+                    '"' => break i,
+                    c => value.push(c),
+                }
+            };
+            rest = &rest[end + 1..];
+            labels.push((key, value));
+        }
+    }
+    let value = rest.split_whitespace().next()?;
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    Some(Sample {
+        name: name.to_owned(),
+        labels,
+        value,
+    })
+}
+
+/// The sum of every series of `name` (`None` when there is none).
+pub fn sum(samples: &[Sample], name: &str) -> Option<f64> {
+    let mut found = false;
+    let total = samples
+        .iter()
+        .filter(|s| s.name == name)
+        .inspect(|_| found = true)
+        .map(|s| s.value)
+        .sum();
+    found.then_some(total)
+}
+
+/// The gateway's counters at one moment.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GatewayPoint {
+    pub at_s: f64,
+    pub cached_tokens: f64,
+    pub input_tokens: f64,
+    pub queued: Option<f64>,
+}
+
+impl GatewayPoint {
+    pub fn from_samples(at_s: f64, samples: &[Sample]) -> Option<GatewayPoint> {
+        Some(GatewayPoint {
+            at_s,
+            cached_tokens: sum(samples, "dynamo_frontend_cached_tokens_sum")?,
+            input_tokens: sum(samples, "dynamo_frontend_input_sequence_tokens_sum")?,
+            queued: sum(samples, "dynamo_frontend_queued_requests"),
+        })
+    }
+}
+
+/// Gateway scrapes of the last window, for the hit rate as Grafana computes it (the rate of
+/// cached tokens over the rate of input tokens). Bounded to `max_points`.
+#[derive(Debug)]
+pub struct GatewayHistory {
+    points: VecDeque<GatewayPoint>,
+    max_points: usize,
+    span_s: f64,
+}
+
+impl GatewayHistory {
+    pub fn new(span: Duration, max_points: usize) -> GatewayHistory {
+        GatewayHistory {
+            points: VecDeque::new(),
+            max_points: max_points.max(2),
+            span_s: span.as_secs_f64(),
+        }
+    }
+
+    pub fn push(&mut self, point: GatewayPoint) {
+        // A counter that went down means the gateway restarted: the old points are useless.
+        if self.points.back().is_some_and(|last| {
+            point.input_tokens < last.input_tokens || point.cached_tokens < last.cached_tokens
+        }) {
+            self.points.clear();
+        }
+        self.points.push_back(point);
+        while self.points.len() > self.max_points
+            || self
+                .points
+                .front()
+                .is_some_and(|p| p.at_s < point.at_s - self.span_s)
+        {
+            self.points.pop_front();
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.points.clear();
+    }
+
+    /// Cached / input tokens between the oldest and newest point of the window; `None`
+    /// without input in between.
+    pub fn hit_rate(&self) -> Option<f64> {
+        let (first, last) = (self.points.front()?, self.points.back()?);
+        let input = last.input_tokens - first.input_tokens;
+        (input > 0.0).then(|| ((last.cached_tokens - first.cached_tokens) / input).clamp(0.0, 1.0))
+    }
+
+    pub fn queued(&self) -> Option<f64> {
+        self.points.back()?.queued
+    }
+}
+
+/// One GPU of a worker.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GpuView {
+    pub index: u32,
+    pub util_pct: Option<f64>,
+    pub memory_pct: Option<f64>,
+}
+
+/// One worker's card.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WorkerView {
+    pub name: String,
+    pub gpus: Vec<GpuView>,
+}
+
+/// The per-worker GPU view of one lane.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct WorkersView {
+    pub available: bool,
+    pub error: Option<String>,
+    pub gpu: Option<String>,
+    pub model: Option<String>,
+    pub list: Vec<WorkerView>,
+}
+
+/// Reads a worker's DCGM-style series (`DCGM_FI_DEV_GPU_UTIL`, `DCGM_FI_DEV_FB_USED`,
+/// `DCGM_FI_DEV_FB_FREE`, labels `gpu`, `Hostname`, `modelName`) and vLLM's `model_name`.
+pub fn worker_view(
+    fallback_name: &str,
+    samples: &[Sample],
+) -> (WorkerView, Option<String>, Option<String>) {
+    let mut gpus: Vec<GpuView> = Vec::new();
+    let mut name = None;
+    let mut gpu_model = None;
+    let mut used = Vec::new();
+    let mut free = Vec::new();
+    for s in samples {
+        let index = s.label("gpu").and_then(|g| g.parse().ok()).unwrap_or(0);
+        match s.name.as_str() {
+            "DCGM_FI_DEV_GPU_UTIL" => {
+                name = name.or_else(|| s.label("Hostname").map(str::to_owned));
+                gpu_model = gpu_model.or_else(|| s.label("modelName").map(str::to_owned));
+                gpu_entry(&mut gpus, index).util_pct = Some(s.value);
+            }
+            "DCGM_FI_DEV_FB_USED" => used.push((index, s.value)),
+            "DCGM_FI_DEV_FB_FREE" => free.push((index, s.value)),
+            _ => {}
+        }
+    }
+    for (index, used) in used {
+        let entry = gpu_entry(&mut gpus, index);
+        if let Some((_, free)) = free.iter().find(|(i, _)| *i == index) {
+            let total = used + free;
+            if total > 0.0 {
+                entry.memory_pct = Some(100.0 * used / total);
+            }
+        }
+    }
+    gpus.sort_by_key(|g| g.index);
+    let model = samples
+        .iter()
+        .find_map(|s| s.label("model_name").map(str::to_owned));
+    (
+        WorkerView {
+            name: name.unwrap_or_else(|| fallback_name.to_owned()),
+            gpus,
+        },
+        gpu_model,
+        model,
+    )
+}
+
+fn gpu_entry(gpus: &mut Vec<GpuView>, index: u32) -> &mut GpuView {
+    let position = match gpus.iter().position(|g| g.index == index) {
+        Some(p) => p,
+        None => {
+            gpus.push(GpuView {
+                index,
+                util_pct: None,
+                memory_pct: None,
+            });
+            gpus.len() - 1
+        }
+    };
+    &mut gpus[position]
+}
+
+/// GETs `url` as text, with a timeout and a bound on the body.
+pub async fn fetch_text(
+    client: &reqwest::Client,
+    url: &str,
+    timeout: Duration,
+) -> Result<String, String> {
+    const MAX_BODY: usize = 8 << 20;
+    let response = client
+        .get(url)
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| crate::client::error_chain(&e))?;
+    if !response.status().is_success() {
+        return Err(format!("{url}: HTTP {}", response.status()));
+    }
+    let body = response
+        .bytes()
+        .await
+        .map_err(|e| crate::client::error_chain(&e))?;
+    if body.len() > MAX_BODY {
+        return Err(format!("{url}: body over {MAX_BODY} bytes"));
+    }
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_labels_escapes_and_special_values() {
+        let text = "# HELP x y\n\
+                    dynamo_frontend_cached_tokens_sum{model=\"a \\\"b\\\"\",x=\"1,2\"} 64.0\n\
+                    dynamo_frontend_cached_tokens_sum{model=\"c\"} 36\n\
+                    plain 3 1700000000\n\
+                    inf_metric +Inf\n\
+                    broken{x=\"1\" 2\n";
+        let samples = parse_text(text);
+        assert_eq!(samples.len(), 4);
+        assert_eq!(samples[0].label("model"), Some("a \"b\""));
+        assert_eq!(samples[0].label("x"), Some("1,2"));
+        assert_eq!(
+            sum(&samples, "dynamo_frontend_cached_tokens_sum"),
+            Some(100.0)
+        );
+        assert_eq!(sum(&samples, "plain"), Some(3.0));
+        assert_eq!(sum(&samples, "absent"), None);
+        assert!(samples[3].value.is_infinite());
+    }
+
+    fn point(at_s: f64, cached: f64, input: f64) -> GatewayPoint {
+        GatewayPoint {
+            at_s,
+            cached_tokens: cached,
+            input_tokens: input,
+            queued: Some(2.0),
+        }
+    }
+
+    #[test]
+    fn hit_rate_is_the_ratio_of_increases_over_the_window() {
+        let mut h = GatewayHistory::new(Duration::from_secs(60), 100);
+        assert_eq!(h.hit_rate(), None);
+        h.push(point(0.0, 0.0, 0.0));
+        assert_eq!(h.hit_rate(), None);
+        h.push(point(10.0, 900.0, 1_000.0));
+        assert_eq!(h.hit_rate(), Some(0.9));
+        // At 100 s the point at 0 s and 10 s left the window: only 70..100 counts.
+        h.push(point(70.0, 1_000.0, 2_000.0));
+        h.push(point(100.0, 1_500.0, 2_500.0));
+        assert_eq!(h.hit_rate(), Some(1.0));
+        assert_eq!(h.queued(), Some(2.0));
+        // A restarted gateway (counters back to zero) starts over.
+        h.push(point(101.0, 5.0, 10.0));
+        assert_eq!(h.hit_rate(), None);
+    }
+
+    #[test]
+    fn worker_view_reads_dcgm_series() {
+        let text = "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\",Hostname=\"worker-1\",modelName=\"NVIDIA H200\"} 63.5\n\
+                    DCGM_FI_DEV_FB_USED{gpu=\"0\",Hostname=\"worker-1\",modelName=\"NVIDIA H200\"} 100000\n\
+                    DCGM_FI_DEV_FB_FREE{gpu=\"0\",Hostname=\"worker-1\",modelName=\"NVIDIA H200\"} 43771\n\
+                    vllm:num_requests_running{model_name=\"llama\"} 3\n";
+        let (view, gpu, model) = worker_view("w0", &parse_text(text));
+        assert_eq!(view.name, "worker-1");
+        assert_eq!(gpu.as_deref(), Some("NVIDIA H200"));
+        assert_eq!(model.as_deref(), Some("llama"));
+        assert_eq!(view.gpus.len(), 1);
+        assert_eq!(view.gpus[0].util_pct, Some(63.5));
+        let mem = view.gpus[0].memory_pct.unwrap();
+        assert!((mem - 100.0 * 100_000.0 / 143_771.0).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,790 @@
+//! The control API, the WebSocket, `/metrics` and the embedded web UI (docs/LOADGEN-API.md).
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::baseline::{Baseline, BaselineRow};
+use crate::lane::{Lane, lock, unix_ms};
+use crate::store::{ConversationRecord, ConversationStatus, TurnRecord};
+use crate::window::Quantiles;
+use crate::{MAX_CONCURRENCY, Slider, Slo};
+
+mod assets {
+    include!(concat!(env!("OUT_DIR"), "/assets.rs"));
+}
+
+/// How often the status is recomputed and pushed, and how often a chart point is kept.
+pub const STATUS_INTERVAL: Duration = Duration::from_secs(1);
+pub const HISTORY_INTERVAL_S: f64 = 2.0;
+/// Chart points kept per lane: 15 minutes at one point per 2 s.
+const HISTORY_POINTS: usize = 450;
+
+pub struct App {
+    pub lanes: Vec<Lane>,
+    pub baseline: Option<Baseline>,
+    pub slider: Slider,
+    pub slo: Slo,
+    pub window_s: f64,
+    pub initial_concurrency: u32,
+    /// Per passage: the start of its system message, for the transcript's header.
+    pub system_excerpts: Vec<String>,
+    pub status: watch::Sender<Arc<str>>,
+    history: Mutex<Vec<VecDeque<HistoryPoint>>>,
+    /// Serializes start / stop / config so that every lane sees them in the same order.
+    control: tokio::sync::Mutex<()>,
+}
+
+impl App {
+    pub fn new(
+        lanes: Vec<Lane>,
+        baseline: Option<Baseline>,
+        slider: Slider,
+        slo: Slo,
+        window_s: f64,
+        initial_concurrency: u32,
+        system_excerpts: Vec<String>,
+    ) -> App {
+        let history = Mutex::new(lanes.iter().map(|_| VecDeque::new()).collect());
+        let (status, _) = watch::channel(Arc::from("{}"));
+        App {
+            lanes,
+            baseline,
+            slider,
+            slo,
+            window_s,
+            initial_concurrency,
+            system_excerpts,
+            status,
+            history,
+            control: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    pub fn status(&self) -> Status {
+        let lanes: Vec<LaneStatus> = self.lanes.iter().map(|l| lane_status(l)).collect();
+        let first = self.lanes.first().map(|l| lock(&l.state));
+        let (running, concurrency, started_at_ms) = match &first {
+            Some(s) => (s.running, s.concurrency, s.started.map(|(_, ms)| ms)),
+            None => (false, self.initial_concurrency, None),
+        };
+        drop(first);
+        Status {
+            running,
+            concurrency,
+            slider: self.slider,
+            slo: self.slo,
+            window_s: self.window_s,
+            time_ms: unix_ms(),
+            started_at_ms: started_at_ms.filter(|_| running),
+            baseline: self
+                .baseline
+                .as_ref()
+                .and_then(|b| b.row_near(concurrency))
+                .cloned(),
+            lanes,
+        }
+    }
+
+    /// Recomputes the status, pushes it to WebSocket clients, and keeps a chart point when
+    /// `keep_point`.
+    pub fn publish(&self, keep_point: bool) -> Status {
+        let status = self.status();
+        if keep_point {
+            let mut history = self.history.lock().unwrap_or_else(|e| e.into_inner());
+            for (points, lane) in history.iter_mut().zip(&status.lanes) {
+                if points.len() == HISTORY_POINTS {
+                    points.pop_front();
+                }
+                points.push_back(HistoryPoint {
+                    time_ms: status.time_ms,
+                    ttft_p95_ms: lane.metrics.ttft_ms.map(|q| q.p95),
+                    tpot_p95_ms: lane.metrics.tpot_ms.map(|q| q.p95),
+                    tops: lane.metrics.tops,
+                    kv_hit_rate: lane.metrics.kv_hit_rate,
+                    in_flight: lane.metrics.in_flight,
+                });
+            }
+        }
+        let json = serde_json::to_string(&WsMessage {
+            kind: "status",
+            data: &status,
+        })
+        .unwrap_or_default();
+        self.status.send_replace(json.into());
+        status
+    }
+
+    pub async fn start(&self, concurrency: Option<u32>) -> Result<Status, ApiError> {
+        let _serial = self.control.lock().await;
+        let concurrency = concurrency.unwrap_or_else(|| {
+            self.lanes
+                .first()
+                .map_or(self.initial_concurrency, |l| lock(&l.state).concurrency)
+        });
+        check_concurrency(concurrency)?;
+        if self.lanes.iter().any(|l| lock(&l.state).running) {
+            return Err(ApiError::conflict(
+                "already_running",
+                "the workload is already running",
+            ));
+        }
+        for lane in &self.lanes {
+            lane.start(concurrency).await.map_err(ApiError::internal)?;
+        }
+        *self.history.lock().unwrap_or_else(|e| e.into_inner()) =
+            self.lanes.iter().map(|_| VecDeque::new()).collect();
+        Ok(self.publish(false))
+    }
+
+    pub async fn stop(&self) -> Result<Status, ApiError> {
+        let _serial = self.control.lock().await;
+        if !self.lanes.iter().any(|l| lock(&l.state).running) {
+            return Err(ApiError::conflict(
+                "not_running",
+                "the workload is not running",
+            ));
+        }
+        for lane in &self.lanes {
+            // A lane that is already stopped says so; the others still stop.
+            let _ = lane.stop().await;
+        }
+        Ok(self.publish(false))
+    }
+
+    pub async fn set_concurrency(&self, concurrency: u32) -> Result<Status, ApiError> {
+        let _serial = self.control.lock().await;
+        check_concurrency(concurrency)?;
+        for lane in &self.lanes {
+            lane.set_concurrency(concurrency)
+                .await
+                .map_err(ApiError::internal)?;
+        }
+        Ok(self.publish(false))
+    }
+}
+
+fn check_concurrency(concurrency: u32) -> Result<(), ApiError> {
+    if (1..=MAX_CONCURRENCY).contains(&concurrency) {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(
+            "invalid_concurrency",
+            format!("concurrency must be between 1 and {MAX_CONCURRENCY}, got {concurrency}"),
+        ))
+    }
+}
+
+/// `GET /api/status`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Status {
+    pub running: bool,
+    pub concurrency: u32,
+    pub slider: Slider,
+    pub slo: Slo,
+    pub window_s: f64,
+    pub time_ms: u64,
+    pub started_at_ms: Option<u64>,
+    pub lanes: Vec<LaneStatus>,
+    pub baseline: Option<BaselineRow>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LaneStatus {
+    pub name: String,
+    pub router: Option<String>,
+    pub target: String,
+    pub metrics: LaneMetrics,
+    pub workers: crate::scrape::WorkersView,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LaneMetrics {
+    pub ttft_ms: Option<Quantiles>,
+    pub tpot_ms: Option<Quantiles>,
+    pub itl_ms: Option<Quantiles>,
+    pub e2e_s: Option<Quantiles>,
+    pub rps: Option<f64>,
+    pub tops: Option<f64>,
+    pub requests: u64,
+    pub errors: u64,
+    pub kv_hit_rate: Option<f64>,
+    pub queued: Option<f64>,
+    pub in_flight: u64,
+    pub active_conversations: u32,
+    pub window_samples: usize,
+    /// Why the KV hit rate or queue is missing, when they are.
+    pub gateway_error: Option<String>,
+    /// Follow-up questions the user model failed to write (a built-in one was sent).
+    pub user_model_errors: u64,
+}
+
+fn ms(q: Option<Quantiles>) -> Option<Quantiles> {
+    q.map(|q| Quantiles {
+        p50: q.p50 * 1e3,
+        p95: q.p95 * 1e3,
+    })
+}
+
+fn lane_status(lane: &Lane) -> LaneStatus {
+    let mut s = lock(&lane.state);
+    let now_s = s.now_s();
+    let w = s.window.stats(now_s);
+    let running = s.running;
+    LaneStatus {
+        name: lane.spec.name.clone(),
+        router: lane.spec.router.clone(),
+        target: lane.spec.target.clone(),
+        metrics: LaneMetrics {
+            ttft_ms: ms(w.ttft_s),
+            tpot_ms: ms(w.tpot_s),
+            itl_ms: ms(w.itl_s),
+            e2e_s: w.e2e_s,
+            rps: w.rps,
+            tops: w.tops,
+            requests: s.totals.requests,
+            errors: s.totals.errors,
+            kv_hit_rate: if running { s.gateway.hit_rate() } else { None },
+            queued: if running { s.gateway.queued() } else { None },
+            in_flight: s.in_flight,
+            active_conversations: s.active_conversations,
+            window_samples: w.samples,
+            gateway_error: s.gateway_error.clone(),
+            user_model_errors: s.totals.user_model_errors,
+        },
+        workers: s.workers.clone(),
+    }
+}
+
+#[derive(Serialize)]
+struct WsMessage<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    data: &'a Status,
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+struct HistoryPoint {
+    time_ms: u64,
+    ttft_p95_ms: Option<f64>,
+    tpot_p95_ms: Option<f64>,
+    tops: Option<f64>,
+    kv_hit_rate: Option<f64>,
+    in_flight: u64,
+}
+
+/// An API error as OpenAI error JSON.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn bad_request(code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn conflict(code: &'static str, message: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::CONFLICT,
+            code,
+            message: message.to_owned(),
+        }
+    }
+
+    fn not_found(code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn internal(message: String) -> ApiError {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            code: "internal_error",
+            message,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = if self.status.is_server_error() {
+            "server_error"
+        } else {
+            "invalid_request_error"
+        };
+        let body = serde_json::json!({
+            "error": {"message": self.message, "type": kind, "code": self.code}
+        });
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+/// The router of every endpoint.
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/api/status", get(get_status))
+        .route("/api/workload/start", post(post_start))
+        .route("/api/workload/stop", post(post_stop))
+        .route("/api/workload/config", post(post_config))
+        .route("/api/baseline", get(get_baseline))
+        .route("/api/history", get(get_history))
+        .route("/api/conversations", get(get_conversations))
+        .route("/api/conversations/{id}", get(get_conversation))
+        .route("/ws", get(ws))
+        .route("/metrics", get(metrics))
+        .route("/api/{*rest}", get(api_not_found).post(api_not_found))
+        .fallback(get(asset))
+        .with_state(app)
+}
+
+async fn api_not_found(Path(rest): Path<String>) -> ApiError {
+    ApiError::not_found("not_found", format!("no such endpoint: /api/{rest}"))
+}
+
+async fn get_status(State(app): State<Arc<App>>) -> axum::Json<Status> {
+    axum::Json(app.status())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConcurrencyBody {
+    concurrency: Option<i64>,
+}
+
+fn parse_concurrency(body: &Bytes, required: bool) -> Result<Option<u32>, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return if required {
+            Err(ApiError::bad_request(
+                "missing_body",
+                "expected a JSON body like {\"concurrency\": 120}",
+            ))
+        } else {
+            Ok(None)
+        };
+    }
+    let parsed: ConcurrencyBody = serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(
+            "invalid_json",
+            format!("expected a JSON body like {{\"concurrency\": 120}}: {e}"),
+        )
+    })?;
+    match parsed.concurrency {
+        None if required => Err(ApiError::bad_request(
+            "missing_concurrency",
+            "the body has no \"concurrency\"",
+        )),
+        None => Ok(None),
+        Some(n) => u32::try_from(n).map(Some).map_err(|_| {
+            ApiError::bad_request(
+                "invalid_concurrency",
+                format!("concurrency must be between 1 and {MAX_CONCURRENCY}, got {n}"),
+            )
+        }),
+    }
+}
+
+async fn post_start(
+    State(app): State<Arc<App>>,
+    body: Bytes,
+) -> Result<axum::Json<Status>, ApiError> {
+    let concurrency = parse_concurrency(&body, false)?;
+    app.start(concurrency).await.map(axum::Json)
+}
+
+async fn post_stop(State(app): State<Arc<App>>) -> Result<axum::Json<Status>, ApiError> {
+    app.stop().await.map(axum::Json)
+}
+
+async fn post_config(
+    State(app): State<Arc<App>>,
+    body: Bytes,
+) -> Result<axum::Json<Status>, ApiError> {
+    let concurrency = parse_concurrency(&body, true)?.unwrap_or_default();
+    app.set_concurrency(concurrency).await.map(axum::Json)
+}
+
+async fn get_baseline(State(app): State<Arc<App>>) -> Result<Response, ApiError> {
+    let baseline = app
+        .baseline
+        .as_ref()
+        .ok_or_else(|| ApiError::not_found("no_baseline", "no baseline results are loaded"))?;
+    #[derive(Serialize)]
+    struct Body<'a> {
+        #[serde(flatten)]
+        baseline: &'a Baseline,
+        slo: Slo,
+    }
+    Ok(axum::Json(Body {
+        baseline,
+        slo: app.slo,
+    })
+    .into_response())
+}
+
+async fn get_history(State(app): State<Arc<App>>) -> Response {
+    #[derive(Serialize)]
+    struct LaneHistory<'a> {
+        name: &'a str,
+        points: &'a VecDeque<HistoryPoint>,
+    }
+    #[derive(Serialize)]
+    struct Body<'a> {
+        interval_s: f64,
+        lanes: Vec<LaneHistory<'a>>,
+    }
+    let history = app.history.lock().unwrap_or_else(|e| e.into_inner());
+    let body = Body {
+        interval_s: HISTORY_INTERVAL_S,
+        lanes: app
+            .lanes
+            .iter()
+            .zip(history.iter())
+            .map(|(lane, points)| LaneHistory {
+                name: &lane.spec.name,
+                points,
+            })
+            .collect(),
+    };
+    axum::Json(body).into_response()
+}
+
+#[derive(Serialize)]
+struct ConversationSummary {
+    id: String,
+    lane: String,
+    status: ConversationStatus,
+    topic: Arc<str>,
+    turns_done: u32,
+    turns_planned: u32,
+    duration_s: f64,
+    started_at_ms: u64,
+}
+
+fn summary(
+    lane_index: usize,
+    lane: &str,
+    record: &ConversationRecord,
+    now_s: f64,
+) -> ConversationSummary {
+    ConversationSummary {
+        id: format!("{lane_index}-{}", record.number),
+        lane: lane.to_owned(),
+        status: record.status,
+        topic: record.topic.clone(),
+        turns_done: record.turns_done(),
+        turns_planned: record.turns_planned,
+        duration_s: record.duration_s(now_s),
+        started_at_ms: record.started_at_ms,
+    }
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    lane: Option<String>,
+    limit: Option<usize>,
+}
+
+async fn get_conversations(
+    State(app): State<Arc<App>>,
+    Query(query): Query<ListQuery>,
+) -> Result<Response, ApiError> {
+    let limit = query.limit.unwrap_or(200).min(5_000);
+    if let Some(name) = &query.lane {
+        if !app.lanes.iter().any(|l| &l.spec.name == name) {
+            return Err(ApiError::not_found(
+                "unknown_lane",
+                format!("no lane named {name:?}"),
+            ));
+        }
+    }
+    let mut list = Vec::new();
+    let (mut kept, mut total) = (0usize, 0u64);
+    for (i, lane) in app.lanes.iter().enumerate() {
+        if query.lane.as_ref().is_some_and(|n| n != &lane.spec.name) {
+            continue;
+        }
+        let s = lock(&lane.state);
+        let now_s = s.now_s();
+        kept += s.store.len();
+        total += s.store.total();
+        list.extend(
+            s.store
+                .newest(limit)
+                .map(|r| summary(i, &lane.spec.name, r, now_s)),
+        );
+    }
+    // Newest first across lanes; the same conversation number of two lanes side by side.
+    list.sort_by(|a, b| {
+        b.started_at_ms
+            .cmp(&a.started_at_ms)
+            .then_with(|| a.id.cmp(&b.id))
+    });
+    list.truncate(limit);
+    Ok(axum::Json(serde_json::json!({
+        "conversations": list,
+        "kept": kept,
+        "total": total,
+    }))
+    .into_response())
+}
+
+async fn get_conversation(
+    State(app): State<Arc<App>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let not_found = || {
+        ApiError::not_found(
+            "not_found",
+            format!("no conversation {id:?} (kept ones only)"),
+        )
+    };
+    let (lane_index, number) = id
+        .split_once('-')
+        .and_then(|(l, n)| Some((l.parse::<usize>().ok()?, n.parse::<u64>().ok()?)))
+        .ok_or_else(not_found)?;
+    let lane = app.lanes.get(lane_index).ok_or_else(not_found)?;
+    let s = lock(&lane.state);
+    let record = s.store.get(number).ok_or_else(not_found)?;
+    #[derive(Serialize)]
+    struct Detail<'a> {
+        #[serde(flatten)]
+        summary: ConversationSummary,
+        system: String,
+        turns: &'a [TurnRecord],
+    }
+    let system = app
+        .system_excerpts
+        .get(record.passage)
+        .cloned()
+        .unwrap_or_default();
+    let body = serde_json::to_value(Detail {
+        summary: summary(lane_index, &lane.spec.name, record, s.now_s()),
+        system,
+        turns: &record.turns,
+    })
+    .unwrap_or_default();
+    Ok(axum::Json(body).into_response())
+}
+
+async fn ws(State(app): State<Arc<App>>, upgrade: WebSocketUpgrade) -> Response {
+    upgrade.on_upgrade(move |socket| ws_session(app, socket))
+}
+
+async fn ws_session(app: Arc<App>, mut socket: WebSocket) {
+    let mut updates = app.status.subscribe();
+    // The first message at once: the UI enables its buttons on it.
+    let first = updates.borrow_and_update().clone();
+    if socket
+        .send(Message::Text(first.as_ref().into()))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    loop {
+        tokio::select! {
+            changed = updates.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let json = updates.borrow_and_update().clone();
+                if socket.send(Message::Text(json.as_ref().into())).await.is_err() {
+                    return;
+                }
+            }
+            incoming = socket.recv() => match incoming {
+                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return,
+                Some(Ok(_)) => {}
+            }
+        }
+    }
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let status = app.status();
+    let mut out = String::new();
+    let summaries: [(&str, &str, fn(&LaneMetrics) -> Option<Quantiles>, f64); 4] = [
+        (
+            "loadgen_ttft_all_seconds",
+            "Time to first token, client side (60 s window)",
+            |m| m.ttft_ms,
+            1e-3,
+        ),
+        (
+            "loadgen_tpot_all_seconds",
+            "Time per output token, (E2E - TTFT) / (tokens - 1) (60 s window)",
+            |m| m.tpot_ms,
+            1e-3,
+        ),
+        (
+            "loadgen_itl_all_seconds",
+            "Mean gap between streamed chunks per turn (60 s window)",
+            |m| m.itl_ms,
+            1e-3,
+        ),
+        (
+            "loadgen_e2e_all_seconds",
+            "Request latency, send to the last token (60 s window)",
+            |m| m.e2e_s,
+            1.0,
+        ),
+    ];
+    for (name, help, get, scale) in summaries {
+        let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} summary");
+        for (lane, ls) in app.lanes.iter().zip(&status.lanes) {
+            let t = lock(&lane.state).totals;
+            let label = escape_label(&lane.spec.name);
+            let q = get(&ls.metrics);
+            for (quantile, value) in [
+                ("0.5", q.map(|q| q.p50 * scale)),
+                ("0.95", q.map(|q| q.p95 * scale)),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "{name}{{lane=\"{label}\",quantile=\"{quantile}\"}} {}",
+                    value.map_or("NaN".to_owned(), |v| v.to_string())
+                );
+            }
+            let (sum, count) = match name {
+                "loadgen_ttft_all_seconds" => (t.ttft_sum_s, t.requests),
+                "loadgen_tpot_all_seconds" => (t.tpot_sum_s, t.tpot_count),
+                "loadgen_itl_all_seconds" => (t.itl_sum_s, t.itl_count),
+                _ => (t.e2e_sum_s, t.requests),
+            };
+            let _ = writeln!(out, "{name}_sum{{lane=\"{label}\"}} {sum}");
+            let _ = writeln!(out, "{name}_count{{lane=\"{label}\"}} {count}");
+        }
+    }
+    let counters: [(&str, &str, fn(&crate::lane::Totals) -> u64); 3] = [
+        ("loadgen_requests_total", "Turns completed", |t| t.requests),
+        ("loadgen_errors_total", "Turns failed", |t| t.errors),
+        (
+            "loadgen_output_tokens_total",
+            "Output tokens received",
+            |t| t.output_tokens,
+        ),
+    ];
+    for (name, help, get) in counters {
+        let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} counter");
+        for lane in &app.lanes {
+            let t = lock(&lane.state).totals;
+            let _ = writeln!(
+                out,
+                "{name}{{lane=\"{}\"}} {}",
+                escape_label(&lane.spec.name),
+                get(&t)
+            );
+        }
+    }
+    let gauges: [(&str, &str, fn(&LaneMetrics, u32) -> f64); 3] = [
+        (
+            "loadgen_in_flight_requests",
+            "Requests in flight",
+            |m, _| m.in_flight as f64,
+        ),
+        (
+            "loadgen_active_conversations",
+            "Open conversations",
+            |m, _| f64::from(m.active_conversations),
+        ),
+        (
+            "loadgen_target_concurrency",
+            "Target open conversations",
+            |_, c| f64::from(c),
+        ),
+    ];
+    for (name, help, get) in gauges {
+        let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} gauge");
+        for (lane, ls) in app.lanes.iter().zip(&status.lanes) {
+            let _ = writeln!(
+                out,
+                "{name}{{lane=\"{}\"}} {}",
+                escape_label(&lane.spec.name),
+                get(&ls.metrics, status.concurrency)
+            );
+        }
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response()
+}
+
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+async fn asset(uri: axum::http::Uri) -> Response {
+    let path = match uri.path() {
+        "/" => "/index.html",
+        p => p,
+    };
+    match assets::ASSETS.iter().find(|(p, _)| *p == path) {
+        Some((p, bytes)) => {
+            let kind = match p.rsplit('.').next() {
+                Some("html") => "text/html; charset=utf-8",
+                Some("css") => "text/css; charset=utf-8",
+                Some("js") => "text/javascript; charset=utf-8",
+                Some("svg") => "image/svg+xml",
+                Some("png") => "image/png",
+                Some("json") => "application/json",
+                _ => "application/octet-stream",
+            };
+            (
+                [
+                    (header::CONTENT_TYPE, kind),
+                    (header::CACHE_CONTROL, "no-cache"),
+                ],
+                *bytes,
+            )
+                .into_response()
+        }
+        None => (StatusCode::NOT_FOUND, "not found").into_response(),
+    }
+}
+
+/// Recomputes and pushes the status every [`STATUS_INTERVAL`], keeping a chart point every
+/// [`HISTORY_INTERVAL_S`].
+pub async fn status_loop(app: Arc<App>, shutdown: CancellationToken) {
+    let mut ticker = tokio::time::interval(STATUS_INTERVAL);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick: u64 = 0;
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        tick += 1;
+        let running = app.lanes.iter().any(|l| lock(&l.state).running);
+        app.publish(running && tick % 2 == 0);
+    }
+}
