@@ -15,6 +15,8 @@ const WINDOW_MS = 15 * 60 * 1000;
 const MAX_POINTS_PER_LANE = 2000;
 // A fresh run would otherwise stretch a few seconds across the whole width.
 const MIN_SPAN_MS = 2 * 60 * 1000;
+// History comes every 2 s and status messages every second; a longer silence is a gap.
+const GAP_MS = 10 * 1000;
 
 /** The metrics the charts draw, as they are named in a stored point. */
 export const METRICS = {
@@ -223,10 +225,18 @@ export class TimeSeriesChart {
 
     // Series: a path per lane, broken where a value is missing; a lone point is drawn as a dot
     // (a zero-length segment with a round cap).
+    // A silence longer than GAP_MS (the workload was stopped, the link was down) breaks the line
+    // too, rather than drawing a straight line across it.
     for (const s of series) {
       let d = '';
       let run = 0;
+      let prevT = -Infinity;
       for (const [t, v] of s.points) {
+        if (run > 0 && t - prevT > GAP_MS) {
+          if (run === 1) d += ' l0.01 0';
+          run = 0;
+        }
+        prevT = t;
         if (v === null || t < t0) {
           if (run === 1) d += ' l0.01 0';
           run = 0;

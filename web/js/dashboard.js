@@ -96,9 +96,13 @@ export class Dashboard {
     });
   }
 
-  /** The slider's value (what Start sends). */
+  /**
+   * The concurrency shown beside the slider (what Start sends): the user's choice, else the
+   * server's value, which may lie outside the slider's range when set through the API.
+   */
   concurrency() {
-    return Number(this.slider.value);
+    const n = Number(this.sliderValue.textContent);
+    return Number.isFinite(n) && n > 0 ? n : undefined;
   }
 
   updateSlider(status) {
