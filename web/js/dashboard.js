@@ -59,7 +59,7 @@ export class Dashboard {
     this.sliderValue = $('concurrency-value');
     this.dragging = false;
     this.debounceTimer = null;
-    this.pendingSince = 0; // a user change not yet confirmed by the server
+    this.postsInFlight = 0; // user changes sent, not yet answered
     this.setupSlider();
     const slo = (key) => () => this.status?.slo?.[key] ?? null;
     this.charts = {
@@ -87,11 +87,11 @@ export class Dashboard {
     s.addEventListener('input', () => {
       const n = Number(s.value);
       setText(this.sliderValue, String(n));
-      this.pendingSince = Date.now();
       clearTimeout(this.debounceTimer);
       this.debounceTimer = setTimeout(() => {
         this.debounceTimer = null;
-        Promise.resolve(this.onConcurrency(n)).finally(() => { this.pendingSince = 0; });
+        this.postsInFlight++;
+        Promise.resolve(this.onConcurrency(n)).finally(() => { this.postsInFlight--; });
       }, SLIDER_DEBOUNCE_MS);
     });
   }
@@ -113,9 +113,8 @@ export class Dashboard {
       }
     }
     // Follow changes made elsewhere, but never fight the user's hand: not while dragging, not
-    // while a debounced change waits, not while its POST is in flight (bounded to 5 s).
-    const userBusy = this.dragging || this.debounceTimer !== null
-      || (this.pendingSince && Date.now() - this.pendingSince < 5000);
+    // while a debounced change waits, not while its POST is in flight.
+    const userBusy = this.dragging || this.debounceTimer !== null || this.postsInFlight > 0;
     if (!userBusy && typeof status.concurrency === 'number') {
       if (this.slider.value !== String(status.concurrency)) this.slider.value = String(status.concurrency);
       setText(this.sliderValue, String(status.concurrency));

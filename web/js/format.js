@@ -71,7 +71,7 @@ export function improvement(rr, kv) {
 /** A conversation's duration: "53.2 s" under a minute, else "2 min 05 s". */
 export function duration(s) {
   if (!isNumber(s) || s < 0) return DASH;
-  if (s < 60) return `${s.toFixed(1)} s`;
+  if (Math.round(s * 10) / 10 < 60) return `${s.toFixed(1)} s`;
   const whole = Math.round(s);
   const minutes = Math.floor(whole / 60);
   const rest = String(whole % 60).padStart(2, '0');
