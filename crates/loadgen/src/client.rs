@@ -15,7 +15,8 @@ pub struct TurnResult {
     pub ttft: Duration,
     /// Send to the end of the stream.
     pub e2e: Duration,
-    /// Mean gap between content chunks (`None` with fewer than two).
+    /// Mean time per token between the first and the last content chunk, as the client saw
+    /// them: (last − first) / (tokens − 1); `None` with fewer than two chunks.
     pub itl: Option<Duration>,
     /// Output tokens: the usage chunk's count, else the number of content chunks.
     pub output_tokens: u64,
@@ -245,7 +246,10 @@ async fn stream_inner(
     Ok(TurnResult {
         ttft: first - sent,
         e2e: end - sent,
-        itl: (content_chunks > 1).then(|| (last - first) / (content_chunks - 1) as u32),
+        // Per token, not per chunk: a server may pack several tokens in one chunk (speculative
+        // decoding, a relay catching up), which would inflate a per-chunk gap.
+        itl: (content_chunks > 1 && output_tokens > 1)
+            .then(|| (last - first) / (output_tokens - 1) as u32),
         output_tokens,
         text,
         text_truncated,

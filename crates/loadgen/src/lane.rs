@@ -5,6 +5,7 @@
 //! API shows (window, counters, conversations) lives in [`LaneState`] behind a mutex that the
 //! lane task and the HTTP handlers share; it is held for bookkeeping only, never across I/O.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -195,6 +196,7 @@ impl Lane {
             next_number: 0,
             base: 0,
             conversations: std::collections::HashMap::new(),
+            failures_in_a_row: Arc::new(AtomicU32::new(0)),
         };
         tokio::spawn(driver.run(receiver, shutdown.clone()));
         tokio::spawn(crate::poll::scrape_loop(
@@ -273,6 +275,15 @@ struct Driver {
     next_number: u64,
     base: u64,
     conversations: std::collections::HashMap<ConversationId, Conversation>,
+    /// Failed turns since the last success: a failure is reported after a backoff that grows
+    /// with it, so a dead target is not hammered by replacement conversations.
+    failures_in_a_row: Arc<AtomicU32>,
+}
+
+/// The backoff before a failed turn ends its conversation: 100 ms doubling per failure in a
+/// row, at most 5 s (wall time).
+fn failure_backoff(failures_in_a_row: u32) -> Duration {
+    Duration::from_millis(100u64 << failures_in_a_row.min(6)).min(Duration::from_secs(5))
 }
 
 /// Most turn outcomes waiting for the lane task: one per open conversation at most.
@@ -509,6 +520,7 @@ impl Driver {
         let config = self.config.clone();
         let cancel = cancel.clone();
         let done = done.clone();
+        let failures = self.failures_in_a_row.clone();
         tokio::spawn(async move {
             let work = async {
                 let mut user_model_failed = false;
@@ -551,6 +563,12 @@ impl Driver {
                     config.max_reply_text,
                 )
                 .await;
+                if result.is_ok() {
+                    failures.store(0, Ordering::Relaxed);
+                } else {
+                    let n = failures.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(failure_backoff(n)).await;
+                }
                 Outcome {
                     run,
                     id,
@@ -737,6 +755,14 @@ pub fn unix_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failures_back_off_exponentially_up_to_five_seconds() {
+        assert_eq!(failure_backoff(0), Duration::from_millis(100));
+        assert_eq!(failure_backoff(3), Duration::from_millis(800));
+        assert_eq!(failure_backoff(6), Duration::from_secs(5));
+        assert_eq!(failure_backoff(u32::MAX), Duration::from_secs(5));
+    }
 
     #[test]
     fn the_request_carries_the_whole_history_and_the_planned_length() {

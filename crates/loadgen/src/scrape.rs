@@ -138,11 +138,14 @@ impl GatewayHistory {
             self.points.clear();
         }
         self.points.push_back(point);
+        // Two points are always kept: with a clock faster than the scrapes (a sped-up
+        // cluster), the rate is then over the last scrape interval.
         while self.points.len() > self.max_points
-            || self
-                .points
-                .front()
-                .is_some_and(|p| p.at_s < point.at_s - self.span_s)
+            || (self.points.len() > 2
+                && self
+                    .points
+                    .get(1)
+                    .is_some_and(|p| p.at_s <= point.at_s - self.span_s))
         {
             self.points.pop_front();
         }
@@ -320,10 +323,14 @@ mod tests {
         assert_eq!(h.hit_rate(), None);
         h.push(point(10.0, 900.0, 1_000.0));
         assert_eq!(h.hit_rate(), Some(0.9));
-        // At 100 s the point at 0 s and 10 s left the window: only 70..100 counts.
+        // At 100 s the window starts at 40 s: its base is the last scrape at or before that
+        // (10 s); the one at 0 s goes.
         h.push(point(70.0, 1_000.0, 2_000.0));
         h.push(point(100.0, 1_500.0, 2_500.0));
-        assert_eq!(h.hit_rate(), Some(1.0));
+        assert_eq!(h.hit_rate(), Some(600.0 / 1_500.0));
+        // Scrapes further apart than the window still give the rate between the last two.
+        h.push(point(500.0, 1_600.0, 2_700.0));
+        assert_eq!(h.hit_rate(), Some(0.5));
         assert_eq!(h.queued(), Some(2.0));
         // A restarted gateway (counters back to zero) starts over.
         h.push(point(101.0, 5.0, 10.0));

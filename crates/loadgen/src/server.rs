@@ -640,7 +640,7 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         ),
         (
             "loadgen_itl_all_seconds",
-            "Mean gap between streamed chunks per turn (60 s window)",
+            "Inter-token latency as the client sees it, (last - first chunk) / (tokens - 1) per turn (60 s window)",
             |m| m.itl_ms,
             1e-3,
         ),

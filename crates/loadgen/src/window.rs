@@ -165,11 +165,11 @@ mod tests {
         assert!((s.rps.unwrap() - 1.0).abs() < 1e-9);
         assert!((s.tops.unwrap() - 100.0).abs() < 1e-9);
         assert!(s.itl_s.is_none());
-        // At 75 s the window is (15, 75]: turns 16..=29 remain.
+        // At 75 s the window is [15, 75]: turns 15..=29 remain.
         let s = w.stats(75.0);
-        assert_eq!(s.samples, 14);
+        assert_eq!(s.samples, 15);
         assert_eq!(s.ttft_s.unwrap().p50, 1.0 + 22.0);
-        assert!((s.rps.unwrap() - 14.0 / 60.0).abs() < 1e-9);
+        assert!((s.rps.unwrap() - 15.0 / 60.0).abs() < 1e-9);
         assert_eq!(w.stats(200.0), WindowStats::default());
     }
 

@@ -1,0 +1,428 @@
+//! The control API, the WebSocket and `/metrics` against a real cluster: simulated engines
+//! (fast) behind the real gateway, driven over real HTTP.
+
+use std::time::{Duration, Instant};
+
+use engine_server::{EngineServer, EngineServerConfig, EngineServerHandle};
+use futures::StreamExt;
+use gateway::{Gateway, GatewayConfig, WorkerSpec};
+use kv_index::WorkerId;
+use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
+use serde_json::{Value, json};
+
+const MODEL: &str = "llama-3.1-70b-instruct";
+
+/// Seed 002's H200 worker, `speedup` times faster than real time, publishing its KV events
+/// over ZMQ and its DCGM-style metrics as `worker-{id}`.
+async fn engine(id: u64, speedup: f64) -> EngineServerHandle {
+    let mut config = EngineServerConfig::new();
+    config.worker_id = WorkerId(id);
+    config.speedup = speedup;
+    config.seed = id;
+    config.model = MODEL.to_owned();
+    config.zmq_pub = Some("tcp://127.0.0.1:0".to_owned());
+    config.hostname = format!("worker-{id}");
+    EngineServer::bind(config).await.expect("engine starts")
+}
+
+struct Cluster {
+    engines: Vec<EngineServerHandle>,
+    gateway: Gateway,
+}
+
+async fn cluster(workers: u64, speedup: f64) -> Cluster {
+    let mut engines = Vec::new();
+    for id in 0..workers {
+        engines.push(engine(id, speedup).await);
+    }
+    let config = GatewayConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        model: MODEL.to_owned(),
+        workers: engines.iter().map(|e| WorkerSpec::new(e.url())).collect(),
+        ..GatewayConfig::default()
+    };
+    let gateway = Gateway::bind(config).await.expect("gateway starts");
+    Cluster { engines, gateway }
+}
+
+fn lane(name: &str, cluster: &Cluster) -> LaneSpec {
+    let mut lane = LaneSpec::for_gateway(name, Some("kv_load"), &cluster.gateway.url(), MODEL);
+    lane.worker_metrics = cluster
+        .engines
+        .iter()
+        .map(|e| format!("{}/metrics", e.url()))
+        .collect();
+    lane
+}
+
+fn config(lanes: Vec<LaneSpec>, concurrency: u32, speedup: f64) -> LoadgenConfig {
+    let mut config = LoadgenConfig::new(lanes);
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    config.drive.workload.concurrency = concurrency;
+    config.drive.workload.ramp_s = 0.0;
+    config.drive.time_scale = speedup;
+    config
+}
+
+async fn get(url: &str) -> (u16, Value) {
+    let response = reqwest::get(url).await.expect("GET");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn post(url: &str, body: Option<Value>) -> (u16, Value) {
+    let client = reqwest::Client::new();
+    let mut request = client.post(url);
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.expect("POST");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn wait_until(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn error_code(body: &Value) -> &str {
+    body["error"]["code"].as_str().unwrap_or("")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workload_runs_measures_and_obeys_the_api() {
+    let speedup = 50.0;
+    let cluster = cluster(2, speedup).await;
+    let loadgen = Loadgen::bind(config(vec![lane("kv_load", &cluster)], 4, speedup))
+        .await
+        .unwrap();
+    let url = loadgen.url();
+
+    // Stopped: no data, Stop refused.
+    let (code, status) = get(&format!("{url}/api/status")).await;
+    assert_eq!(code, 200);
+    assert_eq!(status["running"], false);
+    assert_eq!(status["lanes"][0]["metrics"]["ttft_ms"], Value::Null);
+    assert_eq!(status["slider"], json!({"min": 60, "max": 180, "step": 20}));
+    let (code, body) = post(&format!("{url}/api/workload/stop"), None).await;
+    assert_eq!((code, error_code(&body)), (409, "not_running"));
+
+    // Bad input: clear OpenAI errors.
+    for (body, expected) in [
+        (json!({"concurrency": 0}), "invalid_concurrency"),
+        (json!({"concurrency": -3}), "invalid_concurrency"),
+        (json!({"concurrency": 1_000_000}), "invalid_concurrency"),
+        (json!({"concurency": 5}), "invalid_json"),
+        (json!({}), "missing_concurrency"),
+    ] {
+        let (code, answer) = post(&format!("{url}/api/workload/config"), Some(body.clone())).await;
+        assert_eq!((code, error_code(&answer)), (400, expected), "{body}");
+        assert_eq!(answer["error"]["type"], "invalid_request_error");
+    }
+    let (code, answer) = get(&format!("{url}/api/conversations/0-999999")).await;
+    assert_eq!((code, error_code(&answer)), (404, "not_found"));
+    let (code, answer) = get(&format!("{url}/api/conversations/garbage")).await;
+    assert_eq!((code, error_code(&answer)), (404, "not_found"));
+
+    // Start: twice is refused.
+    let (code, status) = post(
+        &format!("{url}/api/workload/start"),
+        Some(json!({"concurrency": 4})),
+    )
+    .await;
+    assert_eq!(code, 200, "{status}");
+    assert_eq!(status["running"], true);
+    let (code, body) = post(&format!("{url}/api/workload/start"), None).await;
+    assert_eq!((code, error_code(&body)), (409, "already_running"));
+
+    // Turns finish: the window fills, the gateway's hit rate and the workers' GPUs show.
+    wait_until(
+        "12 finished turns with a hit rate",
+        Duration::from_secs(120),
+        async || {
+            let (_, s) = get(&format!("{url}/api/status")).await;
+            let m = &s["lanes"][0]["metrics"];
+            m["requests"].as_u64().unwrap_or(0) >= 12 && m["kv_hit_rate"].is_number()
+        },
+    )
+    .await;
+    let (_, status) = get(&format!("{url}/api/status")).await;
+    let lane = &status["lanes"][0];
+    let m = &lane["metrics"];
+    assert_eq!(m["errors"], 0, "{status}");
+    for key in ["ttft_ms", "tpot_ms", "itl_ms", "e2e_s"] {
+        let (p50, p95) = (
+            m[key]["p50"].as_f64().unwrap(),
+            m[key]["p95"].as_f64().unwrap(),
+        );
+        assert!(p50 > 0.0 && p50 <= p95, "{key}: {p50} {p95}");
+    }
+    // Modelled time: an H200 decodes a token in tens of milliseconds whatever the speedup,
+    // and the client-side ITL (per token) is close to TPOT.
+    let tpot = m["tpot_ms"]["p50"].as_f64().unwrap();
+    assert!((10.0..80.0).contains(&tpot), "TPOT p50 {tpot} ms");
+    let itl = m["itl_ms"]["p50"].as_f64().unwrap();
+    assert!(
+        (itl / tpot - 1.0).abs() < 0.25,
+        "ITL p50 {itl} vs TPOT p50 {tpot}"
+    );
+    assert!(m["tops"].as_f64().unwrap() > 0.0 && m["rps"].as_f64().unwrap() > 0.0);
+    // Multi-turn chats on a KV-aware router: most input tokens are cache hits.
+    let hit = m["kv_hit_rate"].as_f64().unwrap();
+    assert!((0.3..=1.0).contains(&hit), "hit rate {hit}");
+    let workers = &lane["workers"];
+    assert_eq!(workers["available"], true, "{workers}");
+    let names: Vec<&str> = workers["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["worker-0", "worker-1"]);
+    let gpu = &workers["list"][0]["gpus"][0];
+    assert!((0.0..=100.0).contains(&gpu["util_pct"].as_f64().unwrap()));
+    assert!(
+        (1.0..=100.0).contains(&gpu["memory_pct"].as_f64().unwrap()),
+        "{gpu}"
+    );
+    assert!(workers["gpu"].as_str().unwrap().contains("H200"));
+    // The baseline row follows the concurrency (4 → the lowest level, 60).
+    assert_eq!(status["baseline"]["router"], "round_robin");
+    assert_eq!(status["baseline"]["concurrency"], 60);
+
+    // Conversations: transcripts with per-turn metrics; later turns resend the history.
+    let (_, list) = get(&format!("{url}/api/conversations")).await;
+    let conversations = list["conversations"].as_array().unwrap();
+    assert!(!conversations.is_empty());
+    let done: Vec<&Value> = conversations
+        .iter()
+        .filter(|c| c["turns_done"].as_u64().unwrap() >= 2)
+        .collect();
+    assert!(!done.is_empty(), "{list}");
+    let id = done[0]["id"].as_str().unwrap();
+    let (code, detail) = get(&format!("{url}/api/conversations/{id}")).await;
+    assert_eq!(code, 200);
+    assert!(detail["system"].as_str().unwrap().len() > 100);
+    let turns = detail["turns"].as_array().unwrap();
+    let mut tokens_done = 0;
+    for turn in turns.iter().filter(|t| t["state"] == "done") {
+        assert!(turn["ttft_ms"].as_f64().unwrap() > 0.0);
+        assert!(turn["latency_s"].as_f64().unwrap() > 0.0);
+        assert!(!turn["user"].as_str().unwrap().is_empty());
+        assert!(turn["assistant"].as_str().unwrap().len() > 200, "{turn}");
+        assert!(
+            turn["worker"].is_string(),
+            "the gateway names the worker: {turn}"
+        );
+        tokens_done += turn["tokens"].as_u64().unwrap();
+    }
+    // The planned reply lengths (300–1,024 tokens) were honoured.
+    assert!(tokens_done >= 600, "{tokens_done}");
+
+    // /metrics: the summaries the seed's Grafana reads, equal to the status window.
+    let text = reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let samples = loadgen::parse_text(&text);
+    for name in ["loadgen_ttft_all_seconds", "loadgen_tpot_all_seconds"] {
+        for quantile in ["0.5", "0.95"] {
+            let s = samples
+                .iter()
+                .find(|s| s.name == name && s.label("quantile") == Some(quantile))
+                .unwrap_or_else(|| panic!("{name} {quantile} missing:\n{text}"));
+            assert_eq!(s.label("lane"), Some("kv_load"));
+            assert!(s.value > 0.0 && s.value.is_finite(), "{name} {quantile}");
+        }
+        assert!(
+            samples
+                .iter()
+                .any(|s| s.name == format!("{name}_count") && s.value >= 12.0)
+        );
+    }
+
+    // Live concurrency change, without stopping.
+    let (code, status) = post(
+        &format!("{url}/api/workload/config"),
+        Some(json!({"concurrency": 7})),
+    )
+    .await;
+    assert_eq!(code, 200);
+    assert_eq!(
+        (status["running"].clone(), status["concurrency"].clone()),
+        (json!(true), json!(7))
+    );
+    wait_until(
+        "7 open conversations",
+        Duration::from_secs(30),
+        async || {
+            let (_, s) = get(&format!("{url}/api/status")).await;
+            s["lanes"][0]["metrics"]["active_conversations"] == 7
+        },
+    )
+    .await;
+
+    // Stop: requests are cancelled, open conversations end as stopped.
+    let (code, status) = post(&format!("{url}/api/workload/stop"), None).await;
+    assert_eq!(code, 200);
+    assert_eq!(status["running"], false);
+    assert_eq!(status["lanes"][0]["metrics"]["in_flight"], 0);
+    let (_, list) = get(&format!("{url}/api/conversations?limit=500")).await;
+    let statuses: Vec<&str> = list["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["status"].as_str().unwrap())
+        .collect();
+    assert!(statuses.contains(&"stopped"), "{statuses:?}");
+    assert!(!statuses.contains(&"active"), "{statuses:?}");
+    assert!(!statuses.contains(&"error"), "{statuses:?}");
+
+    loadgen.shutdown().await;
+    cluster.gateway.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_websocket_pushes_status_and_two_lanes_get_the_same_conversations() {
+    let speedup = 50.0;
+    let a = cluster(1, speedup).await;
+    let b = cluster(1, speedup).await;
+    let loadgen = Loadgen::bind(config(vec![lane("a", &a), lane("b", &b)], 3, speedup))
+        .await
+        .unwrap();
+    let ws_url = format!("ws://{}/ws", loadgen.local_addr());
+    let (mut socket, _) = tokio_tungstenite::connect_async(&ws_url).await.unwrap();
+    let next_status = async |socket: &mut tokio_tungstenite::WebSocketStream<_>| -> Value {
+        loop {
+            let message = tokio::time::timeout(Duration::from_secs(10), socket.next())
+                .await
+                .expect("a status within 10 s")
+                .expect("open")
+                .expect("message");
+            if let tokio_tungstenite::tungstenite::Message::Text(text) = message {
+                let value: Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(value["type"], "status");
+                return value["data"].clone();
+            }
+        }
+    };
+    // The first message comes at once, stopped.
+    let first = next_status(&mut socket).await;
+    assert_eq!(first["running"], false);
+    assert_eq!(first["lanes"].as_array().unwrap().len(), 2);
+
+    // A start is pushed right away.
+    let url = loadgen.url();
+    let (code, _) = post(&format!("{url}/api/workload/start"), None).await;
+    assert_eq!(code, 200);
+    let mut pushed = next_status(&mut socket).await;
+    while pushed["running"] != true {
+        pushed = next_status(&mut socket).await;
+    }
+    assert_eq!(pushed["concurrency"], 3);
+
+    // Updates keep coming while running; both lanes make progress.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let s = next_status(&mut socket).await;
+        let done = |i: usize| s["lanes"][i]["metrics"]["requests"].as_u64().unwrap_or(0);
+        if done(0) >= 3 && done(1) >= 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "both lanes finish turns: {s}");
+    }
+
+    // The same seed: conversation k has the same topic, plan and first question in both lanes.
+    let (_, list_a) = get(&format!("{url}/api/conversations?lane=a")).await;
+    let (_, list_b) = get(&format!("{url}/api/conversations?lane=b")).await;
+    let (code, unknown) = get(&format!("{url}/api/conversations?lane=zzz")).await;
+    assert_eq!((code, error_code(&unknown)), (404, "unknown_lane"));
+    let mut matched = 0;
+    for conversation in list_a["conversations"].as_array().unwrap() {
+        let id = conversation["id"].as_str().unwrap();
+        let number = id.split_once('-').unwrap().1;
+        let Some(twin) = list_b["conversations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["id"] == format!("1-{number}"))
+        else {
+            continue;
+        };
+        assert_eq!(conversation["topic"], twin["topic"]);
+        assert_eq!(conversation["turns_planned"], twin["turns_planned"]);
+        let (_, da) = get(&format!("{url}/api/conversations/{id}")).await;
+        let (_, db) = get(&format!("{url}/api/conversations/1-{number}")).await;
+        assert_eq!(da["turns"][0]["user"], db["turns"][0]["user"]);
+        matched += 1;
+    }
+    assert!(matched >= 3, "{matched} conversations in both lanes");
+
+    // History: chart points for both lanes.
+    wait_until("chart points", Duration::from_secs(10), async || {
+        let (_, h) = get(&format!("{url}/api/history")).await;
+        h["lanes"][1]["points"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty())
+    })
+    .await;
+
+    let (code, _) = post(&format!("{url}/api/workload/stop"), None).await;
+    assert_eq!(code, 200);
+    loadgen.shutdown().await;
+}
+
+#[tokio::test]
+async fn failed_turns_count_as_errors_and_a_dead_metrics_source_says_why() {
+    // Nothing listens on the target: every turn fails at once.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    let mut spec = LaneSpec::for_gateway("live", None, &dead, MODEL);
+    spec.worker_metrics = vec![format!("{dead}/metrics")];
+    let loadgen = Loadgen::bind(config(vec![spec], 2, 1.0)).await.unwrap();
+    let url = loadgen.url();
+    let (code, _) = post(&format!("{url}/api/workload/start"), None).await;
+    assert_eq!(code, 200);
+    wait_until("errors and a scrape", Duration::from_secs(20), async || {
+        let (_, s) = get(&format!("{url}/api/status")).await;
+        s["lanes"][0]["metrics"]["errors"].as_u64().unwrap_or(0) >= 4
+            && s["lanes"][0]["workers"]["error"].is_string()
+    })
+    .await;
+    let (_, s) = get(&format!("{url}/api/status")).await;
+    let lane = &s["lanes"][0];
+    assert_eq!(lane["metrics"]["requests"], 0);
+    assert_eq!(lane["metrics"]["ttft_ms"], Value::Null);
+    assert_eq!(lane["workers"]["available"], false);
+    assert!(lane["metrics"]["gateway_error"].is_string());
+    // The failed conversations are shown as errors with the reason.
+    let (_, list) = get(&format!("{url}/api/conversations")).await;
+    let failed = list["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["status"] == "error")
+        .expect("an error conversation")
+        .clone();
+    let (_, detail) = get(&format!(
+        "{url}/api/conversations/{}",
+        failed["id"].as_str().unwrap()
+    ))
+    .await;
+    assert_eq!(detail["turns"][0]["state"], "failed");
+    assert!(
+        detail["turns"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("connection"),
+        "{detail}"
+    );
+    loadgen.shutdown().await;
+}
