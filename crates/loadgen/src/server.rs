@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::baseline::{Baseline, BaselineRow};
-use crate::lane::{Lane, lock, unix_ms};
+use crate::lane::{Lane, Totals, lock, unix_ms};
 use crate::store::{ConversationRecord, ConversationStatus, TurnRecord};
 use crate::window::Quantiles;
 use crate::{MAX_CONCURRENCY, Slider, Slo};
@@ -74,7 +74,7 @@ impl App {
     }
 
     pub fn status(&self) -> Status {
-        let lanes: Vec<LaneStatus> = self.lanes.iter().map(|l| lane_status(l)).collect();
+        let lanes: Vec<LaneStatus> = self.lanes.iter().map(lane_status).collect();
         let first = self.lanes.first().map(|l| lock(&l.state));
         let (running, concurrency, started_at_ms) = match &first {
             Some(s) => (s.running, s.concurrency, s.started.map(|(_, ms)| ms)),
@@ -622,110 +622,122 @@ async fn ws_session(app: Arc<App>, mut socket: WebSocket) {
     }
 }
 
+/// A Prometheus summary family: one series per lane, quantiles over the window.
+struct SummaryFamily {
+    name: &'static str,
+    help: &'static str,
+    /// The window's quantiles (in the unit of `scale`) and the total (sum, count).
+    read: fn(&LaneMetrics, &Totals) -> (Option<Quantiles>, f64, u64),
+    /// To seconds.
+    scale: f64,
+}
+
+const SUMMARIES: [SummaryFamily; 4] = [
+    SummaryFamily {
+        name: "loadgen_ttft_all_seconds",
+        help: "Time to first token, client side (60 s window)",
+        read: |m, t| (m.ttft_ms, t.ttft_sum_s, t.requests),
+        scale: 1e-3,
+    },
+    SummaryFamily {
+        name: "loadgen_tpot_all_seconds",
+        help: "Time per output token, (E2E - TTFT) / (tokens - 1) (60 s window)",
+        read: |m, t| (m.tpot_ms, t.tpot_sum_s, t.tpot_count),
+        scale: 1e-3,
+    },
+    SummaryFamily {
+        name: "loadgen_itl_all_seconds",
+        help: "Inter-token latency as the client sees it, (last - first chunk) / (tokens - 1) per turn (60 s window)",
+        read: |m, t| (m.itl_ms, t.itl_sum_s, t.itl_count),
+        scale: 1e-3,
+    },
+    SummaryFamily {
+        name: "loadgen_e2e_all_seconds",
+        help: "Request latency, send to the last token (60 s window)",
+        read: |m, t| (m.e2e_s, t.e2e_sum_s, t.requests),
+        scale: 1.0,
+    },
+];
+
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     let status = app.status();
+    let lanes: Vec<(String, &LaneMetrics, Totals)> = app
+        .lanes
+        .iter()
+        .zip(&status.lanes)
+        .map(|(lane, ls)| {
+            (
+                escape_label(&lane.spec.name),
+                &ls.metrics,
+                lock(&lane.state).totals,
+            )
+        })
+        .collect();
     let mut out = String::new();
-    let summaries: [(&str, &str, fn(&LaneMetrics) -> Option<Quantiles>, f64); 4] = [
-        (
-            "loadgen_ttft_all_seconds",
-            "Time to first token, client side (60 s window)",
-            |m| m.ttft_ms,
-            1e-3,
-        ),
-        (
-            "loadgen_tpot_all_seconds",
-            "Time per output token, (E2E - TTFT) / (tokens - 1) (60 s window)",
-            |m| m.tpot_ms,
-            1e-3,
-        ),
-        (
-            "loadgen_itl_all_seconds",
-            "Inter-token latency as the client sees it, (last - first chunk) / (tokens - 1) per turn (60 s window)",
-            |m| m.itl_ms,
-            1e-3,
-        ),
-        (
-            "loadgen_e2e_all_seconds",
-            "Request latency, send to the last token (60 s window)",
-            |m| m.e2e_s,
-            1.0,
-        ),
-    ];
-    for (name, help, get, scale) in summaries {
-        let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} summary");
-        for (lane, ls) in app.lanes.iter().zip(&status.lanes) {
-            let t = lock(&lane.state).totals;
-            let label = escape_label(&lane.spec.name);
-            let q = get(&ls.metrics);
+    for family in &SUMMARIES {
+        let name = family.name;
+        let _ = writeln!(out, "# HELP {name} {}.\n# TYPE {name} summary", family.help);
+        for (lane, metrics, totals) in &lanes {
+            let (window, sum, count) = (family.read)(metrics, totals);
             for (quantile, value) in [
-                ("0.5", q.map(|q| q.p50 * scale)),
-                ("0.95", q.map(|q| q.p95 * scale)),
+                ("0.5", window.map(|q| q.p50 * family.scale)),
+                ("0.95", window.map(|q| q.p95 * family.scale)),
             ] {
+                // No observation in the window: NaN, as Prometheus client libraries write it.
+                let value = value.map_or("NaN".to_owned(), |v| v.to_string());
                 let _ = writeln!(
                     out,
-                    "{name}{{lane=\"{label}\",quantile=\"{quantile}\"}} {}",
-                    value.map_or("NaN".to_owned(), |v| v.to_string())
+                    "{name}{{lane=\"{lane}\",quantile=\"{quantile}\"}} {value}"
                 );
             }
-            let (sum, count) = match name {
-                "loadgen_ttft_all_seconds" => (t.ttft_sum_s, t.requests),
-                "loadgen_tpot_all_seconds" => (t.tpot_sum_s, t.tpot_count),
-                "loadgen_itl_all_seconds" => (t.itl_sum_s, t.itl_count),
-                _ => (t.e2e_sum_s, t.requests),
-            };
-            let _ = writeln!(out, "{name}_sum{{lane=\"{label}\"}} {sum}");
-            let _ = writeln!(out, "{name}_count{{lane=\"{label}\"}} {count}");
+            let _ = writeln!(out, "{name}_sum{{lane=\"{lane}\"}} {sum}");
+            let _ = writeln!(out, "{name}_count{{lane=\"{lane}\"}} {count}");
         }
     }
-    let counters: [(&str, &str, fn(&crate::lane::Totals) -> u64); 3] = [
-        ("loadgen_requests_total", "Turns completed", |t| t.requests),
-        ("loadgen_errors_total", "Turns failed", |t| t.errors),
-        (
-            "loadgen_output_tokens_total",
-            "Output tokens received",
-            |t| t.output_tokens,
-        ),
-    ];
-    for (name, help, get) in counters {
-        let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} counter");
-        for lane in &app.lanes {
-            let t = lock(&lane.state).totals;
-            let _ = writeln!(
-                out,
-                "{name}{{lane=\"{}\"}} {}",
-                escape_label(&lane.spec.name),
-                get(&t)
-            );
-        }
-    }
-    let gauges: [(&str, &str, fn(&LaneMetrics, u32) -> f64); 3] = [
-        (
-            "loadgen_in_flight_requests",
-            "Requests in flight",
-            |m, _| m.in_flight as f64,
-        ),
-        (
-            "loadgen_active_conversations",
-            "Open conversations",
-            |m, _| f64::from(m.active_conversations),
-        ),
-        (
-            "loadgen_target_concurrency",
-            "Target open conversations",
-            |_, c| f64::from(c),
-        ),
-    ];
-    for (name, help, get) in gauges {
-        let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} gauge");
-        for (lane, ls) in app.lanes.iter().zip(&status.lanes) {
-            let _ = writeln!(
-                out,
-                "{name}{{lane=\"{}\"}} {}",
-                escape_label(&lane.spec.name),
-                get(&ls.metrics, status.concurrency)
-            );
-        }
-    }
+    let mut family =
+        |name: &str, kind: &str, help: &str, value: &dyn Fn(&LaneMetrics, &Totals) -> f64| {
+            let _ = writeln!(out, "# HELP {name} {help}.\n# TYPE {name} {kind}");
+            for (lane, metrics, totals) in &lanes {
+                let _ = writeln!(out, "{name}{{lane=\"{lane}\"}} {}", value(metrics, totals));
+            }
+        };
+    family(
+        "loadgen_requests_total",
+        "counter",
+        "Turns completed",
+        &|_, t| t.requests as f64,
+    );
+    family(
+        "loadgen_errors_total",
+        "counter",
+        "Turns failed",
+        &|_, t| t.errors as f64,
+    );
+    family(
+        "loadgen_output_tokens_total",
+        "counter",
+        "Output tokens received",
+        &|_, t| t.output_tokens as f64,
+    );
+    family(
+        "loadgen_in_flight_requests",
+        "gauge",
+        "Requests in flight",
+        &|m, _| m.in_flight as f64,
+    );
+    family(
+        "loadgen_active_conversations",
+        "gauge",
+        "Open conversations",
+        &|m, _| f64::from(m.active_conversations),
+    );
+    let target = f64::from(status.concurrency);
+    family(
+        "loadgen_target_concurrency",
+        "gauge",
+        "Target open conversations",
+        &|_, _| target,
+    );
     (
         [(
             header::CONTENT_TYPE,

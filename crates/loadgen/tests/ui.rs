@@ -1,0 +1,456 @@
+//! The web UI in headless Chromium (Debian's `chromium` + `chromium-driver`, which `.ci/run`
+//! installs), driven over WebDriver: every page loads, Start/Stop follow the rules, the slider
+//! changes the live concurrency, and the tables, cards, colours and transcripts show the API's
+//! numbers with the formats of `web/js/format.js`.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use engine_server::{EngineServer, EngineServerConfig, EngineServerHandle};
+use fantoccini::{Client, ClientBuilder, Locator};
+use gateway::{Gateway, GatewayConfig, WorkerSpec};
+use kv_index::WorkerId;
+use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
+use serde_json::{Value, json};
+
+const MODEL: &str = "llama-3.1-70b-instruct";
+const SPEEDUP: f64 = 50.0;
+
+/// A chromedriver process on a free port, killed on drop.
+struct ChromeDriver {
+    child: Child,
+    port: u16,
+}
+
+impl ChromeDriver {
+    fn start() -> ChromeDriver {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect(
+                "chromedriver runs the UI tests: install Debian's chromium and chromium-driver \
+                 (`apt-get install chromium chromium-driver`; .ci/run does)",
+            );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "chromedriver did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        ChromeDriver { child, port }
+    }
+
+    async fn browser(&self) -> Client {
+        let mut capabilities = serde_json::Map::new();
+        capabilities.insert(
+            "goog:chromeOptions".to_owned(),
+            json!({"args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                            "--disable-dev-shm-usage", "--window-size=1400,2400"]}),
+        );
+        ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+            .capabilities(capabilities)
+            .connect(&format!("http://127.0.0.1:{}", self.port))
+            .await
+            .expect("a headless Chromium session")
+    }
+}
+
+impl Drop for ChromeDriver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn engine(id: u64) -> EngineServerHandle {
+    let mut config = EngineServerConfig::new();
+    config.worker_id = WorkerId(id);
+    config.speedup = SPEEDUP;
+    config.seed = id;
+    config.model = MODEL.to_owned();
+    config.zmq_pub = Some("tcp://127.0.0.1:0".to_owned());
+    config.hostname = format!("worker-{id}");
+    EngineServer::bind(config).await.expect("engine starts")
+}
+
+async fn api(url: &str) -> Value {
+    reqwest::get(url).await.unwrap().json().await.unwrap()
+}
+
+/// The test id selector.
+fn id(testid: &str) -> Locator<'_> {
+    Locator::XPath(Box::leak(
+        format!("//*[@data-testid='{testid}']").into_boxed_str(),
+    ))
+}
+
+async fn text(browser: &Client, testid: &str) -> String {
+    browser
+        .wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(id(testid))
+        .await
+        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
+        .text()
+        .await
+        .unwrap()
+}
+
+async fn classes(browser: &Client, testid: &str) -> String {
+    browser
+        .find(id(testid))
+        .await
+        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
+        .attr("class")
+        .await
+        .unwrap()
+        .unwrap_or_default()
+}
+
+async fn disabled(browser: &Client, testid: &str) -> bool {
+    browser
+        .find(id(testid))
+        .await
+        .unwrap()
+        .prop("disabled")
+        .await
+        .unwrap()
+        .as_deref()
+        == Some("true")
+}
+
+async fn eventually(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `web/js/format.js`'s rules.
+fn ms(v: &Value) -> String {
+    v.as_f64()
+        .map_or("—".to_owned(), |v| format!("{}", v.round()))
+}
+
+fn seconds(v: &Value) -> String {
+    v.as_f64().map_or("—".to_owned(), |v| format!("{v:.2}"))
+}
+
+fn slo_class(v: f64, slo: f64) -> &'static str {
+    if v > slo {
+        "slo-red"
+    } else if v >= 0.9 * slo {
+        "slo-yellow"
+    } else {
+        "slo-ok"
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
+    let engines = [engine(0).await, engine(1).await];
+    let gateway = Gateway::bind(GatewayConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        model: MODEL.to_owned(),
+        workers: engines.iter().map(|e| WorkerSpec::new(e.url())).collect(),
+        ..GatewayConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut lane = LaneSpec::for_gateway("kv_load", Some("kv_load"), &gateway.url(), MODEL);
+    lane.worker_metrics = engines
+        .iter()
+        .map(|e| format!("{}/metrics", e.url()))
+        .collect();
+    let mut config = LoadgenConfig::new(vec![lane]);
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    config.drive.workload.concurrency = 60;
+    config.drive.workload.ramp_s = 0.0;
+    config.drive.time_scale = SPEEDUP;
+    // A window of a modelled hour: after Stop the percentiles stay put while they are compared.
+    config.drive.window = Duration::from_secs(3_600);
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+
+    let driver = ChromeDriver::start();
+    let browser = driver.browser().await;
+    browser.goto(&url).await.unwrap();
+
+    // Header; connected and stopped: Start enabled, Stop disabled.
+    assert_eq!(
+        text(&browser, "title").await,
+        "Serve More Users on the Same GPUs with KV-Aware Routing"
+    );
+    eventually("the WebSocket", Duration::from_secs(10), async || {
+        text(&browser, "ws-state").await == "connected"
+    })
+    .await;
+    assert!(!disabled(&browser, "start").await);
+    assert!(disabled(&browser, "stop").await);
+    for card in ["rps", "tops", "kv-hit", "queued"] {
+        assert_eq!(
+            text(&browser, &format!("kpi-{card}")).await,
+            "—",
+            "{card} before start"
+        );
+    }
+
+    // The static table: every level of the baseline, coloured against the SLOs.
+    let baseline = api(&format!("{url}/api/baseline")).await;
+    for level in baseline["levels"].as_array().unwrap() {
+        let c = level["concurrency"].as_u64().unwrap();
+        for (metric, key, slo) in [("ttft", "ttft_ms", 600.0), ("tpot", "tpot_ms", 60.0)] {
+            let rr = &level["baseline"][key]["p95"];
+            let kv = &level["kv"][key]["p95"];
+            let cell = format!("static-{c}-{metric}-rr");
+            assert_eq!(text(&browser, &cell).await, ms(rr), "{cell}");
+            assert!(
+                classes(&browser, &cell)
+                    .await
+                    .contains(slo_class(rr.as_f64().unwrap(), slo))
+            );
+            let cell = format!("static-{c}-{metric}-kv");
+            assert_eq!(text(&browser, &cell).await, ms(kv), "{cell}");
+            assert!(
+                classes(&browser, &cell)
+                    .await
+                    .contains(slo_class(kv.as_f64().unwrap(), slo))
+            );
+            let (rr, kv) = (rr.as_f64().unwrap(), kv.as_f64().unwrap());
+            let improvement = (rr - kv) / rr * 100.0;
+            let expected = if improvement > 0.0 {
+                format!("+{improvement:.1}%")
+            } else {
+                format!("{improvement:.1}%")
+            };
+            assert_eq!(
+                text(&browser, &format!("static-{c}-{metric}-imp")).await,
+                expected
+            );
+        }
+    }
+
+    // Start from the page.
+    browser
+        .find(id("start"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    eventually("running", Duration::from_secs(10), async || {
+        disabled(&browser, "start").await && !disabled(&browser, "stop").await
+    })
+    .await;
+    assert_eq!(api(&format!("{url}/api/status")).await["running"], true);
+    eventually(
+        "live numbers on the cards",
+        Duration::from_secs(90),
+        async || {
+            text(&browser, "kpi-requests")
+                .await
+                .parse::<u64>()
+                .unwrap_or(0)
+                >= 20
+                && text(&browser, "kpi-tops").await != "—"
+                && text(&browser, "kpi-kv-hit").await.ends_with('%')
+        },
+    )
+    .await;
+    assert_eq!(text(&browser, "kpi-errors").await, "0");
+    assert!(!classes(&browser, "kpi-errors").await.contains("error"));
+    assert_eq!(
+        browser.find_all(id("worker-card")).await.unwrap().len(),
+        2,
+        "one card per worker"
+    );
+    assert!(text(&browser, "gpu-util").await.ends_with('%'));
+    let series = browser
+        .find_all(Locator::Css("[data-testid=chart-tops] path.series"))
+        .await
+        .unwrap();
+    assert!(!series.is_empty(), "the TOPS chart draws its series");
+
+    // The slider moves the live concurrency (debounced) and the RR columns follow it.
+    browser
+        .execute(
+            "const s = document.querySelector('[data-testid=concurrency-slider]');
+             s.value = '120';
+             s.dispatchEvent(new Event('input', {bubbles: true}));
+             s.dispatchEvent(new Event('change', {bubbles: true}));",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(text(&browser, "concurrency-value").await, "120");
+    eventually(
+        "concurrency 120 applied",
+        Duration::from_secs(5),
+        async || api(&format!("{url}/api/status")).await["concurrency"] == 120,
+    )
+    .await;
+    let status = api(&format!("{url}/api/status")).await;
+    assert_eq!(status["running"], true, "applied without stopping");
+    assert_eq!(status["baseline"]["concurrency"], 120);
+    eventually("RR p95 of level 120", Duration::from_secs(5), async || {
+        text(&browser, "cell-ttft-rr-p95").await == ms(&status["baseline"]["ttft_ms"]["p95"])
+    })
+    .await;
+
+    // Stop from the page; then the live table equals the API's window, with its colours.
+    browser
+        .find(id("stop"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    eventually("stopped", Duration::from_secs(10), async || {
+        !disabled(&browser, "start").await && disabled(&browser, "stop").await
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let status = api(&format!("{url}/api/status")).await;
+    assert_eq!(status["running"], false);
+    let m = &status["lanes"][0]["metrics"];
+    let b = &status["baseline"];
+    for (row, key, slo) in [
+        ("ttft", "ttft_ms", Some(600.0)),
+        ("tpot", "tpot_ms", Some(60.0)),
+        ("itl", "itl_ms", None),
+        ("latency", "e2e_s", None),
+    ] {
+        let format = if row == "latency" { seconds } else { ms };
+        for q in ["p50", "p95"] {
+            let cell = format!("cell-{row}-live-{q}");
+            assert_eq!(text(&browser, &cell).await, format(&m[key][q]), "{cell}");
+            if let Some(slo) = slo {
+                let expected = slo_class(m[key][q].as_f64().unwrap(), slo);
+                assert!(
+                    classes(&browser, &cell).await.contains(expected),
+                    "{cell}: {expected}"
+                );
+            }
+            let cell = format!("cell-{row}-rr-{q}");
+            assert_eq!(text(&browser, &cell).await, format(&b[key][q]), "{cell}");
+            assert!(
+                classes(&browser, &cell).await.contains("muted"),
+                "{cell} is muted"
+            );
+        }
+    }
+    assert_eq!(
+        text(&browser, "kpi-requests").await,
+        m["requests"].to_string()
+    );
+
+    // Conversations: the list, then one conversation's transcript and per-turn numbers.
+    browser
+        .goto(&format!("{url}/#/conversations"))
+        .await
+        .unwrap();
+    text(&browser, "conversations-table").await;
+    let list = api(&format!("{url}/api/conversations")).await;
+    let conversations = list["conversations"].as_array().unwrap();
+    eventually("the list", Duration::from_secs(10), async || {
+        browser
+            .find_all(id("conversation-row"))
+            .await
+            .unwrap()
+            .len()
+            == conversations.len()
+    })
+    .await;
+    let chosen = conversations
+        .iter()
+        .find(|c| c["turns_done"].as_u64().unwrap() >= 2)
+        .expect("a conversation with two turns");
+    let chosen_id = chosen["id"].as_str().unwrap();
+    browser
+        .find(Locator::Css(&format!(
+            "[data-testid=conversation-row][data-id='{chosen_id}']"
+        )))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    text(&browser, "conversation-detail").await;
+    let detail = api(&format!("{url}/api/conversations/{chosen_id}")).await;
+    let turns = detail["turns"].as_array().unwrap();
+    let shown = browser.find_all(id("turn")).await.unwrap();
+    assert_eq!(shown.len(), turns.len());
+    for (element, turn) in shown.iter().zip(turns) {
+        if turn["state"] != "done" {
+            continue;
+        }
+        let field = async |testid: &str| {
+            let inside = format!(".//*[@data-testid='{testid}']");
+            element
+                .find(Locator::XPath(&inside))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        };
+        assert_eq!(field("turn-ttft").await, ms(&turn["ttft_ms"]), "{turn}");
+        assert_eq!(field("turn-itl").await, ms(&turn["itl_ms"]), "{turn}");
+        let tokens = field("turn-tokens").await;
+        assert_eq!(tokens, turn["tokens"].to_string(), "{turn}");
+        assert_eq!(
+            field("turn-latency").await,
+            seconds(&turn["latency_s"]),
+            "{turn}"
+        );
+        let words = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert_eq!(
+            words(&field("bubble-user").await),
+            words(turn["user"].as_str().unwrap())
+        );
+        assert_eq!(
+            words(&field("bubble-assistant").await),
+            words(turn["assistant"].as_str().unwrap())
+        );
+    }
+
+    // The diagram pages load their pictures.
+    for page in ["architecture", "kv-routing", "features"] {
+        browser.goto(&format!("{url}/#/{page}")).await.unwrap();
+        let width = async || {
+            browser
+                .execute(
+                    "const d = document.querySelector('[data-testid=diagram]');
+                     return d && d.complete ? d.naturalWidth : 0;",
+                    vec![],
+                )
+                .await
+                .unwrap()
+                .as_u64()
+                .unwrap_or(0)
+        };
+        eventually(page, Duration::from_secs(10), async || width().await > 0).await;
+    }
+
+    // The server goes away: the page says so and disables both buttons.
+    browser.goto(&url).await.unwrap();
+    eventually("connected again", Duration::from_secs(10), async || {
+        text(&browser, "ws-state").await == "connected"
+    })
+    .await;
+    loadgen.shutdown().await;
+    eventually("disconnected", Duration::from_secs(20), async || {
+        text(&browser, "ws-state").await == "disconnected"
+    })
+    .await;
+    assert!(disabled(&browser, "start").await && disabled(&browser, "stop").await);
+
+    browser.close().await.unwrap();
+    gateway.shutdown().await;
+}
