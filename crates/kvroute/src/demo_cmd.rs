@@ -61,6 +61,16 @@ pub struct DriveArgs {
     /// Ended conversations kept for the Conversations page.
     #[arg(long, default_value_t = 500)]
     conversations_kept: usize,
+    /// The sliding window of the live figures, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    window: f64,
+    /// Run this many (modelled) seconds after the start, write --report, and exit: a
+    /// measurement instead of a demo.
+    #[arg(long, requires = "start")]
+    run_for: Option<f64>,
+    /// With --run-for: where to write the final status (the API's JSON).
+    #[arg(long, requires = "run_for")]
+    report: Option<PathBuf>,
 }
 
 impl DriveArgs {
@@ -73,6 +83,14 @@ impl DriveArgs {
         }
         if !(self.ramp.is_finite() && self.ramp >= 0.0) {
             bail!("--ramp must be a number of seconds ≥ 0, got {}", self.ramp);
+        }
+        if !(self.window.is_finite() && self.window >= 1.0) {
+            bail!("--window must be at least 1 second, got {}", self.window);
+        }
+        if let Some(run_for) = self.run_for {
+            if !(run_for.is_finite() && run_for > 0.0) {
+                bail!("--run-for must be a positive number of seconds, got {run_for}");
+            }
         }
         if !(self.request_timeout.is_finite() && self.request_timeout > 0.0) {
             bail!("--request-timeout must be a positive number of seconds");
@@ -106,6 +124,7 @@ impl DriveArgs {
             fixed_output_length: !self.natural_replies,
             request_timeout: Duration::from_secs_f64(self.request_timeout),
             conversations_kept: self.conversations_kept,
+            window: Duration::from_secs_f64(self.window),
             time_scale,
             ..DriveConfig::default()
         })
@@ -238,7 +257,7 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
         let loadgen = Loadgen::bind(config).await?;
         println!("kvroute loadgen: dashboard on {}", loadgen.url());
         println!("kvroute loadgen: driving {target}; Ctrl-C stops");
-        wait_for_signal().await;
+        run_or_wait(&loadgen, &args.drive, args.speedup).await?;
         println!("kvroute loadgen: shutting down");
         loadgen.shutdown().await;
         Ok(())
@@ -372,7 +391,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         };
         let loadgen = Loadgen::bind(config).await?;
         println!("kvroute demo: open {} (Ctrl-C stops)", loadgen.url());
-        wait_for_signal().await;
+        run_or_wait(&loadgen, &args.drive, args.speedup).await?;
         println!("kvroute demo: shutting down");
         loadgen.shutdown().await;
         for cluster in clusters {
@@ -384,6 +403,47 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         println!("kvroute demo: stopped");
         Ok(())
     })
+}
+
+/// Waits for Ctrl-C, or with --run-for measures for that long (modelled seconds, `speedup`
+/// times faster in wall time), prints the figures and writes --report.
+async fn run_or_wait(loadgen: &Loadgen, drive: &DriveArgs, speedup: f64) -> Result<()> {
+    let Some(run_for) = drive.run_for else {
+        wait_for_signal().await;
+        return Ok(());
+    };
+    let wall = Duration::from_secs_f64(run_for / speedup);
+    tokio::select! {
+        () = tokio::time::sleep(wall) => {}
+        () = wait_for_signal() => bail!("interrupted before --run-for elapsed"),
+    }
+    let status = loadgen.app().status();
+    for lane in &status.lanes {
+        let m = &lane.metrics;
+        let p50 =
+            |q: Option<loadgen::Quantiles>| q.map_or("-".to_owned(), |q| format!("{:.1}", q.p50));
+        println!(
+            "{}: TOPS {} · TTFT p50 {} ms · ITL p50 {} ms · TPOT p50 {} ms · E2E p50 {} s · \
+             KV hit {} · {} turns in the last {} s, {} errors",
+            lane.name,
+            m.tops.map_or("-".to_owned(), |t| format!("{t:.0}")),
+            p50(m.ttft_ms),
+            p50(m.itl_ms),
+            p50(m.tpot_ms),
+            p50(m.e2e_s),
+            m.kv_hit_rate
+                .map_or("-".to_owned(), |h| format!("{:.1}%", h * 100.0)),
+            m.window_samples,
+            status.window_s,
+            m.errors,
+        );
+    }
+    if let Some(path) = &drive.report {
+        let json = serde_json::to_string_pretty(&status)?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        println!("report: {}", path.display());
+    }
+    Ok(())
 }
 
 async fn wait_for_signal() {
