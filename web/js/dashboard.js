@@ -312,9 +312,9 @@ export class Dashboard {
         }));
     }));
     note.hidden = false;
-    replaceChildren(note, 'Simulated by ', el('code', { text: 'kvroute bench' }),
-      ' (3 × H200, Llama-3.3-70B FP8); replace with your own results.json',
-      baseline.source ? [' — source: ', el('code', { text: baseline.source })] : '', '.');
+    replaceChildren(note, 'Recorded by ', el('code', { text: 'kvroute bench' }),
+      baseline.source ? [' — ', el('code', { text: baseline.source })] : '',
+      '. Use your own with ', el('code', { text: '--baseline results.json' }), '.');
     this.highlightStaticRow();
   }
 

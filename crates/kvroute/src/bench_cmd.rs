@@ -65,6 +65,34 @@ pub struct BenchArgs {
 
 pub fn run(args: BenchArgs) -> Result<()> {
     let started = Instant::now();
+    let (results, spec, threads) = simulate(&args, true)?;
+    let wall = started.elapsed().as_secs_f64();
+
+    if let Some(dir) = &args.out {
+        write_out(dir, &results, args.compare_seed002)?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        print_summary(&results);
+    }
+    if args.compare_seed002 {
+        println!("\n{}", report::compare_seed_002(&results));
+    }
+    let simulated = spec.simulated().as_secs_f64();
+    eprintln!(
+        "bench: {} runs on {threads} thread(s), {simulated:.0} simulated s in {wall:.1} s wall \
+         ({:.0}× real time)",
+        spec.jobs().len(),
+        simulated / wall.max(1e-9)
+    );
+    Ok(())
+}
+
+/// Runs the benchmark's simulations (on threads, with a progress bar when `progress`) and
+/// aggregates them: `results.json`'s content.
+/// Also says on how many threads.
+pub fn simulate(args: &BenchArgs, progress: bool) -> Result<(BenchResults, BenchSpec, usize)> {
     if args.levels.is_empty() || args.routers.is_empty() || args.sweeps == 0 {
         bail!("--levels, --routers and --sweeps need at least one value each");
     }
@@ -93,7 +121,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .clamp(1, jobs.len().max(1));
     let phases_total: usize = jobs.iter().map(|j| j.levels.len()).sum();
-    let bar = progress_bar(phases_total as u64, "levels");
+    let bar = progress
+        .then(|| progress_bar(phases_total as u64, "levels"))
+        .flatten();
 
     // Independent runs on threads; each result goes back to its job's slot, so the output
     // never depends on which thread ran what.
@@ -143,27 +173,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         })?);
     }
     let results = sim::bench::aggregate(&spec, results, &cluster.profile_name);
-    let wall = started.elapsed().as_secs_f64();
-
-    if let Some(dir) = &args.out {
-        write_out(dir, &results, args.compare_seed002)?;
-    }
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&results)?);
-    } else {
-        print_summary(&results);
-    }
-    if args.compare_seed002 {
-        println!("\n{}", report::compare_seed_002(&results));
-    }
-    let simulated = spec.simulated().as_secs_f64();
-    eprintln!(
-        "bench: {} runs on {threads} thread(s), {simulated:.0} simulated s in {wall:.1} s wall \
-         ({:.0}× real time)",
-        jobs.len(),
-        simulated / wall.max(1e-9)
-    );
-    Ok(())
+    Ok((results, spec, threads))
 }
 
 fn write_out(dir: &Path, results: &BenchResults, with_seed: bool) -> Result<()> {

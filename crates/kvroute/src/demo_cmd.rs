@@ -14,7 +14,7 @@ use loadgen::{Baseline, DriveConfig, LaneSpec, Loadgen, LoadgenConfig, UserSimul
 use router::PolicyKind;
 use workload::{Distribution, WorkloadConfig};
 
-use crate::{engine_cmd, gateway_cmd};
+use crate::{bench_cmd, engine_cmd, gateway_cmd};
 
 /// Workload, user and dashboard settings shared by `loadgen` and `demo`.
 #[derive(Debug, clap::Args)]
@@ -264,6 +264,51 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
     })
 }
 
+/// Round-robin and the demo's routers on the demo's cluster, simulated by `kvroute bench` at
+/// the slider's levels with the seed's workload, the KV column being the demo's router.
+fn simulated_baseline(args: &DemoArgs, routers: &[String]) -> Result<Baseline> {
+    let started = std::time::Instant::now();
+    let mut list = vec!["round_robin".to_owned()];
+    list.extend(routers.iter().filter(|r| *r != "round_robin").cloned());
+    if list.len() == 1 {
+        list.push("kv_load".to_owned());
+    }
+    let flags = BenchFlags::try_parse_from([
+        "bench".to_owned(),
+        format!("--routers={}", list.join(",")),
+        "--sweeps=2".to_owned(),
+        format!("--workers={}", args.workers),
+        format!("--profile={}", args.profile),
+        "--path-latency-ms=0".to_owned(),
+        "--no-oracle".to_owned(),
+    ])
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (results, _, _) = bench_cmd::simulate(&flags.args, false)?;
+    let json = serde_json::to_string(&results)?;
+    let source = format!(
+        "simulated at start-up: kvroute bench --routers {} --workers {} --profile {} \
+         --path-latency-ms 0 --sweeps 2 (seed 002's workload)",
+        list.join(","),
+        args.workers,
+        args.profile
+    );
+    let preferred: Vec<&str> = list[1..].iter().map(String::as_str).collect();
+    let baseline =
+        Baseline::from_results_json_preferring(&json, &source, "round_robin", &preferred)?;
+    println!(
+        "kvroute demo: simulated the recorded comparison ({}) in {:.1} s",
+        list.join(" vs "),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(baseline)
+}
+
+#[derive(Debug, Parser)]
+struct BenchFlags {
+    #[command(flatten)]
+    args: bench_cmd::BenchArgs,
+}
+
 /// One simulated cluster: engines and their gateway.
 struct Cluster {
     router: String,
@@ -341,7 +386,14 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             .map_err(|e| anyhow::anyhow!("router {router:?}: {e}"))?;
     }
     let drive = args.drive.drive(args.speedup)?;
-    let baseline = args.drive.baseline()?;
+    // The recorded comparison should be of this very cluster: unless one is given, simulate it
+    // now (about a second), on localhost (no serving path outside the GPUs).
+    let baseline =
+        if args.drive.baseline.is_some() || args.drive.no_baseline || args.target.is_some() {
+            args.drive.baseline()?
+        } else {
+            Some(simulated_baseline(&args, &routers)?)
+        };
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let mut clusters = Vec::new();
@@ -355,10 +407,13 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             ));
         } else {
             for (i, router) in routers.iter().enumerate() {
-                let port = args
-                    .gateway_port
-                    .checked_add(i as u16)
-                    .context("gateway port")?;
+                // Port 0 lets every gateway pick a free port.
+                let port = match args.gateway_port {
+                    0 => 0,
+                    first => first
+                        .checked_add(i as u16)
+                        .context("--gateway-port is too high for two gateways")?,
+                };
                 let cluster = start_cluster(&args, router, i as u32, port).await?;
                 let mut lane = LaneSpec::for_gateway(
                     router,

@@ -10,8 +10,8 @@ use crate::window::Quantiles;
 pub const SHIPPED_RESULTS: &str = include_str!("../../../docs/results/results.json");
 
 /// Where the shipped baseline comes from, as the dashboard says it.
-pub const SHIPPED_SOURCE: &str =
-    "docs/results/results.json (kvroute bench: 3 × H200, Llama-3.3-70B FP8, simulated)";
+pub const SHIPPED_SOURCE: &str = "docs/results/results.json: 3 × H200, Llama-3.1-70B FP8, \
+     seed 002's workload, simulated in virtual time";
 
 /// One router at one concurrency level.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -92,6 +92,17 @@ impl Baseline {
         source: &str,
         baseline_router: &str,
     ) -> Result<Baseline, BaselineError> {
+        Baseline::from_results_json_preferring(json, source, baseline_router, &["kv_load", "kv"])
+    }
+
+    /// As [`Baseline::from_results_json`], with the KV column the first of `kv_routers` in the
+    /// file.
+    pub fn from_results_json_preferring(
+        json: &str,
+        source: &str,
+        baseline_router: &str,
+        kv_routers: &[&str],
+    ) -> Result<Baseline, BaselineError> {
         let file: ResultsFile = serde_json::from_str(json)?;
         let rows: Vec<BaselineRow> = file
             .summary
@@ -109,8 +120,9 @@ impl Baseline {
             .collect();
         let mut routers: Vec<&str> = rows.iter().map(|r| r.router.as_str()).collect();
         routers.dedup();
-        let kv_router = ["kv_load", "kv"]
-            .into_iter()
+        let kv_router = kv_routers
+            .iter()
+            .copied()
             .find(|k| *k != baseline_router && routers.contains(k))
             .map(str::to_owned);
         let mut levels: Vec<BaselineLevel> = rows
