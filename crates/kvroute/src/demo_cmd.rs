@@ -178,6 +178,10 @@ pub struct LoadgenArgs {
     /// A worker's Prometheus endpoint with DCGM-style GPU metrics (repeat per worker).
     #[arg(long = "worker-metrics", value_name = "URL")]
     worker_metrics: Vec<String>,
+    /// A Prometheus server scraping the gateway and the workers (http://HOST:9090): the KV hit
+    /// rate, queue and GPU view then come from its query API, with seed 001's queries.
+    #[arg(long, value_name = "URL")]
+    prometheus_url: Option<String>,
     /// Model seconds per wall second of the target (a simulated cluster's --speedup): the
     /// dashboard then shows modelled time.
     #[arg(long, default_value_t = 1.0)]
@@ -245,6 +249,7 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
         lane.gateway_metrics = Some(url.clone());
     }
     lane.worker_metrics = args.worker_metrics.clone();
+    lane.prometheus = args.prometheus_url.clone();
     let config = LoadgenConfig {
         listen: SocketAddr::new(args.host, args.port),
         drive: args.drive.drive(args.speedup)?,

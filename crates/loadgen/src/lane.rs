@@ -37,6 +37,10 @@ pub struct LaneSpec {
     pub gateway_metrics: Option<String>,
     /// Workers' Prometheus endpoints with DCGM-style GPU series, for the per-worker view.
     pub worker_metrics: Vec<String>,
+    /// A Prometheus server (`http://host:9090`) that scrapes the gateway and the workers: when
+    /// set, the KV hit rate, the queue and the GPU view come from its query API (seed 001's
+    /// queries) instead of the endpoints above.
+    pub prometheus: Option<String>,
 }
 
 /// Who writes the users' follow-up questions.
@@ -124,6 +128,8 @@ pub struct LaneState {
     pub gateway: GatewayHistory,
     pub gateway_error: Option<String>,
     pub workers: WorkersView,
+    /// From Prometheus, when the lane reads it: (hit rate, queued).
+    pub prometheus_figures: Option<(Option<f64>, Option<f64>)>,
     pub time_scale: f64,
 }
 
@@ -183,6 +189,7 @@ impl Lane {
             gateway: GatewayHistory::new(config.window, 1_024),
             gateway_error: None,
             workers: WorkersView::default(),
+            prometheus_figures: None,
             time_scale: config.time_scale,
         }));
         let (commands, receiver) = mpsc::channel(64);

@@ -114,6 +114,7 @@ impl LaneSpec {
             model: model.to_owned(),
             api_key: None,
             worker_metrics: Vec::new(),
+            prometheus: None,
         }
     }
 }

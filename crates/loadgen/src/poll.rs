@@ -25,6 +25,14 @@ pub async fn scrape_loop(
             () = shutdown.cancelled() => return,
             _ = ticker.tick() => {}
         }
+        if let Some(prometheus) = &spec.prometheus {
+            let (figures, workers, error) = query_prometheus(&http, prometheus).await;
+            let mut s = lock(&state);
+            s.prometheus_figures = Some(figures);
+            s.gateway_error = error;
+            s.workers = workers;
+            continue;
+        }
         let gateway = match &spec.gateway_metrics {
             Some(url) => Some(scrape::fetch_text(&http, url, SCRAPE_TIMEOUT).await),
             None => None,
@@ -86,4 +94,140 @@ async fn scrape_workers(spec: &LaneSpec, http: &reqwest::Client) -> WorkersView 
         view.error = Some(errors.join("; "));
     }
     view
+}
+
+/// Seed 001's queries: the KV hit rate as its Grafana panel computes it, the frontend queue.
+pub const HIT_RATE_QUERY: &str = "sum(rate(dynamo_frontend_cached_tokens_sum[1m])) / \
+     sum(rate(dynamo_frontend_input_sequence_tokens_sum[1m]))";
+pub const QUEUED_QUERY: &str = "sum(dynamo_frontend_queued_requests)";
+const GPU_SERIES: [&str; 3] = [
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_FB_FREE",
+];
+
+/// One instant query: the result vector as samples (`__name__` becomes the name).
+async fn instant_query(
+    http: &reqwest::Client,
+    base: &str,
+    query: &str,
+) -> Result<Vec<scrape::Sample>, String> {
+    let url = format!("{}/api/v1/query", base.trim_end_matches('/'));
+    let with_query = reqwest::Url::parse_with_params(&url, &[("query", query)])
+        .map_err(|e| format!("{url}: {e}"))?;
+    let response = http
+        .get(with_query)
+        .timeout(SCRAPE_TIMEOUT)
+        .send()
+        .await
+        .map_err(|e| crate::client::error_chain(&e))?;
+    let status = response.status();
+    let body: serde_json::Value = response
+        .json()
+        .await
+        .map_err(|e| format!("{url}: not a Prometheus answer: {e}"))?;
+    if !status.is_success() || body["status"] != "success" {
+        return Err(format!(
+            "{url}: {}",
+            body["error"].as_str().unwrap_or(status.as_str())
+        ));
+    }
+    let result = body["data"]["result"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    Ok(result
+        .iter()
+        .filter_map(|series| {
+            let labels: Vec<(String, String)> = series["metric"]
+                .as_object()?
+                .iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
+                .collect();
+            let value: f64 = series["value"].get(1)?.as_str()?.parse().ok()?;
+            let name = labels
+                .iter()
+                .find(|(k, _)| k == "__name__")
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default();
+            Some(scrape::Sample {
+                name,
+                labels,
+                value,
+            })
+        })
+        .collect())
+}
+
+/// The hit rate, the queue and the GPU view from a Prometheus server; any failure makes the
+/// GPU view "unavailable" with the reason, as the seed's dashboard shows it.
+async fn query_prometheus(
+    http: &reqwest::Client,
+    base: &str,
+) -> ((Option<f64>, Option<f64>), WorkersView, Option<String>) {
+    let scalar = |samples: Result<Vec<scrape::Sample>, String>| {
+        samples.map(|s| s.first().map(|s| s.value).filter(|v| v.is_finite()))
+    };
+    let hit_rate = scalar(instant_query(http, base, HIT_RATE_QUERY).await);
+    let queued = scalar(instant_query(http, base, QUEUED_QUERY).await);
+    let mut gpu_samples = Vec::new();
+    let mut error = None;
+    for series in GPU_SERIES {
+        match instant_query(http, base, series).await {
+            Ok(samples) => gpu_samples.extend(samples),
+            Err(err) => error = Some(err),
+        }
+    }
+    let figure_error = [&hit_rate, &queued]
+        .iter()
+        .find_map(|r| r.as_ref().err().cloned());
+    let figures = (
+        hit_rate.ok().flatten().map(|h| h.clamp(0.0, 1.0)),
+        queued.ok().flatten(),
+    );
+    if let Some(err) = error.or(figure_error.clone()) {
+        let view = WorkersView {
+            available: false,
+            error: Some(format!("Prometheus unavailable: {err}")),
+            ..WorkersView::default()
+        };
+        return (
+            figures,
+            view,
+            figure_error.map(|e| format!("Prometheus: {e}")),
+        );
+    }
+    // One card per worker: series grouped by the DCGM exporter's host (else the target).
+    let mut hosts: Vec<String> = gpu_samples
+        .iter()
+        .map(|s| {
+            s.label("Hostname")
+                .or(s.label("instance"))
+                .unwrap_or("worker")
+                .to_owned()
+        })
+        .collect();
+    hosts.sort();
+    hosts.dedup();
+    let mut view = WorkersView {
+        available: true,
+        ..WorkersView::default()
+    };
+    for host in hosts {
+        let samples: Vec<scrape::Sample> = gpu_samples
+            .iter()
+            .filter(|s| {
+                s.label("Hostname")
+                    .or(s.label("instance"))
+                    .unwrap_or("worker")
+                    == host
+            })
+            .cloned()
+            .collect();
+        let (worker, gpu, model) = scrape::worker_view(&host, &samples);
+        view.gpu = view.gpu.or(gpu);
+        view.model = view.model.or(model);
+        view.list.push(worker);
+    }
+    (figures, view, None)
 }

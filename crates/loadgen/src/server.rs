@@ -256,8 +256,16 @@ fn lane_status(lane: &Lane) -> LaneStatus {
             tops: w.tops,
             requests: s.totals.requests,
             errors: s.totals.errors,
-            kv_hit_rate: if running { s.gateway.hit_rate() } else { None },
-            queued: if running { s.gateway.queued() } else { None },
+            kv_hit_rate: match (running, s.prometheus_figures) {
+                (false, _) => None,
+                (true, Some((hit_rate, _))) => hit_rate,
+                (true, None) => s.gateway.hit_rate(),
+            },
+            queued: match (running, s.prometheus_figures) {
+                (false, _) => None,
+                (true, Some((_, queued))) => queued,
+                (true, None) => s.gateway.queued(),
+            },
             in_flight: s.in_flight,
             active_conversations: s.active_conversations,
             window_samples: w.samples,

@@ -1,0 +1,168 @@
+//! With a Prometheus URL, the KV hit rate, the queue and the GPU view come from a real
+//! Prometheus server (Debian's `prometheus`, installed by `.ci/run`) scraping the gateway and
+//! the engines, through seed 001's queries; when it goes away the dashboard says so.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use engine_server::{EngineServer, EngineServerConfig};
+use gateway::{Gateway, GatewayConfig, WorkerSpec};
+use kv_index::WorkerId;
+use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
+use serde_json::Value;
+
+const MODEL: &str = "llama-3.1-70b-instruct";
+const SPEEDUP: f64 = 50.0;
+
+/// A Prometheus server on a free port with its own data directory, killed on drop.
+struct Prometheus {
+    child: Child,
+    url: String,
+    dir: std::path::PathBuf,
+}
+
+impl Prometheus {
+    fn start(targets: &[String]) -> Prometheus {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let dir =
+            std::env::temp_dir().join(format!("kvroute-prometheus-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let targets: Vec<String> = targets.iter().map(|t| format!("'{t}'")).collect();
+        let config = format!(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: kvroute\n    \
+             static_configs:\n      - targets: [{}]\n",
+            targets.join(", ")
+        );
+        std::fs::write(dir.join("prometheus.yml"), config).unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!(
+                "--config.file={}",
+                dir.join("prometheus.yml").display()
+            ))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus runs this test: install Debian's prometheus (.ci/run does)");
+        Prometheus {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            dir,
+        }
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn get_status(url: &str) -> Value {
+    reqwest::get(format!("{url}/api/status"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hit_rate_queue_and_gpus_come_from_prometheus() {
+    let mut engines = Vec::new();
+    for id in 0..2 {
+        let mut config = EngineServerConfig::new();
+        config.worker_id = WorkerId(id);
+        config.speedup = SPEEDUP;
+        config.seed = id;
+        config.model = MODEL.to_owned();
+        config.hostname = format!("gpu-node-{id}");
+        engines.push(EngineServer::bind(config).await.unwrap());
+    }
+    let gateway = Gateway::bind(GatewayConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        model: MODEL.to_owned(),
+        workers: engines.iter().map(|e| WorkerSpec::new(e.url())).collect(),
+        ..GatewayConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut targets = vec![gateway.local_addr().to_string()];
+    targets.extend(engines.iter().map(|e| e.local_addr().to_string()));
+    let mut prometheus = Prometheus::start(&targets);
+
+    let mut lane = LaneSpec::for_gateway("live", None, &gateway.url(), MODEL);
+    // Direct scraping off: every figure below must come through Prometheus.
+    lane.gateway_metrics = None;
+    lane.prometheus = Some(prometheus.url.clone());
+    let mut config = LoadgenConfig::new(vec![lane]);
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    config.drive.workload.concurrency = 4;
+    config.drive.workload.ramp_s = 0.0;
+    config.drive.time_scale = SPEEDUP;
+    config.autostart = true;
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        let s = get_status(&url).await;
+        let lane = &s["lanes"][0];
+        if lane["metrics"]["kv_hit_rate"].is_number()
+            && lane["workers"]["list"]
+                .as_array()
+                .is_some_and(|l| l.len() == 2)
+            && lane["metrics"]["queued"].is_number()
+        {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no figures from Prometheus: {s}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let lane = &status["lanes"][0];
+    let hit = lane["metrics"]["kv_hit_rate"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&hit), "{hit}");
+    assert_eq!(lane["metrics"]["queued"], 0.0);
+    let workers = &lane["workers"];
+    assert_eq!(workers["available"], true);
+    let names: Vec<&str> = workers["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["gpu-node-0", "gpu-node-1"]);
+    assert!(workers["gpu"].as_str().unwrap().contains("H200"));
+    let memory = workers["list"][0]["gpus"][0]["memory_pct"]
+        .as_f64()
+        .unwrap();
+    assert!((1.0..=100.0).contains(&memory), "{memory}");
+
+    // Prometheus goes away: the GPU view says it is unavailable, and why.
+    let _ = prometheus.child.kill();
+    let _ = prometheus.child.wait();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = get_status(&url).await;
+        let workers = &s["lanes"][0]["workers"];
+        if workers["available"] == false {
+            let error = workers["error"].as_str().unwrap();
+            assert!(error.starts_with("Prometheus unavailable"), "{error}");
+            assert_eq!(s["lanes"][0]["metrics"]["kv_hit_rate"], Value::Null);
+            break;
+        }
+        assert!(Instant::now() < deadline, "still available: {s}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    loadgen.shutdown().await;
+    gateway.shutdown().await;
+}
