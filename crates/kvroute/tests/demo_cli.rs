@@ -229,7 +229,7 @@ fn bad_arguments_fail_with_a_clear_error() {
             "--workers must be between 1 and 64",
         ),
         (vec!["demo", "--router", "best"], "router \"best\""),
-        (vec!["demo", "--think-time", "-1"], "--think-time must be"),
+        (vec!["demo", "--think-time=-1"], "--think-time must be"),
         (
             vec!["loadgen", "--target", "localhost:8000"],
             "--target must be an http:// or https:// URL",
