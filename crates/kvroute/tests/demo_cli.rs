@@ -3,24 +3,14 @@
 //! and stops cleanly on Ctrl-C (SIGINT); bad arguments fail with a clear error.
 
 use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdout, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-fn kvroute() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvroute"))
-}
+mod common;
 
-/// Kills the child if the test fails before it stops it.
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::{Running, kvroute};
 
 /// Reads stdout lines until one contains `marker`; returns every line read.
 fn lines_until(stdout: &mut BufReader<ChildStdout>, marker: &str) -> Vec<String> {
@@ -40,20 +30,29 @@ fn lines_until(stdout: &mut BufReader<ChildStdout>, marker: &str) -> Vec<String>
     }
 }
 
-fn get(url: &str) -> Value {
-    let runtime = tokio::runtime::Builder::new_current_thread()
+/// The dashboard's URL from the demo's "open URL" line.
+fn dashboard_url(lines: &[String]) -> String {
+    lines
+        .last()
+        .and_then(|line| line.split_whitespace().find(|w| w.starts_with("http://")))
+        .expect("the demo prints its URL")
+        .to_owned()
+}
+
+fn block_on<T>(work: impl Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .unwrap();
-    runtime.block_on(async { reqwest::get(url).await.unwrap().json().await.unwrap() })
+        .unwrap()
+        .block_on(work)
+}
+
+fn get(url: &str) -> Value {
+    block_on(async { reqwest::get(url).await.unwrap().json().await.unwrap() })
 }
 
 fn post(url: &str) -> u16 {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
+    block_on(async {
         reqwest::Client::new()
             .post(url)
             .send()
@@ -110,13 +109,7 @@ fn demo_runs_the_whole_system_and_stops_on_ctrl_c() {
         "{lines:?}"
     );
     assert!(lines[1].contains("2 simulated h200-llama70b-fp8 workers behind the kv_load gateway"));
-    let url = lines
-        .last()
-        .unwrap()
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap()
-        .to_owned();
+    let url = dashboard_url(&lines);
 
     let baseline = get(&format!("{url}/api/baseline"));
     assert!(
@@ -142,11 +135,7 @@ fn demo_runs_the_whole_system_and_stops_on_ctrl_c() {
         std::thread::sleep(Duration::from_millis(200));
     }
     // The page is served from the binary.
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let page = runtime.block_on(async {
+    let page = block_on(async {
         reqwest::get(format!("{url}/"))
             .await
             .unwrap()
@@ -185,13 +174,7 @@ fn compare_mode_runs_two_clusters_on_the_same_conversations() {
     let mut running = Running(child);
     let mut stdout = BufReader::new(running.0.stdout.take().unwrap());
     let lines = lines_until(&mut stdout, "kvroute demo: open ");
-    let url = lines
-        .last()
-        .unwrap()
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap()
-        .to_owned();
+    let url = dashboard_url(&lines);
     let status = get(&format!("{url}/api/status"));
     let names: Vec<&str> = status["lanes"]
         .as_array()

@@ -3,22 +3,12 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-fn kvroute() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvroute"))
-}
+mod common;
 
-/// Kills the child if the test fails before it stops it.
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use common::{Running, kvroute};
 
 /// One HTTP/1.1 request with `Connection: close`; returns (status, body).
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {

@@ -496,23 +496,12 @@ impl Driver {
             let mut s = lock(&self.state);
             s.in_flight += 1;
             if let Some(record) = s.store.get_mut(number) {
-                record.turns.push(TurnRecord {
-                    index: id.turn,
-                    user: if ask_model.is_some() {
-                        "(the user model is writing the question)".into()
-                    } else {
-                        builtin.clone()
-                    },
-                    assistant: "".into(),
-                    ttft_ms: None,
-                    itl_ms: None,
-                    tpot_ms: None,
-                    tokens: 0,
-                    latency_s: None,
-                    worker: None,
-                    error: None,
-                    state: TurnState::Streaming,
-                });
+                let user = if ask_model.is_some() {
+                    "(the user model is writing the question)".into()
+                } else {
+                    builtin.clone()
+                };
+                record.turns.push(TurnRecord::streaming(id.turn, user));
             }
         }
         let output_tokens = request.output.len();

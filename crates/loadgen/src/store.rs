@@ -42,6 +42,25 @@ pub struct TurnRecord {
     pub state: TurnState,
 }
 
+impl TurnRecord {
+    /// A turn just sent: its question, nothing measured yet.
+    pub fn streaming(index: u32, user: Arc<str>) -> TurnRecord {
+        TurnRecord {
+            index,
+            user,
+            assistant: "".into(),
+            ttft_ms: None,
+            itl_ms: None,
+            tpot_ms: None,
+            tokens: 0,
+            latency_s: None,
+            worker: None,
+            error: None,
+            state: TurnState::Streaming,
+        }
+    }
+}
+
 /// One conversation and its transcript.
 #[derive(Debug)]
 pub struct ConversationRecord {
@@ -211,19 +230,7 @@ mod tests {
     fn stopping_fails_streaming_turns() {
         let mut store = Store::new(10);
         let mut r = record(7);
-        r.turns.push(TurnRecord {
-            index: 0,
-            user: "q".into(),
-            assistant: "".into(),
-            ttft_ms: None,
-            itl_ms: None,
-            tpot_ms: None,
-            tokens: 0,
-            latency_s: None,
-            worker: None,
-            error: None,
-            state: TurnState::Streaming,
-        });
+        r.turns.push(TurnRecord::streaming(0, "q".into()));
         store.insert(r);
         store.stop_all(5.0);
         let r = store.get(7).unwrap();

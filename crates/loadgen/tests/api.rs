@@ -3,27 +3,15 @@
 
 use std::time::{Duration, Instant};
 
-use engine_server::{EngineServer, EngineServerConfig, EngineServerHandle};
+use engine_server::EngineServerHandle;
 use futures::StreamExt;
-use gateway::{Gateway, GatewayConfig, WorkerSpec};
-use kv_index::WorkerId;
+use gateway::Gateway;
 use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
 use serde_json::{Value, json};
 
-const MODEL: &str = "llama-3.1-70b-instruct";
+mod common;
 
-/// Seed 002's H200 worker, `speedup` times faster than real time, publishing its KV events
-/// over ZMQ and its DCGM-style metrics as `worker-{id}`.
-async fn engine(id: u64, speedup: f64) -> EngineServerHandle {
-    let mut config = EngineServerConfig::new();
-    config.worker_id = WorkerId(id);
-    config.speedup = speedup;
-    config.seed = id;
-    config.model = MODEL.to_owned();
-    config.zmq_pub = Some("tcp://127.0.0.1:0".to_owned());
-    config.hostname = format!("worker-{id}");
-    EngineServer::bind(config).await.expect("engine starts")
-}
+use common::{MODEL, worker_names};
 
 struct Cluster {
     engines: Vec<EngineServerHandle>,
@@ -33,15 +21,9 @@ struct Cluster {
 async fn cluster(workers: u64, speedup: f64) -> Cluster {
     let mut engines = Vec::new();
     for id in 0..workers {
-        engines.push(engine(id, speedup).await);
+        engines.push(common::engine(id, speedup, &format!("worker-{id}")).await);
     }
-    let config = GatewayConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        model: MODEL.to_owned(),
-        workers: engines.iter().map(|e| WorkerSpec::new(e.url())).collect(),
-        ..GatewayConfig::default()
-    };
-    let gateway = Gateway::bind(config).await.expect("gateway starts");
+    let gateway = common::gateway(&engines).await;
     Cluster { engines, gateway }
 }
 
@@ -176,13 +158,7 @@ async fn the_workload_runs_measures_and_obeys_the_api() {
     assert!((0.3..=1.0).contains(&hit), "hit rate {hit}");
     let workers = &lane["workers"];
     assert_eq!(workers["available"], true, "{workers}");
-    let names: Vec<&str> = workers["list"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| w["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(names, ["worker-0", "worker-1"]);
+    assert_eq!(worker_names(workers), ["worker-0", "worker-1"]);
     let gpu = &workers["list"][0]["gpus"][0];
     assert!((0.0..=100.0).contains(&gpu["util_pct"].as_f64().unwrap()));
     assert!(

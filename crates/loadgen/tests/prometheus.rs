@@ -5,13 +5,12 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use engine_server::{EngineServer, EngineServerConfig};
-use gateway::{Gateway, GatewayConfig, WorkerSpec};
-use kv_index::WorkerId;
 use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
 use serde_json::Value;
 
-const MODEL: &str = "llama-3.1-70b-instruct";
+mod common;
+
+use common::{MODEL, worker_names};
 const SPEEDUP: f64 = 50.0;
 
 /// A Prometheus server on a free port with its own data directory, killed on drop.
@@ -80,22 +79,9 @@ async fn get_status(url: &str) -> Value {
 async fn hit_rate_queue_and_gpus_come_from_prometheus() {
     let mut engines = Vec::new();
     for id in 0..2 {
-        let mut config = EngineServerConfig::new();
-        config.worker_id = WorkerId(id);
-        config.speedup = SPEEDUP;
-        config.seed = id;
-        config.model = MODEL.to_owned();
-        config.hostname = format!("gpu-node-{id}");
-        engines.push(EngineServer::bind(config).await.unwrap());
+        engines.push(common::engine(id, SPEEDUP, &format!("gpu-node-{id}")).await);
     }
-    let gateway = Gateway::bind(GatewayConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        model: MODEL.to_owned(),
-        workers: engines.iter().map(|e| WorkerSpec::new(e.url())).collect(),
-        ..GatewayConfig::default()
-    })
-    .await
-    .unwrap();
+    let gateway = common::gateway(&engines).await;
     let mut targets = vec![gateway.local_addr().to_string()];
     targets.extend(engines.iter().map(|e| e.local_addr().to_string()));
     let mut prometheus = Prometheus::start(&targets);
@@ -134,13 +120,7 @@ async fn hit_rate_queue_and_gpus_come_from_prometheus() {
     assert_eq!(lane["metrics"]["queued"], 0.0);
     let workers = &lane["workers"];
     assert_eq!(workers["available"], true);
-    let names: Vec<&str> = workers["list"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| w["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(names, ["gpu-node-0", "gpu-node-1"]);
+    assert_eq!(worker_names(workers), ["gpu-node-0", "gpu-node-1"]);
     assert!(workers["gpu"].as_str().unwrap().contains("H200"));
     let memory = workers["list"][0]["gpus"][0]["memory_pct"]
         .as_f64()

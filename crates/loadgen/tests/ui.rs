@@ -6,14 +6,13 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use engine_server::{EngineServer, EngineServerConfig, EngineServerHandle};
 use fantoccini::{Client, ClientBuilder, Locator};
-use gateway::{Gateway, GatewayConfig, WorkerSpec};
-use kv_index::WorkerId;
 use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
 use serde_json::{Value, json};
 
-const MODEL: &str = "llama-3.1-70b-instruct";
+mod common;
+
+use common::MODEL;
 const SPEEDUP: f64 = 50.0;
 
 /// A chromedriver process on a free port, killed on drop.
@@ -65,17 +64,6 @@ impl Drop for ChromeDriver {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-async fn engine(id: u64) -> EngineServerHandle {
-    let mut config = EngineServerConfig::new();
-    config.worker_id = WorkerId(id);
-    config.speedup = SPEEDUP;
-    config.seed = id;
-    config.model = MODEL.to_owned();
-    config.zmq_pub = Some("tcp://127.0.0.1:0".to_owned());
-    config.hostname = format!("worker-{id}");
-    EngineServer::bind(config).await.expect("engine starts")
 }
 
 async fn api(url: &str) -> Value {
@@ -154,15 +142,11 @@ fn slo_class(v: f64, slo: f64) -> &'static str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
-    let engines = [engine(0).await, engine(1).await];
-    let gateway = Gateway::bind(GatewayConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        model: MODEL.to_owned(),
-        workers: engines.iter().map(|e| WorkerSpec::new(e.url())).collect(),
-        ..GatewayConfig::default()
-    })
-    .await
-    .unwrap();
+    let engines = [
+        common::engine(0, SPEEDUP, "worker-0").await,
+        common::engine(1, SPEEDUP, "worker-1").await,
+    ];
+    let gateway = common::gateway(&engines).await;
     let mut lane = LaneSpec::for_gateway("kv_load", Some("kv_load"), &gateway.url(), MODEL);
     lane.worker_metrics = engines
         .iter()
