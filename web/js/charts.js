@@ -24,6 +24,8 @@ export const METRICS = {
   tpot: (m) => m?.tpot_ms?.p95 ?? null,
   tops: (m) => m?.tops ?? null,
   kv: (m) => (typeof m?.kv_hit_rate === 'number' ? m.kv_hit_rate * 100 : null),
+  ttft50: (m) => m?.ttft_ms?.p50 ?? null,
+  inflight: (m) => m?.in_flight ?? null,
 };
 
 function finiteOrNull(v) {
@@ -59,6 +61,8 @@ export class HistoryStore {
           tpot: finiteOrNull(p.tpot_p95_ms),
           tops: finiteOrNull(p.tops),
           kv: finiteOrNull(p.kv_hit_rate) === null ? null : p.kv_hit_rate * 100,
+          ttft50: finiteOrNull(p.ttft_p50_ms),
+          inflight: finiteOrNull(p.in_flight),
         }))
         .sort((a, b) => a.t - b.t);
       const last = seeded.length ? seeded[seeded.length - 1].t : -Infinity;
@@ -83,6 +87,8 @@ export class HistoryStore {
         tpot: finiteOrNull(METRICS.tpot(m)),
         tops: finiteOrNull(METRICS.tops(m)),
         kv: finiteOrNull(METRICS.kv(m)),
+        ttft50: finiteOrNull(METRICS.ttft50(m)),
+        inflight: finiteOrNull(METRICS.inflight(m)),
       });
       this.lanes.set(lane.name, points);
       added = true;

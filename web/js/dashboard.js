@@ -67,6 +67,8 @@ export class Dashboard {
       tpot: new TimeSeriesChart($('chart-tpot'), { unit: 'ms', slo: slo('tpot_p95_ms') }),
       tops: new TimeSeriesChart($('chart-tops'), { unit: 'tok/s' }),
       kv: new TimeSeriesChart($('chart-kv-hit'), { unit: '%', fixedMax: 100 }),
+      ttft50: new TimeSeriesChart($('chart-ttft-p50'), { unit: 'ms', slo: slo('ttft_p95_ms') }),
+      inflight: new TimeSeriesChart($('chart-inflight'), { unit: 'requests' }),
     };
     this.renderKpis(null);
   }
@@ -154,6 +156,8 @@ export class Dashboard {
     this.charts.tpot.render(this.history.series('tpot'), range);
     this.charts.tops.render(this.history.series('tops'), range);
     this.charts.kv.render(this.history.series('kv'), range);
+    this.charts.ttft50.render(this.history.series('ttft50'), range);
+    this.charts.inflight.render(this.history.series('inflight'), range);
   }
 
   // ---- section 1: live table ----

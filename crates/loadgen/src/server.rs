@@ -110,6 +110,7 @@ impl App {
                 }
                 points.push_back(HistoryPoint {
                     time_ms: status.time_ms,
+                    ttft_p50_ms: lane.metrics.ttft_ms.map(|q| q.p50),
                     ttft_p95_ms: lane.metrics.ttft_ms.map(|q| q.p95),
                     tpot_p95_ms: lane.metrics.tpot_ms.map(|q| q.p95),
                     tops: lane.metrics.tops,
@@ -286,6 +287,7 @@ struct WsMessage<'a> {
 #[derive(Clone, Copy, Debug, Serialize)]
 struct HistoryPoint {
     time_ms: u64,
+    ttft_p50_ms: Option<f64>,
     ttft_p95_ms: Option<f64>,
     tpot_p95_ms: Option<f64>,
     tops: Option<f64>,

@@ -438,3 +438,72 @@ async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
     browser.close().await.unwrap();
     gateway.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_mode_shows_both_lanes_live() {
+    let a = [common::engine(0, SPEEDUP, "a-worker-0").await];
+    let b = [common::engine(1, SPEEDUP, "b-worker-0").await];
+    let (gateway_a, gateway_b) = (common::gateway(&a).await, common::gateway(&b).await);
+    let lanes = [("kv_load", &gateway_a, &a), ("round_robin", &gateway_b, &b)]
+        .into_iter()
+        .map(|(name, gateway, engines)| {
+            let mut lane = LaneSpec::for_gateway(name, Some(name), &gateway.url(), MODEL);
+            lane.worker_metrics = engines
+                .iter()
+                .map(|e| format!("{}/metrics", e.url()))
+                .collect();
+            lane
+        })
+        .collect();
+    let mut config = LoadgenConfig::new(lanes);
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    config.drive.workload.concurrency = 3;
+    config.drive.workload.ramp_s = 0.0;
+    config.drive.time_scale = SPEEDUP;
+    config.autostart = true;
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+
+    let driver = ChromeDriver::start();
+    let browser = driver.browser().await;
+    browser.goto(&url).await.unwrap();
+    // Both columns are live, named after their lanes; the second lane's cards carry "-1".
+    eventually("both lanes' figures", Duration::from_secs(60), async || {
+        text(&browser, "kpi-requests")
+            .await
+            .parse::<u64>()
+            .unwrap_or(0)
+            >= 2
+            && text(&browser, "kpi-requests-1")
+                .await
+                .parse::<u64>()
+                .unwrap_or(0)
+                >= 2
+            && text(&browser, "cell-ttft-rr-p50").await != "—"
+    })
+    .await;
+    let headers = browser
+        .find(Locator::Id("live-head"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        headers.contains("kv_load p50") && headers.contains("round_robin p95"),
+        "{headers}"
+    );
+    // One worker card per lane, and one chart series per lane.
+    assert_eq!(browser.find_all(id("worker-card")).await.unwrap().len(), 2);
+    eventually("two TOPS series", Duration::from_secs(10), async || {
+        browser
+            .find_all(Locator::Css("[data-testid=chart-tops] path.series"))
+            .await
+            .unwrap()
+            .len()
+            == 2
+    })
+    .await;
+    browser.close().await.unwrap();
+    loadgen.shutdown().await;
+}
