@@ -402,3 +402,121 @@ async fn failed_turns_count_as_errors_and_a_dead_metrics_source_says_why() {
     );
     loadgen.shutdown().await;
 }
+
+/// A user model: an OpenAI-compatible chat endpoint that writes the follow-up questions. It
+/// records the answers it was shown, and fails every other call when `flaky`.
+async fn user_model(flaky: bool) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use axum::routing::post;
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let record = seen.clone();
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        post(
+            move |headers: axum::http::HeaderMap, body: axum::Json<Value>| {
+                let record = record.clone();
+                let calls = calls.clone();
+                async move {
+                    assert_eq!(
+                        headers.get("authorization").and_then(|v| v.to_str().ok()),
+                        Some("Bearer user-secret")
+                    );
+                    let answer = body["messages"][1]["content"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_owned();
+                    record.lock().unwrap().push(answer);
+                    if flaky && calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 2 == 1 {
+                        return (
+                            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                            axum::Json(json!({
+                                "error": {"message": "overloaded", "type": "server_error"}
+                            })),
+                        );
+                    }
+                    (
+                        axum::http::StatusCode::OK,
+                        axum::Json(json!({
+                            "choices": [{"index": 0, "message": {"role": "assistant",
+                                "content": "  Which worker keeps the blocks of my last turn?  "}}]
+                        })),
+                    )
+                }
+            },
+        ),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "http://{}/v1/chat/completions",
+        listener.local_addr().unwrap()
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_model_writes_the_follow_ups_and_its_failures_fall_back_to_built_in_ones() {
+    let speedup = 50.0;
+    let cluster = cluster(1, speedup).await;
+    let (model_url, seen) = user_model(true).await;
+    let mut config = config(vec![lane("kv_load", &cluster)], 3, speedup);
+    config.drive.user = loadgen::UserSimulator::Model {
+        url: model_url,
+        model: "user-8b".to_owned(),
+        api_key: Some("user-secret".to_owned()),
+    };
+    config.autostart = true;
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+    wait_until(
+        "follow-ups from the user model",
+        Duration::from_secs(120),
+        async || {
+            let (_, s) = get(&format!("{url}/api/status")).await;
+            let m = &s["lanes"][0]["metrics"];
+            m["requests"].as_u64().unwrap_or(0) >= 9
+                && m["user_model_errors"].as_u64().unwrap_or(0) >= 1
+        },
+    )
+    .await;
+    let (_, status) = get(&format!("{url}/api/status")).await;
+    assert_eq!(
+        status["lanes"][0]["metrics"]["errors"], 0,
+        "a failing user model fails no turn"
+    );
+
+    // The model saw the assistant's answers; its question (trimmed) went to the gateway.
+    let (_, list) = get(&format!("{url}/api/conversations?limit=100")).await;
+    let (mut from_model, mut built_in) = (0, 0);
+    for c in list["conversations"].as_array().unwrap() {
+        let (_, detail) = get(&format!(
+            "{url}/api/conversations/{}",
+            c["id"].as_str().unwrap()
+        ))
+        .await;
+        for turn in detail["turns"].as_array().unwrap().iter().skip(1) {
+            if turn["state"] != "done" {
+                continue;
+            }
+            if turn["user"] == "Which worker keeps the blocks of my last turn?" {
+                from_model += 1;
+            } else {
+                built_in += 1;
+            }
+        }
+    }
+    assert!(
+        from_model >= 1 && built_in >= 1,
+        "{from_model} from the model, {built_in} built in"
+    );
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        seen.iter()
+            .all(|a| a.starts_with("The assistant's last answer:"))
+    );
+    assert!(
+        seen.iter().any(|a| a.len() > 500),
+        "the model is shown the answer"
+    );
+    loadgen.shutdown().await;
+}
