@@ -260,6 +260,42 @@ async fn the_workload_runs_measures_and_obeys_the_api() {
     assert!(!statuses.contains(&"active"), "{statuses:?}");
     assert!(!statuses.contains(&"error"), "{statuses:?}");
 
+    // A restart counts from zero and keeps the earlier transcripts under their own ids.
+    let before: Vec<String> = list["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_owned())
+        .collect();
+    let (code, status) = post(
+        &format!("{url}/api/workload/start"),
+        Some(json!({"concurrency": 2})),
+    )
+    .await;
+    assert_eq!(code, 200);
+    assert_eq!(status["lanes"][0]["metrics"]["requests"], 0);
+    wait_until(
+        "a turn after the restart",
+        Duration::from_secs(60),
+        async || {
+            let (_, s) = get(&format!("{url}/api/status")).await;
+            s["lanes"][0]["metrics"]["requests"].as_u64().unwrap_or(0) >= 1
+        },
+    )
+    .await;
+    let (_, list) = get(&format!("{url}/api/conversations?limit=500")).await;
+    let after: Vec<&Value> = list["conversations"].as_array().unwrap().iter().collect();
+    let mut ids: Vec<&str> = after.iter().map(|c| c["id"].as_str().unwrap()).collect();
+    assert!(
+        before.iter().all(|id| ids.contains(&id.as_str())),
+        "earlier transcripts kept"
+    );
+    let new_active = after.iter().filter(|c| c["status"] == "active").count();
+    assert_eq!(new_active, 2);
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), after.len(), "ids stay unique across runs");
+
     loadgen.shutdown().await;
     cluster.gateway.shutdown().await;
 }
