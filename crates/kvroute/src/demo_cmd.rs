@@ -49,7 +49,8 @@ pub struct DriveArgs {
     #[arg(long, default_value = "USER_MODEL_API_KEY")]
     user_model_api_key_env: String,
     /// The recorded baseline for the RR columns and the static table: a results.json written
-    /// by `kvroute bench` (default: the shipped simulation of seed 002).
+    /// by `kvroute bench`. Default: `demo` simulates its own cluster at start-up; `loadgen`
+    /// shows the shipped simulation of seed 002's deployment (docs/results/).
     #[arg(long, conflicts_with = "no_baseline")]
     baseline: Option<PathBuf>,
     /// Hide the RR columns and the static table.
@@ -192,6 +193,9 @@ pub struct LoadgenArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
+    /// Address of the dashboard (0.0.0.0 to show it to other machines, e.g. a booth screen).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
     /// Dashboard port.
     #[arg(long, default_value_t = 8080)]
     port: u16,
@@ -443,7 +447,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             }
         }
         let config = LoadgenConfig {
-            listen: SocketAddr::from(([127, 0, 0, 1], args.port)),
+            listen: SocketAddr::new(args.host, args.port),
             drive,
             baseline,
             autostart: args.drive.start,
