@@ -17,6 +17,8 @@ use crate::config::ReplyLength;
 pub struct TextAssets {
     pub tokenizer: Arc<Tokenizer>,
     pub replies: ReplyGenerator,
+    /// `# Title` of each shipped passage, in the reply generator's order.
+    pub headings: Vec<String>,
 }
 
 static ASSETS: OnceLock<Result<TextAssets, String>> = OnceLock::new();
@@ -31,7 +33,16 @@ impl TextAssets {
                 let replies =
                     ReplyGenerator::new(&tokenizer, &corpus, &terms, &ReplyConfig::default())
                         .map_err(|e| format!("building the reply generator: {e}"))?;
-                Ok(TextAssets { tokenizer, replies })
+                let headings = corpus
+                    .passages()
+                    .iter()
+                    .map(|p| format!("# {}", p.title()))
+                    .collect();
+                Ok(TextAssets {
+                    tokenizer,
+                    replies,
+                    headings,
+                })
             })
             .as_ref()
             .map_err(Clone::clone)
@@ -101,16 +112,7 @@ pub fn plan_reply(
         let natural = natural_length(distribution, &mut rng);
         (natural.min(cap), natural > cap)
     };
-    // The conversation's passage: by the prompt's opening, so every turn of one conversation
-    // (same system prompt and first question) talks about the same passage.
-    let head = &prompt[..prompt.len().min(256)];
-    let passages = assets.replies.passages().max(1);
-    let passage = (xxhash_rust::xxh3::xxh3_64(
-        &head
-            .iter()
-            .flat_map(|t| t.to_le_bytes())
-            .collect::<Vec<u8>>(),
-    ) % passages as u64) as usize;
+    let passage = passage_of(assets, prompt);
     let ids = generate(assets, passage, count as usize, &mut rng)?;
     let text = assets.tokenizer.decode(&ids).map_err(|e| e.to_string())?;
     let mut text_end = Vec::with_capacity(ids.len());
@@ -129,6 +131,30 @@ pub fn plan_reply(
         text_end,
         truncated,
     })
+}
+
+/// The passage a reply talks about: the shipped passage whose `# Title` the prompt's opening
+/// carries (a conversation about it, as the load generator's are), else one chosen by a hash
+/// of the opening. Either way every turn of one conversation (same system prompt and first
+/// question) talks about the same passage.
+fn passage_of(assets: &TextAssets, prompt: &[u32]) -> usize {
+    let head = &prompt[..prompt.len().min(256)];
+    let text = assets.tokenizer.decode_lossy(head);
+    if let Some(found) = assets
+        .headings
+        .iter()
+        .position(|heading| text.contains(heading.as_str()))
+        .filter(|&i| i < assets.replies.passages())
+    {
+        return found;
+    }
+    let passages = assets.replies.passages().max(1);
+    (xxhash_rust::xxh3::xxh3_64(
+        &head
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    ) % passages as u64) as usize
 }
 
 fn natural_length(distribution: ReplyLength, rng: &mut ChaCha8Rng) -> u32 {
@@ -170,4 +196,32 @@ fn generate(
         ids.extend_from_slice(&reply.ids);
     }
     Ok(ids.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use text::ChatMessage;
+
+    #[test]
+    fn a_conversation_about_a_shipped_passage_gets_replies_about_it() {
+        let assets = TextAssets::get().unwrap();
+        let corpus = Corpus::builtin();
+        for (index, passage) in corpus.passages().iter().enumerate() {
+            let prompt = assets
+                .chat_prompt(&[
+                    ChatMessage::system(format!("Read this.\n\n{}", passage.markdown())),
+                    ChatMessage::user("What matters most here?"),
+                ])
+                .unwrap();
+            assert_eq!(passage_of(assets, &prompt), index, "{}", passage.title());
+        }
+        // Anything else: a passage all the same, the same one for the same opening.
+        let other = assets
+            .chat_prompt(&[ChatMessage::user("Tell me about caching.")])
+            .unwrap();
+        let chosen = passage_of(assets, &other);
+        assert!(chosen < assets.replies.passages());
+        assert_eq!(passage_of(assets, &other), chosen);
+    }
 }
