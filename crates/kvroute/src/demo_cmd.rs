@@ -325,20 +325,13 @@ struct Cluster {
     gateway: Gateway,
 }
 
-async fn start_cluster(
-    args: &DemoArgs,
-    router: &str,
-    index: u32,
-    gateway_port: u16,
-) -> Result<Cluster> {
+async fn start_cluster(args: &DemoArgs, router: &str, gateway_port: u16) -> Result<Cluster> {
     let mut engines = Vec::new();
     for w in 0..args.workers {
-        let id = index * 1_000 + w;
-        let hostname = if index == 0 {
-            format!("worker-{w}")
-        } else {
-            format!("{router}-worker-{w}")
-        };
+        // Each cluster has its own gateway, so both number their workers from 0: the
+        // transcripts' worker ids then match the GPU cards' names (worker-N) on either side.
+        let id = w;
+        let hostname = format!("worker-{w}");
         let flags = EngineFlags::try_parse_from([
             "engine".to_owned(),
             "--port=0".to_owned(),
@@ -423,7 +416,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                         .checked_add(i as u16)
                         .context("--gateway-port is too high for two gateways")?,
                 };
-                let cluster = start_cluster(&args, router, i as u32, port).await?;
+                let cluster = start_cluster(&args, router, port).await?;
                 let mut lane = LaneSpec::for_gateway(
                     router,
                     Some(router),
