@@ -466,13 +466,13 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
 /// times faster in wall time), prints the figures and writes --report.
 async fn run_or_wait(loadgen: &Loadgen, drive: &DriveArgs, speedup: f64) -> Result<()> {
     let Some(run_for) = drive.run_for else {
-        wait_for_signal().await;
+        gateway_cmd::shutdown_signal().await;
         return Ok(());
     };
     let wall = Duration::from_secs_f64(run_for / speedup);
     tokio::select! {
         () = tokio::time::sleep(wall) => {}
-        () = wait_for_signal() => bail!("interrupted before --run-for elapsed"),
+        () = gateway_cmd::shutdown_signal() => bail!("interrupted before --run-for elapsed"),
     }
     let status = loadgen.app().status();
     for lane in &status.lanes {
@@ -501,19 +501,4 @@ async fn run_or_wait(loadgen: &Loadgen, drive: &DriveArgs, speedup: f64) -> Resu
         println!("report: {}", path.display());
     }
     Ok(())
-}
-
-async fn wait_for_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-            return;
-        }
-    }
-    let _ = tokio::signal::ctrl_c().await;
 }

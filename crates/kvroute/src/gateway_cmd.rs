@@ -182,7 +182,7 @@ pub fn run(args: GatewayArgs) -> Result<()> {
 }
 
 /// Ctrl-C or SIGTERM (Kubernetes stops pods with SIGTERM).
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};

@@ -52,27 +52,12 @@ struct ResultsFile {
 struct SummaryRow {
     router: String,
     concurrency: u32,
-    ttft_ms: Quantiles2,
-    tpot_ms: Quantiles2,
-    itl_ms: Quantiles2,
-    e2e_s: Quantiles2,
+    ttft_ms: Quantiles,
+    tpot_ms: Quantiles,
+    itl_ms: Quantiles,
+    e2e_s: Quantiles,
     output_tokens_per_s: f64,
     kv_hit_rate: f64,
-}
-
-#[derive(Deserialize)]
-struct Quantiles2 {
-    p50: f64,
-    p95: f64,
-}
-
-impl From<Quantiles2> for Quantiles {
-    fn from(q: Quantiles2) -> Quantiles {
-        Quantiles {
-            p50: q.p50,
-            p95: q.p95,
-        }
-    }
 }
 
 /// Why a results file cannot serve as the baseline.
@@ -110,10 +95,10 @@ impl Baseline {
             .map(|r| BaselineRow {
                 router: r.router,
                 concurrency: r.concurrency,
-                ttft_ms: r.ttft_ms.into(),
-                tpot_ms: r.tpot_ms.into(),
-                itl_ms: r.itl_ms.into(),
-                e2e_s: r.e2e_s.into(),
+                ttft_ms: r.ttft_ms,
+                tpot_ms: r.tpot_ms,
+                itl_ms: r.itl_ms,
+                e2e_s: r.e2e_s,
                 tops: r.output_tokens_per_s,
                 kv_hit_rate: r.kv_hit_rate,
             })

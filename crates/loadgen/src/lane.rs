@@ -256,6 +256,8 @@ impl Lane {
 struct Conversation {
     number: u64,
     passage: usize,
+    /// The passage's title: the transcript's topic, and what the user model is told.
+    topic: Arc<str>,
     rng: ChaCha8Rng,
     /// (question, answer) of each finished turn.
     history: Vec<(Arc<str>, Arc<str>)>,
@@ -444,7 +446,7 @@ impl Driver {
                     number,
                     status: ConversationStatus::Active,
                     passage: info.passage,
-                    topic,
+                    topic: topic.clone(),
                     turns_planned: info.turns,
                     turns: Vec::new(),
                     started_at_ms: unix_ms(),
@@ -457,6 +459,7 @@ impl Driver {
                 Conversation {
                     number,
                     passage: info.passage,
+                    topic,
                     rng,
                     history: Vec::new(),
                 },
@@ -505,12 +508,7 @@ impl Driver {
             }
         }
         let output_tokens = request.output.len();
-        let topic = self
-            .assets
-            .corpus()
-            .get(conversation.passage)
-            .map_or("a technical passage", |p| p.title())
-            .to_owned();
+        let topic = conversation.topic.clone();
         let http = self.http.clone();
         let spec = self.spec.clone();
         let config = self.config.clone();

@@ -271,7 +271,7 @@ impl Loadgen {
         if config.autostart {
             app.start(Some(concurrency))
                 .await
-                .map_err(|e| LoadgenError::Start(format!("{e:?}")))?;
+                .map_err(|e| LoadgenError::Start(e.0.message().to_owned()))?;
         }
         Ok(Loadgen {
             local_addr,

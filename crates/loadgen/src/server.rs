@@ -295,59 +295,48 @@ struct HistoryPoint {
     in_flight: u64,
 }
 
-/// An API error as OpenAI error JSON.
+/// An API error: `protocol::ApiError` (OpenAI's error JSON with its status), answered by axum.
 #[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    code: &'static str,
-    message: String,
-}
+pub struct ApiError(pub protocol::ApiError);
 
 impl ApiError {
-    fn bad_request(code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status: StatusCode::BAD_REQUEST,
-            code,
-            message: message.into(),
-        }
+    fn with(status: u16, kind: &str, code: &str, message: impl Into<String>) -> ApiError {
+        ApiError(protocol::ApiError::new(
+            status,
+            kind,
+            message,
+            None,
+            Some(code),
+        ))
     }
 
-    fn conflict(code: &'static str, message: &str) -> ApiError {
-        ApiError {
-            status: StatusCode::CONFLICT,
-            code,
-            message: message.to_owned(),
-        }
+    fn bad_request(code: &str, message: impl Into<String>) -> ApiError {
+        ApiError::with(400, protocol::error::kind::INVALID_REQUEST, code, message)
     }
 
-    fn not_found(code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status: StatusCode::NOT_FOUND,
-            code,
-            message: message.into(),
-        }
+    fn conflict(code: &str, message: &str) -> ApiError {
+        ApiError::with(409, protocol::error::kind::INVALID_REQUEST, code, message)
+    }
+
+    fn not_found(code: &str, message: impl Into<String>) -> ApiError {
+        ApiError::with(404, protocol::error::kind::NOT_FOUND, code, message)
     }
 
     fn internal(message: String) -> ApiError {
-        ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            code: "internal_error",
-            message,
-        }
+        ApiError(protocol::ApiError::internal(message))
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let kind = if self.status.is_server_error() {
-            "server_error"
-        } else {
-            "invalid_request_error"
-        };
-        let body = serde_json::json!({
-            "error": {"message": self.message, "type": kind, "code": self.code}
-        });
-        (self.status, axum::Json(body)).into_response()
+        let status =
+            StatusCode::from_u16(self.0.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (
+            status,
+            [(header::CONTENT_TYPE, "application/json")],
+            self.0.to_json(),
+        )
+            .into_response()
     }
 }
 

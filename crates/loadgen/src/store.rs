@@ -112,11 +112,9 @@ impl Store {
     }
 
     pub fn insert(&mut self, record: ConversationRecord) {
+        // Numbers are never reused (they continue across restarts).
         self.total += 1;
-        if let Some(old) = self.conversations.insert(record.number, record) {
-            // A number is reused only after a restart: the old record's end entry goes stale.
-            drop(old);
-        }
+        self.conversations.insert(record.number, record);
     }
 
     pub fn get(&self, number: u64) -> Option<&ConversationRecord> {
