@@ -279,7 +279,7 @@ fn millis(field: &'static str, n: &Number) -> Result<Nanos, LineError> {
             field,
             value: n.to_string(),
         })
-    } else if !(ms <= MAX_TRACE_MILLIS as f64) {
+    } else if !ms.is_finite() || ms > MAX_TRACE_MILLIS as f64 {
         Err(too_large())
     } else {
         Ok(Nanos((ms * 1e6).round() as u64))
