@@ -46,6 +46,7 @@
 mod assets;
 mod chat;
 mod config;
+pub mod trace;
 
 pub use assets::Assets;
 pub use chat::{
@@ -54,6 +55,9 @@ pub use chat::{
 pub use config::{
     DEFAULT_SYSTEM_PROMPT, Distribution, MAX_CONCURRENCY, MAX_SECONDS, MAX_TURNS, TurnRange,
     WorkloadConfig,
+};
+pub use trace::{
+    PromptSynth, SessionStep, Speed, TRACE_BLOCK_TOKENS, Trace, TraceError, TraceRecord,
 };
 
 /// Why a workload could not be built.
