@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use report::BenchResults;
 use router::PolicyKind;
-use sim::bench::{BenchResults, BenchSpec, JobResult};
+use sim::bench::{BenchSpec, JobResult};
 use sim::chat::{ChatJobError, run_chat_job};
-use sim::report;
 
 use crate::sim_cmd::{ClusterArgs, parse_router, progress_bar, router_names};
 
@@ -216,16 +216,16 @@ fn print_summary(results: &BenchResults) {
             "{:<12} {:>5}  {:>8} {:>8}  {:>8} {:>7}  {:>8}  {:>8.1} {:>6.2}  {:>5}% {:>5}%  {:>6.1}",
             r.router,
             r.concurrency,
-            o(r.ttft_ms.p50, 0),
-            o(r.ttft_ms.p95, 0),
-            o(r.tpot_ms.p95, 1),
-            o(r.itl_ms.p50, 1),
-            o(r.e2e_s.p50, 1),
-            r.output_tokens_per_s,
-            r.requests_per_s,
-            o(r.kv_hit_rate.map(|h| h * 100.0), 1),
-            o(r.oracle_hit_rate.map(|h| h * 100.0), 1),
-            r.errors
+            o(r.metrics.ttft_ms.p50, 0),
+            o(r.metrics.ttft_ms.p95, 0),
+            o(r.metrics.tpot_ms.p95, 1),
+            o(r.metrics.itl_ms.p50, 1),
+            o(r.metrics.e2e_s.p50, 1),
+            r.metrics.output_tokens_per_s,
+            r.metrics.requests_per_s,
+            o(r.metrics.kv_hit_rate.map(|h| h * 100.0), 1),
+            o(r.metrics.oracle_hit_rate.map(|h| h * 100.0), 1),
+            r.metrics.errors
         );
     }
 }

@@ -477,8 +477,10 @@ async fn run_or_wait(loadgen: &Loadgen, drive: &DriveArgs, speedup: f64) -> Resu
     let status = loadgen.app().status();
     for lane in &status.lanes {
         let m = &lane.metrics;
-        let p50 =
-            |q: Option<loadgen::Quantiles>| q.map_or("-".to_owned(), |q| format!("{:.1}", q.p50));
+        let p50 = |q: Option<report::Percentiles>| {
+            q.and_then(|q| q.p50)
+                .map_or("-".to_owned(), |p| format!("{p:.1}"))
+        };
         println!(
             "{}: TOPS {} · TTFT p50 {} ms · ITL p50 {} ms · TPOT p50 {} ms · E2E p50 {} s · \
              KV hit {} · {} turns in the last {} s, {} errors",

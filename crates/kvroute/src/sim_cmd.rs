@@ -9,11 +9,12 @@ use anyhow::{Context, Result, bail};
 use engine::{EngineConfig, HardwareProfile};
 use indicatif::{ProgressBar, ProgressStyle};
 use nanotime::Nanos;
+use report::{BenchResults, Row};
 use router::{KvSource, PolicyKind};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sim::ServingPath;
-use sim::bench::{BenchResults, BenchSpec, JobResult, Row};
+use sim::bench::{BenchSpec, JobResult};
 use sim::chat::Chat;
 use sim::{FrontendConfig, SimConfig, Simulation, Timeline, TimelineConfig};
 use workload::{Assets, WorkloadConfig};
@@ -415,7 +416,7 @@ fn write_timeline(
     std::fs::write(&csv, timeline.to_csv())
         .with_context(|| format!("cannot write {}", csv.display()))?;
     let svg = dir.join("timeline.svg");
-    std::fs::write(&svg, sim::svg::stack(&timeline.charts(title, window)))
+    std::fs::write(&svg, report::svg::stack(&timeline.charts(title, window)))
         .with_context(|| format!("cannot write {}", svg.display()))
 }
 
@@ -477,30 +478,30 @@ fn print_run(results: &BenchResults, totals: &sim::RunTotals) {
 pub fn print_latencies(r: &Row) {
     println!(
         "  TTFT  p50 {:>9} ms   p95 {:>9} ms",
-        opt(r.ttft_ms.p50, 1),
-        opt(r.ttft_ms.p95, 1)
+        opt(r.metrics.ttft_ms.p50, 1),
+        opt(r.metrics.ttft_ms.p95, 1)
     );
     println!(
         "  TPOT  p50 {:>9} ms   p95 {:>9} ms",
-        opt(r.tpot_ms.p50, 1),
-        opt(r.tpot_ms.p95, 1)
+        opt(r.metrics.tpot_ms.p50, 1),
+        opt(r.metrics.tpot_ms.p95, 1)
     );
     println!(
         "  ITL   p50 {:>9} ms   p95 {:>9} ms",
-        opt(r.itl_ms.p50, 1),
-        opt(r.itl_ms.p95, 1)
+        opt(r.metrics.itl_ms.p50, 1),
+        opt(r.metrics.itl_ms.p95, 1)
     );
     println!(
         "  E2E   p50 {:>9} s    p95 {:>9} s",
-        opt(r.e2e_s.p50, 2),
-        opt(r.e2e_s.p95, 2)
+        opt(r.metrics.e2e_s.p50, 2),
+        opt(r.metrics.e2e_s.p95, 2)
     );
     println!(
         "  output tokens/s {:.1}   requests/s {:.2}   KV hit rate {}   oracle {}   errors {}",
-        r.output_tokens_per_s,
-        r.requests_per_s,
-        opt(r.kv_hit_rate.map(|h| h * 100.0), 1) + "%",
-        opt(r.oracle_hit_rate.map(|h| h * 100.0), 1) + "%",
-        r.errors
+        r.metrics.output_tokens_per_s,
+        r.metrics.requests_per_s,
+        opt(r.metrics.kv_hit_rate.map(|h| h * 100.0), 1) + "%",
+        opt(r.metrics.oracle_hit_rate.map(|h| h * 100.0), 1) + "%",
+        r.metrics.errors
     );
 }

@@ -1,10 +1,10 @@
-//! The recorded baseline: `results.json` as `kvroute bench` writes it. The dashboard's RR
-//! columns and its static table come from here. The shipped default is our simulator's run
-//! of seed 002 (`docs/results/results.json`); `--baseline FILE` replaces it with a user's own.
+//! The recorded baseline: `results.json` as `kvroute bench` writes it, read with the
+//! `report` crate's types (the writer's own). The dashboard's RR columns and its static table
+//! come from here. The shipped default is our simulator's run of seed 002
+//! (`docs/results/results.json`); `--baseline FILE` replaces it with a user's own.
 
-use serde::{Deserialize, Serialize};
-
-use crate::window::Quantiles;
+use report::{BenchResults, Percentiles, Row};
+use serde::Serialize;
 
 /// The results file the binary ships (`kvroute bench --out docs/results --compare-seed002`).
 pub const SHIPPED_RESULTS: &str = include_str!("../../../docs/results/results.json");
@@ -13,17 +13,33 @@ pub const SHIPPED_RESULTS: &str = include_str!("../../../docs/results/results.js
 pub const SHIPPED_SOURCE: &str = "docs/results/results.json: 3 × H200, Llama-3.1-70B FP8, \
      seed 002's workload, simulated in virtual time";
 
-/// One router at one concurrency level.
+/// One router at one concurrency level: the figures of a summary [`Row`] the dashboard
+/// shows, under the names of its live metrics (`tops`).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct BaselineRow {
     pub router: String,
     pub concurrency: u32,
-    pub ttft_ms: Quantiles,
-    pub tpot_ms: Quantiles,
-    pub itl_ms: Quantiles,
-    pub e2e_s: Quantiles,
+    pub ttft_ms: Percentiles,
+    pub tpot_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    pub e2e_s: Percentiles,
     pub tops: f64,
-    pub kv_hit_rate: f64,
+    pub kv_hit_rate: Option<f64>,
+}
+
+impl From<Row> for BaselineRow {
+    fn from(r: Row) -> BaselineRow {
+        BaselineRow {
+            router: r.router,
+            concurrency: r.concurrency,
+            ttft_ms: r.metrics.ttft_ms,
+            tpot_ms: r.metrics.tpot_ms,
+            itl_ms: r.metrics.itl_ms,
+            e2e_s: r.metrics.e2e_s,
+            tops: r.metrics.output_tokens_per_s,
+            kv_hit_rate: r.metrics.kv_hit_rate,
+        }
+    }
 }
 
 /// A level of the static table: the baseline router and the KV router side by side.
@@ -41,23 +57,6 @@ pub struct Baseline {
     pub baseline_router: String,
     pub kv_router: Option<String>,
     pub levels: Vec<BaselineLevel>,
-}
-
-#[derive(Deserialize)]
-struct ResultsFile {
-    summary: Vec<SummaryRow>,
-}
-
-#[derive(Deserialize)]
-struct SummaryRow {
-    router: String,
-    concurrency: u32,
-    ttft_ms: Quantiles,
-    tpot_ms: Quantiles,
-    itl_ms: Quantiles,
-    e2e_s: Quantiles,
-    output_tokens_per_s: f64,
-    kv_hit_rate: f64,
 }
 
 /// Why a results file cannot serve as the baseline.
@@ -88,21 +87,8 @@ impl Baseline {
         baseline_router: &str,
         kv_routers: &[&str],
     ) -> Result<Baseline, BaselineError> {
-        let file: ResultsFile = serde_json::from_str(json)?;
-        let rows: Vec<BaselineRow> = file
-            .summary
-            .into_iter()
-            .map(|r| BaselineRow {
-                router: r.router,
-                concurrency: r.concurrency,
-                ttft_ms: r.ttft_ms,
-                tpot_ms: r.tpot_ms,
-                itl_ms: r.itl_ms,
-                e2e_s: r.e2e_s,
-                tops: r.output_tokens_per_s,
-                kv_hit_rate: r.kv_hit_rate,
-            })
-            .collect();
+        let file: BenchResults = serde_json::from_str(json)?;
+        let rows: Vec<BaselineRow> = file.summary.into_iter().map(BaselineRow::from).collect();
         let mut routers: Vec<&str> = rows.iter().map(|r| r.router.as_str()).collect();
         routers.dedup();
         let kv_router = kv_routers
@@ -166,7 +152,7 @@ mod tests {
             assert_eq!(level.baseline.router, "round_robin");
             let kv = level.kv.as_ref().unwrap();
             assert_eq!(kv.concurrency, level.concurrency);
-            assert!(kv.ttft_ms.p95 < level.baseline.ttft_ms.p95);
+            assert!(kv.ttft_ms.p95.unwrap() < level.baseline.ttft_ms.p95.unwrap());
         }
         assert_eq!(b.row_near(130).unwrap().concurrency, 120);
         assert_eq!(b.row_near(131).unwrap().concurrency, 140);
@@ -175,12 +161,13 @@ mod tests {
 
     #[test]
     fn a_file_without_the_baseline_router_is_refused() {
-        let json = r#"{"summary": [{"router": "kv", "concurrency": 60,
-            "ttft_ms": {"p50": 1, "p95": 2}, "tpot_ms": {"p50": 1, "p95": 2},
-            "itl_ms": {"p50": 1, "p95": 2}, "e2e_s": {"p50": 1, "p95": 2},
-            "output_tokens_per_s": 10, "kv_hit_rate": 0.5}]}"#;
-        let err = Baseline::from_results_json(json, "x", "round_robin").unwrap_err();
+        // The shipped file without its round-robin rows.
+        let mut results: BenchResults = serde_json::from_str(SHIPPED_RESULTS).unwrap();
+        results.summary.retain(|r| r.router != "round_robin");
+        let json = serde_json::to_string(&results).unwrap();
+        let err = Baseline::from_results_json(&json, "x", "round_robin").unwrap_err();
         assert!(err.to_string().contains("no \"round_robin\" rows"), "{err}");
+        assert!(err.to_string().contains("kv, kv_load"), "{err}");
         assert!(Baseline::from_results_json("{}", "x", "round_robin").is_err());
     }
 }

@@ -63,7 +63,6 @@ pub use client::{TurnError, TurnResult};
 pub use lane::{DriveConfig, LaneSpec, UserSimulator};
 pub use scrape::{Sample, parse_text};
 pub use server::{ApiError, App, LaneMetrics, LaneStatus, Status};
-pub use window::Quantiles;
 
 /// The largest concurrency the API accepts per lane.
 pub const MAX_CONCURRENCY: u32 = 20_000;

@@ -12,6 +12,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use report::Percentiles;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -19,7 +20,6 @@ use tokio_util::sync::CancellationToken;
 use crate::baseline::{Baseline, BaselineRow};
 use crate::lane::{Lane, Totals, lock, unix_ms};
 use crate::store::{ConversationRecord, ConversationStatus, TurnRecord};
-use crate::window::Quantiles;
 use crate::{MAX_CONCURRENCY, Slider, Slo};
 
 mod assets {
@@ -110,9 +110,9 @@ impl App {
                 }
                 points.push_back(HistoryPoint {
                     time_ms: status.time_ms,
-                    ttft_p50_ms: lane.metrics.ttft_ms.map(|q| q.p50),
-                    ttft_p95_ms: lane.metrics.ttft_ms.map(|q| q.p95),
-                    tpot_p95_ms: lane.metrics.tpot_ms.map(|q| q.p95),
+                    ttft_p50_ms: lane.metrics.ttft_ms.and_then(|q| q.p50),
+                    ttft_p95_ms: lane.metrics.ttft_ms.and_then(|q| q.p95),
+                    tpot_p95_ms: lane.metrics.tpot_ms.and_then(|q| q.p95),
                     tops: lane.metrics.tops,
                     kv_hit_rate: lane.metrics.kv_hit_rate,
                     in_flight: lane.metrics.in_flight,
@@ -213,10 +213,10 @@ pub struct LaneStatus {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct LaneMetrics {
-    pub ttft_ms: Option<Quantiles>,
-    pub tpot_ms: Option<Quantiles>,
-    pub itl_ms: Option<Quantiles>,
-    pub e2e_s: Option<Quantiles>,
+    pub ttft_ms: Option<Percentiles>,
+    pub tpot_ms: Option<Percentiles>,
+    pub itl_ms: Option<Percentiles>,
+    pub e2e_s: Option<Percentiles>,
     pub rps: Option<f64>,
     pub tops: Option<f64>,
     pub requests: u64,
@@ -232,11 +232,8 @@ pub struct LaneMetrics {
     pub user_model_errors: u64,
 }
 
-fn ms(q: Option<Quantiles>) -> Option<Quantiles> {
-    q.map(|q| Quantiles {
-        p50: q.p50 * 1e3,
-        p95: q.p95 * 1e3,
-    })
+fn ms(q: Option<Percentiles>) -> Option<Percentiles> {
+    q.map(|q| q.map(|v| v * 1e3))
 }
 
 fn lane_status(lane: &Lane) -> LaneStatus {
@@ -626,7 +623,7 @@ struct SummaryFamily {
     name: &'static str,
     help: &'static str,
     /// The window's quantiles (in the unit of `scale`) and the total (sum, count).
-    read: fn(&LaneMetrics, &Totals) -> (Option<Quantiles>, f64, u64),
+    read: fn(&LaneMetrics, &Totals) -> (Option<Percentiles>, f64, u64),
     /// To seconds.
     scale: f64,
 }
@@ -679,8 +676,8 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         for (lane, metrics, totals) in &lanes {
             let (window, sum, count) = (family.read)(metrics, totals);
             for (quantile, value) in [
-                ("0.5", window.map(|q| q.p50 * family.scale)),
-                ("0.95", window.map(|q| q.p95 * family.scale)),
+                ("0.5", window.and_then(|q| q.p50).map(|v| v * family.scale)),
+                ("0.95", window.and_then(|q| q.p95).map(|v| v * family.scale)),
             ] {
                 // No observation in the window: NaN, as Prometheus client libraries write it.
                 let value = value.map_or("NaN".to_owned(), |v| v.to_string());

@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use report::Percentiles;
 
 /// What one finished turn measured, as the client saw it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -21,20 +21,13 @@ pub struct TurnSample {
     pub output_tokens: u64,
 }
 
-/// p50 and p95 of one metric.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Quantiles {
-    pub p50: f64,
-    pub p95: f64,
-}
-
-/// The window's figures.
+/// The window's figures; a metric is `None` when no turn in the window measured it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct WindowStats {
-    pub ttft_s: Option<Quantiles>,
-    pub tpot_s: Option<Quantiles>,
-    pub itl_s: Option<Quantiles>,
-    pub e2e_s: Option<Quantiles>,
+    pub ttft_s: Option<Percentiles>,
+    pub tpot_s: Option<Percentiles>,
+    pub itl_s: Option<Percentiles>,
+    pub e2e_s: Option<Percentiles>,
     /// Finished turns per second over the window.
     pub rps: Option<f64>,
     /// Output tokens per second over the window.
@@ -108,23 +101,11 @@ impl Window {
     }
 }
 
-/// Nearest-rank p50 and p95 of the values present (NaN and infinities are skipped).
-pub fn quantiles(values: impl Iterator<Item = Option<f64>>) -> Option<Quantiles> {
+/// Nearest-rank p50 and p95 of the values present (NaN and infinities are skipped); `None`
+/// without any.
+pub fn quantiles(values: impl Iterator<Item = Option<f64>>) -> Option<Percentiles> {
     let mut v: Vec<f64> = values.flatten().filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    Some(Quantiles {
-        p50: nearest_rank(&v, 0.50),
-        p95: nearest_rank(&v, 0.95),
-    })
-}
-
-/// The smallest value with at least `q` of the values at or below it.
-fn nearest_rank(sorted: &[f64], q: f64) -> f64 {
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
+    Percentiles::of(&mut v).observed()
 }
 
 #[cfg(test)]
@@ -145,10 +126,10 @@ mod tests {
     #[test]
     fn nearest_rank_percentiles() {
         let q = quantiles((1..=100).map(|i| Some(f64::from(i)))).unwrap();
-        assert_eq!(q.p50, 50.0);
-        assert_eq!(q.p95, 95.0);
+        assert_eq!(q.p50, Some(50.0));
+        assert_eq!(q.p95, Some(95.0));
         let one = quantiles([Some(7.0)].into_iter()).unwrap();
-        assert_eq!((one.p50, one.p95), (7.0, 7.0));
+        assert_eq!((one.p50, one.p95), (Some(7.0), Some(7.0)));
         assert!(quantiles([None, Some(f64::NAN)].into_iter()).is_none());
     }
 
@@ -168,7 +149,7 @@ mod tests {
         // At 75 s the window is [15, 75]: turns 15..=29 remain.
         let s = w.stats(75.0);
         assert_eq!(s.samples, 15);
-        assert_eq!(s.ttft_s.unwrap().p50, 1.0 + 22.0);
+        assert_eq!(s.ttft_s.unwrap().p50, Some(1.0 + 22.0));
         assert!((s.rps.unwrap() - 15.0 / 60.0).abs() < 1e-9);
         assert_eq!(w.stats(200.0), WindowStats::default());
     }
@@ -181,6 +162,6 @@ mod tests {
         }
         let s = w.stats(10.0);
         assert_eq!(s.samples, 3);
-        assert_eq!(s.ttft_s.unwrap().p50, 3.0);
+        assert_eq!(s.ttft_s.unwrap().p50, Some(3.0));
     }
 }

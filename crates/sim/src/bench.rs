@@ -12,16 +12,17 @@
 //!
 //! [`BenchSpec::jobs`] lists the independent runs; a caller may run them on threads (this
 //! crate starts none) and hand the results to [`aggregate`], which orders them by job index,
-//! so the output never depends on scheduling. Every float in a [`Row`] is rounded to a fixed
-//! number of decimals, so `results.json` is byte-identical for the same command.
+//! so the output never depends on scheduling: `results.json` as [`report::BenchResults`].
+//! Every float in a [`Row`] is rounded to a fixed number of decimals, so the file is
+//! byte-identical for the same command.
 
 use nanotime::Nanos;
+use report::percentiles::round;
+use report::{Balance, BenchMeta, BenchResults, Metrics, PERCENTILES_METHOD, Row, WorkerRow};
 use router::PolicyKind;
-use serde::Serialize;
 
 use crate::config::{Phase, SimConfig};
 use crate::driver::{PhaseResult, RunTotals, SimError, Simulation, derive_seed};
-use crate::metrics::{Metrics, Percentiles};
 use crate::workload::Workload;
 
 /// The benchmark to run.
@@ -143,117 +144,6 @@ pub fn run_job<W: Workload>(
     })
 }
 
-/// p50 / p95 of one metric in a row, rounded; `null` when no request was observed.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Pct {
-    pub p50: Option<f64>,
-    pub p95: Option<f64>,
-}
-
-/// How evenly a run spread its load.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Balance {
-    /// Busiest worker's routed requests over the mean (1.0 = perfectly even).
-    pub request_skew: f64,
-    /// Highest time-averaged in-flight count over the mean (the seed's "mean inflight skew").
-    pub in_flight_skew: f64,
-    /// Largest in-flight count any worker reached.
-    pub peak_in_flight: f64,
-    /// Mean GPU utilisation over the workers.
-    pub utilisation: f64,
-}
-
-/// One worker's share of a run (runs only).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct WorkerRow {
-    pub worker: u32,
-    pub routed: u64,
-    pub peak_in_flight: u32,
-    pub mean_in_flight: f64,
-    pub utilisation: f64,
-    pub prefill_tokens: u64,
-    pub preemptions: u64,
-}
-
-/// A line of `results.json` (the dashboard's contract): one router at one level, for one run
-/// (`runs`, with `seed`) or averaged over the sweeps (`summary`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Row {
-    pub router: String,
-    pub workers: u32,
-    pub concurrency: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub seed: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sweep: Option<u32>,
-    /// Sweeps averaged (summary rows).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sweeps: Option<u32>,
-    pub ttft_ms: Pct,
-    pub tpot_ms: Pct,
-    pub itl_ms: Pct,
-    pub e2e_s: Pct,
-    pub output_tokens_per_s: f64,
-    pub requests_per_s: f64,
-    pub kv_hit_rate: Option<f64>,
-    pub oracle_hit_rate: Option<f64>,
-    /// Failed turns per snapshot window.
-    pub errors: f64,
-    /// Finished requests per snapshot window.
-    pub requests: f64,
-    pub mean_prompt_tokens: Option<f64>,
-    pub mean_output_tokens: Option<f64>,
-    pub balance: Balance,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub per_worker: Vec<WorkerRow>,
-}
-
-/// `results.json`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct BenchResults {
-    pub summary: Vec<Row>,
-    pub runs: Vec<Row>,
-    pub bench: BenchMeta,
-}
-
-/// How the results were produced (no wall times: the file is byte-identical per command).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct BenchMeta {
-    pub routers: Vec<String>,
-    pub levels: Vec<u32>,
-    pub sweeps: u32,
-    pub workers: u32,
-    pub profile: String,
-    pub warmup_s: f64,
-    pub window_s: f64,
-    pub snapshots: u32,
-    pub snapshot_lookback_s: f64,
-    pub seed: u64,
-    pub continuous: bool,
-    pub coalesce_decode: bool,
-    pub kv_event_delay_ms: f64,
-    /// Seconds after which the oracle forgets an unseen block (`null`: never).
-    pub oracle_horizon_s: Option<f64>,
-    pub percentiles: &'static str,
-}
-
-fn round(x: f64, decimals: i32) -> f64 {
-    let f = 10f64.powi(decimals);
-    let r = (x * f).round() / f;
-    if r == 0.0 { 0.0 } else { r } // no "-0.0"
-}
-
-fn round_opt(x: Option<f64>, decimals: i32) -> Option<f64> {
-    x.filter(|v| v.is_finite()).map(|v| round(v, decimals))
-}
-
-fn pct(p: &Percentiles, decimals: i32) -> Pct {
-    Pct {
-        p50: round_opt(p.p50, decimals),
-        p95: round_opt(p.p95, decimals),
-    }
-}
-
 fn balance_of(phase: &PhaseResult) -> Balance {
     let w = &phase.workers;
     let n = w.len().max(1) as f64;
@@ -270,26 +160,6 @@ fn balance_of(phase: &PhaseResult) -> Balance {
             .map(|s| f64::from(s.peak_in_flight))
             .fold(0.0, f64::max),
         utilisation: w.iter().map(|s| s.utilisation).sum::<f64>() / n,
-    }
-}
-
-fn mean_balance(all: &[Balance]) -> Balance {
-    let n = all.len().max(1) as f64;
-    let avg = |f: fn(&Balance) -> f64| all.iter().map(f).sum::<f64>() / n;
-    Balance {
-        request_skew: avg(|b| b.request_skew),
-        in_flight_skew: avg(|b| b.in_flight_skew),
-        peak_in_flight: avg(|b| b.peak_in_flight),
-        utilisation: avg(|b| b.utilisation),
-    }
-}
-
-fn rounded_balance(b: &Balance) -> Balance {
-    Balance {
-        request_skew: round(b.request_skew, 4),
-        in_flight_skew: round(b.in_flight_skew, 4),
-        peak_in_flight: round(b.peak_in_flight, 2),
-        utilisation: round(b.utilisation, 4),
     }
 }
 
@@ -313,19 +183,8 @@ fn row(
         seed,
         sweep,
         sweeps,
-        ttft_ms: pct(&m.ttft_ms, 3),
-        tpot_ms: pct(&m.tpot_ms, 3),
-        itl_ms: pct(&m.itl_ms, 3),
-        e2e_s: pct(&m.e2e_s, 4),
-        output_tokens_per_s: round(m.output_tokens_per_s, 3),
-        requests_per_s: round(m.requests_per_s, 5),
-        kv_hit_rate: round_opt(m.kv_hit_rate, 5),
-        oracle_hit_rate: round_opt(m.oracle_hit_rate, 5),
-        errors: round(m.errors, 3),
-        requests: round(m.requests, 3),
-        mean_prompt_tokens: round_opt(m.mean_prompt_tokens, 1),
-        mean_output_tokens: round_opt(m.mean_output_tokens, 1),
-        balance: rounded_balance(balance),
+        metrics: m.rounded(),
+        balance: balance.rounded(),
         per_worker,
     }
 }
@@ -383,7 +242,7 @@ pub fn aggregate(spec: &BenchSpec, mut results: Vec<JobResult>, profile: &str) -
                 None,
                 Some(metrics.len() as u32),
                 &Metrics::mean(&metrics),
-                &mean_balance(&balances),
+                &Balance::mean(&balances),
                 Vec::new(),
             ));
         }
@@ -409,7 +268,7 @@ pub fn aggregate(spec: &BenchSpec, mut results: Vec<JobResult>, profile: &str) -
             coalesce_decode: spec.base.engine.coalesce_decode,
             kv_event_delay_ms: spec.base.router.kv_event_delay.as_millis_f64(),
             oracle_horizon_s: spec.base.oracle_horizon.map(Nanos::as_secs_f64),
-            percentiles: "exact nearest-rank over each snapshot window, averaged over snapshots then sweeps",
+            percentiles: PERCENTILES_METHOD.to_string(),
         },
     }
 }

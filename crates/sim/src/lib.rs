@@ -41,8 +41,21 @@
 //!
 //! [`bench::BenchSpec`] describes the seed 002 benchmark (routers × levels × sweeps);
 //! [`bench::BenchSpec::jobs`] cuts it into independent runs that a caller may run on
-//! threads (this crate starts none), [`bench::aggregate`] puts their results back in a fixed
-//! order and averages them, and [`report`] renders the seed's tables and SVG plots.
+//! threads (this crate starts none), and [`bench::aggregate`] puts their results back in a
+//! fixed order and averages them into `results.json`'s rows ([`report::BenchResults`]); the
+//! `report` crate renders the seed's tables and SVG plots from them.
+//!
+//! # Module order
+//!
+//! The modules form a DAG; each uses only those above it (and the `report` crate for the
+//! percentile type, the results rows and the SVG charts):
+//!
+//! 1. [`timers`], [`oracle`], `workload`, `config`: leaves;
+//! 2. [`metrics`]: request records and window metrics;
+//! 3. [`timeline`]: per-worker samples and their charts;
+//! 4. `driver`: the event loop ([`Simulation`]), over 1–3;
+//! 5. [`bench`](mod@bench): sweeps as jobs, aggregated into results rows;
+//! 6. [`chat`]: the seed's chat workload run as bench jobs.
 //!
 //! # Invariant and bounds
 //!
@@ -102,8 +115,6 @@ mod config;
 mod driver;
 pub mod metrics;
 pub mod oracle;
-pub mod report;
-pub mod svg;
 pub mod timeline;
 pub mod timers;
 mod workload;
@@ -112,7 +123,8 @@ pub use config::{ConfigError, FrontendConfig, Phase, RouterSetup, SimConfig};
 pub use driver::{
     PhaseResult, RunOutput, RunTotals, SimError, Simulation, WorkerStats, derive_seed, streams,
 };
-pub use metrics::{Metrics, Outcome, Percentiles, RequestRecord};
+pub use metrics::{Metrics, Outcome, RequestRecord};
+pub use report::Percentiles;
 pub use timeline::{Timeline, TimelineConfig, TimelineError};
 pub use workload::{ServingPath, Turn, TurnKey, Workload};
 

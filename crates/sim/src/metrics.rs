@@ -20,9 +20,12 @@
 //! Which requests a window `(from, to]` covers: TTFT — requests whose first token arrived in
 //! it; TPOT, ITL, E2E, RPS, hit rates — requests that finished in it (when the client
 //! observes them, as the seed's load generator does). Percentiles are exact: the
-//! nearest-rank value (the ⌈q·n⌉-th smallest) of all samples in the window, no histogram.
+//! nearest-rank value (the ⌈q·n⌉-th smallest) of all samples in the window, no histogram
+//! ([`Percentiles`], shared with the results file and the load generator).
 
 use nanotime::Nanos;
+pub use report::Metrics;
+use report::Percentiles;
 use serde::Serialize;
 
 /// How a turn ended.
@@ -88,75 +91,6 @@ impl RequestRecord {
         (self.outcome == Outcome::Finished && self.output_tokens >= 2)
             .then(|| (last - first).as_secs_f64() / f64::from(self.output_tokens - 1))
     }
-}
-
-/// p50 and p95 of one metric; `None` when the window had no sample.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
-pub struct Percentiles {
-    pub p50: Option<f64>,
-    pub p95: Option<f64>,
-}
-
-impl Percentiles {
-    /// Nearest-rank percentiles of `samples` (sorted in place).
-    pub fn of(samples: &mut [f64]) -> Self {
-        samples.sort_by(f64::total_cmp);
-        Self {
-            p50: nearest_rank(samples, 0.50),
-            p95: nearest_rank(samples, 0.95),
-        }
-    }
-
-    /// The mean of several windows' percentiles (the seed averages snapshots and sweeps),
-    /// over the windows that had samples.
-    pub fn mean<'a>(all: impl IntoIterator<Item = &'a Percentiles> + Clone) -> Self {
-        Self {
-            p50: mean_some(all.clone().into_iter().map(|p| p.p50)),
-            p95: mean_some(all.into_iter().map(|p| p.p95)),
-        }
-    }
-}
-
-/// The ⌈q·n⌉-th smallest of sorted `v`.
-pub fn nearest_rank(sorted: &[f64], q: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (q * sorted.len() as f64).ceil().max(1.0) as usize;
-    Some(sorted[rank.min(sorted.len()) - 1])
-}
-
-/// Mean of the present values, `None` when none is.
-pub fn mean_some(values: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
-    let (mut sum, mut n) = (0.0, 0u32);
-    for v in values.into_iter().flatten() {
-        sum += v;
-        n += 1;
-    }
-    (n > 0).then(|| sum / f64::from(n))
-}
-
-/// The seed's metrics over one window, or averaged over several.
-#[derive(Debug, Clone, PartialEq, Default, Serialize)]
-pub struct Metrics {
-    pub ttft_ms: Percentiles,
-    pub tpot_ms: Percentiles,
-    pub itl_ms: Percentiles,
-    pub e2e_s: Percentiles,
-    pub output_tokens_per_s: f64,
-    pub requests_per_s: f64,
-    /// Cached / prompt tokens of finished requests, 0..1 (`None` when none finished).
-    pub kv_hit_rate: Option<f64>,
-    /// The oracle's hit rate over the same requests (`None` when the oracle is off).
-    pub oracle_hit_rate: Option<f64>,
-    /// Failed turns.
-    pub errors: f64,
-    /// Finished requests.
-    pub requests: f64,
-    /// Mean prompt tokens of finished requests.
-    pub mean_prompt_tokens: Option<f64>,
-    /// Mean output tokens of finished requests.
-    pub mean_output_tokens: Option<f64>,
 }
 
 /// What one window `(from, to]` has seen so far: the samples its percentiles need and the
@@ -251,43 +185,20 @@ impl WindowAcc {
     }
 }
 
-impl Metrics {
-    /// The metrics of window `(from, to]` over `records`, with `tokens` emitted in it.
-    pub fn of_window(
-        records: &[RequestRecord],
-        from: Nanos,
-        to: Nanos,
-        tokens: u64,
-        oracle: bool,
-    ) -> Self {
-        let mut acc = WindowAcc::new(from, to);
-        acc.tokens = tokens;
-        for r in records {
-            acc.add(r);
-        }
-        acc.metrics(oracle)
+/// The metrics of window `(from, to]` over `records`, with `tokens` emitted in it.
+pub fn of_window(
+    records: &[RequestRecord],
+    from: Nanos,
+    to: Nanos,
+    tokens: u64,
+    oracle: bool,
+) -> Metrics {
+    let mut acc = WindowAcc::new(from, to);
+    acc.tokens = tokens;
+    for r in records {
+        acc.add(r);
     }
-
-    /// The mean of several windows (snapshots, or sweeps), as the seed averages them.
-    pub fn mean(all: &[Metrics]) -> Self {
-        let n = all.len().max(1) as f64;
-        let avg = |f: fn(&Metrics) -> f64| all.iter().map(f).sum::<f64>() / n;
-        let avg_some = |f: fn(&Metrics) -> Option<f64>| mean_some(all.iter().map(f));
-        Self {
-            ttft_ms: Percentiles::mean(all.iter().map(|m| &m.ttft_ms)),
-            tpot_ms: Percentiles::mean(all.iter().map(|m| &m.tpot_ms)),
-            itl_ms: Percentiles::mean(all.iter().map(|m| &m.itl_ms)),
-            e2e_s: Percentiles::mean(all.iter().map(|m| &m.e2e_s)),
-            output_tokens_per_s: avg(|m| m.output_tokens_per_s),
-            requests_per_s: avg(|m| m.requests_per_s),
-            kv_hit_rate: avg_some(|m| m.kv_hit_rate),
-            oracle_hit_rate: avg_some(|m| m.oracle_hit_rate),
-            errors: avg(|m| m.errors),
-            requests: avg(|m| m.requests),
-            mean_prompt_tokens: avg_some(|m| m.mean_prompt_tokens),
-            mean_output_tokens: avg_some(|m| m.mean_output_tokens),
-        }
-    }
+    acc.metrics(oracle)
 }
 
 /// Tokens `start..end` of a span whose last token was emitted at `at` and whose previous
@@ -320,16 +231,6 @@ fn tokens_at_or_before(prev: Nanos, at: Nanos, count: u32, x: Nanos) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn nearest_rank_percentiles() {
-        let mut v: Vec<f64> = (1..=20).rev().map(f64::from).collect();
-        let p = Percentiles::of(&mut v);
-        assert_eq!(p.p50, Some(10.0));
-        assert_eq!(p.p95, Some(19.0));
-        assert_eq!(Percentiles::of(&mut [7.0]).p95, Some(7.0));
-        assert_eq!(Percentiles::of(&mut []).p50, None);
-    }
 
     #[test]
     fn span_tokens_split_across_a_window_edge() {

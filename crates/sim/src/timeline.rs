@@ -24,12 +24,10 @@
 use std::fmt::Write;
 
 use nanotime::Nanos;
+use report::svg::{Chart, PALETTE, Series, Threshold};
+use report::{Percentiles, SLO_TTFT_P95_MS};
 use serde::Serialize;
 use thiserror::Error;
-
-use crate::metrics::Percentiles;
-use crate::report::SLO_TTFT_P95_MS;
-use crate::svg::{Chart, PALETTE, Series, Threshold};
 
 /// How often to sample and how much to keep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -75,7 +75,7 @@ fn every_turn_ends_once_and_every_token_is_accounted_for() {
         // Each window's streaming accumulators agree with a recomputation from the records.
         for p in &out.phases {
             for (snap, &(from, to)) in p.snapshots.iter().zip(&p.windows_s) {
-                let again = sim::Metrics::of_window(
+                let again = sim::metrics::of_window(
                     &out.records,
                     Nanos::from_secs_f64(from),
                     Nanos::from_secs_f64(to),

@@ -1,0 +1,197 @@
+//! `results.json`: the rows `kvroute bench` and `kvroute sim` write and the dashboard reads.
+//!
+//! One type per thing in the file, both ways (Serialize + Deserialize), so the writer (the
+//! simulator's aggregation) and the readers (the report, the load generator's baseline) can
+//! never disagree on a field. Every float is rounded to a fixed number of decimals before it
+//! goes in ([`Metrics::rounded`], [`Balance::rounded`]), so the file is byte-identical for
+//! the same command.
+
+use serde::{Deserialize, Serialize};
+
+use crate::percentiles::{Percentiles, mean_some, round, round_opt};
+
+/// How the percentiles of [`BenchMeta::percentiles`] were computed, as the file says it.
+pub const PERCENTILES_METHOD: &str =
+    "exact nearest-rank over each snapshot window, averaged over snapshots then sweeps";
+
+/// The seed's metrics over one window, or averaged over several (their definitions, and which
+/// requests a window covers, are the simulator's: `sim::metrics`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Metrics {
+    pub ttft_ms: Percentiles,
+    pub tpot_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    pub e2e_s: Percentiles,
+    pub output_tokens_per_s: f64,
+    pub requests_per_s: f64,
+    /// Cached / prompt tokens of finished requests, 0..1 (`None` when none finished).
+    pub kv_hit_rate: Option<f64>,
+    /// The oracle's hit rate over the same requests (`None` when the oracle is off).
+    pub oracle_hit_rate: Option<f64>,
+    /// Failed turns.
+    pub errors: f64,
+    /// Finished requests.
+    pub requests: f64,
+    /// Mean prompt tokens of finished requests.
+    pub mean_prompt_tokens: Option<f64>,
+    /// Mean output tokens of finished requests.
+    pub mean_output_tokens: Option<f64>,
+}
+
+impl Metrics {
+    /// The mean of several windows (snapshots, or sweeps), as the seed averages them.
+    pub fn mean(all: &[Metrics]) -> Self {
+        let n = all.len().max(1) as f64;
+        let avg = |f: fn(&Metrics) -> f64| all.iter().map(f).sum::<f64>() / n;
+        let avg_some = |f: fn(&Metrics) -> Option<f64>| mean_some(all.iter().map(f));
+        Self {
+            ttft_ms: Percentiles::mean(all.iter().map(|m| &m.ttft_ms)),
+            tpot_ms: Percentiles::mean(all.iter().map(|m| &m.tpot_ms)),
+            itl_ms: Percentiles::mean(all.iter().map(|m| &m.itl_ms)),
+            e2e_s: Percentiles::mean(all.iter().map(|m| &m.e2e_s)),
+            output_tokens_per_s: avg(|m| m.output_tokens_per_s),
+            requests_per_s: avg(|m| m.requests_per_s),
+            kv_hit_rate: avg_some(|m| m.kv_hit_rate),
+            oracle_hit_rate: avg_some(|m| m.oracle_hit_rate),
+            errors: avg(|m| m.errors),
+            requests: avg(|m| m.requests),
+            mean_prompt_tokens: avg_some(|m| m.mean_prompt_tokens),
+            mean_output_tokens: avg_some(|m| m.mean_output_tokens),
+        }
+    }
+
+    /// Rounded as the results file keeps it: latencies to µs (ms with 3 decimals, E2E
+    /// seconds with 4), rates to 3–5 decimals, token means to 0.1.
+    pub fn rounded(&self) -> Metrics {
+        Metrics {
+            ttft_ms: self.ttft_ms.rounded(3),
+            tpot_ms: self.tpot_ms.rounded(3),
+            itl_ms: self.itl_ms.rounded(3),
+            e2e_s: self.e2e_s.rounded(4),
+            output_tokens_per_s: round(self.output_tokens_per_s, 3),
+            requests_per_s: round(self.requests_per_s, 5),
+            kv_hit_rate: round_opt(self.kv_hit_rate, 5),
+            oracle_hit_rate: round_opt(self.oracle_hit_rate, 5),
+            errors: round(self.errors, 3),
+            requests: round(self.requests, 3),
+            mean_prompt_tokens: round_opt(self.mean_prompt_tokens, 1),
+            mean_output_tokens: round_opt(self.mean_output_tokens, 1),
+        }
+    }
+}
+
+/// How evenly a run spread its load.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Balance {
+    /// Busiest worker's routed requests over the mean (1.0 = perfectly even).
+    pub request_skew: f64,
+    /// Highest time-averaged in-flight count over the mean (the seed's "mean inflight skew").
+    pub in_flight_skew: f64,
+    /// Largest in-flight count any worker reached.
+    pub peak_in_flight: f64,
+    /// Mean GPU utilisation over the workers.
+    pub utilisation: f64,
+}
+
+impl Balance {
+    /// The field-by-field mean of several runs' balance (sweeps).
+    pub fn mean(all: &[Balance]) -> Balance {
+        let n = all.len().max(1) as f64;
+        let avg = |f: fn(&Balance) -> f64| all.iter().map(f).sum::<f64>() / n;
+        Balance {
+            request_skew: avg(|b| b.request_skew),
+            in_flight_skew: avg(|b| b.in_flight_skew),
+            peak_in_flight: avg(|b| b.peak_in_flight),
+            utilisation: avg(|b| b.utilisation),
+        }
+    }
+
+    /// Rounded as the results file keeps it.
+    pub fn rounded(&self) -> Balance {
+        Balance {
+            request_skew: round(self.request_skew, 4),
+            in_flight_skew: round(self.in_flight_skew, 4),
+            peak_in_flight: round(self.peak_in_flight, 2),
+            utilisation: round(self.utilisation, 4),
+        }
+    }
+}
+
+/// One worker's share of a run (run rows only).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerRow {
+    pub worker: u32,
+    pub routed: u64,
+    pub peak_in_flight: u32,
+    pub mean_in_flight: f64,
+    pub utilisation: f64,
+    pub prefill_tokens: u64,
+    pub preemptions: u64,
+}
+
+/// A line of `results.json` (the dashboard's contract): one router at one level, for one run
+/// (`runs`, with `seed`) or averaged over the sweeps (`summary`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    pub router: String,
+    pub workers: u32,
+    pub concurrency: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sweep: Option<u32>,
+    /// Sweeps averaged (summary rows).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sweeps: Option<u32>,
+    /// Per snapshot window (errors and requests too), rounded ([`Metrics::rounded`]); its
+    /// fields sit in the row itself in JSON.
+    #[serde(flatten)]
+    pub metrics: Metrics,
+    pub balance: Balance,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub per_worker: Vec<WorkerRow>,
+}
+
+/// `results.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BenchResults {
+    pub summary: Vec<Row>,
+    pub runs: Vec<Row>,
+    pub bench: BenchMeta,
+}
+
+/// How the results were produced (no wall times: the file is byte-identical per command).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BenchMeta {
+    pub routers: Vec<String>,
+    pub levels: Vec<u32>,
+    pub sweeps: u32,
+    pub workers: u32,
+    pub profile: String,
+    pub warmup_s: f64,
+    pub window_s: f64,
+    pub snapshots: u32,
+    pub snapshot_lookback_s: f64,
+    pub seed: u64,
+    pub continuous: bool,
+    pub coalesce_decode: bool,
+    pub kv_event_delay_ms: f64,
+    /// Seconds after which the oracle forgets an unseen block (`null`: never).
+    pub oracle_horizon_s: Option<f64>,
+    /// How the percentiles were computed ([`PERCENTILES_METHOD`]).
+    pub percentiles: String,
+}
+
+impl BenchResults {
+    /// The summary rows of one router, in level order.
+    pub fn summary_of<'a>(&'a self, router: &'a str) -> impl Iterator<Item = &'a Row> + 'a {
+        self.summary.iter().filter(move |r| r.router == router)
+    }
+
+    /// The summary row of `router` at `concurrency`.
+    pub fn summary_at(&self, router: &str, concurrency: u32) -> Option<&Row> {
+        self.summary
+            .iter()
+            .find(|r| r.router == router && r.concurrency == concurrency)
+    }
+}
