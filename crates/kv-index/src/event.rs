@@ -29,6 +29,21 @@ impl std::fmt::Display for WorkerId {
     }
 }
 
+/// Identifies a request among those in flight (the caller's id: the gateway's, the simulator's
+/// issue handle). One type for the engine and the router, so a driver passes the same id to
+/// both; it lives here because both already depend on this crate.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "request-{}", self.0)
+    }
+}
+
 /// The engine's own name for a cached block, opaque to the index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
