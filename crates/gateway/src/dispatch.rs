@@ -758,6 +758,14 @@ mod tests {
         d.key(&(n * 100..n * 100 + 16).collect::<Vec<_>>())
     }
 
+    /// A dispatcher whose two workers (cap 1) are both busy, with the tickets that hold them.
+    async fn busy(queue: usize, timeout_ms: u64) -> (Arc<Dispatcher>, Ticket, Ticket) {
+        let d = dispatcher(1, queue, timeout_ms);
+        let a = d.admit(key(&d, 1)).await.unwrap();
+        let b = d.admit(key(&d, 2)).await.unwrap();
+        (d, a, b)
+    }
+
     fn in_flight(d: &Dispatcher) -> u32 {
         d.snapshot().workers.iter().map(|w| w.in_flight).sum()
     }
@@ -780,9 +788,7 @@ mod tests {
 
     #[tokio::test]
     async fn waiters_are_served_in_arrival_order_and_a_full_queue_refuses() {
-        let d = dispatcher(1, 3, 5_000);
-        let a = d.admit(key(&d, 1)).await.unwrap();
-        let b = d.admit(key(&d, 2)).await.unwrap();
+        let (d, a, b) = busy(3, 5_000).await;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut waiters = Vec::new();
         for n in 0..3u32 {
@@ -816,9 +822,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiter_times_out_and_a_cancelled_one_leaves_no_slot_behind() {
-        let d = dispatcher(1, 4, 50);
-        let _a = d.admit(key(&d, 1)).await.unwrap();
-        let _b = d.admit(key(&d, 2)).await.unwrap();
+        let (d, _a, _b) = busy(4, 50).await;
         assert!(matches!(
             d.admit(key(&d, 3)).await,
             Err(AdmitError::QueueTimeout { .. })
@@ -835,9 +839,7 @@ mod tests {
 
     #[tokio::test]
     async fn losing_every_worker_fails_the_waiters_at_once() {
-        let d = dispatcher(1, 4, 60_000);
-        let _a = d.admit(key(&d, 1)).await.unwrap();
-        let _b = d.admit(key(&d, 2)).await.unwrap();
+        let (d, _a, _b) = busy(4, 60_000).await;
         let waiter = spawn_waiter(&d, 3).await;
         d.worker_failed(WorkerId(1));
         d.set_routable(WorkerId(2), false);
@@ -852,9 +854,7 @@ mod tests {
     /// is in its channel, unread) gives the slot back, to the next waiter.
     #[tokio::test]
     async fn a_slot_given_to_a_departing_waiter_goes_to_the_next() {
-        let d = dispatcher(1, 4, 60_000);
-        let a = d.admit(key(&d, 1)).await.unwrap();
-        let _b = d.admit(key(&d, 2)).await.unwrap();
+        let (d, a, _b) = busy(4, 60_000).await;
         let departing = spawn_waiter(&d, 3).await;
         let next = spawn_waiter(&d, 4).await;
         // One thread: the departing waiter's task does not run between these two lines.

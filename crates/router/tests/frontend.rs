@@ -51,6 +51,15 @@ fn events(f: &mut Frontend) -> Vec<FrontendEvent> {
     std::iter::from_fn(|| f.poll_event()).collect()
 }
 
+/// Submits requests `ids` (each with its own prompt) at `now`; returns what came out.
+fn submit<const N: usize>(f: &mut Frontend, ids: [u64; N], now: Nanos) -> Vec<FrontendEvent> {
+    for id in ids {
+        let k = key(f, id as u32);
+        f.submit(RequestId(id), k, now);
+    }
+    events(f)
+}
+
 /// The one event a call produced: the request's worker when assigned.
 fn assigned(f: &mut Frontend) -> (RequestId, WorkerId, bool) {
     match events(f).as_slice() {
@@ -103,9 +112,7 @@ fn a_full_worker_is_never_chosen_while_another_has_room() {
 #[test]
 fn waiters_are_served_in_arrival_order() {
     let mut f = frontend(1, 8, None);
-    f.submit(RequestId(1), key(&f, 1), Nanos::ZERO);
-    f.submit(RequestId(2), key(&f, 2), Nanos::ZERO);
-    assert_eq!(events(&mut f).len(), 2);
+    assert_eq!(submit(&mut f, [1, 2], Nanos::ZERO).len(), 2);
     for id in 10..15 {
         f.submit(RequestId(id), key(&f, id as u32), Nanos::from_millis(id));
     }
@@ -129,13 +136,13 @@ fn waiters_are_served_in_arrival_order() {
 #[test]
 fn a_full_queue_refuses_at_once() {
     let mut f = frontend(1, 2, None);
-    for id in 1..=4 {
-        f.submit(RequestId(id), key(&f, id as u32), Nanos::ZERO);
-    }
-    assert_eq!(events(&mut f).len(), 2, "two routed, two queued");
-    f.submit(RequestId(5), key(&f, 5), Nanos::ZERO);
     assert_eq!(
-        events(&mut f),
+        submit(&mut f, [1, 2, 3, 4], Nanos::ZERO).len(),
+        2,
+        "two routed, two queued"
+    );
+    assert_eq!(
+        submit(&mut f, [5], Nanos::ZERO),
         vec![FrontendEvent::Refused {
             id: RequestId(5),
             error: AdmitError::QueueFull { capacity: 2 },
@@ -143,10 +150,7 @@ fn a_full_queue_refuses_at_once() {
     );
     // No queue at all: whatever cannot be routed at once is refused.
     let mut f = frontend(1, 0, None);
-    for id in 1..=3 {
-        f.submit(RequestId(id), key(&f, id as u32), Nanos::ZERO);
-    }
-    let refused: Vec<_> = events(&mut f)
+    let refused: Vec<_> = submit(&mut f, [1, 2, 3], Nanos::ZERO)
         .into_iter()
         .filter(|e| matches!(e, FrontendEvent::Refused { .. }))
         .map(|e| e.id())
@@ -157,9 +161,7 @@ fn a_full_queue_refuses_at_once() {
 #[test]
 fn a_waiter_times_out_exactly_at_its_deadline() {
     let mut f = frontend(1, 8, Some(100));
-    f.submit(RequestId(1), key(&f, 1), Nanos::ZERO);
-    f.submit(RequestId(2), key(&f, 2), Nanos::ZERO);
-    events(&mut f);
+    submit(&mut f, [1, 2], Nanos::ZERO);
     assert_eq!(f.poll_timeout(), None, "nobody waits, no prediction expires");
     f.submit(RequestId(3), key(&f, 3), Nanos::from_millis(10));
     f.submit(RequestId(4), key(&f, 4), Nanos::from_millis(30));
@@ -206,11 +208,8 @@ fn the_next_timeout_includes_the_routers_prediction_expiry() {
 #[test]
 fn a_cancelled_waiter_frees_nothing_and_is_never_served() {
     let mut f = frontend(1, 8, Some(1_000));
-    f.submit(RequestId(1), key(&f, 1), Nanos::ZERO);
-    f.submit(RequestId(2), key(&f, 2), Nanos::ZERO);
-    events(&mut f);
-    f.submit(RequestId(3), key(&f, 3), Nanos::ZERO);
-    f.submit(RequestId(4), key(&f, 4), Nanos::ZERO);
+    submit(&mut f, [1, 2], Nanos::ZERO);
+    assert_eq!(submit(&mut f, [3, 4], Nanos::ZERO), vec![]);
     assert!(f.cancel(RequestId(3)));
     assert!(!f.cancel(RequestId(3)), "already gone");
     assert!(!f.cancel(RequestId(1)), "assigned, not waiting");
@@ -226,10 +225,8 @@ fn a_cancelled_waiter_frees_nothing_and_is_never_served() {
 #[test]
 fn losing_every_worker_fails_the_waiters_at_once() {
     let mut f = frontend(1, 8, Some(60_000));
-    f.submit(RequestId(1), key(&f, 1), Nanos::ZERO);
-    f.submit(RequestId(2), key(&f, 2), Nanos::ZERO);
-    events(&mut f);
-    f.submit(RequestId(3), key(&f, 3), Nanos::ZERO);
+    submit(&mut f, [1, 2], Nanos::ZERO);
+    assert_eq!(submit(&mut f, [3], Nanos::ZERO), vec![]);
     assert_eq!(f.remove_worker(WorkerId(1), Nanos::ZERO), vec![RequestId(1)]);
     // Worker 1's slot is gone with it; worker 2 is still full: request 3 keeps waiting.
     assert_eq!(events(&mut f), vec![]);
@@ -260,10 +257,7 @@ fn losing_every_worker_fails_the_waiters_at_once() {
 #[test]
 fn a_worker_joining_serves_the_waiters() {
     let mut f = frontend(1, 8, None);
-    f.submit(RequestId(1), key(&f, 1), Nanos::ZERO);
-    f.submit(RequestId(2), key(&f, 2), Nanos::ZERO);
-    f.submit(RequestId(3), key(&f, 3), Nanos::ZERO);
-    assert_eq!(events(&mut f).len(), 2);
+    assert_eq!(submit(&mut f, [1, 2, 3], Nanos::ZERO).len(), 2);
     f.add_worker(WorkerId(7), WorkerLimits::default(), Nanos::ZERO)
         .unwrap();
     assert_eq!(assigned(&mut f), (RequestId(3), WorkerId(7), true));
@@ -292,10 +286,7 @@ fn the_routers_own_bound_keeps_the_request_waiting_at_the_head() {
 #[test]
 fn shutting_down_refuses_waiters_and_newcomers() {
     let mut f = frontend(1, 8, None);
-    f.submit(RequestId(1), key(&f, 1), Nanos::ZERO);
-    f.submit(RequestId(2), key(&f, 2), Nanos::ZERO);
-    f.submit(RequestId(3), key(&f, 3), Nanos::ZERO);
-    events(&mut f);
+    submit(&mut f, [1, 2, 3], Nanos::ZERO);
     f.shut_down();
     f.submit(RequestId(4), key(&f, 4), Nanos::ZERO);
     let refused: Vec<_> = events(&mut f)
