@@ -490,7 +490,11 @@ impl Dispatcher {
         entry.routable = routable;
         let limits = entry.info.limits;
         if routable {
-            if core.frontend.add_worker(worker, limits, self.now()).is_err() {
+            if core
+                .frontend
+                .add_worker(worker, limits, self.now())
+                .is_err()
+            {
                 if let Some(entry) = core.workers.get_mut(&worker) {
                     entry.routable = false;
                 }

@@ -233,9 +233,9 @@ impl Gateway {
             registry.clone(),
             config.health_interval,
         )));
-        gateway.tasks.push(tokio::spawn(
-            dispatcher.clone().run_timers(cancel.clone()),
-        ));
+        gateway
+            .tasks
+            .push(tokio::spawn(dispatcher.clone().run_timers(cancel.clone())));
 
         let state = Arc::new(server::AppState {
             dispatcher,

@@ -3,16 +3,16 @@
 use std::collections::VecDeque;
 use std::fmt;
 
+pub use kv_index::RequestId;
 use kv_index::{
     BlockHasher, EngineBlockId, IndexConfig, KvEvent, KvEventKind, KvIndex, LocalBlockHash,
     OverlapScores, SequenceHash, StoredBlock, WorkerId,
 };
-pub use kv_index::RequestId;
 use nanotime::Nanos;
 use rustc_hash::FxHashMap;
 
-use crate::load::{FleetActive, WorkerAccount, WorkerLoad};
 use crate::kv_load::KvLoadParamError;
+use crate::load::{FleetActive, WorkerAccount, WorkerLoad};
 use crate::policy::{
     Candidate, PolicyKind, PolicyParams, PolicyRng, RoutingPolicy, SelectionContext, WorkerLimits,
 };

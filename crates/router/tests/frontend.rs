@@ -23,7 +23,12 @@ fn router_config(policy: PolicyKind) -> RouterConfig {
     }
 }
 
-fn frontend_with(router: RouterConfig, cap: u32, queue: usize, timeout_ms: Option<u64>) -> Frontend {
+fn frontend_with(
+    router: RouterConfig,
+    cap: u32,
+    queue: usize,
+    timeout_ms: Option<u64>,
+) -> Frontend {
     let config = FrontendConfig {
         max_in_flight_per_worker: NonZeroU32::new(cap),
         queue_capacity: queue,
@@ -40,7 +45,12 @@ fn frontend_with(router: RouterConfig, cap: u32, queue: usize, timeout_ms: Optio
 
 /// Round robin, so which worker frees up is known: request 1 on worker 1, request 2 on 2.
 fn frontend(cap: u32, queue: usize, timeout_ms: Option<u64>) -> Frontend {
-    frontend_with(router_config(PolicyKind::RoundRobin), cap, queue, timeout_ms)
+    frontend_with(
+        router_config(PolicyKind::RoundRobin),
+        cap,
+        queue,
+        timeout_ms,
+    )
 }
 
 fn key(f: &Frontend, n: u32) -> RoutingKey {
@@ -162,7 +172,11 @@ fn a_full_queue_refuses_at_once() {
 fn a_waiter_times_out_exactly_at_its_deadline() {
     let mut f = frontend(1, 8, Some(100));
     submit(&mut f, [1, 2], Nanos::ZERO);
-    assert_eq!(f.poll_timeout(), None, "nobody waits, no prediction expires");
+    assert_eq!(
+        f.poll_timeout(),
+        None,
+        "nobody waits, no prediction expires"
+    );
     f.submit(RequestId(3), key(&f, 3), Nanos::from_millis(10));
     f.submit(RequestId(4), key(&f, 4), Nanos::from_millis(30));
     assert_eq!(f.poll_timeout(), Some(Nanos::from_millis(110)));
@@ -218,7 +232,11 @@ fn a_cancelled_waiter_frees_nothing_and_is_never_served() {
     f.on_finished(RequestId(2), Nanos::from_millis(5));
     assert_eq!(assigned(&mut f), (RequestId(4), WorkerId(2), true));
     f.handle_timeout(Nanos::from_secs(5));
-    assert_eq!(events(&mut f), vec![], "the cancelled waiter's deadline is gone too");
+    assert_eq!(
+        events(&mut f),
+        vec![],
+        "the cancelled waiter's deadline is gone too"
+    );
     assert_eq!(f.router().in_flight(), 2);
 }
 
@@ -227,10 +245,16 @@ fn losing_every_worker_fails_the_waiters_at_once() {
     let mut f = frontend(1, 8, Some(60_000));
     submit(&mut f, [1, 2], Nanos::ZERO);
     assert_eq!(submit(&mut f, [3], Nanos::ZERO), vec![]);
-    assert_eq!(f.remove_worker(WorkerId(1), Nanos::ZERO), vec![RequestId(1)]);
+    assert_eq!(
+        f.remove_worker(WorkerId(1), Nanos::ZERO),
+        vec![RequestId(1)]
+    );
     // Worker 1's slot is gone with it; worker 2 is still full: request 3 keeps waiting.
     assert_eq!(events(&mut f), vec![]);
-    assert_eq!(f.remove_worker(WorkerId(2), Nanos::ZERO), vec![RequestId(2)]);
+    assert_eq!(
+        f.remove_worker(WorkerId(2), Nanos::ZERO),
+        vec![RequestId(2)]
+    );
     assert_eq!(
         events(&mut f),
         vec![FrontendEvent::Refused {

@@ -111,11 +111,11 @@ pub mod timers;
 mod workload;
 
 pub use config::{ConfigError, Phase, RouterSetup, SimConfig};
-pub use router::FrontendConfig;
 pub use driver::{
     PhaseResult, RunOutput, RunTotals, SimError, Simulation, WorkerStats, derive_seed, streams,
 };
 pub use metrics::{Metrics, Outcome, Percentiles, RequestRecord};
+pub use router::FrontendConfig;
 pub use timeline::{Timeline, TimelineConfig, TimelineError};
 pub use workload::{ServingPath, Turn, TurnKey, Workload};
 
