@@ -10,12 +10,8 @@ use thiserror::Error;
 use crate::profile::{HardwareProfile, KvLink};
 use crate::spec::SpecDecodeConfig;
 
-/// A request's id, unique among the requests a worker holds at once.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
-)]
-#[serde(transparent)]
-pub struct RequestId(pub u64);
+/// A request's id, unique among the requests a worker holds at once; the router's type too.
+pub use kv_index::RequestId;
 
 /// What a request generates.
 #[derive(Debug, Clone, PartialEq, Eq)]

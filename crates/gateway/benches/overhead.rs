@@ -239,7 +239,10 @@ async fn gateway(workers: Vec<WorkerSpec>, mode: &str) -> Gateway {
             mode: mode.parse().expect("a router mode"),
             ..Default::default()
         },
-        max_inflight_per_worker: 0,
+        frontend: gateway::FrontendConfig {
+            max_in_flight_per_worker: None,
+            ..Default::default()
+        },
         ..GatewayConfig::default()
     })
     .await

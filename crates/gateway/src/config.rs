@@ -206,12 +206,10 @@ pub struct GatewayConfig {
     pub namespace: String,
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
-    /// Requests that may wait for a free worker slot (429 beyond).
-    pub queue_capacity: usize,
-    /// How long a request may wait in the queue (503 after).
-    pub queue_timeout: Duration,
-    /// Requests in flight per worker before new ones queue; 0 means no limit.
-    pub max_inflight_per_worker: u32,
+    /// Admission: requests in flight per worker before new ones queue, requests that may wait
+    /// for a free slot (429 beyond), how long one may wait (503 after). The simulator's
+    /// settings and defaults too.
+    pub frontend: router::FrontendConfig,
     /// How often workers' `/health` is checked.
     pub health_interval: Duration,
     /// Timeout of one health check or `/info` probe.
@@ -236,9 +234,7 @@ impl Default for GatewayConfig {
             nats_url: None,
             namespace: "default".to_string(),
             max_body_bytes: 16 << 20,
-            queue_capacity: 1024,
-            queue_timeout: Duration::from_secs(30),
-            max_inflight_per_worker: 256,
+            frontend: router::FrontendConfig::default(),
             health_interval: Duration::from_secs(2),
             probe_timeout: Duration::from_secs(2),
             tokenizer: None,

@@ -1,29 +1,31 @@
-//! The gateway's shared state: the router core, the worker table and the frontend queue,
-//! behind one mutex held only for short, non-blocking sections.
+//! The gateway's shared state: the admission core ([`router::Frontend`], which owns the
+//! router) and the worker table, behind one mutex held only for short, non-blocking sections.
 //!
-//! A request is admitted with [`Dispatcher::admit`]: it is routed at once when a worker has a
-//! free slot (fewer than `max_inflight_per_worker` requests in flight, as the router accounts
-//! them) and nobody is waiting; otherwise it waits in a bounded FIFO queue until a slot frees,
-//! or is refused (429 when the queue is full, 503 after the queue timeout). The [`Ticket`] it
-//! gets back holds the request's place in the router's accounting: dropping it (the stream
-//! ended, failed, or the client went away) releases the slot and lets the queue move.
+//! This is a thin async shell: every admission decision — route at once, queue, refuse (429
+//! when the queue is full, 503 after the queue timeout or without workers), which worker — is
+//! the frontend's, the same code the simulator runs. The shell keeps one oneshot channel per
+//! queued request, wakes it from the frontend's events, and runs one timer task
+//! ([`Dispatcher::run_timers`]) that sleeps until the frontend's `poll_timeout`. The [`Ticket`]
+//! a request gets holds its place in the router's accounting: dropping it (the stream ended,
+//! failed, or the client went away) releases the slot and lets the queue move.
 //!
 //! Only routable workers (registered and healthy) are in the router; a worker that fails
 //! leaves it, which also drops its blocks from the prefix index.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kv_index::{EventError, KvEvent, WorkerId};
 use nanotime::Nanos;
-use rand_chacha::ChaCha8Rng;
+pub use router::AdmitError;
 use router::{
-    Candidate, KvCostParams, KvSource, PolicyParams, RequestId, RouteDecision, RouteError, Router,
-    RouterConfig, RoutingKey, RoutingPolicy, SelectionContext, WorkerLimits,
+    Frontend, FrontendEvent, KvCostParams, KvSource, PolicyParams, RequestId, RouteDecision,
+    RouteError, RouterConfig, RoutingKey, WorkerLimits,
 };
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{GatewayConfig, PromptFormat};
 use crate::metrics::{EventCounters, EventSource, Metrics, RouterSnapshot, WorkerSnapshot};
@@ -77,21 +79,6 @@ struct WorkerEntry {
     info: Arc<WorkerInfo>,
     origin: Origin,
     routable: bool,
-}
-
-/// Why a request got no worker.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AdmitError {
-    #[error("no healthy worker is available")]
-    NoWorkers,
-    #[error("all workers are at capacity and {capacity} requests are already queued")]
-    QueueFull { capacity: usize },
-    #[error("no worker slot became free within {waited:?}")]
-    QueueTimeout { waited: Duration },
-    #[error("the gateway is shutting down")]
-    ShuttingDown,
-    #[error("routing failed: {0}")]
-    Route(RouteError),
 }
 
 /// Why a worker could not be registered.
@@ -160,21 +147,18 @@ impl Drop for Ticket {
     }
 }
 
-type Assignment = Result<(RequestId, Arc<WorkerInfo>, RouteDecision), AdmitError>;
-
-#[derive(Debug)]
-struct Waiter {
-    id: RequestId,
-    key: RoutingKey,
-    tx: oneshot::Sender<Assignment>,
-}
+type Assignment = Result<(Arc<WorkerInfo>, RouteDecision), AdmitError>;
 
 #[derive(Debug)]
 struct Core {
-    router: Router,
+    frontend: Frontend,
     workers: BTreeMap<WorkerId, WorkerEntry>,
-    queue: VecDeque<Waiter>,
-    shutting_down: bool,
+    /// The channels of queued requests, woken from the frontend's events; bounded by its
+    /// queue capacity.
+    waiters: HashMap<RequestId, oneshot::Sender<Assignment>>,
+    /// The deadline the timer task sleeps toward; a call that makes the frontend's next
+    /// timeout earlier wakes it.
+    timer_at: Option<Nanos>,
 }
 
 /// Event ingestion counters, updated without the core lock.
@@ -193,9 +177,8 @@ pub struct Dispatcher {
     epoch: Instant,
     next_request: AtomicU64,
     hasher: kv_index::BlockHasher,
-    queue_capacity: usize,
-    queue_timeout: Duration,
-    max_inflight_per_worker: u32,
+    /// Wakes the timer task ([`Dispatcher::run_timers`]) when the next timeout moved earlier.
+    timer: Notify,
     max_workers: usize,
     kv_events: bool,
     /// Some known worker takes text prompts (so chat requests also render the text).
@@ -204,54 +187,14 @@ pub struct Dispatcher {
     metrics: std::sync::OnceLock<Arc<Metrics>>,
 }
 
-/// Restricts any policy to the workers with a free slot, so a full worker is never chosen
-/// while another has room (the router's policies see load but do not enforce a cap).
-#[derive(Debug)]
-struct CapacityGate {
-    inner: Box<dyn RoutingPolicy>,
-    cap: u32,
-    open: Vec<Candidate>,
-    positions: Vec<usize>,
-}
-
-impl RoutingPolicy for CapacityGate {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-
-    fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut ChaCha8Rng) -> usize {
-        if self.cap == 0 {
-            return self.inner.select(ctx, rng);
-        }
-        self.open.clear();
-        self.positions.clear();
-        for (i, c) in ctx.candidates.iter().enumerate() {
-            if c.load.in_flight < self.cap {
-                self.open.push(*c);
-                self.positions.push(i);
-            }
-        }
-        if self.open.is_empty() || self.open.len() == ctx.candidates.len() {
-            return self.inner.select(ctx, rng);
-        }
-        let open = SelectionContext {
-            prompt_tokens: ctx.prompt_tokens,
-            prompt_blocks: ctx.prompt_blocks,
-            block_size: ctx.block_size,
-            candidates: &self.open,
-        };
-        let chosen = self.inner.select(&open, rng);
-        self.positions.get(chosen).copied().unwrap_or(usize::MAX)
-    }
-}
-
 fn lock(core: &Mutex<Core>) -> MutexGuard<'_, Core> {
     // A panic while holding the lock leaves plain data behind; keep serving.
     core.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Dispatcher {
-    /// State for a gateway configured by `config`.
+    /// State for a gateway configured by `config`. Spawn [`run_timers`](Dispatcher::run_timers)
+    /// beside it, or queued requests never time out.
     pub fn new(config: &GatewayConfig) -> Result<Arc<Dispatcher>, router::RouterConfigError> {
         let routing = &config.routing;
         let kv = KvCostParams {
@@ -276,27 +219,19 @@ impl Dispatcher {
             },
             ..RouterConfig::default()
         };
-        let gate = CapacityGate {
-            inner: routing.mode.build(params),
-            cap: config.max_inflight_per_worker,
-            open: Vec::new(),
-            positions: Vec::new(),
-        };
-        let router = Router::with_policy(router_config, Box::new(gate))?;
-        let hasher = *router.hasher();
+        let frontend = Frontend::new(router_config, config.frontend)?;
+        let hasher = *frontend.router().hasher();
         Ok(Arc::new(Dispatcher {
             core: Mutex::new(Core {
-                router,
+                frontend,
                 workers: BTreeMap::new(),
-                queue: VecDeque::new(),
-                shutting_down: false,
+                waiters: HashMap::new(),
+                timer_at: None,
             }),
             epoch: Instant::now(),
             next_request: AtomicU64::new(1),
             hasher,
-            queue_capacity: config.queue_capacity,
-            queue_timeout: config.queue_timeout,
-            max_inflight_per_worker: config.max_inflight_per_worker,
+            timer: Notify::new(),
             max_workers: config.max_workers.max(1),
             kv_events: routing.kv_events,
             text_workers: std::sync::atomic::AtomicBool::new(false),
@@ -336,56 +271,26 @@ impl Dispatcher {
         let id = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let rx = {
             let mut core = lock(&self.core);
-            if core.shutting_down {
-                return Err(AdmitError::ShuttingDown);
-            }
-            if core.router.workers().next().is_none() {
-                return Err(AdmitError::NoWorkers);
-            }
-            if core.queue.is_empty() && self.has_free_slot(&core) {
-                let now = self.now();
-                let decision = core.router.route(id, &key, now).map_err(route_error)?;
-                let worker = core
-                    .workers
-                    .get(&decision.worker)
-                    .map(|w| w.info.clone())
-                    .ok_or(AdmitError::NoWorkers)?;
+            let now = self.now();
+            core.frontend.submit(id, key, now);
+            if let Some(outcome) = self.deliver(&mut core, Some(id)) {
+                let (worker, decision) = outcome?;
                 return Ok(self.ticket(id, worker, decision, false));
             }
-            if core.queue.len() >= self.queue_capacity {
-                return Err(AdmitError::QueueFull {
-                    capacity: self.queue_capacity,
-                });
-            }
             let (tx, rx) = oneshot::channel();
-            core.queue.push_back(Waiter { id, key, tx });
-            self.set_queued(core.queue.len());
+            core.waiters.insert(id, tx);
             rx
         };
         // Leaves the queue if the caller is dropped (client gone) while waiting.
-        let mut rx = rx;
-        let mut guard = QueueGuard {
+        let mut waiting = Waiting {
             dispatcher: self,
             id,
-            armed: true,
+            rx,
+            done: false,
         };
-        let outcome = tokio::time::timeout(self.queue_timeout, &mut rx).await;
-        guard.armed = false;
-        let assignment = match outcome {
-            Ok(Ok(assignment)) => assignment,
-            Ok(Err(_closed)) => Err(AdmitError::ShuttingDown),
-            Err(_elapsed) => {
-                if self.leave_queue(id) {
-                    Err(AdmitError::QueueTimeout {
-                        waited: self.queue_timeout,
-                    })
-                } else {
-                    // Assigned just as the wait ran out (under the lock, so it is there now).
-                    rx.try_recv().unwrap_or(Err(AdmitError::ShuttingDown))
-                }
-            }
-        };
-        let (id, worker, decision) = assignment?;
+        let outcome = (&mut waiting.rx).await;
+        waiting.done = true;
+        let (worker, decision) = outcome.unwrap_or(Err(AdmitError::ShuttingDown))?;
         Ok(self.ticket(id, worker, decision, true))
     }
 
@@ -406,74 +311,86 @@ impl Dispatcher {
         }
     }
 
-    fn has_free_slot(&self, core: &Core) -> bool {
-        let cap = self.max_inflight_per_worker;
-        core.router
-            .workers()
-            .any(|(_, load)| cap == 0 || load.in_flight < cap)
-    }
-
-    /// Removes a waiter; `false` when it was no longer queued (already assigned).
-    fn leave_queue(&self, id: RequestId) -> bool {
-        let mut core = lock(&self.core);
-        let Some(pos) = core.queue.iter().position(|w| w.id == id) else {
-            return false;
-        };
-        core.queue.remove(pos);
-        self.set_queued(core.queue.len());
-        true
-    }
-
-    /// Hands free slots to the queue's head, in order.
-    fn pump(&self, core: &mut Core) {
-        let mut changed = false;
-        while !core.queue.is_empty() && self.has_free_slot(core) {
-            let Some(waiter) = core.queue.pop_front() else {
-                break;
+    /// Hands the frontend's outcomes to their waiters and returns `mine`'s, if it has one.
+    /// Every call that changes the frontend ends here, under the same lock, so an outcome
+    /// never waits for a channel that is not there yet.
+    fn deliver(&self, core: &mut Core, mine: Option<RequestId>) -> Option<Assignment> {
+        let mut own = None;
+        while let Some(event) = core.frontend.poll_event() {
+            let id = event.id();
+            let outcome = match event {
+                FrontendEvent::Assigned { decision, .. } => {
+                    match core.workers.get(&decision.worker) {
+                        Some(w) => Ok((w.info.clone(), decision)),
+                        None => {
+                            // In the router but not in the table (cannot happen): release.
+                            core.frontend.on_finished(id, self.now());
+                            Err(AdmitError::NoWorkers)
+                        }
+                    }
+                }
+                FrontendEvent::Refused { error, .. } => Err(error),
             };
-            changed = true;
-            if waiter.tx.is_closed() {
+            if Some(id) == mine {
+                own = Some(outcome);
                 continue;
             }
-            let now = self.now();
-            let assignment = match core.router.route(waiter.id, &waiter.key, now) {
-                Ok(decision) => match core.workers.get(&decision.worker) {
-                    Some(w) => Ok((waiter.id, w.info.clone(), decision)),
-                    None => {
-                        core.router.on_finished(waiter.id, now);
-                        Err(AdmitError::NoWorkers)
-                    }
-                },
-                Err(e) => Err(route_error(e)),
+            let routed = outcome.is_ok();
+            let delivered = match core.waiters.remove(&id) {
+                Some(tx) => tx.send(outcome).is_ok(),
+                None => false,
             };
-            let routed = assignment.is_ok();
-            if waiter.tx.send(assignment).is_err() && routed {
-                // The waiter left between the check and the send: release its slot.
-                core.router.on_finished(waiter.id, now);
+            if routed && !delivered {
+                // The waiter left between its event and now: release the slot it got.
+                core.frontend.on_finished(id, self.now());
             }
         }
-        if core.router.workers().next().is_none() {
-            // Nobody can serve the waiters: fail them now rather than at their timeout.
-            changed |= !core.queue.is_empty();
-            for waiter in core.queue.drain(..) {
-                let _ = waiter.tx.send(Err(AdmitError::NoWorkers));
-            }
+        self.set_queued(core.frontend.queued());
+        let next = core.frontend.poll_timeout();
+        if next.is_some_and(|t| core.timer_at.is_none_or(|armed| t < armed)) {
+            core.timer_at = next;
+            self.timer.notify_one();
         }
-        if changed {
-            self.set_queued(core.queue.len());
+        own
+    }
+
+    /// Drives the frontend's timeouts (queue deadlines, approximate-mode expiry): sleeps until
+    /// its `poll_timeout`, or until a call makes that earlier, until `cancel`.
+    pub async fn run_timers(self: Arc<Self>, cancel: CancellationToken) {
+        loop {
+            let next = {
+                let mut core = lock(&self.core);
+                let next = core.frontend.poll_timeout();
+                core.timer_at = next;
+                next
+            };
+            let deadline = next.map(|t| {
+                let at = self.epoch.checked_add(Duration::from(t));
+                // Beyond what the clock can express: as good as never.
+                at.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365))
+            });
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = self.timer.notified() => {}
+                () = sleep_until(deadline) => {
+                    let mut core = lock(&self.core);
+                    core.frontend.handle_timeout(self.now());
+                    self.deliver(&mut core, None);
+                }
+            }
         }
     }
 
     fn first_token(&self, id: RequestId) {
         let now = self.now();
-        lock(&self.core).router.on_first_token(id, now);
+        lock(&self.core).frontend.on_first_token(id, now);
     }
 
     fn finish(&self, id: RequestId) {
         let now = self.now();
         let mut core = lock(&self.core);
-        core.router.on_finished(id, now);
-        self.pump(&mut core);
+        core.frontend.on_finished(id, now);
+        self.deliver(&mut core, None);
     }
 
     /// Takes a worker out of the routing set after a failure (health checks bring a static
@@ -487,17 +404,17 @@ impl Dispatcher {
             Origin::Static => {
                 if entry.routable {
                     entry.routable = false;
-                    core.router.remove_worker(worker);
+                    core.frontend.remove_worker(worker, self.now());
                     tracing::warn!(%worker, "worker failed; out of the routing set until healthy");
                 }
             }
             Origin::Dynamic { .. } => {
                 core.workers.remove(&worker);
-                core.router.remove_worker(worker);
+                core.frontend.remove_worker(worker, self.now());
                 tracing::warn!(%worker, "dynamic worker failed; removed until it announces again");
             }
         }
-        self.pump(&mut core);
+        self.deliver(&mut core, None);
     }
 
     /// Adds or updates a worker. A routable worker enters the router at once.
@@ -547,16 +464,17 @@ impl Dispatcher {
             },
         );
         if routable {
-            if let Err(e) = core.router.add_worker(id, limits) {
+            if let Err(e) = core.frontend.add_worker(id, limits, self.now()) {
                 if let Some(entry) = core.workers.get_mut(&id) {
                     entry.routable = false;
                 }
+                self.deliver(&mut core, None);
                 return Err(RegistryError::Router(e));
             }
         } else if was_routable {
-            core.router.remove_worker(id);
+            core.frontend.remove_worker(id, self.now());
         }
-        self.pump(&mut core);
+        self.deliver(&mut core, None);
         Ok(())
     }
 
@@ -572,7 +490,11 @@ impl Dispatcher {
         entry.routable = routable;
         let limits = entry.info.limits;
         if routable {
-            if core.router.add_worker(worker, limits).is_err() {
+            if core
+                .frontend
+                .add_worker(worker, limits, self.now())
+                .is_err()
+            {
                 if let Some(entry) = core.workers.get_mut(&worker) {
                     entry.routable = false;
                 }
@@ -580,10 +502,10 @@ impl Dispatcher {
                 tracing::info!(%worker, "worker healthy; back in the routing set");
             }
         } else {
-            core.router.remove_worker(worker);
+            core.frontend.remove_worker(worker, self.now());
             tracing::warn!(%worker, "worker unhealthy; out of the routing set");
         }
-        self.pump(&mut core);
+        self.deliver(&mut core, None);
     }
 
     /// Extends a dynamic worker's lease; `false` if the worker is unknown (it must announce).
@@ -612,8 +534,8 @@ impl Dispatcher {
         let mut core = lock(&self.core);
         let known = core.workers.remove(&worker).is_some();
         if known {
-            core.router.remove_worker(worker);
-            self.pump(&mut core);
+            core.frontend.remove_worker(worker, self.now());
+            self.deliver(&mut core, None);
         }
         known
     }
@@ -629,11 +551,11 @@ impl Dispatcher {
             .collect();
         for id in &expired {
             core.workers.remove(id);
-            core.router.remove_worker(*id);
+            core.frontend.remove_worker(*id, self.now());
             tracing::warn!(worker = %id, "worker lease expired; removed");
         }
         if !expired.is_empty() {
-            self.pump(&mut core);
+            self.deliver(&mut core, None);
         }
         expired
     }
@@ -655,7 +577,8 @@ impl Dispatcher {
     /// Routable workers, ascending by id.
     pub fn routable_workers(&self) -> Vec<WorkerId> {
         lock(&self.core)
-            .router
+            .frontend
+            .router()
             .workers()
             .map(|(id, _)| id)
             .collect()
@@ -673,7 +596,7 @@ impl Dispatcher {
         }
         let mut core = lock(&self.core);
         for event in events {
-            match core.router.apply_event(event) {
+            match core.frontend.router_mut().apply_event(event) {
                 Ok(_) => {}
                 Err(EventError::Gap {
                     worker,
@@ -681,9 +604,9 @@ impl Dispatcher {
                     got,
                 }) => {
                     tracing::warn!(%worker, expected, got, ?source, "KV event gap; clearing the worker's blocks and resyncing");
-                    core.router.index_mut().clear_worker(worker);
+                    core.frontend.router_mut().index_mut().clear_worker(worker);
                     self.events.resyncs[s].fetch_add(1, Ordering::Relaxed);
-                    let _ = core.router.apply_event(event);
+                    let _ = core.frontend.router_mut().apply_event(event);
                 }
                 Err(e) => tracing::debug!(error = %e, "KV event not applied"),
             }
@@ -695,7 +618,11 @@ impl Dispatcher {
     pub fn resync_worker(&self, source: EventSource, worker: WorkerId) {
         self.events.resyncs[source as usize].fetch_add(1, Ordering::Relaxed);
         if self.kv_events {
-            lock(&self.core).router.index_mut().clear_worker(worker);
+            lock(&self.core)
+                .frontend
+                .router_mut()
+                .index_mut()
+                .clear_worker(worker);
         }
     }
 
@@ -707,37 +634,29 @@ impl Dispatcher {
         self.events.dropped[source as usize].fetch_add(n, Ordering::Relaxed);
     }
 
-    /// Expires approximate-mode predictions that are due.
-    pub fn tick(&self) {
-        let now = self.now();
-        lock(&self.core).router.handle_timeout(now);
-    }
-
     /// How many leading blocks of a prompt each worker holds, as the index knows it.
     pub fn overlaps(&self, key: &RoutingKey) -> kv_index::OverlapScores {
-        lock(&self.core).router.overlaps(key)
+        lock(&self.core).frontend.router().overlaps(key)
     }
 
     /// Blocks the index holds for `worker` (for tests and diagnostics).
     pub fn cached_blocks(&self, worker: WorkerId) -> usize {
-        lock(&self.core).router.index().blocks_of(worker)
+        lock(&self.core).frontend.router().index().blocks_of(worker)
     }
 
     /// Stops admitting requests and fails every queued one.
     pub fn shut_down(&self) {
         let mut core = lock(&self.core);
-        core.shutting_down = true;
-        for waiter in core.queue.drain(..) {
-            let _ = waiter.tx.send(Err(AdmitError::ShuttingDown));
-        }
-        self.set_queued(0);
+        core.frontend.shut_down();
+        self.deliver(&mut core, None);
     }
 
     /// Router, index, worker and event state for metrics.
     pub fn snapshot(&self) -> RouterSnapshot {
         let core = lock(&self.core);
-        let index = core.router.index();
-        let loads: BTreeMap<WorkerId, router::WorkerLoad> = core.router.workers().collect();
+        let router = core.frontend.router();
+        let index = router.index();
+        let loads: BTreeMap<WorkerId, router::WorkerLoad> = router.workers().collect();
         let workers = core
             .workers
             .values()
@@ -762,8 +681,8 @@ impl Dispatcher {
             ]
         };
         RouterSnapshot {
-            policy: core.router.policy_name(),
-            counters: core.router.counters(),
+            policy: router.policy_name(),
+            counters: router.counters(),
             index: index.counters(),
             index_entries: index.len(),
             index_distinct_blocks: index.distinct_blocks(),
@@ -778,27 +697,36 @@ impl Dispatcher {
     }
 }
 
-/// Takes a cancelled waiter out of the queue.
-struct QueueGuard<'a> {
+/// A queued request's wait; dropped before its outcome arrives (the client went away), it
+/// takes the request out of the queue, or releases the slot it was just given.
+struct Waiting<'a> {
     dispatcher: &'a Arc<Dispatcher>,
     id: RequestId,
-    armed: bool,
+    rx: oneshot::Receiver<Assignment>,
+    done: bool,
 }
 
-impl Drop for QueueGuard<'_> {
+impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        if self.armed && !self.dispatcher.leave_queue(self.id) {
-            // Assigned while being cancelled: the assignment is lost with the receiver, so
-            // release the slot it took.
-            self.dispatcher.finish(self.id);
+        if self.done {
+            return;
         }
+        let d = self.dispatcher;
+        let mut core = lock(&d.core);
+        if core.frontend.cancel(self.id) {
+            core.waiters.remove(&self.id);
+        } else if let Ok(Ok(_)) = self.rx.try_recv() {
+            // Outcomes are sent under the lock: not queued means it is already here.
+            core.frontend.on_finished(self.id, d.now());
+        }
+        d.deliver(&mut core, None);
     }
 }
 
-fn route_error(e: RouteError) -> AdmitError {
-    match e {
-        RouteError::NoWorkers => AdmitError::NoWorkers,
-        other => AdmitError::Route(other),
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -808,9 +736,11 @@ mod tests {
 
     fn dispatcher(cap: u32, queue: usize, timeout_ms: u64) -> Arc<Dispatcher> {
         let config = GatewayConfig {
-            max_inflight_per_worker: cap,
-            queue_capacity: queue,
-            queue_timeout: Duration::from_millis(timeout_ms),
+            frontend: router::FrontendConfig {
+                max_in_flight_per_worker: std::num::NonZeroU32::new(cap),
+                queue_capacity: queue,
+                queue_timeout: Some(Nanos::from_millis(timeout_ms)),
+            },
             routing: crate::config::RoutingConfig {
                 mode: router::PolicyKind::Kv,
                 block_size: 4,
@@ -819,6 +749,7 @@ mod tests {
             ..GatewayConfig::default()
         };
         let d = Dispatcher::new(&config).unwrap();
+        tokio::spawn(d.clone().run_timers(CancellationToken::new()));
         for id in [1, 2] {
             let mut info = WorkerInfo::new(WorkerId(id), &format!("http://w{id}"));
             info.block_size = 4;
@@ -831,33 +762,37 @@ mod tests {
         d.key(&(n * 100..n * 100 + 16).collect::<Vec<_>>())
     }
 
-    #[tokio::test]
-    async fn a_full_worker_is_never_chosen_while_another_has_room() {
-        let d = dispatcher(1, 8, 1000);
-        // Make worker 1 hold the prompt: the KV policy would pick it every time.
-        let prompt: Vec<u32> = (0..16).collect();
-        d.apply_events(
-            EventSource::InProcess,
-            &[KvEvent {
-                worker: WorkerId(1),
-                seq: 0,
-                kind: kv_index::KvEventKind::stored_prompt(&d.hasher, &prompt),
-            }],
-        );
-        let first = d.admit(d.key(&prompt)).await.unwrap();
-        assert_eq!(first.worker.id, WorkerId(1));
-        let second = d.admit(d.key(&prompt)).await.unwrap();
-        assert_eq!(second.worker.id, WorkerId(2), "worker 1 is at its cap");
-        drop(first);
-        let third = d.admit(d.key(&prompt)).await.unwrap();
-        assert_eq!(third.worker.id, WorkerId(1));
+    /// A dispatcher whose two workers (cap 1) are both busy, with the tickets that hold them.
+    async fn busy(queue: usize, timeout_ms: u64) -> (Arc<Dispatcher>, Ticket, Ticket) {
+        let d = dispatcher(1, queue, timeout_ms);
+        let a = d.admit(key(&d, 1)).await.unwrap();
+        let b = d.admit(key(&d, 2)).await.unwrap();
+        (d, a, b)
+    }
+
+    fn in_flight(d: &Dispatcher) -> u32 {
+        d.snapshot().workers.iter().map(|w| w.in_flight).sum()
+    }
+
+    /// Starts a request that has to wait, and returns once it is in the queue.
+    async fn spawn_waiter(
+        d: &Arc<Dispatcher>,
+        n: u32,
+    ) -> tokio::task::JoinHandle<Result<(), AdmitError>> {
+        let queued = lock(&d.core).frontend.queued();
+        let waiter = tokio::spawn({
+            let d = d.clone();
+            async move { d.admit(key(&d, n)).await.map(|_| ()) }
+        });
+        while lock(&d.core).frontend.queued() == queued {
+            tokio::task::yield_now().await;
+        }
+        waiter
     }
 
     #[tokio::test]
     async fn waiters_are_served_in_arrival_order_and_a_full_queue_refuses() {
-        let d = dispatcher(1, 3, 5_000);
-        let a = d.admit(key(&d, 1)).await.unwrap();
-        let b = d.admit(key(&d, 2)).await.unwrap();
+        let (d, a, b) = busy(3, 5_000).await;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut waiters = Vec::new();
         for n in 0..3u32 {
@@ -871,7 +806,7 @@ mod tests {
                 drop(ticket);
             }));
             // Queue them in a known order.
-            while lock(&d.core).queue.len() < (n + 1) as usize {
+            while lock(&d.core).frontend.queued() < (n + 1) as usize {
                 tokio::task::yield_now().await;
             }
         }
@@ -886,59 +821,30 @@ mod tests {
         }
         let order: Vec<u32> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
         assert_eq!(order, vec![0, 1, 2]);
-        assert_eq!(
-            d.snapshot()
-                .workers
-                .iter()
-                .map(|w| w.in_flight)
-                .sum::<u32>(),
-            0
-        );
+        assert_eq!(in_flight(&d), 0);
     }
 
     #[tokio::test]
     async fn a_waiter_times_out_and_a_cancelled_one_leaves_no_slot_behind() {
-        let d = dispatcher(1, 4, 50);
-        let _a = d.admit(key(&d, 1)).await.unwrap();
-        let _b = d.admit(key(&d, 2)).await.unwrap();
+        let (d, _a, _b) = busy(4, 50).await;
         assert!(matches!(
             d.admit(key(&d, 3)).await,
             Err(AdmitError::QueueTimeout { .. })
         ));
-        assert_eq!(lock(&d.core).queue.len(), 0);
+        assert_eq!(lock(&d.core).frontend.queued(), 0);
         // A waiter dropped while queued (client gone) leaves the queue.
-        let pending = tokio::spawn({
-            let d = d.clone();
-            async move { d.admit(key(&d, 4)).await.map(|_| ()) }
-        });
-        while lock(&d.core).queue.is_empty() {
-            tokio::task::yield_now().await;
-        }
+        let pending = spawn_waiter(&d, 4).await;
         pending.abort();
         let _ = pending.await;
-        assert_eq!(lock(&d.core).queue.len(), 0);
-        assert_eq!(
-            d.snapshot()
-                .workers
-                .iter()
-                .map(|w| w.in_flight)
-                .sum::<u32>(),
-            2
-        );
+        assert_eq!(lock(&d.core).frontend.queued(), 0);
+        assert_eq!(lock(&d.core).waiters.len(), 0, "its channel is gone too");
+        assert_eq!(in_flight(&d), 2);
     }
 
     #[tokio::test]
     async fn losing_every_worker_fails_the_waiters_at_once() {
-        let d = dispatcher(1, 4, 60_000);
-        let _a = d.admit(key(&d, 1)).await.unwrap();
-        let _b = d.admit(key(&d, 2)).await.unwrap();
-        let waiter = tokio::spawn({
-            let d = d.clone();
-            async move { d.admit(key(&d, 3)).await.map(|_| ()) }
-        });
-        while lock(&d.core).queue.is_empty() {
-            tokio::task::yield_now().await;
-        }
+        let (d, _a, _b) = busy(4, 60_000).await;
+        let waiter = spawn_waiter(&d, 3).await;
         d.worker_failed(WorkerId(1));
         d.set_routable(WorkerId(2), false);
         assert_eq!(waiter.await.unwrap(), Err(AdmitError::NoWorkers));
@@ -946,6 +852,22 @@ mod tests {
             d.admit(key(&d, 4)).await,
             Err(AdmitError::NoWorkers)
         ));
+    }
+
+    /// A waiter whose client goes away just after the frontend gave it a slot (the outcome
+    /// is in its channel, unread) gives the slot back, to the next waiter.
+    #[tokio::test]
+    async fn a_slot_given_to_a_departing_waiter_goes_to_the_next() {
+        let (d, a, _b) = busy(4, 60_000).await;
+        let departing = spawn_waiter(&d, 3).await;
+        let next = spawn_waiter(&d, 4).await;
+        // One thread: the departing waiter's task does not run between these two lines.
+        drop(a);
+        departing.abort();
+        assert!(departing.await.unwrap_err().is_cancelled());
+        next.await.unwrap().unwrap();
+        assert_eq!(in_flight(&d), 1, "only request 2 runs; no slot leaked");
+        assert_eq!(lock(&d.core).waiters.len(), 0);
     }
 
     #[tokio::test]

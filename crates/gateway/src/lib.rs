@@ -21,7 +21,7 @@
 //! 5. `GET /metrics` exports Dynamo's metric names and labels ([`metrics`]).
 //!
 //! **Invariants.** Every queue and map is bounded: the frontend queue by
-//! `queue_capacity`, the worker table by `max_workers`, request bodies by `max_body_bytes`,
+//! `frontend.queue_capacity`, the worker table by `max_workers`, request bodies by `max_body_bytes`,
 //! SSE lines by the decoder's 1 MiB, NATS subscriptions by async-nats' buffer (overflow shows
 //! up as a sequence gap, then a resync), the index by the router's `IndexConfig`. Every error
 //! a client sees is OpenAI's error JSON with a meaningful status. The router lock is held only
@@ -67,6 +67,8 @@ pub use config::{GatewayConfig, PromptFormat, RoutingConfig, WorkerSpec};
 pub use dispatch::{Dispatcher, WorkerInfo};
 pub use events::KvEventSink;
 pub use metrics::Metrics;
+/// Admission settings ([`GatewayConfig::frontend`]), the router crate's.
+pub use router::FrontendConfig;
 
 use crate::events::ZmqSubscriptions;
 use crate::registry::RegistryCtx;
@@ -231,19 +233,9 @@ impl Gateway {
             registry.clone(),
             config.health_interval,
         )));
-        if !config.routing.kv_events {
-            let dispatcher = dispatcher.clone();
-            let cancel = cancel.clone();
-            gateway.tasks.push(tokio::spawn(async move {
-                let mut ticker = tokio::time::interval(Duration::from_secs(1));
-                loop {
-                    tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        _ = ticker.tick() => dispatcher.tick(),
-                    }
-                }
-            }));
-        }
+        gateway
+            .tasks
+            .push(tokio::spawn(dispatcher.clone().run_timers(cancel.clone())));
 
         let state = Arc::new(server::AppState {
             dispatcher,

@@ -168,9 +168,11 @@ async fn a_full_frontend_queue_is_429_and_a_long_wait_is_503() {
     config.model = MODEL.into();
     let slow = engine_server::EngineServer::bind(config).await.unwrap();
     let gw = gateway(GatewayConfig {
-        max_inflight_per_worker: 1,
-        queue_capacity: 1,
-        queue_timeout: Duration::from_millis(300),
+        frontend: gateway::FrontendConfig {
+            max_in_flight_per_worker: std::num::NonZeroU32::new(1),
+            queue_capacity: 1,
+            queue_timeout: Some(Duration::from_millis(300).into()),
+        },
         ..gateway_config(&[&slow])
     })
     .await;
@@ -235,8 +237,11 @@ async fn a_full_frontend_queue_is_429_and_a_long_wait_is_503() {
 async fn queued_requests_all_complete_as_slots_free() {
     let engine = engine(1, None).await;
     let gw = gateway(GatewayConfig {
-        max_inflight_per_worker: 1,
-        queue_capacity: 64,
+        frontend: gateway::FrontendConfig {
+            max_in_flight_per_worker: std::num::NonZeroU32::new(1),
+            queue_capacity: 64,
+            ..Default::default()
+        },
         ..gateway_config(&[&engine])
     })
     .await;

@@ -16,18 +16,38 @@ use serde::{Deserialize, Serialize};
 
 use crate::hash::{BlockHasher, LocalBlockHash, SequenceHash};
 
-/// Identifies a worker (one engine instance) across the whole system.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
-)]
-#[serde(transparent)]
-pub struct WorkerId(pub u64);
+/// A `u64` id newtype, serialized as the bare number and displayed as `{prefix}-{n}`.
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident, $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(
+            Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize,
+            Deserialize,
+        )]
+        #[serde(transparent)]
+        pub struct $name(pub u64);
 
-impl std::fmt::Display for WorkerId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "worker-{}", self.0)
-    }
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, concat!($prefix, "-{}"), self.0)
+            }
+        }
+    };
 }
+
+id_type!(
+    /// Identifies a worker (one engine instance) across the whole system.
+    WorkerId,
+    "worker"
+);
+
+id_type!(
+    /// Identifies a request among those in flight (the caller's id: the gateway's, the
+    /// simulator's issue handle). One type for the engine and the router, so a driver passes
+    /// the same id to both; it lives here because both already depend on this crate.
+    RequestId,
+    "request"
+);
 
 /// The engine's own name for a cached block, opaque to the index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

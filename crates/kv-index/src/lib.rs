@@ -90,7 +90,9 @@ pub mod hash;
 pub mod index;
 pub mod overlap;
 
-pub use event::{BlockContent, EngineBlockId, KvEvent, KvEventKind, StoredBlock, WorkerId};
+pub use event::{
+    BlockContent, EngineBlockId, KvEvent, KvEventKind, RequestId, StoredBlock, WorkerId,
+};
 pub use hash::{
     BlockHasher, DEFAULT_BLOCK_SIZE, LOCAL_HASH_SEED, LocalBlockHash, SEQUENCE_HASH_SEED,
     SequenceHash,

@@ -90,13 +90,13 @@ pub struct GatewayArgs {
     #[arg(long, default_value_t = 16 << 20)]
     max_body_bytes: usize,
     /// Requests in flight per worker before new ones wait in the frontend queue (0: no cap).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = router::FrontendConfig::DEFAULT_MAX_IN_FLIGHT_PER_WORKER.get())]
     max_inflight_per_worker: u32,
     /// Requests that may wait for a worker slot (more: 429).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = router::FrontendConfig::DEFAULT_QUEUE_CAPACITY)]
     queue_capacity: usize,
     /// Seconds a request may wait in the queue (then 503).
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = router::FrontendConfig::DEFAULT_QUEUE_TIMEOUT.as_secs_f64())]
     queue_timeout: f64,
     /// Seconds between health checks of each worker.
     #[arg(long, default_value_t = 2.0)]
@@ -145,9 +145,11 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
         nats_url: args.nats.clone(),
         namespace: args.namespace.clone(),
         max_body_bytes: args.max_body_bytes,
-        queue_capacity: args.queue_capacity,
-        queue_timeout: seconds("queue-timeout", args.queue_timeout)?,
-        max_inflight_per_worker: args.max_inflight_per_worker,
+        frontend: gateway::FrontendConfig {
+            max_in_flight_per_worker: std::num::NonZeroU32::new(args.max_inflight_per_worker),
+            queue_capacity: args.queue_capacity,
+            queue_timeout: Some(seconds("queue-timeout", args.queue_timeout)?.into()),
+        },
         health_interval: seconds("health-interval", args.health_interval)?,
         tokenizer: args.tokenizer.clone(),
         tokenizer_config: args.tokenizer_config.clone(),

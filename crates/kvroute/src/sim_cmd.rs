@@ -78,12 +78,12 @@ pub struct ClusterArgs {
     /// Delay between an engine's KV event and the router applying it (models NATS).
     #[arg(long, default_value_t = 0.0, value_name = "MS")]
     pub kv_event_delay_ms: f64,
-    /// Hold requests at the frontend while every worker has this many in flight (off by
-    /// default: Dynamo routes at once).
-    #[arg(long, value_name = "N")]
-    pub frontend_cap: Option<u32>,
-    /// Most requests waiting at the frontend; more fail.
-    #[arg(long, default_value_t = 1 << 20)]
+    /// Requests in flight per worker before new ones wait at the frontend (0: no cap); the
+    /// gateway's --max-inflight-per-worker, with its default.
+    #[arg(long, value_name = "N", default_value_t = router::FrontendConfig::DEFAULT_MAX_IN_FLIGHT_PER_WORKER.get())]
+    pub frontend_cap: u32,
+    /// Most requests waiting at the frontend; more fail (the gateway's --queue-capacity).
+    #[arg(long, default_value_t = router::FrontendConfig::DEFAULT_QUEUE_CAPACITY)]
     pub frontend_queue: usize,
     /// Round trip of the serving path outside the GPUs (client, load balancer, frontend,
     /// network), added to every TTFT and E2E. The default is fitted to seed 002's deployment
@@ -194,10 +194,11 @@ impl ClusterArgs {
         }
         base.router.kv_event_delay = seconds(self.kv_event_delay_ms / 1e3, "--kv-event-delay-ms")?;
         base.frontend = FrontendConfig {
-            max_in_flight_per_worker: self.frontend_cap,
+            max_in_flight_per_worker: std::num::NonZeroU32::new(self.frontend_cap),
             queue_capacity: self.frontend_queue,
-            path_latency: seconds(self.path_latency_ms / 1e3, "--path-latency-ms")?,
+            ..FrontendConfig::default()
         };
+        base.path_latency = seconds(self.path_latency_ms / 1e3, "--path-latency-ms")?;
         base.oracle = !self.no_oracle;
         base.oracle_horizon = self
             .oracle_horizon
@@ -295,7 +296,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         job.seed,
         args.concurrency,
     )?;
-    let workload = ServingPath::new(workload, spec.base.frontend.path_latency);
+    let workload = ServingPath::new(workload, spec.base.path_latency);
     let mut simulation = Simulation::new(spec.config(&job), workload, spec.phases(&job))?;
     if let Some((from, _)) = args.timeline_window {
         if args.timeline.is_none() || from >= args.duration {

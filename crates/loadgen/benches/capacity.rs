@@ -84,9 +84,11 @@ fn main() {
             listen: "127.0.0.1:0".parse().expect("address"),
             model: MODEL.to_owned(),
             workers: engines.iter().map(|e| WorkerSpec::new(e.url())).collect(),
-            max_inflight_per_worker: 4_096,
-            queue_capacity: 16_384,
-            queue_timeout: Duration::from_secs(600),
+            frontend: gateway::FrontendConfig {
+                max_in_flight_per_worker: std::num::NonZeroU32::new(4_096),
+                queue_capacity: 16_384,
+                queue_timeout: Some(Duration::from_secs(600).into()),
+            },
             ..GatewayConfig::default()
         })
         .await

@@ -39,11 +39,11 @@
 //! conversations go where decode is cheapest, and no worker is pushed into queueing while
 //! another has a free slot. Design, measurements and what did not work: `docs/ROUTING.md`.
 
-use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::policy::{
-    Candidate, PolicyKind, RoutingPolicy, SelectionContext, WorkerTiming, argmin_random_tie,
+    Candidate, PolicyKind, PolicyRng, RoutingPolicy, SelectionContext, WorkerTiming,
+    argmin_random_tie,
 };
 
 /// Parameters of [`KvLoad`]. Defaults are the ones `docs/ROUTING.md` measures.
@@ -82,10 +82,19 @@ impl Default for KvLoadParams {
     }
 }
 
+/// A [`KvLoadParams`] value that would make costs meaningless.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KvLoadParamError {
+    #[error("{name} must be a finite number ≥ 0, got {value}")]
+    NotNonNegative { name: &'static str, value: f64 },
+    #[error("slot_soft_limit must be within [0, 1] (a fraction of max_num_seqs), got {0}")]
+    SoftLimitOutOfRange(f64),
+}
+
 impl KvLoadParams {
     /// Refuses values that would make costs meaningless (NaN, negative, a soft limit
     /// outside [0, 1]), naming the parameter.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), KvLoadParamError> {
         let non_negative = [
             ("expected_output_tokens", self.expected_output_tokens),
             ("stall_weight", self.stall_weight),
@@ -102,14 +111,11 @@ impl KvLoadParams {
         ];
         for (name, value) in non_negative {
             if !(value.is_finite() && value >= 0.0) {
-                return Err(format!("{name} must be a finite number ≥ 0, got {value}"));
+                return Err(KvLoadParamError::NotNonNegative { name, value });
             }
         }
         if !(0.0..=1.0).contains(&self.slot_soft_limit) {
-            return Err(format!(
-                "slot_soft_limit must be within [0, 1] (a fraction of max_num_seqs), got {}",
-                self.slot_soft_limit
-            ));
+            return Err(KvLoadParamError::SoftLimitOutOfRange(self.slot_soft_limit));
         }
         Ok(())
     }
@@ -212,7 +218,7 @@ impl RoutingPolicy for KvLoad {
         PolicyKind::KvLoad.name()
     }
 
-    fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut ChaCha8Rng) -> usize {
+    fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize {
         self.eligible.clear();
         self.eligible.extend(
             ctx.candidates
@@ -266,7 +272,6 @@ fn active_prefix_blocks(ctx: &SelectionContext<'_>, c: &Candidate) -> u64 {
 #[cfg(test)]
 mod tests {
     use kv_index::WorkerId;
-    use rand::SeedableRng;
 
     use super::*;
     use crate::WorkerLoad;
@@ -346,7 +351,7 @@ mod tests {
             candidates: &candidates,
         };
         let mut policy = KvLoad::new(params);
-        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut rng = PolicyRng::seed_from_u64(7);
         candidates[policy.select(&ctx, &mut rng)].worker.0
     }
 
@@ -396,7 +401,7 @@ mod tests {
                 block_size: BLOCK,
                 candidates,
             };
-            let mut rng = ChaCha8Rng::seed_from_u64(7);
+            let mut rng = PolicyRng::seed_from_u64(7);
             let mut policy = KvLoad::new(KvLoadParams::default());
             candidates[policy.select(&ctx, &mut rng)].worker
         };

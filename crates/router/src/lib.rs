@@ -18,6 +18,59 @@
 //!   new policies implement without touching callers.
 //! - Approximate mode ([`KvSource::Approximate`]): without KV events, every routed prompt is
 //!   assumed cached on its worker until a TTL after it was last routed.
+//! - [`Frontend`]: admission in front of the router, the same code in the gateway and the
+//!   simulator — a per-worker in-flight cap applied to selection, a bounded FIFO queue with a
+//!   timeout, outcomes drained as [`FrontendEvent`]s ([`FrontendConfig`] holds the one set of
+//!   defaults). Drivers submit requests here rather than calling [`Router::route`].
+//!
+//! ```
+//! use std::num::NonZeroU32;
+//!
+//! use kv_index::WorkerId;
+//! use nanotime::Nanos;
+//! use router::{
+//!     AdmitError, Frontend, FrontendConfig, FrontendEvent, RequestId, RouterConfig, WorkerLimits,
+//! };
+//!
+//! let config = FrontendConfig {
+//!     max_in_flight_per_worker: NonZeroU32::new(1),
+//!     queue_capacity: 1,
+//!     queue_timeout: Some(Nanos::from_secs(5)),
+//! };
+//! let mut frontend = Frontend::new(RouterConfig::default(), config).unwrap();
+//! frontend.add_worker(WorkerId(1), WorkerLimits::default(), Nanos::ZERO).unwrap();
+//! let prompt: Vec<u32> = (0..4096).collect();
+//! let key = frontend.router().key(&prompt);
+//!
+//! // The only slot is free: routed at once.
+//! frontend.submit(RequestId(7), key.clone(), Nanos::ZERO);
+//! let Some(FrontendEvent::Assigned { decision, .. }) = frontend.poll_event() else { panic!() };
+//! assert_eq!(decision.worker, WorkerId(1));
+//!
+//! // The worker is full: the next request waits, the one after finds the queue full.
+//! frontend.submit(RequestId(8), key.clone(), Nanos::from_millis(10));
+//! frontend.submit(RequestId(9), key.clone(), Nanos::from_millis(20));
+//! assert_eq!(frontend.poll_event().unwrap().id(), RequestId(9));
+//! assert_eq!(frontend.poll_timeout(), Some(Nanos::from_millis(5_010)));
+//!
+//! // Request 7's first token and end free the slot for request 8.
+//! frontend.on_first_token(RequestId(7), Nanos::from_millis(300));
+//! frontend.on_finished(RequestId(7), Nanos::from_secs(3));
+//! assert!(matches!(
+//!     frontend.poll_event(),
+//!     Some(FrontendEvent::Assigned { id: RequestId(8), queued: true, .. })
+//! ));
+//!
+//! // Nobody frees the slot again: a new waiter times out when its deadline comes.
+//! frontend.submit(RequestId(10), key, Nanos::from_secs(4));
+//! frontend.handle_timeout(Nanos::from_secs(9));
+//! assert!(matches!(
+//!     frontend.poll_event(),
+//!     Some(FrontendEvent::Refused { error: AdmitError::QueueTimeout { .. }, .. })
+//! ));
+//! ```
+//!
+//! The [`Router`] alone, for a caller that admits requests itself:
 //!
 //! ```
 //! use kv_index::WorkerId;
@@ -35,16 +88,18 @@
 //! assert!(decision.worker == WorkerId(1) || decision.worker == WorkerId(2));
 //! ```
 
+mod frontend;
 mod kv_load;
 mod load;
 pub mod policy;
 mod router;
 
-pub use kv_load::{KvLoad, KvLoadParams};
+pub use frontend::{AdmitError, Frontend, FrontendConfig, FrontendEvent};
+pub use kv_load::{KvLoad, KvLoadParamError, KvLoadParams};
 pub use load::WorkerLoad;
 pub use policy::{
-    Candidate, KvCost, KvCostParams, PolicyKind, PolicyParams, Random, RoundRobin, RoutingPolicy,
-    SelectionContext, UnknownPolicy, WorkerLimits, WorkerTiming,
+    Candidate, KvCost, KvCostParams, PolicyKind, PolicyParams, PolicyRng, Random, RoundRobin,
+    RoutingPolicy, SelectionContext, UnknownPolicy, WorkerLimits, WorkerTiming,
 };
 pub use router::{
     KvSource, RequestId, RouteDecision, RouteError, Router, RouterConfig, RouterConfigError,

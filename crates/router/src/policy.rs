@@ -9,7 +9,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use kv_index::WorkerId;
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::load::WorkerLoad;
@@ -74,6 +74,28 @@ pub struct SelectionContext<'a> {
     pub candidates: &'a [Candidate],
 }
 
+/// The router's seeded source of randomness, as policies see it: the generator behind it is
+/// the router's business (a policy written against these methods keeps working if it changes),
+/// and the same seed gives the same draws.
+#[derive(Debug, Clone)]
+pub struct PolicyRng(ChaCha8Rng);
+
+impl PolicyRng {
+    pub fn seed_from_u64(seed: u64) -> Self {
+        Self(ChaCha8Rng::seed_from_u64(seed))
+    }
+
+    /// A uniform index in `0..n`; `n` must be at least 1.
+    pub fn index_below(&mut self, n: usize) -> usize {
+        self.0.random_range(0..n)
+    }
+
+    /// A uniform number in `[0, 1)`.
+    pub fn unit_f64(&mut self) -> f64 {
+        self.0.random::<f64>()
+    }
+}
+
 /// A routing policy. Implementations must be deterministic given the RNG they are handed.
 pub trait RoutingPolicy: Send + fmt::Debug {
     /// The policy's name as `--router-mode` spells it.
@@ -81,7 +103,7 @@ pub trait RoutingPolicy: Send + fmt::Debug {
 
     /// Index into `ctx.candidates` of the chosen worker. `ctx.candidates` is never empty;
     /// returning an out-of-range index is a bug the router reports as an error.
-    fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut ChaCha8Rng) -> usize;
+    fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize;
 }
 
 /// The built-in policies, by the names `--router-mode` accepts.
@@ -187,7 +209,7 @@ impl RoutingPolicy for RoundRobin {
         PolicyKind::RoundRobin.name()
     }
 
-    fn select(&mut self, ctx: &SelectionContext<'_>, _rng: &mut ChaCha8Rng) -> usize {
+    fn select(&mut self, ctx: &SelectionContext<'_>, _rng: &mut PolicyRng) -> usize {
         let index = match self.last {
             None => 0,
             Some(last) => ctx
@@ -210,8 +232,8 @@ impl RoutingPolicy for Random {
         PolicyKind::Random.name()
     }
 
-    fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut ChaCha8Rng) -> usize {
-        rng.random_range(0..ctx.candidates.len())
+    fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize {
+        rng.index_below(ctx.candidates.len())
     }
 }
 
@@ -275,7 +297,7 @@ impl RoutingPolicy for KvCost {
         PolicyKind::Kv.name()
     }
 
-    fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut ChaCha8Rng) -> usize {
+    fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize {
         self.costs.clear();
         self.costs.extend(
             ctx.candidates
@@ -291,13 +313,13 @@ impl RoutingPolicy for KvCost {
 }
 
 /// Index of the smallest value; among equal minima, one chosen uniformly at random.
-pub fn argmin_random_tie(values: &[f64], rng: &mut ChaCha8Rng) -> usize {
+pub fn argmin_random_tie(values: &[f64], rng: &mut PolicyRng) -> usize {
     let min = values.iter().copied().fold(f64::INFINITY, f64::min);
     let ties = values.iter().filter(|&&v| v == min).count();
     if ties <= 1 {
         return values.iter().position(|&v| v == min).unwrap_or(0);
     }
-    let pick = rng.random_range(0..ties);
+    let pick = rng.index_below(ties);
     values
         .iter()
         .enumerate()
@@ -308,7 +330,7 @@ pub fn argmin_random_tie(values: &[f64], rng: &mut ChaCha8Rng) -> usize {
 
 /// Samples an index with probability ∝ exp(−normalised cost / temperature), costs min-max
 /// normalised to [0, 1]. All-equal costs sample uniformly.
-pub fn softmax_sample(costs: &[f64], temperature: f64, rng: &mut ChaCha8Rng) -> usize {
+pub fn softmax_sample(costs: &[f64], temperature: f64, rng: &mut PolicyRng) -> usize {
     let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let max = costs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let range = max - min;
@@ -317,7 +339,7 @@ pub fn softmax_sample(costs: &[f64], temperature: f64, rng: &mut ChaCha8Rng) -> 
         (-norm / temperature).exp()
     };
     let total: f64 = costs.iter().map(|&c| weight(c)).sum();
-    let mut target = rng.random::<f64>() * total;
+    let mut target = rng.unit_f64() * total;
     for (i, &c) in costs.iter().enumerate() {
         target -= weight(c);
         if target < 0.0 {
@@ -330,7 +352,6 @@ pub fn softmax_sample(costs: &[f64], temperature: f64, rng: &mut ChaCha8Rng) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::SeedableRng;
 
     fn candidate(worker: u64, overlap: u32, new_prefill: u64, active: u64) -> Candidate {
         Candidate {
@@ -363,7 +384,7 @@ mod tests {
         let params = KvCostParams::default();
         let costs: Vec<f64> = cands.iter().map(|c| KvCost::cost(&params, 32, c)).collect();
         assert_eq!(costs, vec![90.0, 30.0, 99.0]);
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let mut rng = PolicyRng::seed_from_u64(0);
         assert_eq!(KvCost::new(params).select(&ctx(&cands), &mut rng), 1);
     }
 
@@ -374,7 +395,7 @@ mod tests {
         let idle = candidate(2, 0, 100 * 32, 5);
         let params = KvCostParams::default();
         assert_eq!(KvCost::cost(&params, 32, &busy), 125.0 + 5.0);
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let mut rng = PolicyRng::seed_from_u64(0);
         assert_eq!(
             KvCost::new(params).select(&ctx(&[busy, idle]), &mut rng),
             1,
@@ -390,7 +411,7 @@ mod tests {
             overlap_weight: 0.0,
             temperature: 0.0,
         };
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let mut rng = PolicyRng::seed_from_u64(0);
         let cands = [cached_but_loaded, cold_but_idle];
         assert_eq!(KvCost::new(params).select(&ctx(&cands), &mut rng), 1);
     }
@@ -399,7 +420,7 @@ mod tests {
     fn ties_are_broken_at_random_but_deterministically() {
         let cands: Vec<Candidate> = (0..4).map(|w| candidate(w, 0, 3200, 0)).collect();
         let picks = |seed| {
-            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let mut rng = PolicyRng::seed_from_u64(seed);
             let mut policy = KvCost::new(KvCostParams::default());
             (0..400)
                 .map(|_| policy.select(&ctx(&cands), &mut rng))
@@ -417,7 +438,7 @@ mod tests {
     fn softmax_prefers_cheap_workers_and_temperature_flattens() {
         let costs = [0.0, 10.0, 10.0];
         let share_of_cheapest = |t| {
-            let mut rng = ChaCha8Rng::seed_from_u64(1);
+            let mut rng = PolicyRng::seed_from_u64(1);
             let n = (0..2000)
                 .filter(|_| softmax_sample(&costs, t, &mut rng) == 0)
                 .count();
@@ -434,7 +455,7 @@ mod tests {
     #[test]
     fn round_robin_cycles_by_id_across_membership_changes() {
         let mut rr = RoundRobin::default();
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let mut rng = PolicyRng::seed_from_u64(0);
         let three: Vec<Candidate> = [1, 2, 3].map(|w| candidate(w, 0, 0, 0)).to_vec();
         let seq: Vec<usize> = (0..4).map(|_| rr.select(&ctx(&three), &mut rng)).collect();
         assert_eq!(seq, vec![0, 1, 2, 0]);
@@ -448,7 +469,7 @@ mod tests {
     #[test]
     fn random_is_uniform_and_seeded() {
         let cands: Vec<Candidate> = (0..3).map(|w| candidate(w, 0, 0, 0)).collect();
-        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut rng = PolicyRng::seed_from_u64(3);
         let mut counts = [0usize; 3];
         for _ in 0..3000 {
             counts[Random.select(&ctx(&cands), &mut rng)] += 1;

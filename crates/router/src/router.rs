@@ -3,29 +3,19 @@
 use std::collections::VecDeque;
 use std::fmt;
 
+pub use kv_index::RequestId;
 use kv_index::{
     BlockHasher, EngineBlockId, IndexConfig, KvEvent, KvEventKind, KvIndex, LocalBlockHash,
     OverlapScores, SequenceHash, StoredBlock, WorkerId,
 };
 use nanotime::Nanos;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 
+use crate::kv_load::KvLoadParamError;
 use crate::load::{FleetActive, WorkerAccount, WorkerLoad};
 use crate::policy::{
-    Candidate, PolicyKind, PolicyParams, RoutingPolicy, SelectionContext, WorkerLimits,
+    Candidate, PolicyKind, PolicyParams, PolicyRng, RoutingPolicy, SelectionContext, WorkerLimits,
 };
-
-/// Identifies a request to the router (the caller's id; unique among in-flight requests).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RequestId(pub u64);
-
-impl fmt::Display for RequestId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "request-{}", self.0)
-    }
-}
 
 /// Where the router learns what each worker has cached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,8 +71,8 @@ pub enum RouterConfigError {
     ZeroBlockSize,
     NegativeOverlapWeight(f64),
     InvalidTemperature(f64),
-    /// A `kv_load` parameter out of range (the message names it).
-    InvalidKvLoad(String),
+    /// A `kv_load` parameter out of range.
+    InvalidKvLoad(KvLoadParamError),
 }
 
 impl fmt::Display for RouterConfigError {
@@ -237,7 +227,7 @@ pub struct Router {
     workers: Vec<WorkerEntry>,
     requests: FxHashMap<RequestId, Tracked>,
     policy: Box<dyn RoutingPolicy>,
-    rng: ChaCha8Rng,
+    rng: PolicyRng,
     approx: Option<Predictions>,
     max_in_flight: usize,
     counters: RouterCounters,
@@ -291,7 +281,7 @@ impl Router {
             workers: Vec::new(),
             requests: FxHashMap::default(),
             policy,
-            rng: ChaCha8Rng::seed_from_u64(config.seed),
+            rng: PolicyRng::seed_from_u64(config.seed),
             approx,
             max_in_flight: config.max_in_flight.max(1),
             counters: RouterCounters::default(),

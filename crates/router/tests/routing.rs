@@ -233,13 +233,19 @@ fn approximate_mode_is_bounded() {
     );
 }
 
-#[test]
-fn removing_a_worker_orphans_its_requests_and_forgets_its_cache() {
-    let mut router = router_with_workers(config(PolicyKind::RoundRobin), 2);
-    let tokens = prompt(9, 10);
+/// Two workers; worker 1 holds a prompt of `blocks` full blocks (and a partial tail).
+fn prompt_cached_on_worker_1(policy: PolicyKind, seed: u32, blocks: usize) -> (Router, Vec<u32>) {
+    let mut router = router_with_workers(config(policy), 2);
+    let tokens = prompt(seed, blocks);
     router
         .apply_event(&stored_event(&router, 1, 0, &tokens))
         .unwrap();
+    (router, tokens)
+}
+
+#[test]
+fn removing_a_worker_orphans_its_requests_and_forgets_its_cache() {
+    let (mut router, tokens) = prompt_cached_on_worker_1(PolicyKind::RoundRobin, 9, 10);
     let key = router.key(&tokens);
     let a = router.route(RequestId(1), &key, Nanos::ZERO).unwrap();
     let b = router.route(RequestId(2), &key, Nanos::ZERO).unwrap();
@@ -501,11 +507,7 @@ proptest! {
 
 #[test]
 fn requests_routed_elsewhere_are_accounted_like_routed_ones() {
-    let mut router = router_with_workers(config(PolicyKind::Kv), 2);
-    let tokens = prompt(11, 20);
-    router
-        .apply_event(&stored_event(&router, 1, 0, &tokens))
-        .unwrap();
+    let (mut router, tokens) = prompt_cached_on_worker_1(PolicyKind::Kv, 11, 20);
     let key = router.key(&tokens);
     // Another replica pinned this request on worker 0, which holds nothing of it.
     let d = router

@@ -93,6 +93,6 @@ pub fn run_chat_job(
 ) -> Result<JobResult, ChatJobError> {
     let first = job.levels.first().copied().unwrap_or(0);
     let workload = Chat::new(config, assets, job.seed, first)?;
-    let workload = ServingPath::new(workload, spec.base.frontend.path_latency);
+    let workload = ServingPath::new(workload, spec.base.path_latency);
     Ok(run_job(spec, job, workload, progress)?)
 }

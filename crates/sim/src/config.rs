@@ -2,7 +2,7 @@
 
 use engine::{EngineConfig, HardwareProfile};
 use nanotime::Nanos;
-use router::{KvSource, PolicyKind, PolicyParams};
+use router::{FrontendConfig, KvSource, PolicyKind, PolicyParams};
 use thiserror::Error;
 
 /// The router in front of the fleet.
@@ -32,30 +32,6 @@ impl RouterSetup {
     }
 }
 
-/// The frontend between the workload and the router.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FrontendConfig {
-    /// Hold new requests at the frontend while every worker has this many requests in
-    /// flight; `None` (the default, as Dynamo's frontend does) routes every request at once.
-    pub max_in_flight_per_worker: Option<u32>,
-    /// Most requests waiting at the frontend. A turn arriving at a full queue fails (an
-    /// error, reported to the workload).
-    pub queue_capacity: usize,
-    /// Round trip of the serving path outside the GPUs (client, load balancer, frontend,
-    /// network), added to every turn's TTFT and E2E ([`crate::ServingPath`]).
-    pub path_latency: Nanos,
-}
-
-impl Default for FrontendConfig {
-    fn default() -> Self {
-        Self {
-            max_in_flight_per_worker: None,
-            queue_capacity: 1 << 20,
-            path_latency: Nanos::ZERO,
-        }
-    }
-}
-
 /// One simulated cluster.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -65,7 +41,11 @@ pub struct SimConfig {
     /// from [`SimConfig::seed`].
     pub engine: EngineConfig,
     pub router: RouterSetup,
+    /// Admission in front of the router: the gateway's settings, with its defaults.
     pub frontend: FrontendConfig,
+    /// Round trip of the serving path outside the GPUs (client, load balancer, frontend,
+    /// network), added to every turn's TTFT and E2E ([`crate::ServingPath`]).
+    pub path_latency: Nanos,
     /// The run's seed: router, engines and workload seeds derive from it.
     pub seed: u64,
     /// Compute the oracle hit rate beside the real one ([`crate::oracle`]).
@@ -80,7 +60,8 @@ pub struct SimConfig {
 
 impl SimConfig {
     /// `workers` engines of `profile` with its engine defaults, speed mode on
-    /// (`coalesce_decode`), the given policy, KV events in-process, no frontend cap.
+    /// (`coalesce_decode`), the given policy, KV events in-process, the gateway's admission
+    /// defaults, no serving-path latency.
     pub fn new(workers: u32, profile: HardwareProfile, policy: PolicyKind) -> Self {
         let mut engine = EngineConfig::from_profile(profile);
         engine.coalesce_decode = true;
@@ -89,6 +70,7 @@ impl SimConfig {
             engine,
             router: RouterSetup::new(policy),
             frontend: FrontendConfig::default(),
+            path_latency: Nanos::ZERO,
             seed: 0,
             oracle: true,
             oracle_horizon: None,
@@ -175,8 +157,6 @@ pub enum ConfigError {
          interval ({max_s} s), so that the first snapshot stays inside its own phase"
     )]
     BadLookback { lookback_s: f64, max_s: f64 },
-    #[error("the frontend queue capacity must be at least 1")]
-    ZeroQueue,
     // These carry the cause in their message, not as a `source` too, so an error chain does
     // not print it twice.
     #[error("engine: {0}")]

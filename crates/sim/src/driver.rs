@@ -7,7 +7,8 @@ use engine::{Engine, EngineEvent, EngineRequest, OutputSpec};
 use kv_index::{IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
 use router::{
-    KvSource, RequestId, RouteError, Router, RouterConfig, RoutingKey, WorkerLimits, WorkerTiming,
+    Frontend, FrontendEvent, KvSource, RequestId, RouteDecision, Router, RouterConfig,
+    WorkerLimits, WorkerTiming,
 };
 use serde::Serialize;
 use thiserror::Error;
@@ -75,8 +76,32 @@ struct InFlight {
     overlap_blocks: u32,
     /// Sequence hash of the prompt's last full block (the oracle chains the output from it).
     prompt_last_block: Option<SequenceHash>,
-    /// The routing key, kept only while the turn waits at the frontend.
-    key: Option<RoutingKey>,
+}
+
+impl InFlight {
+    /// The turn's record as it stands when it ends at `ended_at` without the engine's own
+    /// count (a failure); a finished turn overrides the engine-reported fields.
+    fn record(&self, ended_at: Nanos, outcome: Outcome) -> RequestRecord {
+        RequestRecord {
+            id: self.id,
+            conversation: self.turn.conversation,
+            turn: self.turn.turn,
+            worker: self.worker,
+            issued_at: self.issued_at,
+            routed_at: self.routed_at,
+            first_token_at: self.first_token_at,
+            last_token_at: self.last_token_at,
+            ended_at,
+            prompt_tokens: self.prompt.len() as u32,
+            cached_prompt_tokens: 0,
+            oracle_cached_tokens: self.oracle_cached,
+            router_overlap_blocks: self.overlap_blocks,
+            output_tokens: self.tokens,
+            token_spans: self.spans,
+            preemptions: 0,
+            outcome,
+        }
+    }
 }
 
 /// Turns in flight, found by handle (`generation << 32 | slot`) with an index instead of a
@@ -227,20 +252,16 @@ pub struct Simulation<W: Workload> {
     phases: Vec<Phase>,
     phase_starts: Vec<Nanos>,
     engines: Vec<Engine>,
-    router: Router,
+    /// Admission and routing: the gateway's core, which owns the router.
+    frontend: Frontend,
     workload: W,
     timers: Timers,
     now: Nanos,
     next_id: u64,
     in_flight: Turns,
-    /// Frontend queue of turn ids, bounded by `frontend.queue_capacity`.
-    queue: VecDeque<u64>,
-    /// Router refused for lack of tracking room: wait for a finish before routing again.
-    router_full: bool,
     worker_in_flight: Vec<u32>,
     /// Per worker: ∫ in-flight dt over the measurement period (request·ns) and its last change.
     in_flight_area: Vec<(u128, Nanos)>,
-    workers_with_room: u32,
     dirty: Vec<u32>,
     is_dirty: Vec<bool>,
     /// KV events on their way to the router (fixed delay, so in delivery order).
@@ -285,9 +306,6 @@ impl<W: Workload> Simulation<W> {
         if phases.is_empty() {
             return Err(ConfigError::NoPhases.into());
         }
-        if cfg.frontend.queue_capacity == 0 {
-            return Err(ConfigError::ZeroQueue.into());
-        }
         for p in &phases {
             p.validate()?;
         }
@@ -317,7 +335,7 @@ impl<W: Workload> Simulation<W> {
             },
             ..RouterConfig::default()
         };
-        let mut router = Router::new(router_cfg).map_err(ConfigError::from)?;
+        let mut frontend = Frontend::new(router_cfg, cfg.frontend).map_err(ConfigError::from)?;
         for (i, e) in engines.iter().enumerate() {
             let marginal = cfg
                 .engine
@@ -332,13 +350,13 @@ impl<W: Workload> Simulation<W> {
                 kv_capacity_blocks: Some(u64::from(e.kv_capacity_blocks())),
                 timing: Some(timing),
             };
-            router
-                .add_worker(WorkerId(i as u64), limits)
+            frontend
+                .add_worker(WorkerId(i as u64), limits, Nanos::ZERO)
                 .map_err(ConfigError::from)?;
         }
         let oracle = cfg
             .oracle
-            .then(|| Oracle::new(*router.hasher(), cfg.oracle_horizon));
+            .then(|| Oracle::new(*frontend.router().hasher(), cfg.oracle_horizon));
         let mut phase_starts = Vec::with_capacity(phases.len());
         let mut schedule = Vec::new();
         let mut windows = Vec::new();
@@ -352,17 +370,14 @@ impl<W: Workload> Simulation<W> {
             schedule.push((t, Action::MeasureEnd(k)));
         }
         let mut sim = Self {
-            workers_with_room: cfg.workers,
             phases,
             phase_starts,
-            router,
+            frontend,
             workload,
             timers: Timers::new(n),
             now: Nanos::ZERO,
             next_id: 0,
             in_flight: Turns::default(),
-            queue: VecDeque::new(),
-            router_full: false,
             worker_in_flight: vec![0; n],
             in_flight_area: vec![(0, Nanos::ZERO); n],
             dirty: Vec::new(),
@@ -435,7 +450,7 @@ impl<W: Workload> Simulation<W> {
     }
 
     pub fn router(&self) -> &Router {
-        &self.router
+        self.frontend.router()
     }
 
     pub fn engines(&self) -> &[Engine] {
@@ -470,7 +485,10 @@ impl<W: Workload> Simulation<W> {
                     self.mark_dirty(i);
                 }
                 Source::Workload => self.workload.handle_timeout(at),
-                Source::Router => self.router.handle_timeout(at),
+                Source::Router => {
+                    self.frontend.handle_timeout(at);
+                    self.drain_frontend();
+                }
                 Source::KvDelivery => self.deliver_kv(at),
                 Source::Schedule => self.run_schedule(at),
             }
@@ -498,7 +516,7 @@ impl<W: Workload> Simulation<W> {
                 .iter()
                 .map(|e| {
                     let m = e.metrics();
-                    let load = self.router.load(e.worker()).unwrap_or_default();
+                    let load = self.frontend.router().load(e.worker()).unwrap_or_default();
                     WorkerSample {
                         in_flight: load.in_flight,
                         running: m.running,
@@ -509,7 +527,7 @@ impl<W: Workload> Simulation<W> {
                     }
                 })
                 .collect();
-            let queued = u32::try_from(self.queue.len()).unwrap_or(u32::MAX);
+            let queued = u32::try_from(self.frontend.queued()).unwrap_or(u32::MAX);
             self.next_sample = recorder.push(self.next_sample, queued, workers);
         }
     }
@@ -538,7 +556,7 @@ impl<W: Workload> Simulation<W> {
         }
         let mut totals = self.totals.clone();
         totals.in_flight_at_end = self.in_flight.len() as u64;
-        totals.queued_at_end = self.queue.len() as u64;
+        totals.queued_at_end = self.frontend.queued() as u64;
         totals.in_flight_tokens_at_end = self.in_flight.iter().map(|f| u64::from(f.tokens)).sum();
         totals.engine_steps = self.engines.iter().map(|e| e.metrics().steps).sum();
         totals.oracle_blocks = self.oracle.as_ref().map_or(0, |o| o.len() as u64);
@@ -554,7 +572,7 @@ impl<W: Workload> Simulation<W> {
     // ---- the loop's pieces ------------------------------------------------------------------
 
     /// Drains everything the last input produced: turns from the workload, events from
-    /// engines, until nothing moves; then re-arms the workload's and router's timers.
+    /// engines, until nothing moves; then re-arms the workload's and frontend's timers.
     fn pump(&mut self) {
         loop {
             if self.fatal.is_some() {
@@ -572,7 +590,8 @@ impl<W: Workload> Simulation<W> {
         }
         self.timers
             .arm(Source::Workload, self.workload.poll_timeout());
-        self.timers.arm(Source::Router, self.router.poll_timeout());
+        self.timers
+            .arm(Source::Router, self.frontend.poll_timeout());
     }
 
     fn mark_dirty(&mut self, i: u32) {
@@ -657,7 +676,7 @@ impl<W: Workload> Simulation<W> {
     }
 
     fn apply_kv(&mut self, ev: &KvEvent) {
-        if self.router.apply_event(ev).is_err() {
+        if self.frontend.router_mut().apply_event(ev).is_err() {
             self.totals.kv_event_errors += 1;
         }
     }
@@ -681,7 +700,7 @@ impl<W: Workload> Simulation<W> {
         let seq = self.next_id;
         self.next_id += 1;
         self.totals.issued += 1;
-        let key = self.router.key(&turn.prompt);
+        let key = self.frontend.router().key(&turn.prompt);
         let oracle_cached = match &mut self.oracle {
             Some(o) => o.issue(now, turn.prompt.len(), &key.seq),
             None => 0,
@@ -701,63 +720,39 @@ impl<W: Workload> Simulation<W> {
             spans: 0,
             oracle_cached,
             overlap_blocks: 0,
-            key: Some(key),
         });
-        if self.queue.is_empty() && self.has_room() {
-            self.route(id);
-        } else if self.queue.len() < self.cfg.frontend.queue_capacity {
-            self.queue.push_back(id);
-        } else {
-            self.fail(id, Outcome::Dropped);
+        self.frontend.submit(RequestId(id), key, now);
+        self.drain_frontend();
+    }
+
+    /// Acts on the frontend's outcomes: an assigned turn goes to its engine, a refused or
+    /// timed-out one fails.
+    fn drain_frontend(&mut self) {
+        while let Some(event) = self.frontend.poll_event() {
+            match event {
+                FrontendEvent::Assigned { id, decision, .. } => self.start(id.0, decision),
+                FrontendEvent::Refused { id, .. } => self.fail(id.0, Outcome::Dropped),
+            }
         }
     }
 
-    fn has_room(&self) -> bool {
-        !self.router_full
-            && (self.cfg.frontend.max_in_flight_per_worker.is_none() || self.workers_with_room > 0)
-    }
-
-    /// Routes queued turns while there is room.
-    fn dispatch_queue(&mut self) {
-        while self.has_room() {
-            let Some(id) = self.queue.pop_front() else {
-                return;
-            };
-            self.route(id);
-        }
-    }
-
-    fn route(&mut self, id: u64) {
+    fn start(&mut self, id: u64, decision: RouteDecision) {
         let now = self.now;
         let Some(f) = self.in_flight.get_mut(id) else {
             return;
         };
-        let Some(key) = f.key.take() else {
-            return;
+        let w = decision.worker.0 as u32;
+        f.routed_at = Some(now);
+        f.worker = Some(w);
+        f.overlap_blocks = decision.overlap_blocks;
+        let req = EngineRequest {
+            id: RequestId(id),
+            prompt: Arc::clone(&f.prompt),
+            output: OutputSpec::Tokens(Arc::clone(&f.output)),
         };
-        match self.router.route(RequestId(id), &key, now) {
-            Ok(decision) => {
-                let w = decision.worker.0 as u32;
-                f.routed_at = Some(now);
-                f.worker = Some(w);
-                f.overlap_blocks = decision.overlap_blocks;
-                let req = EngineRequest {
-                    id: engine::RequestId(id),
-                    prompt: Arc::clone(&f.prompt),
-                    output: OutputSpec::Tokens(Arc::clone(&f.output)),
-                };
-                self.add_in_flight(w);
-                self.engines[w as usize].submit(req, now);
-                self.mark_dirty(w);
-            }
-            Err(RouteError::TooManyInFlight { .. }) => {
-                // Wait at the head of the queue until a request finishes.
-                f.key = Some(key);
-                self.router_full = true;
-                self.queue.push_front(id);
-            }
-            Err(_) => self.fail(id, Outcome::Dropped),
-        }
+        self.add_in_flight(w);
+        self.engines[w as usize].submit(req, now);
+        self.mark_dirty(w);
     }
 
     /// Accumulates worker `w`'s in-flight area up to now, before its count changes.
@@ -774,9 +769,6 @@ impl<W: Workload> Simulation<W> {
         self.integrate_in_flight(w);
         let n = &mut self.worker_in_flight[w as usize];
         *n += 1;
-        if self.cfg.frontend.max_in_flight_per_worker == Some(*n) {
-            self.workers_with_room -= 1;
-        }
         let n = *n;
         if self.measuring.is_some() {
             self.worker_stats_mut(w, |s| {
@@ -789,9 +781,6 @@ impl<W: Workload> Simulation<W> {
     fn remove_in_flight(&mut self, w: u32) {
         self.integrate_in_flight(w);
         let n = &mut self.worker_in_flight[w as usize];
-        if self.cfg.frontend.max_in_flight_per_worker == Some(*n) {
-            self.workers_with_room += 1;
-        }
         *n = n.saturating_sub(1);
     }
 
@@ -812,7 +801,7 @@ impl<W: Workload> Simulation<W> {
                         recorder.first_token(worker, at.saturating_sub(f.issued_at));
                     }
                 }
-                self.router.on_first_token(RequestId(id.0), at);
+                self.frontend.on_first_token(id, at);
             }
             EngineEvent::Tokens { id, start, end, at } => self.on_tokens(id.0, start, end, at),
             EngineEvent::Finished {
@@ -826,7 +815,7 @@ impl<W: Workload> Simulation<W> {
                 let Some(f) = self.in_flight.remove(id.0) else {
                     return;
                 };
-                self.router.on_finished(RequestId(id.0), at);
+                self.frontend.on_finished(id, at);
                 self.remove_in_flight(worker);
                 if let Some(o) = &mut self.oracle {
                     o.finish(at, &f.prompt, f.prompt_last_block, &f.output);
@@ -834,30 +823,19 @@ impl<W: Workload> Simulation<W> {
                 self.totals.finished += 1;
                 self.totals.finished_output_tokens += u64::from(output_tokens);
                 let record = RequestRecord {
-                    id: f.id,
-                    conversation: f.turn.conversation,
-                    turn: f.turn.turn,
-                    worker: f.worker,
-                    issued_at: f.issued_at,
-                    routed_at: f.routed_at,
-                    first_token_at: f.first_token_at,
-                    last_token_at: f.last_token_at,
-                    ended_at: at,
                     prompt_tokens,
                     cached_prompt_tokens,
                     oracle_cached_tokens: f.oracle_cached.min(prompt_tokens),
-                    router_overlap_blocks: f.overlap_blocks,
                     output_tokens,
-                    token_spans: f.spans,
                     preemptions,
-                    outcome: Outcome::Finished,
+                    ..f.record(at, Outcome::Finished)
                 };
                 self.keep(record);
                 self.workload.on_turn_finished(f.turn, at);
                 self.after_release();
             }
             EngineEvent::Rejected { id, .. } => {
-                self.router.on_finished(RequestId(id.0), self.now);
+                self.frontend.on_finished(id, self.now);
                 self.remove_in_flight(worker);
                 self.fail(id.0, Outcome::Rejected);
                 self.after_release();
@@ -865,7 +843,7 @@ impl<W: Workload> Simulation<W> {
             // Not produced by aggregated workers the simulator does not cancel; should one
             // appear, the turn ends as an error rather than hanging.
             EngineEvent::Cancelled { id, .. } | EngineEvent::PrefillDone { id, .. } => {
-                self.router.on_finished(RequestId(id.0), self.now);
+                self.frontend.on_finished(id, self.now);
                 self.remove_in_flight(worker);
                 self.fail(id.0, Outcome::Rejected);
                 self.after_release();
@@ -889,9 +867,9 @@ impl<W: Workload> Simulation<W> {
         }
     }
 
+    /// Hands the slot a release freed (the frontend already chose who gets it) to its turn.
     fn after_release(&mut self) {
-        self.router_full = false;
-        self.dispatch_queue();
+        self.drain_frontend();
     }
 
     fn on_tokens(&mut self, id: u64, start: u32, end: u32, at: Nanos) {
@@ -920,25 +898,7 @@ impl<W: Workload> Simulation<W> {
             return;
         };
         self.totals.failed += 1;
-        let record = RequestRecord {
-            id: f.id,
-            conversation: f.turn.conversation,
-            turn: f.turn.turn,
-            worker: f.worker,
-            issued_at: f.issued_at,
-            routed_at: f.routed_at,
-            first_token_at: f.first_token_at,
-            last_token_at: f.last_token_at,
-            ended_at: self.now,
-            prompt_tokens: f.prompt.len() as u32,
-            cached_prompt_tokens: 0,
-            oracle_cached_tokens: f.oracle_cached,
-            router_overlap_blocks: f.overlap_blocks,
-            output_tokens: f.tokens,
-            token_spans: f.spans,
-            preemptions: 0,
-            outcome,
-        };
+        let record = f.record(self.now, outcome);
         self.keep(record);
         self.workload.on_turn_failed(f.turn, self.now);
     }

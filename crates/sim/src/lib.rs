@@ -19,9 +19,11 @@
 //! models the NATS event plane. Ties at one instant are broken by source (KV events, engines
 //! by index, router, workload, schedule), so the order never depends on a hash map.
 //!
-//! A frontend queue (bounded by [`FrontendConfig::queue_capacity`]) holds turns while every
-//! worker has [`FrontendConfig::max_in_flight_per_worker`] requests, or when the router
-//! refuses for lack of tracking room; it is off by default (Dynamo's frontend routes at once).
+//! Admission is the gateway's own core, [`router::Frontend`], with the same settings and
+//! defaults ([`FrontendConfig`]): a worker at its in-flight cap is not offered to the policy,
+//! a bounded queue holds turns while every worker is at it (or while the router refuses for
+//! lack of tracking room), and a turn refused or timed out there fails. On the seed workload
+//! the cap never binds, so turns are routed at once as Dynamo's frontend does.
 //! Engines run in speed mode (`coalesce_decode`) by default: identical decode steps are
 //! advanced together, with the same finish times as step-by-step mode.
 //!
@@ -119,12 +121,13 @@ pub mod timeline;
 pub mod timers;
 mod workload;
 
-pub use config::{ConfigError, FrontendConfig, Phase, RouterSetup, SimConfig};
+pub use config::{ConfigError, Phase, RouterSetup, SimConfig};
 pub use driver::{
     PhaseResult, RunOutput, RunTotals, SimError, Simulation, WorkerStats, derive_seed, streams,
 };
 pub use metrics::{Metrics, Outcome, RequestRecord};
 pub use report::Percentiles;
+pub use router::FrontendConfig;
 pub use timeline::{Timeline, TimelineConfig, TimelineError};
 pub use workload::{ServingPath, Turn, TurnKey, Workload};
 

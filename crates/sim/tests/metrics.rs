@@ -149,7 +149,7 @@ fn rejected_turns_are_errors_and_reach_the_workload() {
 #[test]
 fn frontend_queue_holds_turns_while_every_worker_is_at_its_cap() {
     let mut cfg = one_worker(true);
-    cfg.frontend.max_in_flight_per_worker = Some(1);
+    cfg.frontend.max_in_flight_per_worker = std::num::NonZeroU32::new(1);
     let script = Script::new(vec![
         turn(0, 0, (0..500).collect(), (0..11).collect(), Nanos::ZERO),
         turn(
