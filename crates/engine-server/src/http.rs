@@ -46,8 +46,8 @@ pub struct AppState {
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(handle::<CompletionRequest>))
+        .route("/v1/chat/completions", post(handle::<ChatCompletionRequest>))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/info", get(info))
@@ -64,36 +64,53 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// A request kind the engine serves: its prompt as token ids.
+trait TakePrompt: ApiRequest + Send + 'static {
+    /// Takes the prompt out of the request, tokenized.
+    fn take_prompt(&mut self, state: &AppState) -> Result<Vec<u32>, ApiError>;
+}
+
 /// Reads and checks a request of either API, takes its prompt out as token ids, then serves
 /// it.
-async fn handle<R: ApiRequest>(
-    state: Arc<AppState>,
+async fn handle<R: TakePrompt>(
+    State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Body,
-    take_prompt: impl FnOnce(&AppState, &mut R) -> Result<Vec<u32>, ApiError>,
 ) -> Response {
     let result = async {
         let mut request: R = read_json(&headers, body, state.body_limit).await?;
         check_model(&state.info.model, request.model())?;
-        let prompt = take_prompt(&state, &mut request)?;
+        let prompt = request.take_prompt(&state)?;
         serve(&state, prompt, request.params(), R::API, request.model()).await
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn chat_completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    handle(state, headers, body, |state, request: &mut ChatCompletionRequest| {
-        if request.messages.is_empty() {
+impl TakePrompt for ChatCompletionRequest {
+    fn take_prompt(&mut self, state: &AppState) -> Result<Vec<u32>, ApiError> {
+        if self.messages.is_empty() {
             return Err(ApiError::invalid_param("messages", "`messages` is empty"));
         }
-        chat_prompt(state, &request.messages)
-    })
-    .await
+        chat_prompt(state, &self.messages)
+    }
+}
+
+impl TakePrompt for CompletionRequest {
+    fn take_prompt(&mut self, state: &AppState) -> Result<Vec<u32>, ApiError> {
+        match std::mem::replace(&mut self.prompt, Prompt::Tokens(Vec::new())) {
+            Prompt::Tokens(tokens) => Ok(tokens),
+            Prompt::Text(text) => Ok(state.assets.tokenizer.encode(&text)),
+            Prompt::TokenBatch(mut batch) if batch.len() == 1 => Ok(batch.remove(0)),
+            Prompt::TextBatch(batch) if batch.len() == 1 => {
+                Ok(state.assets.tokenizer.encode(&batch[0]))
+            }
+            _ => Err(ApiError::invalid_param(
+                "prompt",
+                "this server takes one prompt per request",
+            )),
+        }
+    }
 }
 
 /// The chat template applied to `messages`, tokenized.
@@ -109,28 +126,6 @@ fn chat_prompt(
         .assets
         .chat_prompt(&messages)
         .map_err(ApiError::internal)
-}
-
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    handle(state, headers, body, |state, request: &mut CompletionRequest| {
-        match std::mem::replace(&mut request.prompt, Prompt::Tokens(Vec::new())) {
-            Prompt::Tokens(tokens) => Ok(tokens),
-            Prompt::Text(text) => Ok(state.assets.tokenizer.encode(&text)),
-            Prompt::TokenBatch(mut batch) if batch.len() == 1 => Ok(batch.remove(0)),
-            Prompt::TextBatch(batch) if batch.len() == 1 => {
-                Ok(state.assets.tokenizer.encode(&batch[0]))
-            }
-            _ => Err(ApiError::invalid_param(
-                "prompt",
-                "this server takes one prompt per request",
-            )),
-        }
-    })
-    .await
 }
 
 /// Cancels the engine request when dropped while armed (the client went away).
@@ -269,10 +264,12 @@ async fn serve(
     }
     let reply = Arc::new(reply);
     let meta = ResponseMeta {
-        id: format!("{}-{}-{}", api.id_prefix(), state.info.worker, id.0),
-        created: unix_now(),
-        model: model.to_string(),
-        api,
+        head: ResponseHead {
+            api,
+            id: format!("{}-{}-{}", api.id_prefix(), state.info.worker, id.0),
+            model: model.into(),
+            created: unix_now(),
+        },
         include_usage: params.include_usage(),
         token_ids: params.return_token_ids(),
     };
@@ -317,10 +314,7 @@ async fn serve(
 
 /// What every response and chunk of one request repeats.
 struct ResponseMeta {
-    id: String,
-    created: u64,
-    model: String,
-    api: Api,
+    head: ResponseHead,
     include_usage: bool,
     token_ids: bool,
 }
@@ -342,15 +336,6 @@ fn finish_reason(reply: &PlannedReply) -> FinishReason {
 }
 
 impl ResponseMeta {
-    fn head(&self) -> ResponseHead<'_> {
-        ResponseHead {
-            api: self.api,
-            id: &self.id,
-            model: &self.model,
-            created: self.created,
-        }
-    }
-
     /// The reply's tokens `from..to`: their text and, when asked for, their ids.
     fn choice<'a>(
         &self,
@@ -376,7 +361,7 @@ impl ResponseMeta {
 
     fn full_response(&self, reply: &PlannedReply, finish: &FinishInfo) -> Result<Vec<u8>, ApiError> {
         let choice = self.choice(reply, 0, finish.output_tokens, Some(finish_reason(reply)));
-        self.head()
+        self.head
             .response_json(std::iter::once(choice), Some(&usage(finish)))
             .map_err(|e| ApiError::internal(format!("could not write the response: {e}")))
     }
@@ -391,7 +376,7 @@ impl ResponseMeta {
         finish: Option<FinishReason>,
     ) -> Result<(), serde_json::Error> {
         let choice = self.choice(reply, from, to, finish);
-        self.head().write_chunk(out, std::iter::once(choice), None)
+        self.head.write_chunk(out, std::iter::once(choice), None)
     }
 
     /// Appends the last chunk of `stream_options.include_usage`: no choices, the usage.
@@ -400,7 +385,7 @@ impl ResponseMeta {
         out: &mut BytesMut,
         finish: &FinishInfo,
     ) -> Result<(), serde_json::Error> {
-        self.head()
+        self.head
             .write_chunk(out, std::iter::empty(), Some(&usage(finish)))
     }
 }

@@ -135,28 +135,14 @@ impl Drop for RequestRecord {
 /// Per-request constants of the output.
 #[derive(Debug, Clone)]
 pub struct OutputCtx {
-    pub api: Api,
-    /// `chatcmpl-…` or `cmpl-…`.
-    pub id: String,
-    pub model: Arc<str>,
-    pub created: u64,
+    /// The API, id, model and creation time every chunk repeats.
+    pub head: ResponseHead,
     pub include_usage: bool,
     /// The client asked for `return_token_ids`.
     pub return_token_ids: bool,
     pub prompt_tokens: u32,
     /// The router's estimate, used when the worker does not report `cached_tokens`.
     pub predicted_cached_tokens: u32,
-}
-
-impl OutputCtx {
-    fn head(&self) -> ResponseHead<'_> {
-        ResponseHead {
-            api: self.api,
-            id: &self.id,
-            model: &self.model,
-            created: self.created,
-        }
-    }
 }
 
 /// Tokens a worker's choice carries: the length of `token_ids` when the worker sends them,
@@ -349,7 +335,7 @@ impl Output {
                         let usage = self.final_usage();
                         let written =
                             self.ctx
-                                .head()
+                                .head
                                 .write_chunk(&mut self.out, std::iter::empty(), Some(&usage));
                         if let Err(e) = written {
                             tracing::error!(error = %e, "could not write the usage chunk");
@@ -429,7 +415,7 @@ impl Output {
             self.first_token_read = self.last_read;
         }
         if self.stream {
-            let role = (self.ctx.api == Api::Chat && !self.role_sent).then_some("assistant");
+            let role = (self.ctx.head.api == Api::Chat && !self.role_sent).then_some("assistant");
             self.role_sent = true;
             let token_ids = self.ctx.return_token_ids;
             let choices = chunk.choices.iter().map(|c| {
@@ -444,7 +430,7 @@ impl Output {
                     token_ids: c.token_ids.filter(|_| token_ids).map(TokenIds::Raw),
                 }
             });
-            if let Err(e) = self.ctx.head().write_chunk(&mut self.out, choices, None) {
+            if let Err(e) = self.ctx.head.write_chunk(&mut self.out, choices, None) {
                 self.fail(e);
             }
         } else {
@@ -480,7 +466,7 @@ impl Output {
                 ..ChoiceOut::default()
             });
         self.ctx
-            .head()
+            .head
             .response_json(choices, Some(&self.final_usage()))
             .map_err(|e| ApiError::internal(format!("the gateway could not write the response: {e}")))
     }

@@ -14,7 +14,7 @@ use futures::StreamExt;
 use protocol::http::{check_model, json_response, read_json};
 use protocol::{
     Api, ApiError, ApiRequest, ChatCompletionRequest, CompletionRequest, Model, ModelList, Prompt,
-    StreamOptions,
+    ResponseHead, StreamOptions,
 };
 use serde_json::Value;
 
@@ -43,8 +43,8 @@ pub(crate) struct AppState {
 
 pub(crate) fn routes(state: Arc<AppState>) -> HttpRouter {
     HttpRouter::new()
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(handle::<ChatCompletionRequest>))
+        .route("/v1/completions", post(handle::<CompletionRequest>))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -195,20 +195,24 @@ struct Parsed {
     extra: serde_json::Map<String, Value>,
 }
 
+/// A request kind the gateway serves: checked and turned into what it forwards.
+trait Prepare: ApiRequest + Send + 'static {
+    fn prepare(self, state: &AppState) -> Result<Parsed, ApiError>;
+}
+
 /// Reads, checks and prepares a request of either API, then serves it; every outcome is
 /// counted under the request's endpoint.
-async fn handle<R: ApiRequest>(
-    state: Arc<AppState>,
+async fn handle<R: Prepare>(
+    State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Body,
-    prepare: impl FnOnce(&AppState, R) -> Result<Parsed, ApiError>,
 ) -> Response {
     let mut record = RequestRecord::start(state.metrics.clone(), endpoint(R::API), false);
     let parsed = async {
         let request: R = read_json(&headers, body, state.max_body_bytes).await?;
         record.set_stream(request.params().is_stream());
         check_model(&state.model, request.model())?;
-        prepare(&state, request)
+        request.prepare(&state)
     }
     .await;
     match parsed {
@@ -217,89 +221,77 @@ async fn handle<R: ApiRequest>(
     }
 }
 
-async fn chat_completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    handle(state, headers, body, prepare_chat).await
-}
-
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    handle(state, headers, body, prepare_completion).await
-}
-
-fn prepare_chat(state: &AppState, request: ChatCompletionRequest) -> Result<Parsed, ApiError> {
-    if request.messages.is_empty() {
-        return Err(ApiError::invalid_param(
-            "messages",
-            "`messages` must contain at least one message",
-        ));
-    }
-    let messages: Vec<text::ChatMessage> = request
-        .messages
-        .iter()
-        .map(|m| text::ChatMessage::new(m.role.clone(), m.text()))
-        .collect();
-    let need_text = state.dispatcher.has_text_workers();
-    let prepared = state
-        .preprocessor
-        .chat(&messages, need_text)
-        .map_err(|e| ApiError::invalid_param("messages", e))?;
-    state.check_context(
-        "messages",
-        prepared.tokens.len(),
-        request.params.max_output_tokens(),
-    )?;
-    Ok(Parsed {
-        api: Api::Chat,
-        model: request.model,
-        prepared,
-        params: request.params,
-        extra: chat_extra_for_completions(request.extra),
-    })
-}
-
-fn prepare_completion(state: &AppState, request: CompletionRequest) -> Result<Parsed, ApiError> {
-    let prepared = match request.prompt {
-        Prompt::Text(text) => Prepared {
-            tokens: state.preprocessor.text(&text),
-            text: Some(text),
-        },
-        Prompt::Tokens(tokens) => {
-            // Text workers get the ids' text.
-            let text = state
-                .dispatcher
-                .has_text_workers()
-                .then(|| state.preprocessor.tokenizer().decode_lossy(&tokens));
-            Prepared { tokens, text }
-        }
-        Prompt::TextBatch(_) | Prompt::TokenBatch(_) => {
+impl Prepare for ChatCompletionRequest {
+    fn prepare(self, state: &AppState) -> Result<Parsed, ApiError> {
+        if self.messages.is_empty() {
             return Err(ApiError::invalid_param(
-                "prompt",
-                "this gateway serves one prompt per request; send a batch as separate requests",
+                "messages",
+                "`messages` must contain at least one message",
             ));
         }
-    };
-    if prepared.tokens.is_empty() {
-        return Err(ApiError::invalid_param("prompt", "`prompt` is empty"));
+        let messages: Vec<text::ChatMessage> = self
+            .messages
+            .iter()
+            .map(|m| text::ChatMessage::new(m.role.clone(), m.text()))
+            .collect();
+        let need_text = state.dispatcher.has_text_workers();
+        let prepared = state
+            .preprocessor
+            .chat(&messages, need_text)
+            .map_err(|e| ApiError::invalid_param("messages", e))?;
+        state.check_context(
+            "messages",
+            prepared.tokens.len(),
+            self.params.max_output_tokens(),
+        )?;
+        Ok(Parsed {
+            api: Api::Chat,
+            model: self.model,
+            prepared,
+            params: self.params,
+            extra: chat_extra_for_completions(self.extra),
+        })
     }
-    state.check_context(
-        "prompt",
-        prepared.tokens.len(),
-        request.params.max_output_tokens(),
-    )?;
-    Ok(Parsed {
-        api: Api::Completion,
-        model: request.model,
-        prepared,
-        params: request.params,
-        extra: request.extra,
-    })
+}
+
+impl Prepare for CompletionRequest {
+    fn prepare(self, state: &AppState) -> Result<Parsed, ApiError> {
+        let prepared = match self.prompt {
+            Prompt::Text(text) => Prepared {
+                tokens: state.preprocessor.text(&text),
+                text: Some(text),
+            },
+            Prompt::Tokens(tokens) => {
+                // Text workers get the ids' text.
+                let text = state
+                    .dispatcher
+                    .has_text_workers()
+                    .then(|| state.preprocessor.tokenizer().decode_lossy(&tokens));
+                Prepared { tokens, text }
+            }
+            Prompt::TextBatch(_) | Prompt::TokenBatch(_) => {
+                return Err(ApiError::invalid_param(
+                    "prompt",
+                    "this gateway serves one prompt per request; send a batch as separate requests",
+                ));
+            }
+        };
+        if prepared.tokens.is_empty() {
+            return Err(ApiError::invalid_param("prompt", "`prompt` is empty"));
+        }
+        state.check_context(
+            "prompt",
+            prepared.tokens.len(),
+            self.params.max_output_tokens(),
+        )?;
+        Ok(Parsed {
+            api: Api::Completion,
+            model: self.model,
+            prepared,
+            params: self.params,
+            extra: self.extra,
+        })
+    }
 }
 
 /// Routes, forwards and relays one validated request.
@@ -356,10 +348,12 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         }
         let predicted = ticket.predicted_cached_tokens(prompt_tokens as u64);
         let ctx = OutputCtx {
-            api: parsed.api,
-            id: state.request_id(parsed.api),
-            model: state.model.clone(),
-            created: unix_now(),
+            head: ResponseHead {
+                api: parsed.api,
+                id: state.request_id(parsed.api),
+                model: state.model.clone(),
+                created: unix_now(),
+            },
             include_usage,
             return_token_ids: parsed.params.return_token_ids(),
             prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),

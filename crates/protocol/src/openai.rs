@@ -12,6 +12,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 use bytes::BytesMut;
 use serde::de::{self, SeqAccess, Visitor};
@@ -212,120 +213,39 @@ impl<'de> Deserialize<'de> for Prompt {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         // A visitor rather than `#[serde(untagged)]`, so that each malformed shape gets its
         // own message naming `prompt` instead of "did not match any variant".
-        deserializer.deserialize_any(PromptVisitor)
-    }
-}
-
-struct PromptVisitor;
-
-impl<'de> Visitor<'de> for PromptVisitor {
-    type Value = Prompt;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str(
-            "`prompt` as a string, an array of strings, an array of token ids or an array of arrays of token ids",
-        )
-    }
-
-    fn visit_str<E: de::Error>(self, text: &str) -> Result<Prompt, E> {
-        Ok(Prompt::Text(text.to_owned()))
-    }
-
-    fn visit_string<E: de::Error>(self, text: String) -> Result<Prompt, E> {
-        Ok(Prompt::Text(text))
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
-        // The first item decides the shape; every other item must have it too.
-        match seq.next_element::<PromptItem>()? {
-            None => Err(de::Error::custom("`prompt` is an empty array")),
-            Some(PromptItem::Text(text)) => {
-                same_shape(seq, vec![text], "strings", |item| match item {
-                    PromptItem::Text(text) => Ok(text),
-                    other => Err(other),
-                })
-                .map(Prompt::TextBatch)
-            }
-            Some(PromptItem::Token(id)) => same_shape(seq, vec![id], "token ids", PromptItem::token)
-                .map(Prompt::Tokens),
-            Some(PromptItem::Tokens(ids)) => {
-                same_shape(seq, vec![ids], "token arrays", |item| match item {
-                    PromptItem::Tokens(ids) => Ok(ids),
-                    other => Err(other),
-                })
-                .map(Prompt::TokenBatch)
-            }
+        match deserializer.deserialize_any(PromptVisitor { nested: false })? {
+            PromptItem::Text(text) => Ok(Prompt::Text(text)),
+            PromptItem::Batch(prompt) => Ok(prompt),
+            other @ (PromptItem::Token(_) | PromptItem::Tokens(_)) => Err(de::Error::custom(
+                format_args!("`prompt` must be a string or an array, got {other}"),
+            )),
         }
     }
 }
 
-/// Reads the rest of a `prompt` array, whose items must all have one shape (`take` says
-/// which, handing back an item of another).
-fn same_shape<'de, A: SeqAccess<'de>, T>(
-    mut seq: A,
-    mut items: Vec<T>,
-    shape: &str,
-    take: fn(PromptItem) -> Result<T, PromptItem>,
-) -> Result<Vec<T>, A::Error> {
-    while let Some(item) = seq.next_element::<PromptItem>()? {
-        match take(item) {
-            Ok(item) => items.push(item),
-            Err(other) => {
-                return Err(de::Error::custom(format_args!(
-                    "`prompt` mixes {shape} and {other}"
-                )));
-            }
-        }
-    }
-    Ok(items)
+/// `prompt` (not `nested`) or one item of its array (`nested`).
+struct PromptVisitor {
+    nested: bool,
 }
 
-/// One item of a `prompt` array (or of one of its token arrays).
+/// What [`PromptVisitor`] read.
 enum PromptItem {
     Text(String),
     Token(u32),
     Tokens(Vec<u32>),
+    /// A whole `prompt` array.
+    Batch(Prompt),
 }
 
-impl PromptItem {
-    fn token(self) -> Result<u32, PromptItem> {
-        match self {
-            PromptItem::Token(id) => Ok(id),
-            other => Err(other),
-        }
-    }
-}
-
-impl fmt::Display for PromptItem {
-    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        match self {
-            PromptItem::Text(text) => write!(f, "{text:?}"),
-            PromptItem::Token(id) => write!(f, "{id}"),
-            PromptItem::Tokens(ids) => write!(f, "{ids:?}"),
-        }
-    }
-}
-
-/// Why a number is not a token id.
-fn bad_token_id<E: de::Error>(id: impl fmt::Display) -> E {
-    E::custom(format_args!(
-        "prompt token ids must be integers in 0..2^32, got {id}"
-    ))
-}
-
-impl<'de> Deserialize<'de> for PromptItem {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(PromptItemVisitor)
-    }
-}
-
-struct PromptItemVisitor;
-
-impl<'de> Visitor<'de> for PromptItemVisitor {
+impl<'de> Visitor<'de> for PromptVisitor {
     type Value = PromptItem;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a string, a token id or an array of token ids in `prompt`")
+        f.write_str(if self.nested {
+            "a string, a token id or an array of token ids in `prompt`"
+        } else {
+            "`prompt` as a string, an array of strings, an array of token ids or an array of arrays of token ids"
+        })
     }
 
     fn visit_str<E: de::Error>(self, text: &str) -> Result<PromptItem, E> {
@@ -352,9 +272,92 @@ impl<'de> Visitor<'de> for PromptItemVisitor {
         Err(bad_token_id(id))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<PromptItem, A::Error> {
-        same_shape(seq, Vec::new(), "token ids", PromptItem::token).map(PromptItem::Tokens)
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptItem, A::Error> {
+        if self.nested {
+            return same_shape(seq, Vec::new(), "token ids", PromptItem::token)
+                .map(PromptItem::Tokens);
+        }
+        // The first item decides the shape; every other item must have it too.
+        let prompt = match seq.next_element::<PromptItem>()? {
+            None => return Err(de::Error::custom("`prompt` is an empty array")),
+            Some(PromptItem::Text(text)) => {
+                same_shape(seq, vec![text], "strings", |item| match item {
+                    PromptItem::Text(text) => Ok(text),
+                    other => Err(other),
+                })
+                .map(Prompt::TextBatch)
+            }
+            Some(PromptItem::Token(id)) => {
+                same_shape(seq, vec![id], "token ids", PromptItem::token).map(Prompt::Tokens)
+            }
+            Some(PromptItem::Tokens(ids)) => {
+                same_shape(seq, vec![ids], "token arrays", |item| match item {
+                    PromptItem::Tokens(ids) => Ok(ids),
+                    other => Err(other),
+                })
+                .map(Prompt::TokenBatch)
+            }
+            // Items are read `nested`, which never gives a batch.
+            Some(other @ PromptItem::Batch(_)) => Err(de::Error::custom(format_args!(
+                "`prompt` holds an unexpected {other}"
+            ))),
+        };
+        prompt.map(PromptItem::Batch)
     }
+}
+
+impl<'de> Deserialize<'de> for PromptItem {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptVisitor { nested: true })
+    }
+}
+
+/// Reads the rest of a `prompt` array, whose items must all have one shape (`take` says
+/// which, handing back an item of another).
+fn same_shape<'de, A: SeqAccess<'de>, T>(
+    mut seq: A,
+    mut items: Vec<T>,
+    shape: &str,
+    take: fn(PromptItem) -> Result<T, PromptItem>,
+) -> Result<Vec<T>, A::Error> {
+    while let Some(item) = seq.next_element::<PromptItem>()? {
+        match take(item) {
+            Ok(item) => items.push(item),
+            Err(other) => {
+                return Err(de::Error::custom(format_args!(
+                    "`prompt` mixes {shape} and {other}"
+                )));
+            }
+        }
+    }
+    Ok(items)
+}
+
+impl PromptItem {
+    fn token(self) -> Result<u32, PromptItem> {
+        match self {
+            PromptItem::Token(id) => Ok(id),
+            other => Err(other),
+        }
+    }
+}
+
+impl fmt::Display for PromptItem {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            PromptItem::Text(text) => write!(f, "{text:?}"),
+            PromptItem::Token(id) => write!(f, "{id}"),
+            PromptItem::Tokens(ids) => write!(f, "{ids:?}"),
+            PromptItem::Batch(prompt) => write!(f, "{prompt:?}"),
+        }
+    }
+}
+
+/// Why a number is not a token id.
+fn bad_token_id<E: de::Error>(id: impl fmt::Display) -> E {
+    E::custom(format_args!(
+        "prompt token ids must be integers in 0..2^32, got {id}"
+    ))
 }
 
 /// `POST /v1/completions`.
@@ -573,12 +576,13 @@ impl ChoiceView<'_> {
 // ---- Responses and stream chunks as written: borrowed, no intermediate allocation.
 
 /// What every response and stream chunk of one request repeats; writes them.
-#[derive(Debug, Clone, Copy)]
-pub struct ResponseHead<'a> {
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseHead {
     pub api: Api,
     /// `chatcmpl-…` or `cmpl-…`.
-    pub id: &'a str,
-    pub model: &'a str,
+    pub id: String,
+    /// Shared by every request of a server.
+    pub model: Arc<str>,
     /// Unix seconds.
     pub created: u64,
 }
@@ -608,7 +612,7 @@ pub enum TokenIds<'a> {
     Ids(&'a [u32]),
 }
 
-impl ResponseHead<'_> {
+impl ResponseHead {
     /// Appends one stream chunk as an SSE event. The last chunk of `include_usage` has no
     /// choices and the usage.
     pub fn write_chunk<'c>(
@@ -644,7 +648,7 @@ impl ResponseHead<'_> {
 }
 
 struct Envelope<'h, I> {
-    head: &'h ResponseHead<'h>,
+    head: &'h ResponseHead,
     stream: bool,
     choices: Choices<I>,
     usage: Option<&'h Usage>,
@@ -654,10 +658,10 @@ impl<'c, I: Iterator<Item = ChoiceOut<'c>> + Clone> Serialize for Envelope<'_, I
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let head = self.head;
         let mut out = serializer.serialize_struct("Response", 6)?;
-        out.serialize_field("id", head.id)?;
+        out.serialize_field("id", &head.id)?;
         out.serialize_field("object", head.api.object(self.stream))?;
         out.serialize_field("created", &head.created)?;
-        out.serialize_field("model", head.model)?;
+        out.serialize_field("model", &*head.model)?;
         out.serialize_field(
             "choices",
             &ChoicesAs {
@@ -898,18 +902,20 @@ mod tests {
         }
     }
 
-    fn head(api: Api) -> ResponseHead<'static> {
+    fn head(api: Api) -> ResponseHead {
         ResponseHead {
             api,
-            id: "x-1",
-            model: "m",
+            id: "x-1".into(),
+            model: "m".into(),
             created: 7,
         }
     }
 
-    /// The payload of the one SSE event in `out`.
-    fn event_json(out: &BytesMut) -> Value {
-        let text = std::str::from_utf8(out).unwrap();
+    /// One chunk written as an SSE event, read back as JSON.
+    fn chunk_json(api: Api, choice: Option<ChoiceOut<'_>>, usage: Option<&Usage>) -> Value {
+        let mut out = BytesMut::new();
+        head(api).write_chunk(&mut out, choice.into_iter(), usage).unwrap();
+        let text = std::str::from_utf8(&out).unwrap();
         let payload = text.strip_prefix("data: ").unwrap().strip_suffix("\n\n").unwrap();
         serde_json::from_str(payload).unwrap()
     }
@@ -923,35 +929,22 @@ mod tests {
             token_ids: Some(TokenIds::Ids(&ids)),
             ..ChoiceOut::default()
         };
-        let mut out = BytesMut::new();
-        head(Api::Chat)
-            .write_chunk(&mut out, std::iter::once(choice), None)
-            .unwrap();
         assert_eq!(
-            event_json(&out),
+            chunk_json(Api::Chat, Some(choice), None),
             json!({"id": "x-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"},
                                 "logprobs": null, "finish_reason": null, "token_ids": [5, 6]}]})
         );
-        let mut out = BytesMut::new();
         let last = ChoiceOut {
             finish_reason: Some(FinishReason::Length.as_str()),
             ..ChoiceOut::default()
         };
-        head(Api::Completion)
-            .write_chunk(&mut out, std::iter::once(last), None)
-            .unwrap();
         assert_eq!(
-            event_json(&out),
+            chunk_json(Api::Completion, Some(last), None),
             json!({"id": "x-1", "object": "text_completion", "created": 7, "model": "m",
                    "choices": [{"index": 0, "text": "", "logprobs": null, "finish_reason": "length"}]})
         );
-        let usage = Usage::new(10, 2, 8);
-        let mut out = BytesMut::new();
-        head(Api::Chat)
-            .write_chunk(&mut out, std::iter::empty(), Some(&usage))
-            .unwrap();
-        let chunk = event_json(&out);
+        let chunk = chunk_json(Api::Chat, None, Some(&Usage::new(10, 2, 8)));
         assert_eq!(chunk["choices"], json!([]));
         assert_eq!(chunk["usage"]["prompt_tokens_details"]["cached_tokens"], 8);
     }

@@ -387,29 +387,16 @@ mod tests {
 
     #[test]
     fn bounds_are_enforced() {
-        let mut decoder = SseDecoder::new(16);
+        let push = |max: usize, bytes: &[u8]| SseDecoder::new(max).push(bytes);
+        assert_eq!(push(16, &[b'a'; 17]), Err(SseError::LineTooLong { max: 16 }));
         assert_eq!(
-            decoder.push(&[b'a'; 17]),
-            Err(SseError::LineTooLong { max: 16 })
-        );
-        let mut decoder = SseDecoder::new(16);
-        assert_eq!(
-            decoder.push(b"data: 0123456789\ndata: 0123456789\n"),
+            push(16, b"data: 0123456789\ndata: 0123456789\n"),
             Err(SseError::EventTooLong { max: 16 })
         );
-        let mut decoder = SseDecoder::new(16);
-        assert_eq!(decoder.push(b"data: \xff\n"), Err(SseError::InvalidUtf8));
-    }
-
-    /// Moved from the gateway's former reader: an endless event is an error, not unbounded
-    /// memory.
-    #[test]
-    fn an_endless_event_is_an_error_not_unbounded_memory() {
-        let mut decoder = SseDecoder::new(64);
-        assert_eq!(
-            decoder.push(&[b'x'; 65]),
-            Err(SseError::LineTooLong { max: 64 })
-        );
+        assert_eq!(push(16, b"data: \xff\n"), Err(SseError::InvalidUtf8));
+        // Moved from the gateway's former reader: an endless event is an error, not
+        // unbounded memory.
+        assert_eq!(push(64, &[b'x'; 65]), Err(SseError::LineTooLong { max: 64 }));
     }
 
     #[test]
