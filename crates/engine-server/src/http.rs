@@ -47,7 +47,10 @@ pub struct AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(handle::<CompletionRequest>))
-        .route("/v1/chat/completions", post(handle::<ChatCompletionRequest>))
+        .route(
+            "/v1/chat/completions",
+            post(handle::<ChatCompletionRequest>),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/info", get(info))
@@ -359,7 +362,11 @@ impl ResponseMeta {
         }
     }
 
-    fn full_response(&self, reply: &PlannedReply, finish: &FinishInfo) -> Result<Vec<u8>, ApiError> {
+    fn full_response(
+        &self,
+        reply: &PlannedReply,
+        finish: &FinishInfo,
+    ) -> Result<Vec<u8>, ApiError> {
         let choice = self.choice(reply, 0, finish.output_tokens, Some(finish_reason(reply)));
         self.head
             .response_json(std::iter::once(choice), Some(&usage(finish)))
@@ -431,7 +438,8 @@ impl Relay {
                         written = self.meta.write_usage_chunk(&mut out, &finish);
                     }
                     if let Err(e) = written {
-                        return self.fail(ApiError::internal(format!("could not write a chunk: {e}")));
+                        return self
+                            .fail(ApiError::internal(format!("could not write a chunk: {e}")));
                     }
                     sse::write_done(&mut out);
                     return self.end(out);
@@ -447,7 +455,8 @@ impl Relay {
                             self.meta
                                 .write_chunk(&mut out, &self.reply, self.sent, produced, None);
                         if let Err(e) = written {
-                            return self.fail(ApiError::internal(format!("could not write a chunk: {e}")));
+                            return self
+                                .fail(ApiError::internal(format!("could not write a chunk: {e}")));
                         }
                         self.sent = produced;
                         return Some((Ok(out.freeze()), self));

@@ -19,9 +19,7 @@ use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use protocol::sse::{self, SseDecoder, SseEvent};
-use protocol::{
-    Api, ApiError, ChoiceOut, ChoiceView, ResponseHead, ResponseView, TokenIds, Usage,
-};
+use protocol::{Api, ApiError, ChoiceOut, ChoiceView, ResponseHead, ResponseView, TokenIds, Usage};
 
 use crate::dispatch::Ticket;
 use crate::metrics::{Endpoint, Metrics};
@@ -333,10 +331,11 @@ impl Output {
                 if self.stream {
                     if self.ctx.include_usage {
                         let usage = self.final_usage();
-                        let written =
-                            self.ctx
-                                .head
-                                .write_chunk(&mut self.out, std::iter::empty(), Some(&usage));
+                        let written = self.ctx.head.write_chunk(
+                            &mut self.out,
+                            std::iter::empty(),
+                            Some(&usage),
+                        );
                         if let Err(e) = written {
                             tracing::error!(error = %e, "could not write the usage chunk");
                         }
@@ -468,7 +467,9 @@ impl Output {
         self.ctx
             .head
             .response_json(choices, Some(&self.final_usage()))
-            .map_err(|e| ApiError::internal(format!("the gateway could not write the response: {e}")))
+            .map_err(|e| {
+                ApiError::internal(format!("the gateway could not write the response: {e}"))
+            })
     }
 }
 

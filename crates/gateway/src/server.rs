@@ -43,7 +43,10 @@ pub(crate) struct AppState {
 
 pub(crate) fn routes(state: Arc<AppState>) -> HttpRouter {
     HttpRouter::new()
-        .route("/v1/chat/completions", post(handle::<ChatCompletionRequest>))
+        .route(
+            "/v1/chat/completions",
+            post(handle::<ChatCompletionRequest>),
+        )
         .route("/v1/completions", post(handle::<CompletionRequest>))
         .route("/v1/models", get(models))
         .route("/health", get(health))
@@ -195,9 +198,10 @@ struct Parsed {
     extra: serde_json::Map<String, Value>,
 }
 
-/// A request kind the gateway serves: checked and turned into what it forwards.
+/// A request kind the gateway serves: its prompt, prepared for routing and forwarding.
 trait Prepare: ApiRequest + Send + 'static {
-    fn prepare(self, state: &AppState) -> Result<Parsed, ApiError>;
+    /// Templates and tokenizes the prompt (taking it out of the request).
+    fn prepare(&mut self, state: &AppState) -> Result<Prepared, ApiError>;
 }
 
 /// Reads, checks and prepares a request of either API, then serves it; every outcome is
@@ -209,10 +213,26 @@ async fn handle<R: Prepare>(
 ) -> Response {
     let mut record = RequestRecord::start(state.metrics.clone(), endpoint(R::API), false);
     let parsed = async {
-        let request: R = read_json(&headers, body, state.max_body_bytes).await?;
+        let mut request: R = read_json(&headers, body, state.max_body_bytes).await?;
         record.set_stream(request.params().is_stream());
         check_model(&state.model, request.model())?;
-        request.prepare(&state)
+        let prepared = request.prepare(&state)?;
+        state.check_context(
+            R::API.prompt_field(),
+            prepared.tokens.len(),
+            request.params().max_output_tokens(),
+        )?;
+        let (model, params, extra) = request.into_parts();
+        Ok::<_, ApiError>(Parsed {
+            api: R::API,
+            model,
+            prepared,
+            params,
+            extra: match R::API {
+                Api::Chat => chat_extra_for_completions(extra),
+                Api::Completion => extra,
+            },
+        })
     }
     .await;
     match parsed {
@@ -222,7 +242,7 @@ async fn handle<R: Prepare>(
 }
 
 impl Prepare for ChatCompletionRequest {
-    fn prepare(self, state: &AppState) -> Result<Parsed, ApiError> {
+    fn prepare(&mut self, state: &AppState) -> Result<Prepared, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::invalid_param(
                 "messages",
@@ -235,28 +255,16 @@ impl Prepare for ChatCompletionRequest {
             .map(|m| text::ChatMessage::new(m.role.clone(), m.text()))
             .collect();
         let need_text = state.dispatcher.has_text_workers();
-        let prepared = state
+        state
             .preprocessor
             .chat(&messages, need_text)
-            .map_err(|e| ApiError::invalid_param("messages", e))?;
-        state.check_context(
-            "messages",
-            prepared.tokens.len(),
-            self.params.max_output_tokens(),
-        )?;
-        Ok(Parsed {
-            api: Api::Chat,
-            model: self.model,
-            prepared,
-            params: self.params,
-            extra: chat_extra_for_completions(self.extra),
-        })
+            .map_err(|e| ApiError::invalid_param("messages", e))
     }
 }
 
 impl Prepare for CompletionRequest {
-    fn prepare(self, state: &AppState) -> Result<Parsed, ApiError> {
-        let prepared = match self.prompt {
+    fn prepare(&mut self, state: &AppState) -> Result<Prepared, ApiError> {
+        let prepared = match std::mem::replace(&mut self.prompt, Prompt::Tokens(Vec::new())) {
             Prompt::Text(text) => Prepared {
                 tokens: state.preprocessor.text(&text),
                 text: Some(text),
@@ -279,18 +287,7 @@ impl Prepare for CompletionRequest {
         if prepared.tokens.is_empty() {
             return Err(ApiError::invalid_param("prompt", "`prompt` is empty"));
         }
-        state.check_context(
-            "prompt",
-            prepared.tokens.len(),
-            self.params.max_output_tokens(),
-        )?;
-        Ok(Parsed {
-            api: Api::Completion,
-            model: self.model,
-            prepared,
-            params: self.params,
-            extra: self.extra,
-        })
+        Ok(prepared)
     }
 }
 

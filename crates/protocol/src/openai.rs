@@ -378,9 +378,11 @@ pub trait ApiRequest: serde::de::DeserializeOwned {
     const API: Api;
     fn model(&self) -> &str;
     fn params(&self) -> &SamplingParams;
+    /// `model`, `params` and the fields not interpreted (`extra`), taken out.
+    fn into_parts(self) -> (String, SamplingParams, Map<String, Value>);
 }
 
-/// Both request kinds have `model` and `params`.
+/// Both request kinds have `model`, `params` and `extra`.
 macro_rules! api_request {
     ($request:ty, $api:expr) => {
         impl ApiRequest for $request {
@@ -390,6 +392,9 @@ macro_rules! api_request {
             }
             fn params(&self) -> &SamplingParams {
                 &self.params
+            }
+            fn into_parts(self) -> (String, SamplingParams, Map<String, Value>) {
+                (self.model, self.params, self.extra)
             }
         }
     };
@@ -897,8 +902,15 @@ mod tests {
             serde_json::to_value(FinishReason::Stop).unwrap(),
             json!("stop")
         );
-        for reason in [FinishReason::Stop, FinishReason::Length, FinishReason::Abort] {
-            assert_eq!(serde_json::to_value(reason).unwrap(), json!(reason.as_str()));
+        for reason in [
+            FinishReason::Stop,
+            FinishReason::Length,
+            FinishReason::Abort,
+        ] {
+            assert_eq!(
+                serde_json::to_value(reason).unwrap(),
+                json!(reason.as_str())
+            );
         }
     }
 
@@ -914,9 +926,15 @@ mod tests {
     /// One chunk written as an SSE event, read back as JSON.
     fn chunk_json(api: Api, choice: Option<ChoiceOut<'_>>, usage: Option<&Usage>) -> Value {
         let mut out = BytesMut::new();
-        head(api).write_chunk(&mut out, choice.into_iter(), usage).unwrap();
+        head(api)
+            .write_chunk(&mut out, choice.into_iter(), usage)
+            .unwrap();
         let text = std::str::from_utf8(&out).unwrap();
-        let payload = text.strip_prefix("data: ").unwrap().strip_suffix("\n\n").unwrap();
+        let payload = text
+            .strip_prefix("data: ")
+            .unwrap()
+            .strip_suffix("\n\n")
+            .unwrap();
         serde_json::from_str(payload).unwrap()
     }
 
@@ -985,7 +1003,8 @@ mod tests {
         assert_eq!(choice.token_id_count(), Some(3));
         assert!(choice.logprobs.is_none() && choice.finish_reason.is_none());
 
-        let text = r#"{"choices":[{"text":"x","finish_reason":"length","token_ids":[]}],"usage":null}"#;
+        let text =
+            r#"{"choices":[{"text":"x","finish_reason":"length","token_ids":[]}],"usage":null}"#;
         let view: ResponseView<'_> = serde_json::from_str(text).unwrap();
         assert_eq!(view.choices[0].content(), "x");
         assert_eq!(view.choices[0].finish_reason.as_deref(), Some("length"));

@@ -388,7 +388,10 @@ mod tests {
     #[test]
     fn bounds_are_enforced() {
         let push = |max: usize, bytes: &[u8]| SseDecoder::new(max).push(bytes);
-        assert_eq!(push(16, &[b'a'; 17]), Err(SseError::LineTooLong { max: 16 }));
+        assert_eq!(
+            push(16, &[b'a'; 17]),
+            Err(SseError::LineTooLong { max: 16 })
+        );
         assert_eq!(
             push(16, b"data: 0123456789\ndata: 0123456789\n"),
             Err(SseError::EventTooLong { max: 16 })
@@ -396,7 +399,10 @@ mod tests {
         assert_eq!(push(16, b"data: \xff\n"), Err(SseError::InvalidUtf8));
         // Moved from the gateway's former reader: an endless event is an error, not
         // unbounded memory.
-        assert_eq!(push(64, &[b'x'; 65]), Err(SseError::LineTooLong { max: 64 }));
+        assert_eq!(
+            push(64, &[b'x'; 65]),
+            Err(SseError::LineTooLong { max: 64 })
+        );
     }
 
     #[test]
@@ -404,6 +410,9 @@ mod tests {
         let mut out = BytesMut::new();
         write_event(&mut out, &serde_json::json!({"a": 1})).unwrap();
         write_done(&mut out);
-        assert_eq!(&out[..], format!("{}{}", event("{\"a\":1}"), DONE_EVENT).as_bytes());
+        assert_eq!(
+            &out[..],
+            format!("{}{}", event("{\"a\":1}"), DONE_EVENT).as_bytes()
+        );
     }
 }

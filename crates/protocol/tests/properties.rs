@@ -16,7 +16,9 @@ fn decode_in_pieces(bytes: &[u8], cuts: &[usize]) -> Vec<SseEvent<String>> {
     for cut in cuts.into_iter().chain([bytes.len()]) {
         decoder.push(&bytes[at..cut.max(at)]).unwrap();
         at = cut.max(at);
-        out.extend(std::iter::from_fn(|| decoder.next_event().map(SseEvent::into_owned)));
+        out.extend(std::iter::from_fn(|| {
+            decoder.next_event().map(SseEvent::into_owned)
+        }));
     }
     out
 }
