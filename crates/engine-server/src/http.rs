@@ -11,15 +11,13 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use engine::{EngineRequest, OutputSpec, RejectReason, RequestId};
-use futures::StreamExt;
 use kv_index::BlockHasher;
-use protocol::openai::object;
+use protocol::http::{check_model, json_response, read_json};
 use protocol::{
-    ApiError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionRequest, CompletionResponse,
-    FinishReason, Model, ModelList, Prompt, ResponseMessage, SamplingParams, Usage, WorkerInfo,
+    Api, ApiError, ApiRequest, ChatCompletionRequest, ChoiceOut, CompletionRequest, FinishReason,
+    Model, ModelList, Prompt, ResponseHead, SamplingParams, TokenIds, Usage, WorkerInfo, sse,
 };
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
@@ -48,8 +46,11 @@ pub struct AppState {
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(handle::<CompletionRequest>))
+        .route(
+            "/v1/chat/completions",
+            post(handle::<ChatCompletionRequest>),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/info", get(info))
@@ -66,118 +67,68 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Reads the body, refusing more than `limit` bytes with 413 (checked against
-/// `Content-Length` first, then while reading).
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit as u64) {
-        return Err(ApiError::payload_too_large(limit));
-    }
-    let mut stream = body.into_data_stream();
-    let mut buf = Vec::with_capacity(declared.unwrap_or(0).min(limit as u64) as usize);
-    while let Some(chunk) = stream.next().await {
-        let chunk =
-            chunk.map_err(|e| ApiError::invalid_request(format!("reading the body: {e}")))?;
-        if buf.len() + chunk.len() > limit {
-            return Err(ApiError::payload_too_large(limit));
-        }
-        buf.extend_from_slice(&chunk);
-    }
-    Ok(Bytes::from(buf))
+/// A request kind the engine serves: its prompt as token ids.
+trait TakePrompt: ApiRequest + Send + 'static {
+    /// Takes the prompt out of the request, tokenized.
+    fn take_prompt(&mut self, state: &AppState) -> Result<Vec<u32>, ApiError>;
 }
 
-fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::invalid_request(format!("invalid JSON body: {e}")))
-}
-
-fn check_model(state: &AppState, model: &str) -> Result<(), ApiError> {
-    if model == state.info.model {
-        Ok(())
-    } else {
-        Err(ApiError::model_not_found(model))
-    }
-}
-
-async fn chat_completions(
+/// Reads and checks a request of either API, takes its prompt out as token ids, then serves
+/// it.
+async fn handle<R: TakePrompt>(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let result = async {
-        let bytes = read_body(&headers, body, state.body_limit).await?;
-        let request: ChatCompletionRequest = parse_json(&bytes)?;
-        check_model(&state, &request.model)?;
-        if request.messages.is_empty() {
+        let mut request: R = read_json(&headers, body, state.body_limit).await?;
+        check_model(&state.info.model, request.model())?;
+        let prompt = request.take_prompt(&state)?;
+        serve(&state, prompt, request.params(), R::API, request.model()).await
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+impl TakePrompt for ChatCompletionRequest {
+    fn take_prompt(&mut self, state: &AppState) -> Result<Vec<u32>, ApiError> {
+        if self.messages.is_empty() {
             return Err(ApiError::invalid_param("messages", "`messages` is empty"));
         }
-        let messages: Vec<text::ChatMessage> = request
-            .messages
-            .iter()
-            .map(|m| text::ChatMessage::new(m.role.clone(), m.text()))
-            .collect();
-        let prompt = state
-            .assets
-            .chat_prompt(&messages)
-            .map_err(ApiError::internal)?;
-        serve(&state, prompt, &request.params, Kind::Chat, &request.model).await
+        chat_prompt(state, &self.messages)
     }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    let result = async {
-        let bytes = read_body(&headers, body, state.body_limit).await?;
-        let request: CompletionRequest = parse_json(&bytes)?;
-        check_model(&state, &request.model)?;
-        let prompt = match request.prompt {
-            Prompt::Tokens(tokens) => tokens,
-            Prompt::Text(text) => state.assets.tokenizer.encode(&text),
-            Prompt::TokenBatch(mut batch) if batch.len() == 1 => batch.remove(0),
+impl TakePrompt for CompletionRequest {
+    fn take_prompt(&mut self, state: &AppState) -> Result<Vec<u32>, ApiError> {
+        match std::mem::replace(&mut self.prompt, Prompt::Tokens(Vec::new())) {
+            Prompt::Tokens(tokens) => Ok(tokens),
+            Prompt::Text(text) => Ok(state.assets.tokenizer.encode(&text)),
+            Prompt::TokenBatch(mut batch) if batch.len() == 1 => Ok(batch.remove(0)),
             Prompt::TextBatch(batch) if batch.len() == 1 => {
-                state.assets.tokenizer.encode(&batch[0])
+                Ok(state.assets.tokenizer.encode(&batch[0]))
             }
-            _ => {
-                return Err(ApiError::invalid_param(
-                    "prompt",
-                    "this server takes one prompt per request",
-                ));
-            }
-        };
-        serve(
-            &state,
-            prompt,
-            &request.params,
-            Kind::Completion,
-            &request.model,
-        )
-        .await
-    }
-    .await;
-    result.unwrap_or_else(IntoResponse::into_response)
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Chat,
-    Completion,
-}
-
-impl Kind {
-    fn prompt_param(self) -> &'static str {
-        match self {
-            Kind::Chat => "messages",
-            Kind::Completion => "prompt",
+            _ => Err(ApiError::invalid_param(
+                "prompt",
+                "this server takes one prompt per request",
+            )),
         }
     }
+}
+
+/// The chat template applied to `messages`, tokenized.
+fn chat_prompt(
+    state: &AppState,
+    messages: &[protocol::RequestMessage],
+) -> Result<Vec<u32>, ApiError> {
+    let messages: Vec<text::ChatMessage> = messages
+        .iter()
+        .map(|m| text::ChatMessage::new(m.role.clone(), m.text()))
+        .collect();
+    state
+        .assets
+        .chat_prompt(&messages)
+        .map_err(ApiError::internal)
 }
 
 /// Cancels the engine request when dropped while armed (the client went away).
@@ -222,10 +173,10 @@ async fn serve(
     state: &Arc<AppState>,
     prompt: Vec<u32>,
     params: &SamplingParams,
-    kind: Kind,
+    api: Api,
     model: &str,
 ) -> Result<Response, ApiError> {
-    let param = kind.prompt_param();
+    let param = api.prompt_field();
     if prompt.is_empty() {
         return Err(ApiError::invalid_param(param, "the prompt is empty"));
     }
@@ -316,13 +267,12 @@ async fn serve(
     }
     let reply = Arc::new(reply);
     let meta = ResponseMeta {
-        id: match kind {
-            Kind::Chat => format!("chatcmpl-{}-{}", state.info.worker, id.0),
-            Kind::Completion => format!("cmpl-{}-{}", state.info.worker, id.0),
+        head: ResponseHead {
+            api,
+            id: format!("{}-{}-{}", api.id_prefix(), state.info.worker, id.0),
+            model: model.into(),
+            created: unix_now(),
         },
-        created: unix_now(),
-        model: model.to_string(),
-        kind,
         include_usage: params.include_usage(),
         token_ids: params.return_token_ids(),
     };
@@ -361,15 +311,13 @@ async fn serve(
             "the request was cancelled: the engine is shutting down",
         ));
     };
-    Ok(axum::Json(meta.full_response(&reply, &finish)).into_response())
+    let body = meta.full_response(&reply, &finish)?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 /// What every response and chunk of one request repeats.
 struct ResponseMeta {
-    id: String,
-    created: u64,
-    model: String,
-    kind: Kind,
+    head: ResponseHead,
     include_usage: bool,
     token_ids: bool,
 }
@@ -391,120 +339,61 @@ fn finish_reason(reply: &PlannedReply) -> FinishReason {
 }
 
 impl ResponseMeta {
-    fn full_response(&self, reply: &PlannedReply, finish: &FinishInfo) -> serde_json::Value {
-        let text = reply.text_upto(finish.output_tokens).to_string();
-        let ids = self
-            .token_ids
-            .then(|| reply.ids[..finish.output_tokens as usize].to_vec());
-        let reason = Some(finish_reason(reply));
-        let value = match self.kind {
-            Kind::Chat => serde_json::to_value(ChatCompletionResponse {
-                id: self.id.clone(),
-                object: object::CHAT_COMPLETION.to_string(),
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![ChatChoice {
-                    index: 0,
-                    message: ResponseMessage {
-                        role: "assistant".to_string(),
-                        content: text,
-                    },
-                    finish_reason: reason,
-                    logprobs: None,
-                    token_ids: ids,
-                }],
-                usage: Some(usage(finish)),
-            }),
-            Kind::Completion => serde_json::to_value(CompletionResponse {
-                id: self.id.clone(),
-                object: object::TEXT_COMPLETION.to_string(),
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![CompletionChoice {
-                    index: 0,
-                    text,
-                    finish_reason: reason,
-                    logprobs: None,
-                    token_ids: ids,
-                }],
-                usage: Some(usage(finish)),
-            }),
-        };
-        value.unwrap_or_default()
+    /// The reply's tokens `from..to`: their text and, when asked for, their ids.
+    fn choice<'a>(
+        &self,
+        reply: &'a PlannedReply,
+        from: u32,
+        to: u32,
+        finish: Option<FinishReason>,
+    ) -> ChoiceOut<'a> {
+        let done = reply.text_upto(from).len();
+        ChoiceOut {
+            index: 0,
+            // The role rides on the first content chunk, so the first event a client sees is
+            // the first token (TTFT measured on it is right).
+            role: (from == 0).then_some("assistant"),
+            content: Some(&reply.text_upto(to)[done..]),
+            logprobs: None,
+            finish_reason: finish.map(FinishReason::as_str),
+            token_ids: self
+                .token_ids
+                .then(|| TokenIds::Ids(&reply.ids[from as usize..to as usize])),
+        }
     }
 
-    /// One chunk: new text (tokens `from..to`), an optional finish reason.
-    fn chunk(
+    fn full_response(
         &self,
+        reply: &PlannedReply,
+        finish: &FinishInfo,
+    ) -> Result<Vec<u8>, ApiError> {
+        let choice = self.choice(reply, 0, finish.output_tokens, Some(finish_reason(reply)));
+        self.head
+            .response_json(std::iter::once(choice), Some(&usage(finish)))
+            .map_err(|e| ApiError::internal(format!("could not write the response: {e}")))
+    }
+
+    /// Appends one chunk: new text (tokens `from..to`), an optional finish reason.
+    fn write_chunk(
+        &self,
+        out: &mut BytesMut,
         reply: &PlannedReply,
         from: u32,
         to: u32,
         finish: Option<FinishReason>,
-    ) -> String {
-        let done = reply.text_upto(from).len();
-        let text = reply.text_upto(to)[done..].to_string();
-        let ids = self
-            .token_ids
-            .then(|| reply.ids[from as usize..to as usize].to_vec());
-        let json = match self.kind {
-            Kind::Chat => serde_json::to_string(&ChatCompletionChunk {
-                id: self.id.clone(),
-                object: object::CHAT_COMPLETION_CHUNK.to_string(),
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![ChatChunkChoice {
-                    index: 0,
-                    delta: ChatDelta {
-                        // The role rides on the first content chunk, so the first event a
-                        // client sees is the first token (TTFT measured on it is right).
-                        role: (from == 0).then(|| "assistant".to_string()),
-                        content: Some(text),
-                    },
-                    finish_reason: finish,
-                    logprobs: None,
-                    token_ids: ids,
-                }],
-                usage: None,
-            }),
-            Kind::Completion => serde_json::to_string(&CompletionResponse {
-                id: self.id.clone(),
-                object: object::TEXT_COMPLETION.to_string(),
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![CompletionChoice {
-                    index: 0,
-                    text,
-                    finish_reason: finish,
-                    logprobs: None,
-                    token_ids: ids,
-                }],
-                usage: None,
-            }),
-        };
-        protocol::sse::event(&json.unwrap_or_default())
+    ) -> Result<(), serde_json::Error> {
+        let choice = self.choice(reply, from, to, finish);
+        self.head.write_chunk(out, std::iter::once(choice), None)
     }
 
-    /// The last chunk of `stream_options.include_usage`: no choices, the usage.
-    fn usage_chunk(&self, finish: &FinishInfo) -> String {
-        let json = match self.kind {
-            Kind::Chat => serde_json::to_string(&ChatCompletionChunk {
-                id: self.id.clone(),
-                object: object::CHAT_COMPLETION_CHUNK.to_string(),
-                created: self.created,
-                model: self.model.clone(),
-                choices: Vec::new(),
-                usage: Some(usage(finish)),
-            }),
-            Kind::Completion => serde_json::to_string(&CompletionResponse {
-                id: self.id.clone(),
-                object: object::TEXT_COMPLETION.to_string(),
-                created: self.created,
-                model: self.model.clone(),
-                choices: Vec::new(),
-                usage: Some(usage(finish)),
-            }),
-        };
-        protocol::sse::event(&json.unwrap_or_default())
+    /// Appends the last chunk of `stream_options.include_usage`: no choices, the usage.
+    fn write_usage_chunk(
+        &self,
+        out: &mut BytesMut,
+        finish: &FinishInfo,
+    ) -> Result<(), serde_json::Error> {
+        self.head
+            .write_chunk(out, std::iter::empty(), Some(&usage(finish)))
     }
 }
 
@@ -525,8 +414,10 @@ struct Relay {
     guard: CancelGuard,
 }
 
+type Item = (Result<Bytes, Infallible>, Relay);
+
 impl Relay {
-    async fn next_bytes(mut self) -> Option<(Result<Bytes, Infallible>, Relay)> {
+    async fn next_bytes(mut self) -> Option<Item> {
         if self.phase == Phase::Done {
             return None;
         }
@@ -535,70 +426,80 @@ impl Relay {
                 let progress = self.progress.borrow_and_update();
                 (progress.produced, progress.state.clone())
             };
-            let mut out = String::new();
+            let mut out = BytesMut::new();
             match state {
                 RequestState::Finished(finish) => {
                     let last = finish.output_tokens.max(self.sent);
-                    out.push_str(&self.meta.chunk(
-                        &self.reply,
-                        self.sent,
-                        last,
-                        Some(finish_reason(&self.reply)),
-                    ));
-                    if self.meta.include_usage {
-                        out.push_str(&self.meta.usage_chunk(&finish));
+                    let reason = Some(finish_reason(&self.reply));
+                    let mut written =
+                        self.meta
+                            .write_chunk(&mut out, &self.reply, self.sent, last, reason);
+                    if written.is_ok() && self.meta.include_usage {
+                        written = self.meta.write_usage_chunk(&mut out, &finish);
                     }
-                    out.push_str(protocol::sse::done_event());
-                    self.guard.armed = false;
-                    self.phase = Phase::Done;
-                    return Some((Ok(Bytes::from(out)), self));
+                    if let Err(e) = written {
+                        return self
+                            .fail(ApiError::internal(format!("could not write a chunk: {e}")));
+                    }
+                    sse::write_done(&mut out);
+                    return self.end(out);
                 }
                 RequestState::Cancelled | RequestState::Rejected(_) => {
-                    let error = ApiError::service_unavailable(
+                    return self.fail(ApiError::service_unavailable(
                         "the request was cancelled: the engine is shutting down",
-                    );
-                    out.push_str(&protocol::sse::event(&error.to_json()));
-                    out.push_str(protocol::sse::done_event());
-                    self.guard.armed = false;
-                    self.phase = Phase::Done;
-                    return Some((Ok(Bytes::from(out)), self));
+                    ));
                 }
                 RequestState::Submitted | RequestState::Accepted => {
                     if produced > self.sent {
-                        out.push_str(&self.meta.chunk(&self.reply, self.sent, produced, None));
+                        let written =
+                            self.meta
+                                .write_chunk(&mut out, &self.reply, self.sent, produced, None);
+                        if let Err(e) = written {
+                            return self
+                                .fail(ApiError::internal(format!("could not write a chunk: {e}")));
+                        }
                         self.sent = produced;
-                        return Some((Ok(Bytes::from(out)), self));
+                        return Some((Ok(out.freeze()), self));
                     }
                 }
             }
             if self.progress.changed().await.is_err() {
-                let error = ApiError::service_unavailable("the engine stopped");
-                let mut out = protocol::sse::event(&error.to_json());
-                out.push_str(protocol::sse::done_event());
-                self.guard.armed = false;
-                self.phase = Phase::Done;
-                return Some((Ok(Bytes::from(out)), self));
+                return self.fail(ApiError::service_unavailable("the engine stopped"));
             }
         }
+    }
+
+    /// Ends the stream with `error`.
+    fn fail(self, error: ApiError) -> Option<Item> {
+        let mut out = BytesMut::new();
+        sse::write_error_and_done(&mut out, &error);
+        self.end(out)
+    }
+
+    /// The stream's last bytes: the request is over, there is nothing left to cancel.
+    fn end(mut self, out: BytesMut) -> Option<Item> {
+        self.guard.armed = false;
+        self.phase = Phase::Done;
+        Some((Ok(out.freeze()), self))
     }
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let mut model = Model::new(state.info.model.clone(), "kvroute", state.started);
     model.max_model_len = Some(state.info.max_model_len);
-    axum::Json(ModelList::new(vec![model])).into_response()
+    json_response(200, &ModelList::new(vec![model]))
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     if state.commands.is_closed() {
         ApiError::service_unavailable("the engine stopped").into_response()
     } else {
-        axum::Json(serde_json::json!({"status": "ok"})).into_response()
+        json_response(200, &serde_json::json!({"status": "ok"}))
     }
 }
 
 async fn info(State(state): State<Arc<AppState>>) -> Response {
-    axum::Json(state.info.clone()).into_response()
+    json_response(200, &state.info)
 }
 
 /// `POST /tokenize`, as vLLM takes it: `{"prompt": "…"}` or `{"messages": […]}`.
@@ -614,35 +515,27 @@ struct TokenizeRequest {
 
 async fn tokenize(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let result = async {
-        let bytes = read_body(&headers, body, state.body_limit).await?;
-        let request: TokenizeRequest = parse_json(&bytes)?;
+        let request: TokenizeRequest = read_json(&headers, body, state.body_limit).await?;
         if let Some(model) = &request.model {
-            check_model(&state, model)?;
+            check_model(&state.info.model, model)?;
         }
         let tokens = match (request.prompt, request.messages) {
             (Some(prompt), None) => state.assets.tokenizer.encode(&prompt),
-            (None, Some(messages)) => {
-                let messages: Vec<text::ChatMessage> = messages
-                    .iter()
-                    .map(|m| text::ChatMessage::new(m.role.clone(), m.text()))
-                    .collect();
-                state
-                    .assets
-                    .chat_prompt(&messages)
-                    .map_err(ApiError::internal)?
-            }
+            (None, Some(messages)) => chat_prompt(&state, &messages)?,
             _ => {
                 return Err(ApiError::invalid_request(
                     "give exactly one of `prompt` or `messages`",
                 ));
             }
         };
-        Ok(axum::Json(serde_json::json!({
-            "count": tokens.len(),
-            "max_model_len": state.info.max_model_len,
-            "tokens": tokens,
-        }))
-        .into_response())
+        Ok(json_response(
+            200,
+            &serde_json::json!({
+                "count": tokens.len(),
+                "max_model_len": state.info.max_model_len,
+                "tokens": tokens,
+            }),
+        ))
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)

@@ -52,7 +52,6 @@ pub mod preprocess;
 pub mod registry;
 pub mod relay;
 mod server;
-pub mod sse;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

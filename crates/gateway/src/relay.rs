@@ -1,44 +1,34 @@
 //! The streaming relay: a worker's `/v1/completions` SSE stream in, the client's chat or
 //! completion stream (or one aggregated response) out.
 //!
-//! Cost per upstream event: one incremental SSE decode, one JSON parse that borrows the text
-//! from the event, one JSON write into a buffer that collects everything decoded from the same
-//! network read, so the client gets one body frame per upstream read, not per token.
+//! Cost per upstream event: one incremental SSE decode (`protocol::SseDecoder`, handing the
+//! event out as a slice of its buffer), one JSON parse that borrows the text from the event
+//! (`protocol::ResponseView`), one JSON write (`protocol::ResponseHead`) into a buffer that
+//! collects everything decoded from the same network read, so the client gets one body frame
+//! per upstream read, not per token.
 //!
 //! Whatever ends a request — `[DONE]`, a broken worker stream, the client going away (the
 //! body stream is dropped, which drops the upstream response and so cancels the worker's
 //! request) — releases its [`Ticket`] and records its metrics exactly once
 //! ([`RequestRecord`]'s `Drop`).
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use protocol::{ApiError, ErrorBody, ErrorDetail, Usage};
-use serde::ser::SerializeSeq;
-use serde::{Deserialize, Serialize, Serializer};
-use serde_json::value::RawValue;
+use protocol::sse::{self, SseDecoder, SseEvent};
+use protocol::{Api, ApiError, ChoiceOut, ChoiceView, ResponseHead, ResponseView, TokenIds, Usage};
 
 use crate::dispatch::Ticket;
 use crate::metrics::{Endpoint, Metrics};
-use crate::sse::{DONE, SseReader};
 
-/// Which API the client called; decides the output shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Api {
-    Chat,
-    Completion,
-}
-
-impl Api {
-    pub fn endpoint(self) -> Endpoint {
-        match self {
-            Api::Chat => Endpoint::ChatCompletions,
-            Api::Completion => Endpoint::Completions,
-        }
+/// The metrics label of the API the client called.
+pub fn endpoint(api: Api) -> Endpoint {
+    match api {
+        Api::Chat => Endpoint::ChatCompletions,
+        Api::Completion => Endpoint::Completions,
     }
 }
 
@@ -143,11 +133,8 @@ impl Drop for RequestRecord {
 /// Per-request constants of the output.
 #[derive(Debug, Clone)]
 pub struct OutputCtx {
-    pub api: Api,
-    /// `chatcmpl-…` or `cmpl-…`.
-    pub id: String,
-    pub model: Arc<str>,
-    pub created: u64,
+    /// The API, id, model and creation time every chunk repeats.
+    pub head: ResponseHead,
     pub include_usage: bool,
     /// The client asked for `return_token_ids`.
     pub return_token_ids: bool,
@@ -156,145 +143,12 @@ pub struct OutputCtx {
     pub predicted_cached_tokens: u32,
 }
 
-#[derive(Deserialize)]
-struct UpChoice<'a> {
-    #[serde(default)]
-    index: u32,
-    #[serde(borrow, default)]
-    text: Cow<'a, str>,
-    #[serde(borrow, default)]
-    logprobs: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    finish_reason: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    token_ids: Option<&'a RawValue>,
-}
-
-impl UpChoice<'_> {
-    /// Tokens this choice carries: the length of `token_ids` when the worker sends them,
-    /// else one per chunk with text (or without a finish reason).
-    fn tokens(&self) -> u64 {
-        match self.token_ids {
-            Some(ids) => {
-                let raw = ids.get();
-                if raw.bytes().any(|b| b.is_ascii_digit()) {
-                    raw.bytes().filter(|b| *b == b',').count() as u64 + 1
-                } else {
-                    0
-                }
-            }
-            None => u64::from(!self.text.is_empty() || self.finish_reason.is_none()),
-        }
-    }
-}
-
-#[derive(Deserialize)]
-struct UpChunk<'a> {
-    #[serde(borrow, default)]
-    choices: Vec<UpChoice<'a>>,
-    #[serde(default)]
-    usage: Option<Usage>,
-    #[serde(default)]
-    error: Option<ErrorDetail>,
-}
-
-#[derive(Serialize)]
-struct ChunkOut<'a, C: Serialize> {
-    id: &'a str,
-    object: &'static str,
-    created: u64,
-    model: &'a str,
-    choices: C,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    usage: Option<&'a Usage>,
-}
-
-#[derive(Serialize)]
-struct DeltaOut<'a> {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    role: Option<&'static str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    content: Option<&'a str>,
-}
-
-#[derive(Serialize)]
-struct ChatChoiceOut<'a> {
-    index: u32,
-    delta: DeltaOut<'a>,
-    logprobs: Option<&'a RawValue>,
-    finish_reason: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    token_ids: Option<&'a RawValue>,
-}
-
-#[derive(Serialize)]
-struct TextChoiceOut<'a> {
-    index: u32,
-    text: &'a str,
-    logprobs: Option<&'a RawValue>,
-    finish_reason: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    token_ids: Option<&'a RawValue>,
-}
-
-/// The choices of one upstream chunk, written as chat deltas or completion choices without
-/// building an intermediate vector.
-struct ChoicesOut<'a> {
-    api: Api,
-    choices: &'a [UpChoice<'a>],
-    role: bool,
-    /// Pass `token_ids` on (the client asked for them).
-    token_ids: bool,
-}
-
-impl Serialize for ChoicesOut<'_> {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let mut seq = serializer.serialize_seq(Some(self.choices.len()))?;
-        for c in self.choices {
-            match self.api {
-                Api::Chat => seq.serialize_element(&ChatChoiceOut {
-                    index: c.index,
-                    delta: DeltaOut {
-                        role: self.role.then_some("assistant"),
-                        content: (!c.text.is_empty() || c.finish_reason.is_none())
-                            .then_some(c.text.as_ref()),
-                    },
-                    logprobs: c.logprobs,
-                    finish_reason: c.finish_reason.as_deref(),
-                    token_ids: c.token_ids.filter(|_| self.token_ids),
-                })?,
-                Api::Completion => seq.serialize_element(&TextChoiceOut {
-                    index: c.index,
-                    text: &c.text,
-                    logprobs: c.logprobs,
-                    finish_reason: c.finish_reason.as_deref(),
-                    token_ids: c.token_ids.filter(|_| self.token_ids),
-                })?,
-            }
-        }
-        seq.end()
-    }
-}
-
-fn object(api: Api, stream: bool) -> &'static str {
-    match (api, stream) {
-        (Api::Chat, true) => "chat.completion.chunk",
-        (Api::Chat, false) => "chat.completion",
-        (Api::Completion, _) => "text_completion",
-    }
-}
-
-/// Appends `data: <json>\n\n`.
-fn write_event(out: &mut BytesMut, value: &impl Serialize) {
-    out.put_slice(b"data: ");
-    // Serializing into memory only fails for non-string map keys, which we never write.
-    let _ = serde_json::to_writer((&mut *out).writer(), value);
-    out.put_slice(b"\n\n");
-}
-
-/// Appends an SSE error event.
-pub fn write_error_event(out: &mut BytesMut, error: &ApiError) {
-    write_event(out, &error.body());
+/// Tokens a worker's choice carries: the length of `token_ids` when the worker sends them,
+/// else one per chunk with text (or without a finish reason).
+fn choice_tokens(choice: &ChoiceView<'_>) -> u64 {
+    choice.token_id_count().unwrap_or_else(|| {
+        u64::from(!choice.content().is_empty() || choice.finish_reason.is_none())
+    })
 }
 
 /// What the aggregating (non-streaming) mode collects.
@@ -308,19 +162,25 @@ struct Aggregate {
 #[derive(Debug)]
 pub enum Ending {
     Done,
-    /// The worker reported an error in its stream.
-    WorkerError(ApiError),
+    /// The worker reported an error in its stream, or the relay could not write its output.
+    Error(ApiError),
     /// The worker's stream broke (connection lost, garbage): the worker is taken out of the
     /// routing set.
     Broken(ApiError),
 }
 
-/// One request's relay state.
+/// One request's relay: the worker's stream, its decoder, and what is made of it.
 pub struct Relay {
+    body: BoxStream<'static, reqwest::Result<Bytes>>,
+    /// Apart from [`Output`] so that an event borrowed from it can be handled.
+    decoder: SseDecoder,
+    output: Output,
+}
+
+/// Everything of a relay but its input.
+struct Output {
     ctx: OutputCtx,
     stream: bool,
-    body: BoxStream<'static, reqwest::Result<Bytes>>,
-    reader: SseReader,
     ticket: Option<Ticket>,
     record: RequestRecord,
     out: BytesMut,
@@ -344,20 +204,22 @@ impl Relay {
         record: RequestRecord,
     ) -> Relay {
         Relay {
-            ctx,
-            stream,
             body,
-            reader: SseReader::new(MAX_EVENT_BYTES),
-            ticket: Some(ticket),
-            record,
-            out: BytesMut::with_capacity(FRAME_CAPACITY),
-            role_sent: false,
-            usage: None,
-            aggregate: Aggregate::default(),
-            ending: None,
-            finished: false,
-            last_read: None,
-            first_token_read: None,
+            decoder: SseDecoder::new(MAX_EVENT_BYTES),
+            output: Output {
+                ctx,
+                stream,
+                ticket: Some(ticket),
+                record,
+                out: BytesMut::with_capacity(FRAME_CAPACITY),
+                role_sent: false,
+                usage: None,
+                aggregate: Aggregate::default(),
+                ending: None,
+                finished: false,
+                last_read: None,
+                first_token_read: None,
+            },
         }
     }
 
@@ -373,61 +235,67 @@ impl Relay {
     /// error to answer with).
     pub async fn into_response_body(mut self) -> Result<Vec<u8>, ApiError> {
         while self.next_output().await.is_some() {}
-        match self.ending.take() {
-            Some(Ending::Done) | None => Ok(self.response_json()),
-            Some(Ending::WorkerError(e)) | Some(Ending::Broken(e)) => Err(e),
+        match self.output.ending.take() {
+            Some(Ending::Done) | None => self.output.response_json(),
+            Some(Ending::Error(e)) | Some(Ending::Broken(e)) => Err(e),
         }
     }
 
     async fn next_output(&mut self) -> Option<Bytes> {
+        let output = &mut self.output;
         loop {
-            while self.ending.is_none() {
-                match self.reader.next_event() {
-                    Ok(Some(data)) => self.handle(data.as_bytes()),
-                    Ok(None) => break,
-                    Err(e) => {
-                        self.break_worker(format!("the worker's stream is not valid SSE: {e}"))
-                    }
+            while output.ending.is_none() {
+                match self.decoder.next_event() {
+                    Some(SseEvent::Data(data)) => output.handle(data),
+                    Some(SseEvent::Done) => output.ending = Some(Ending::Done),
+                    None => break,
                 }
             }
-            if self.ending.is_some() && !self.finished {
-                self.finish();
+            if output.ending.is_some() && !output.finished {
+                output.finish();
             }
-            if !self.out.is_empty() {
-                if let (Some(read), Some(pre), true) = (
-                    self.first_token_read.take(),
-                    self.record.pre_forward,
-                    self.stream,
-                ) {
-                    let added = pre + read.elapsed();
-                    self.record.metrics.added_ttft.observe(added.as_secs_f64());
-                }
-                let frame = self.out.split().freeze();
-                // One allocation per frame, sized for a typical chunk, instead of growth steps.
-                self.out.reserve(FRAME_CAPACITY);
-                return Some(frame);
+            if !output.out.is_empty() {
+                return Some(output.take_frame());
             }
-            if self.finished {
+            if output.finished {
                 return None;
             }
             match self.body.next().await {
                 Some(Ok(bytes)) => {
                     // Only the read that brings the first token is timed.
-                    if self.record.first_token.is_none() {
-                        self.last_read = Some(Instant::now());
+                    if output.record.first_token.is_none() {
+                        output.last_read = Some(Instant::now());
                     }
-                    if let Err(e) = self.reader.push(&bytes) {
-                        self.break_worker(format!("the worker's stream is not valid SSE: {e}"));
+                    if let Err(e) = self.decoder.push(&bytes) {
+                        output.break_worker(format!("the worker's stream is not valid SSE: {e}"));
                     }
                 }
                 Some(Err(e)) => {
-                    self.break_worker(format!("the worker's stream broke: {e}"));
+                    output.break_worker(format!("the worker's stream broke: {e}"));
                 }
                 None => {
-                    self.break_worker("the worker closed its stream before [DONE]".to_string());
+                    output.break_worker("the worker closed its stream before [DONE]".to_string());
                 }
             }
         }
+    }
+}
+
+impl Output {
+    /// The frame written so far, timing the first token's on the way out.
+    fn take_frame(&mut self) -> Bytes {
+        if let (Some(read), Some(pre), true) = (
+            self.first_token_read.take(),
+            self.record.pre_forward,
+            self.stream,
+        ) {
+            let added = pre + read.elapsed();
+            self.record.metrics.added_ttft.observe(added.as_secs_f64());
+        }
+        let frame = self.out.split().freeze();
+        // One allocation per frame, sized for a typical chunk, instead of growth steps.
+        self.out.reserve(FRAME_CAPACITY);
+        frame
     }
 
     fn break_worker(&mut self, message: String) {
@@ -446,6 +314,14 @@ impl Relay {
         )));
     }
 
+    /// Ends the request with an error of our own (a chunk that could not be written).
+    fn fail(&mut self, e: serde_json::Error) {
+        tracing::error!(error = %e, "could not write a chunk");
+        self.ending = Some(Ending::Error(ApiError::internal(format!(
+            "the gateway could not write a chunk: {e}"
+        ))));
+    }
+
     /// Writes the tail of the stream and releases the worker slot.
     fn finish(&mut self) {
         self.finished = true;
@@ -455,24 +331,22 @@ impl Relay {
                 if self.stream {
                     if self.ctx.include_usage {
                         let usage = self.final_usage();
-                        let chunk = ChunkOut {
-                            id: &self.ctx.id,
-                            object: object(self.ctx.api, true),
-                            created: self.ctx.created,
-                            model: &self.ctx.model,
-                            choices: [0u8; 0],
-                            usage: Some(&usage),
-                        };
-                        write_event(&mut self.out, &chunk);
+                        let written = self.ctx.head.write_chunk(
+                            &mut self.out,
+                            std::iter::empty(),
+                            Some(&usage),
+                        );
+                        if let Err(e) = written {
+                            tracing::error!(error = %e, "could not write the usage chunk");
+                        }
                     }
-                    self.out.put_slice(b"data: [DONE]\n\n");
+                    sse::write_done(&mut self.out);
                 }
             }
-            Some(Ending::WorkerError(e)) | Some(Ending::Broken(e)) if self.stream => {
-                write_error_event(&mut self.out, e);
-                self.out.put_slice(b"data: [DONE]\n\n");
+            Some(Ending::Error(e)) | Some(Ending::Broken(e)) if self.stream => {
+                sse::write_error_and_done(&mut self.out, e);
             }
-            Some(Ending::WorkerError(_)) | Some(Ending::Broken(_)) | None => {}
+            Some(Ending::Error(_)) | Some(Ending::Broken(_)) | None => {}
         }
         if let Some(usage) = self.usage {
             // Chunks without token ids were counted one token each; the worker's count wins.
@@ -510,12 +384,9 @@ impl Relay {
         }
     }
 
-    fn handle(&mut self, data: &[u8]) {
-        if data == DONE {
-            self.ending = Some(Ending::Done);
-            return;
-        }
-        let chunk: UpChunk<'_> = match serde_json::from_slice(data) {
+    /// Handles one upstream event's data (a chunk of the worker's `/v1/completions` stream).
+    fn handle(&mut self, data: &str) {
+        let chunk: ResponseView<'_> = match serde_json::from_str(data) {
             Ok(chunk) => chunk,
             Err(e) => {
                 self.break_worker(format!("the worker sent a chunk that is not JSON: {e}"));
@@ -523,7 +394,7 @@ impl Relay {
             }
         };
         if let Some(error) = chunk.error {
-            self.ending = Some(Ending::WorkerError(ApiError {
+            self.ending = Some(Ending::Error(ApiError {
                 status: 502,
                 detail: error,
             }));
@@ -535,7 +406,7 @@ impl Relay {
         if chunk.choices.is_empty() {
             return;
         }
-        let tokens = chunk.choices.iter().map(UpChoice::tokens).sum();
+        let tokens = chunk.choices.iter().map(choice_tokens).sum();
         if self.record.tokens(tokens, Instant::now()) {
             if let Some(ticket) = &mut self.ticket {
                 ticket.first_token();
@@ -543,22 +414,24 @@ impl Relay {
             self.first_token_read = self.last_read;
         }
         if self.stream {
-            let role = self.ctx.api == Api::Chat && !self.role_sent;
+            let role = (self.ctx.head.api == Api::Chat && !self.role_sent).then_some("assistant");
             self.role_sent = true;
-            let out = ChunkOut {
-                id: &self.ctx.id,
-                object: object(self.ctx.api, true),
-                created: self.ctx.created,
-                model: &self.ctx.model,
-                choices: ChoicesOut {
-                    api: self.ctx.api,
-                    choices: &chunk.choices,
+            let token_ids = self.ctx.return_token_ids;
+            let choices = chunk.choices.iter().map(|c| {
+                let text = c.content();
+                ChoiceOut {
+                    index: c.index,
                     role,
-                    token_ids: self.ctx.return_token_ids,
-                },
-                usage: None,
-            };
-            write_event(&mut self.out, &out);
+                    // A chat delta with only a finish reason has no content.
+                    content: (!text.is_empty() || c.finish_reason.is_none()).then_some(text),
+                    logprobs: c.logprobs,
+                    finish_reason: c.finish_reason.as_deref(),
+                    token_ids: c.token_ids.filter(|_| token_ids).map(TokenIds::Raw),
+                }
+            });
+            if let Err(e) = self.ctx.head.write_chunk(&mut self.out, choices, None) {
+                self.fail(e);
+            }
         } else {
             for c in &chunk.choices {
                 let i = c.index as usize;
@@ -569,7 +442,7 @@ impl Relay {
                     self.aggregate.texts.resize_with(i + 1, String::new);
                     self.aggregate.finish.resize(i + 1, None);
                 }
-                self.aggregate.texts[i].push_str(&c.text);
+                self.aggregate.texts[i].push_str(c.content());
                 if let Some(f) = &c.finish_reason {
                     self.aggregate.finish[i] = Some(f.to_string());
                 }
@@ -577,66 +450,26 @@ impl Relay {
         }
     }
 
-    fn response_json(&self) -> Vec<u8> {
-        #[derive(Serialize)]
-        struct Message<'a> {
-            role: &'static str,
-            content: &'a str,
-        }
-        #[derive(Serialize)]
-        struct ChatChoice<'a> {
-            index: usize,
-            message: Message<'a>,
-            logprobs: Option<()>,
-            finish_reason: Option<&'a str>,
-        }
-        #[derive(Serialize)]
-        struct TextChoice<'a> {
-            index: usize,
-            text: &'a str,
-            logprobs: Option<()>,
-            finish_reason: Option<&'a str>,
-        }
-        #[derive(Serialize)]
-        #[serde(untagged)]
-        enum Choice<'a> {
-            Chat(ChatChoice<'a>),
-            Text(TextChoice<'a>),
-        }
-        let choices: Vec<Choice<'_>> = self
+    /// The whole response of the aggregating mode.
+    fn response_json(&self) -> Result<Vec<u8>, ApiError> {
+        let choices = self
             .aggregate
             .texts
             .iter()
             .zip(&self.aggregate.finish)
-            .enumerate()
-            .map(|(index, (text, finish))| match self.ctx.api {
-                Api::Chat => Choice::Chat(ChatChoice {
-                    index,
-                    message: Message {
-                        role: "assistant",
-                        content: text,
-                    },
-                    logprobs: None,
-                    finish_reason: finish.as_deref(),
-                }),
-                Api::Completion => Choice::Text(TextChoice {
-                    index,
-                    text,
-                    logprobs: None,
-                    finish_reason: finish.as_deref(),
-                }),
+            .zip(0u32..)
+            .map(|((text, finish), index)| ChoiceOut {
+                index,
+                content: Some(text),
+                finish_reason: finish.as_deref(),
+                ..ChoiceOut::default()
+            });
+        self.ctx
+            .head
+            .response_json(choices, Some(&self.final_usage()))
+            .map_err(|e| {
+                ApiError::internal(format!("the gateway could not write the response: {e}"))
             })
-            .collect();
-        let usage = self.final_usage();
-        let body = ChunkOut {
-            id: &self.ctx.id,
-            object: object(self.ctx.api, false),
-            created: self.ctx.created,
-            model: &self.ctx.model,
-            choices,
-            usage: Some(&usage),
-        };
-        serde_json::to_vec(&body).unwrap_or_default()
     }
 }
 
@@ -658,12 +491,4 @@ pub async fn read_error(response: reqwest::Response) -> ApiError {
         error.status = 502;
     }
     error
-}
-
-/// `{"error": …}` as bytes.
-pub fn error_json(error: &ApiError) -> Vec<u8> {
-    serde_json::to_vec(&ErrorBody {
-        error: error.detail.clone(),
-    })
-    .unwrap_or_default()
 }

@@ -5,14 +5,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router as HttpRouter;
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
-use axum::response::Response;
+use axum::http::{HeaderMap, HeaderValue, header};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
+use protocol::http::{check_model, json_response, read_json};
 use protocol::{
-    ApiError, ChatCompletionRequest, CompletionRequest, Model, ModelList, Prompt, StreamOptions,
+    Api, ApiError, ApiRequest, ChatCompletionRequest, CompletionRequest, Model, ModelList, Prompt,
+    ResponseHead, StreamOptions,
 };
 use serde_json::Value;
 
@@ -20,7 +22,7 @@ use crate::config::PromptFormat;
 use crate::dispatch::{AdmitError, Dispatcher, Ticket, WorkerInfo};
 use crate::metrics::{CONTENT_TYPE, Metrics};
 use crate::preprocess::{Prepared, Preprocessor};
-use crate::relay::{Api, OutputCtx, Relay, RequestRecord, error_json, read_error};
+use crate::relay::{OutputCtx, Relay, RequestRecord, endpoint, read_error};
 
 /// Connection attempts per request: a worker that refuses the connection leaves the routing
 /// set and the request is routed again (nothing was sent, so this is safe).
@@ -41,8 +43,11 @@ pub(crate) struct AppState {
 
 pub(crate) fn routes(state: Arc<AppState>) -> HttpRouter {
     HttpRouter::new()
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/completions", post(completions))
+        .route(
+            "/v1/chat/completions",
+            post(handle::<ChatCompletionRequest>),
+        )
+        .route("/v1/completions", post(handle::<CompletionRequest>))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -56,42 +61,27 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
-    let mut response = Response::new(Body::from(body));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
-}
-
-fn error_response(error: &ApiError) -> Response {
-    let status = StatusCode::from_u16(error.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    json_response(status, error_json(error))
-}
-
 async fn not_found() -> Response {
-    error_response(&ApiError::not_found(
+    ApiError::not_found(
         "Unknown path. This gateway serves /v1/chat/completions, /v1/completions, /v1/models, \
          /health and /metrics.",
-    ))
+    )
+    .into_response()
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let mut model = Model::new(state.model.as_ref(), "kvroute", state.started);
     model.max_model_len = Some(state.context_length);
-    let body = serde_json::to_vec(&ModelList::new(vec![model])).unwrap_or_default();
-    json_response(StatusCode::OK, body)
+    json_response(200, &ModelList::new(vec![model]))
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     let routable = state.dispatcher.routable_workers().len();
     let known = state.dispatcher.workers().len();
     let (status, word) = if routable > 0 {
-        (StatusCode::OK, "healthy")
+        (200, "healthy")
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "unhealthy")
+        (503, "unhealthy")
     };
     let body = serde_json::json!({
         "status": word,
@@ -99,7 +89,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
         "workers": known,
         "routable_workers": routable,
     });
-    json_response(status, serde_json::to_vec(&body).unwrap_or_default())
+    json_response(status, &body)
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
@@ -110,49 +100,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     response
 }
 
-/// Reads the body up to the limit: 413 beyond it (by `Content-Length` or by counting).
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(ApiError::payload_too_large(limit));
-    }
-    let capacity = declared.map_or(0, |n| n as usize).min(limit);
-    let mut buf = bytes::BytesMut::with_capacity(capacity);
-    let mut stream = body.into_data_stream();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| {
-            ApiError::invalid_request(format!("could not read the request body: {e}"))
-        })?;
-        if buf.len() + chunk.len() > limit {
-            return Err(ApiError::payload_too_large(limit));
-        }
-        buf.extend_from_slice(&chunk);
-    }
-    Ok(buf.freeze())
-}
-
-fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(bytes).map_err(|e| {
-        if e.is_syntax() || e.is_eof() {
-            ApiError::invalid_request(format!("The request body is not valid JSON: {e}"))
-        } else {
-            ApiError::invalid_request(format!("Invalid request: {e}"))
-        }
-    })
-}
-
 impl AppState {
-    fn check_model(&self, model: &str) -> Result<(), ApiError> {
-        if model == self.model.as_ref() {
-            Ok(())
-        } else {
-            Err(ApiError::model_not_found(model))
-        }
-    }
-
     fn check_context(
         &self,
         param: &str,
@@ -173,10 +121,7 @@ impl AppState {
 
     fn request_id(&self, api: Api) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        match api {
-            Api::Chat => format!("chatcmpl-{:x}-{n}", self.started),
-            Api::Completion => format!("cmpl-{:x}-{n}", self.started),
-        }
+        format!("{}-{:x}-{n}", api.id_prefix(), self.started)
     }
 }
 
@@ -200,7 +145,7 @@ fn worker_body(
     worker: &WorkerInfo,
     mut params: protocol::SamplingParams,
     extra: &serde_json::Map<String, Value>,
-) -> Vec<u8> {
+) -> Result<Vec<u8>, ApiError> {
     if worker.token_ids {
         params.return_token_ids = Some(true);
     }
@@ -223,7 +168,8 @@ fn worker_body(
         params,
         extra: extra.clone(),
     };
-    serde_json::to_vec(&request).unwrap_or_default()
+    serde_json::to_vec(&request)
+        .map_err(|e| ApiError::internal(format!("could not write the worker's request: {e}")))
 }
 
 /// Chat fields whose completions counterpart has another shape.
@@ -252,65 +198,73 @@ struct Parsed {
     extra: serde_json::Map<String, Value>,
 }
 
-async fn chat_completions(
+/// A request kind the gateway serves: its prompt, prepared for routing and forwarding.
+trait Prepare: ApiRequest + Send + 'static {
+    /// Templates and tokenizes the prompt (taking it out of the request).
+    fn prepare(&mut self, state: &AppState) -> Result<Prepared, ApiError>;
+}
+
+/// Reads, checks and prepares a request of either API, then serves it; every outcome is
+/// counted under the request's endpoint.
+async fn handle<R: Prepare>(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let mut record = RequestRecord::start(state.metrics.clone(), Api::Chat.endpoint(), false);
+    let mut record = RequestRecord::start(state.metrics.clone(), endpoint(R::API), false);
     let parsed = async {
-        let bytes = read_body(&headers, body, state.max_body_bytes).await?;
-        let request: ChatCompletionRequest = parse_json(&bytes)?;
-        record.set_stream(request.params.is_stream());
-        state.check_model(&request.model)?;
-        if request.messages.is_empty() {
-            return Err(ApiError::invalid_param(
-                "messages",
-                "`messages` must contain at least one message",
-            ));
-        }
-        let messages: Vec<text::ChatMessage> = request
-            .messages
-            .iter()
-            .map(|m| text::ChatMessage::new(m.role.clone(), m.text()))
-            .collect();
-        let need_text = state.dispatcher.has_text_workers();
-        let prepared = state
-            .preprocessor
-            .chat(&messages, need_text)
-            .map_err(|e| ApiError::invalid_param("messages", e))?;
+        let mut request: R = read_json(&headers, body, state.max_body_bytes).await?;
+        record.set_stream(request.params().is_stream());
+        check_model(&state.model, request.model())?;
+        let prepared = request.prepare(&state)?;
         state.check_context(
-            "messages",
+            R::API.prompt_field(),
             prepared.tokens.len(),
-            request.params.max_output_tokens(),
+            request.params().max_output_tokens(),
         )?;
-        Ok(Parsed {
-            api: Api::Chat,
-            model: request.model,
+        let (model, params, extra) = request.into_parts();
+        Ok::<_, ApiError>(Parsed {
+            api: R::API,
+            model,
             prepared,
-            params: request.params,
-            extra: chat_extra_for_completions(request.extra),
+            params,
+            extra: match R::API {
+                Api::Chat => chat_extra_for_completions(extra),
+                Api::Completion => extra,
+            },
         })
     }
     .await;
     match parsed {
         Ok(parsed) => serve(state, parsed, record).await,
-        Err(e) => error_response(&e),
+        Err(e) => e.into_response(),
     }
 }
 
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    let mut record = RequestRecord::start(state.metrics.clone(), Api::Completion.endpoint(), false);
-    let parsed = async {
-        let bytes = read_body(&headers, body, state.max_body_bytes).await?;
-        let request: CompletionRequest = parse_json(&bytes)?;
-        record.set_stream(request.params.is_stream());
-        state.check_model(&request.model)?;
-        let prepared = match request.prompt {
+impl Prepare for ChatCompletionRequest {
+    fn prepare(&mut self, state: &AppState) -> Result<Prepared, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid_param(
+                "messages",
+                "`messages` must contain at least one message",
+            ));
+        }
+        let messages: Vec<text::ChatMessage> = self
+            .messages
+            .iter()
+            .map(|m| text::ChatMessage::new(m.role.clone(), m.text()))
+            .collect();
+        let need_text = state.dispatcher.has_text_workers();
+        state
+            .preprocessor
+            .chat(&messages, need_text)
+            .map_err(|e| ApiError::invalid_param("messages", e))
+    }
+}
+
+impl Prepare for CompletionRequest {
+    fn prepare(&mut self, state: &AppState) -> Result<Prepared, ApiError> {
+        let prepared = match std::mem::replace(&mut self.prompt, Prompt::Tokens(Vec::new())) {
             Prompt::Text(text) => Prepared {
                 tokens: state.preprocessor.text(&text),
                 text: Some(text),
@@ -333,23 +287,7 @@ async fn completions(
         if prepared.tokens.is_empty() {
             return Err(ApiError::invalid_param("prompt", "`prompt` is empty"));
         }
-        state.check_context(
-            "prompt",
-            prepared.tokens.len(),
-            request.params.max_output_tokens(),
-        )?;
-        Ok(Parsed {
-            api: Api::Completion,
-            model: request.model,
-            prepared,
-            params: request.params,
-            extra: request.extra,
-        })
-    }
-    .await;
-    match parsed {
-        Ok(parsed) => serve(state, parsed, record).await,
-        Err(e) => error_response(&e),
+        Ok(prepared)
     }
 }
 
@@ -365,20 +303,23 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         let admit_start = Instant::now();
         let ticket = match state.dispatcher.admit(key.clone()).await {
             Ok(t) => t,
-            Err(e) => return error_response(&admit_error(e)),
+            Err(e) => return admit_error(e).into_response(),
         };
         let queue_wait = if ticket.queued {
             admit_start.elapsed()
         } else {
             Duration::ZERO
         };
-        let body = worker_body(
+        let body = match worker_body(
             &parsed.model,
             &parsed.prepared,
             &ticket.worker,
             parsed.params.clone(),
             &parsed.extra,
-        );
+        ) {
+            Ok(body) => body,
+            Err(e) => return e.into_response(),
+        };
         let pre_forward = record.started().elapsed().saturating_sub(queue_wait);
         record.pre_forward = Some(pre_forward);
         state.metrics.overhead.observe(pre_forward.as_secs_f64());
@@ -400,15 +341,16 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
             }
         };
         if !response.status().is_success() {
-            let error = read_error(response).await;
-            return error_response(&error);
+            return read_error(response).await.into_response();
         }
         let predicted = ticket.predicted_cached_tokens(prompt_tokens as u64);
         let ctx = OutputCtx {
-            api: parsed.api,
-            id: state.request_id(parsed.api),
-            model: state.model.clone(),
-            created: unix_now(),
+            head: ResponseHead {
+                api: parsed.api,
+                id: state.request_id(parsed.api),
+                model: state.model.clone(),
+                created: unix_now(),
+            },
             include_usage,
             return_token_ids: parsed.params.return_token_ids(),
             prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
@@ -416,10 +358,11 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         };
         return respond(ctx, stream, response, ticket, record).await;
     }
-    error_response(&ApiError::service_unavailable(format!(
+    ApiError::service_unavailable(format!(
         "no worker could be reached after {CONNECT_ATTEMPTS} attempts (last error: {})",
         last_error.unwrap_or_default()
-    )))
+    ))
+    .into_response()
 }
 
 async fn respond(
@@ -453,8 +396,8 @@ async fn respond_relay(stream: bool, relay: Relay) -> Response {
         response
     } else {
         match relay.into_response_body().await {
-            Ok(body) => json_response(StatusCode::OK, body),
-            Err(e) => error_response(&e),
+            Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+            Err(e) => e.into_response(),
         }
     }
 }

@@ -1,12 +1,11 @@
 //! One streamed chat turn against an OpenAI-compatible endpoint, measured as the client sees
 //! it, and the user model's question.
 
-use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use protocol::sse::{SseDecoder, SseMessage};
-use serde::Deserialize;
+use protocol::sse::{SseDecoder, SseEvent};
+use protocol::{ResponseView, Usage};
 
 /// What a successful turn measured and returned.
 #[derive(Clone, Debug, PartialEq)]
@@ -55,47 +54,6 @@ pub enum TurnError {
 
 /// Longest error body read from a failed response.
 const MAX_ERROR_BODY: usize = 8 << 10;
-
-#[derive(Deserialize)]
-struct Chunk<'a> {
-    #[serde(borrow, default)]
-    choices: Vec<Choice<'a>>,
-    #[serde(default)]
-    usage: Option<Usage>,
-    #[serde(default)]
-    error: Option<serde_json::Value>,
-}
-
-#[derive(Deserialize)]
-struct Choice<'a> {
-    #[serde(borrow, default)]
-    delta: Option<Delta<'a>>,
-    /// `/v1/completions` chunks carry `text` instead of a delta.
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
-}
-
-#[derive(Deserialize)]
-struct Delta<'a> {
-    #[serde(borrow, default)]
-    content: Option<Cow<'a, str>>,
-}
-
-#[derive(Deserialize)]
-struct Usage {
-    #[serde(default)]
-    prompt_tokens: Option<u64>,
-    #[serde(default)]
-    completion_tokens: Option<u64>,
-    #[serde(default)]
-    prompt_tokens_details: Option<Details>,
-}
-
-#[derive(Deserialize)]
-struct Details {
-    #[serde(default)]
-    cached_tokens: Option<u64>,
-}
 
 /// The message of an OpenAI error body, else the body itself (cut).
 fn error_message(body: &[u8]) -> String {
@@ -188,30 +146,21 @@ async fn stream_inner(
         decoder
             .push(&bytes)
             .map_err(|e| TurnError::Stream(e.to_string()))?;
-        while let Some(message) = decoder.next_message() {
-            let payload = match message {
-                SseMessage::Done => {
+        while let Some(event) = decoder.next_event() {
+            let payload = match event {
+                SseEvent::Done => {
                     done = true;
                     continue;
                 }
-                SseMessage::Data(payload) => payload,
+                SseEvent::Data(payload) => payload,
             };
-            let chunk: Chunk<'_> = serde_json::from_str(&payload)
+            let chunk: ResponseView<'_> = serde_json::from_str(payload)
                 .map_err(|e| TurnError::Stream(format!("a chunk is not JSON: {e}")))?;
             if let Some(error) = chunk.error {
-                let message = error
-                    .get("message")
-                    .and_then(|m| m.as_str())
-                    .map_or_else(|| error.to_string(), str::to_owned);
-                return Err(TurnError::Stream(message));
+                return Err(TurnError::Stream(error.message));
             }
             for choice in &chunk.choices {
-                let content = choice
-                    .delta
-                    .as_ref()
-                    .and_then(|d| d.content.as_deref())
-                    .or(choice.text.as_deref())
-                    .unwrap_or("");
+                let content = choice.content();
                 if content.is_empty() {
                     continue;
                 }
@@ -239,9 +188,7 @@ async fn stream_inner(
         ));
     }
     let output_tokens = usage
-        .as_ref()
-        .and_then(|u| u.completion_tokens)
-        .unwrap_or(content_chunks)
+        .map_or(content_chunks, |u| u64::from(u.completion_tokens))
         .max(1);
     Ok(TurnResult {
         ttft: first - sent,
@@ -255,10 +202,9 @@ async fn stream_inner(
         text_truncated,
         worker,
         cached_tokens: usage
-            .as_ref()
-            .and_then(|u| u.prompt_tokens_details.as_ref())
-            .and_then(|d| d.cached_tokens),
-        prompt_tokens: usage.as_ref().and_then(|u| u.prompt_tokens),
+            .and_then(|u| u.prompt_tokens_details)
+            .map(|d| u64::from(d.cached_tokens)),
+        prompt_tokens: usage.map(|u| u64::from(u.prompt_tokens)),
     })
 }
 
@@ -336,13 +282,12 @@ pub async fn ask_user_model(
                 message: error_message(&bytes),
             });
         }
-        let value: serde_json::Value = serde_json::from_slice(&bytes)
+        let answer: ResponseView<'_> = serde_json::from_slice(&bytes)
             .map_err(|e| TurnError::Stream(format!("the user model's answer: {e}")))?;
-        let question = value
-            .pointer("/choices/0/message/content")
-            .and_then(|c| c.as_str())
-            .map(str::trim)
-            .unwrap_or("");
+        let question = answer
+            .choices
+            .first()
+            .map_or("", |choice| choice.content().trim());
         if question.is_empty() {
             return Err(TurnError::Empty);
         }

@@ -326,14 +326,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status =
-            StatusCode::from_u16(self.0.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (
-            status,
-            [(header::CONTENT_TYPE, "application/json")],
-            self.0.to_json(),
-        )
-            .into_response()
+        self.0.into_response()
     }
 }
 

@@ -1,7 +1,9 @@
 //! OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, with its HTTP status.
 //!
-//! Both HTTP servers (engine server, gateway) answer every failure with an [`ApiError`]; a
-//! gateway relays a worker's error by parsing it back with [`ApiError::from_body`].
+//! Both HTTP servers (engine server, gateway) answer every failure with an [`ApiError`] (with
+//! the `axum` feature it is a response, see [`crate::http`]); in a stream it is an SSE event of
+//! [`ApiError::body`]. A gateway relays a worker's error by parsing it back with
+//! [`ApiError::from_body`].
 
 use serde::{Deserialize, Serialize};
 
@@ -171,10 +173,14 @@ impl ApiError {
         }
     }
 
-    /// The JSON body as bytes.
+    /// The JSON body.
     pub fn to_json(&self) -> String {
-        // Serializing plain strings cannot fail.
-        serde_json::to_string(&self.body()).unwrap_or_default()
+        // A struct of strings always serializes; should that ever change, the client still
+        // gets an error JSON rather than an empty body.
+        serde_json::to_string(&self.body()).unwrap_or_else(|_| {
+            r#"{"error":{"message":"the error could not be serialized","type":"server_error"}}"#
+                .to_string()
+        })
     }
 
     /// Parses an error response (e.g. from a worker). A body that is not OpenAI's error JSON
@@ -197,20 +203,6 @@ impl ApiError {
                 )
             }
         }
-    }
-}
-
-#[cfg(feature = "axum")]
-impl axum::response::IntoResponse for ApiError {
-    fn into_response(self) -> axum::response::Response {
-        let status = axum::http::StatusCode::from_u16(self.status)
-            .unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR);
-        (
-            status,
-            [(axum::http::header::CONTENT_TYPE, "application/json")],
-            self.to_json(),
-        )
-            .into_response()
     }
 }
 

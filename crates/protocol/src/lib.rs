@@ -6,9 +6,10 @@
 //!
 //! | module | what |
 //! | --- | --- |
-//! | [`openai`] | `/v1/chat/completions`, `/v1/completions` requests (unknown fields kept in `extra`), responses, stream chunks, `usage` with `cached_tokens`, `/v1/models` |
-//! | [`error`] | [`ApiError`]: OpenAI's error JSON with its HTTP status (400, 404, 413, 429, 503, 500) |
-//! | [`sse`] | `data:` event encoding and an incremental, bounded [`SseDecoder`] |
+//! | [`openai`] | `/v1/chat/completions`, `/v1/completions` requests (unknown fields kept in `extra`); responses and stream chunks read ([`ResponseView`]) and written ([`ResponseHead`]) borrowed; `usage` with `cached_tokens`; `/v1/models` |
+//! | [`error`] | [`ApiError`]: OpenAI's error JSON with its HTTP status (400, 404, 413, 429, 503, 500); with the `axum` feature, the one way it becomes a response |
+//! | [`http`] | what both HTTP servers do to a request: [`http::parse_json`], [`http::check_model`]; with the `axum` feature, a size-limited `read_body` and `json_response` |
+//! | [`sse`] | `data:` event writers and the one incremental, bounded, zero-copy [`SseDecoder`] |
 //! | [`kv_events`] | [`KvEventBatch`]: a worker's KV events in msgpack, 1:1 with [`kv_index::KvEvent`] |
 //! | [`subjects`] | NATS subjects `kvroute.<ns>.kv.<worker>`, `kvroute.<ns>.workers`; [`WorkerMessage`] announce/heartbeat/goodbye |
 //! | [`vllm`] | vLLM's `KVEventBatch` over ZMQ, array- or map-encoded; [`VllmEventStream`] → `kv-index` events with gap detection |
@@ -45,16 +46,17 @@
 //! # Example: reading an OpenAI stream
 //!
 //! ```
-//! use protocol::sse::{SseDecoder, SseMessage};
+//! use protocol::sse::{SseDecoder, SseEvent};
 //!
 //! let mut decoder = SseDecoder::default();
 //! decoder.push(b"data: {\"id\":\"x\"}\r\n\r\ndata: [DO").unwrap();
+//! assert_eq!(decoder.next_event(), Some(SseEvent::Data("{\"id\":\"x\"}")));
 //! decoder.push(b"NE]\n\n").unwrap();
-//! assert_eq!(decoder.next_message(), Some(SseMessage::Data("{\"id\":\"x\"}".into())));
-//! assert_eq!(decoder.next_message(), Some(SseMessage::Done));
+//! assert_eq!(decoder.next_event(), Some(SseEvent::Done));
 //! ```
 
 pub mod error;
+pub mod http;
 pub mod kv_events;
 pub mod openai;
 pub mod sse;
@@ -64,11 +66,10 @@ pub mod vllm;
 pub use error::{ApiError, ErrorBody, ErrorDetail};
 pub use kv_events::{KvEventBatch, KvWireError, WireBlock, WireKvEvent, WireKvKind};
 pub use openai::{
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionRequest, CompletionResponse,
-    FinishReason, MessageContent, Model, ModelList, Prompt, PromptTokensDetails, RequestMessage,
-    ResponseMessage, SamplingParams, StreamOptions, Usage,
+    Api, ApiRequest, ChatCompletionRequest, ChoiceOut, ChoiceView, CompletionRequest, FinishReason,
+    MessageContent, MessageView, Model, ModelList, Prompt, PromptTokensDetails, RequestMessage,
+    ResponseHead, ResponseView, SamplingParams, StreamOptions, TokenIds, Usage,
 };
-pub use sse::{SseDecoder, SseError, SseMessage};
+pub use sse::{SseDecoder, SseError, SseEvent};
 pub use subjects::{BadNamespace, Subjects, WorkerAnnounce, WorkerInfo, WorkerMessage};
 pub use vllm::{VllmEventBatch, VllmEventStream, VllmFrame};

@@ -4,10 +4,25 @@
 //! gateway that deserializes a request, reads what it needs and serializes it again forwards
 //! unknown fields (`logprobs`, `response_format`, vendor extensions…) to the worker unchanged.
 //! Optional fields are skipped when absent, so a round trip does not add `null`s.
+//!
+//! Responses and stream chunks have one reader and one writer, both borrowed: the relay reads
+//! a worker's chunk ([`ResponseView`]) and writes the client's ([`ResponseHead::write_chunk`])
+//! without allocating per chunk beyond the list of choices; the engine server writes with the
+//! same [`ResponseHead`], the load generator reads with the same [`ResponseView`].
 
-use serde::de::Error as _;
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use serde::de::{self, SeqAccess, Visitor};
+use serde::ser::SerializeStruct;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
+
+use crate::error::ErrorDetail;
+use crate::sse;
 
 /// `stream_options` of a streaming request.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -196,54 +211,153 @@ impl Serialize for Prompt {
 
 impl<'de> Deserialize<'de> for Prompt {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        // Through `Value` so that each malformed shape gets its own message instead of
-        // serde's "did not match any variant".
-        let value = Value::deserialize(deserializer)?;
-        prompt_from_value(value).map_err(D::Error::custom)
-    }
-}
-
-fn token_from_value(value: &Value) -> Result<u32, String> {
-    value
-        .as_u64()
-        .and_then(|id| u32::try_from(id).ok())
-        .ok_or_else(|| format!("prompt token ids must be integers in 0..2^32, got {value}"))
-}
-
-fn prompt_from_value(value: Value) -> Result<Prompt, String> {
-    let items = match value {
-        Value::String(text) => return Ok(Prompt::Text(text)),
-        Value::Array(items) => items,
-        other => {
-            return Err(format!(
-                "`prompt` must be a string, an array of strings, an array of token ids or an array of arrays of token ids, got {other}"
-            ));
+        // A visitor rather than `#[serde(untagged)]`, so that each malformed shape gets its
+        // own message naming `prompt` instead of "did not match any variant".
+        match deserializer.deserialize_any(PromptVisitor { nested: false })? {
+            PromptItem::Text(text) => Ok(Prompt::Text(text)),
+            PromptItem::Batch(prompt) => Ok(prompt),
+            other @ (PromptItem::Token(_) | PromptItem::Tokens(_)) => Err(de::Error::custom(
+                format_args!("`prompt` must be a string or an array, got {other}"),
+            )),
         }
-    };
-    match items.first() {
-        None => Err("`prompt` is an empty array".to_string()),
-        Some(Value::String(_)) => items
-            .into_iter()
-            .map(|item| match item {
-                Value::String(text) => Ok(text),
-                other => Err(format!("`prompt` mixes strings and {other}")),
-            })
-            .collect::<Result<_, _>>()
-            .map(Prompt::TextBatch),
-        Some(Value::Array(_)) => items
-            .iter()
-            .map(|item| match item {
-                Value::Array(tokens) => tokens.iter().map(token_from_value).collect(),
-                other => Err(format!("`prompt` mixes token arrays and {other}")),
-            })
-            .collect::<Result<_, _>>()
-            .map(Prompt::TokenBatch),
-        Some(_) => items
-            .iter()
-            .map(token_from_value)
-            .collect::<Result<_, _>>()
-            .map(Prompt::Tokens),
     }
+}
+
+/// `prompt` (not `nested`) or one item of its array (`nested`).
+struct PromptVisitor {
+    nested: bool,
+}
+
+/// What [`PromptVisitor`] read.
+enum PromptItem {
+    Text(String),
+    Token(u32),
+    Tokens(Vec<u32>),
+    /// A whole `prompt` array.
+    Batch(Prompt),
+}
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = PromptItem;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(if self.nested {
+            "a string, a token id or an array of token ids in `prompt`"
+        } else {
+            "`prompt` as a string, an array of strings, an array of token ids or an array of arrays of token ids"
+        })
+    }
+
+    fn visit_str<E: de::Error>(self, text: &str) -> Result<PromptItem, E> {
+        Ok(PromptItem::Text(text.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, text: String) -> Result<PromptItem, E> {
+        Ok(PromptItem::Text(text))
+    }
+
+    fn visit_u64<E: de::Error>(self, id: u64) -> Result<PromptItem, E> {
+        u32::try_from(id)
+            .map(PromptItem::Token)
+            .map_err(|_| bad_token_id(id))
+    }
+
+    fn visit_i64<E: de::Error>(self, id: i64) -> Result<PromptItem, E> {
+        u32::try_from(id)
+            .map(PromptItem::Token)
+            .map_err(|_| bad_token_id(id))
+    }
+
+    fn visit_f64<E: de::Error>(self, id: f64) -> Result<PromptItem, E> {
+        Err(bad_token_id(id))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptItem, A::Error> {
+        if self.nested {
+            return same_shape(seq, Vec::new(), "token ids", PromptItem::token)
+                .map(PromptItem::Tokens);
+        }
+        // The first item decides the shape; every other item must have it too.
+        let prompt = match seq.next_element::<PromptItem>()? {
+            None => return Err(de::Error::custom("`prompt` is an empty array")),
+            Some(PromptItem::Text(text)) => {
+                same_shape(seq, vec![text], "strings", |item| match item {
+                    PromptItem::Text(text) => Ok(text),
+                    other => Err(other),
+                })
+                .map(Prompt::TextBatch)
+            }
+            Some(PromptItem::Token(id)) => {
+                same_shape(seq, vec![id], "token ids", PromptItem::token).map(Prompt::Tokens)
+            }
+            Some(PromptItem::Tokens(ids)) => {
+                same_shape(seq, vec![ids], "token arrays", |item| match item {
+                    PromptItem::Tokens(ids) => Ok(ids),
+                    other => Err(other),
+                })
+                .map(Prompt::TokenBatch)
+            }
+            // Items are read `nested`, which never gives a batch.
+            Some(other @ PromptItem::Batch(_)) => Err(de::Error::custom(format_args!(
+                "`prompt` holds an unexpected {other}"
+            ))),
+        };
+        prompt.map(PromptItem::Batch)
+    }
+}
+
+impl<'de> Deserialize<'de> for PromptItem {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptVisitor { nested: true })
+    }
+}
+
+/// Reads the rest of a `prompt` array, whose items must all have one shape (`take` says
+/// which, handing back an item of another).
+fn same_shape<'de, A: SeqAccess<'de>, T>(
+    mut seq: A,
+    mut items: Vec<T>,
+    shape: &str,
+    take: fn(PromptItem) -> Result<T, PromptItem>,
+) -> Result<Vec<T>, A::Error> {
+    while let Some(item) = seq.next_element::<PromptItem>()? {
+        match take(item) {
+            Ok(item) => items.push(item),
+            Err(other) => {
+                return Err(de::Error::custom(format_args!(
+                    "`prompt` mixes {shape} and {other}"
+                )));
+            }
+        }
+    }
+    Ok(items)
+}
+
+impl PromptItem {
+    fn token(self) -> Result<u32, PromptItem> {
+        match self {
+            PromptItem::Token(id) => Ok(id),
+            other => Err(other),
+        }
+    }
+}
+
+impl fmt::Display for PromptItem {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            PromptItem::Text(text) => write!(f, "{text:?}"),
+            PromptItem::Token(id) => write!(f, "{id}"),
+            PromptItem::Tokens(ids) => write!(f, "{ids:?}"),
+            PromptItem::Batch(prompt) => write!(f, "{prompt:?}"),
+        }
+    }
+}
+
+/// Why a number is not a token id.
+fn bad_token_id<E: de::Error>(id: impl fmt::Display) -> E {
+    E::custom(format_args!(
+        "prompt token ids must be integers in 0..2^32, got {id}"
+    ))
 }
 
 /// `POST /v1/completions`.
@@ -258,6 +372,37 @@ pub struct CompletionRequest {
     pub extra: Map<String, Value>,
 }
 
+/// What the two request kinds share, for a server that handles both the same way.
+pub trait ApiRequest: serde::de::DeserializeOwned {
+    /// The API the request calls.
+    const API: Api;
+    fn model(&self) -> &str;
+    fn params(&self) -> &SamplingParams;
+    /// `model`, `params` and the fields not interpreted (`extra`), taken out.
+    fn into_parts(self) -> (String, SamplingParams, Map<String, Value>);
+}
+
+/// Both request kinds have `model`, `params` and `extra`.
+macro_rules! api_request {
+    ($request:ty, $api:expr) => {
+        impl ApiRequest for $request {
+            const API: Api = $api;
+            fn model(&self) -> &str {
+                &self.model
+            }
+            fn params(&self) -> &SamplingParams {
+                &self.params
+            }
+            fn into_parts(self) -> (String, SamplingParams, Map<String, Value>) {
+                (self.model, self.params, self.extra)
+            }
+        }
+    };
+}
+
+api_request!(ChatCompletionRequest, Api::Chat);
+api_request!(CompletionRequest, Api::Completion);
+
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -268,6 +413,17 @@ pub enum FinishReason {
     Length,
     /// The request was cancelled or failed (vLLM reports `abort`).
     Abort,
+}
+
+impl FinishReason {
+    /// The name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
 }
 
 /// `usage.prompt_tokens_details`.
@@ -307,102 +463,288 @@ impl Usage {
     }
 }
 
-/// A message in a chat response.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ResponseMessage {
-    pub role: String,
-    pub content: String,
+/// Which API a response answers: decides its `object` and the shape of its choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completion,
 }
 
-/// One choice of a non-streaming chat response.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ChatChoice {
-    pub index: u32,
-    pub message: ResponseMessage,
-    pub finish_reason: Option<FinishReason>,
+impl Api {
+    /// `object` of a whole response (`stream: false`) or of a stream chunk.
+    pub fn object(self, stream: bool) -> &'static str {
+        match (self, stream) {
+            (Api::Chat, true) => "chat.completion.chunk",
+            (Api::Chat, false) => "chat.completion",
+            (Api::Completion, _) => "text_completion",
+        }
+    }
+
+    /// The request field that holds the prompt, for errors about it.
+    pub fn prompt_field(self) -> &'static str {
+        match self {
+            Api::Chat => "messages",
+            Api::Completion => "prompt",
+        }
+    }
+
+    /// Prefix of response ids, as OpenAI's: `chatcmpl` or `cmpl`.
+    pub fn id_prefix(self) -> &'static str {
+        match self {
+            Api::Chat => "chatcmpl",
+            Api::Completion => "cmpl",
+        }
+    }
+}
+
+// ---- Responses and stream chunks as read: borrowed, for the relay and the load generator.
+
+/// A response or a stream chunk as read, borrowing its text from the input. It reads chat and
+/// completion responses alike: what a client or a relay needs, nothing else.
+#[derive(Debug, Deserialize)]
+pub struct ResponseView<'a> {
+    #[serde(borrow, default)]
+    pub choices: Vec<ChoiceView<'a>>,
     #[serde(default)]
-    pub logprobs: Option<Value>,
-    /// Generated token ids, when the request set `return_token_ids`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token_ids: Option<Vec<u32>>,
-}
-
-/// A non-streaming chat response (`object: "chat.completion"`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ChatCompletionResponse {
-    pub id: String,
-    pub object: String,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChoice>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
-}
-
-/// The new part of a streamed chat message.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ChatDelta {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub role: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub content: Option<String>,
-}
-
-/// One choice of a streamed chat chunk.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ChatChunkChoice {
-    pub index: u32,
-    pub delta: ChatDelta,
-    pub finish_reason: Option<FinishReason>,
+    /// An error reported in the middle of a stream.
     #[serde(default)]
-    pub logprobs: Option<Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token_ids: Option<Vec<u32>>,
+    pub error: Option<ErrorDetail>,
 }
 
-/// A streamed chat chunk (`object: "chat.completion.chunk"`). The usage chunk has no choices.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ChatCompletionChunk {
-    pub id: String,
-    pub object: String,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChunkChoice>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
-}
-
-/// One choice of a completion response or chunk.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CompletionChoice {
-    pub index: u32,
-    pub text: String,
-    pub finish_reason: Option<FinishReason>,
+/// One choice of a [`ResponseView`].
+#[derive(Debug, Deserialize)]
+pub struct ChoiceView<'a> {
     #[serde(default)]
-    pub logprobs: Option<Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token_ids: Option<Vec<u32>>,
+    pub index: u32,
+    /// A completion's text (empty for chat).
+    #[serde(borrow, default)]
+    pub text: Cow<'a, str>,
+    /// A chat stream chunk's new part.
+    #[serde(borrow, default)]
+    pub delta: Option<MessageView<'a>>,
+    /// A whole chat response's message.
+    #[serde(borrow, default)]
+    pub message: Option<MessageView<'a>>,
+    #[serde(borrow, default)]
+    pub logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "borrowed_str")]
+    pub finish_reason: Option<Cow<'a, str>>,
+    /// Generated token ids (vLLM's `return_token_ids`), kept raw for relaying.
+    #[serde(borrow, default)]
+    pub token_ids: Option<&'a RawValue>,
 }
 
-/// A completion response (`object: "text_completion"`); streamed chunks have the same shape.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CompletionResponse {
+/// A chat message or delta as read.
+#[derive(Debug, Default, Deserialize)]
+pub struct MessageView<'a> {
+    #[serde(borrow, default, deserialize_with = "borrowed_str")]
+    pub role: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "borrowed_str")]
+    pub content: Option<Cow<'a, str>>,
+}
+
+/// An optional string borrowed from the input (serde borrows a `Cow` only at the top of a
+/// field, not inside an `Option`); `null` is `None`.
+fn borrowed_str<'de: 'a, 'a, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Cow<'a, str>>, D::Error> {
+    #[derive(Deserialize)]
+    struct Borrowed<'a>(#[serde(borrow)] Cow<'a, str>);
+    Ok(Option::<Borrowed<'a>>::deserialize(deserializer)?.map(|b| b.0))
+}
+
+impl ChoiceView<'_> {
+    /// The new text: a chat delta's or message's `content`, else a completion's `text`.
+    pub fn content(&self) -> &str {
+        self.delta
+            .as_ref()
+            .or(self.message.as_ref())
+            .and_then(|m| m.content.as_deref())
+            .unwrap_or(&self.text)
+    }
+
+    /// The number of ids in `token_ids`, when the server sent them (counted on the raw JSON,
+    /// without parsing the ids).
+    pub fn token_id_count(&self) -> Option<u64> {
+        self.token_ids.map(|ids| {
+            let raw = ids.get();
+            if raw.bytes().any(|b| b.is_ascii_digit()) {
+                raw.bytes().filter(|b| *b == b',').count() as u64 + 1
+            } else {
+                0
+            }
+        })
+    }
+}
+
+// ---- Responses and stream chunks as written: borrowed, no intermediate allocation.
+
+/// What every response and stream chunk of one request repeats; writes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseHead {
+    pub api: Api,
+    /// `chatcmpl-…` or `cmpl-…`.
     pub id: String,
-    pub object: String,
+    /// Shared by every request of a server.
+    pub model: Arc<str>,
+    /// Unix seconds.
     pub created: u64,
-    pub model: String,
-    pub choices: Vec<CompletionChoice>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
 }
 
-/// `object` values.
-pub mod object {
-    pub const CHAT_COMPLETION: &str = "chat.completion";
-    pub const CHAT_COMPLETION_CHUNK: &str = "chat.completion.chunk";
-    pub const TEXT_COMPLETION: &str = "text_completion";
-    pub const MODEL: &str = "model";
-    pub const LIST: &str = "list";
+/// One choice to write.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChoiceOut<'a> {
+    pub index: u32,
+    /// Chat only: the `role` of a delta (on the first chunk) or of a message (`assistant`
+    /// when `None`).
+    pub role: Option<&'a str>,
+    /// Chat: the `content` of a delta (left out when `None`) or of a message; completions:
+    /// `text` (`""` when `None`).
+    pub content: Option<&'a str>,
+    /// Written as is (`null` when `None`).
+    pub logprobs: Option<&'a RawValue>,
+    pub finish_reason: Option<&'a str>,
+    /// Left out when `None`.
+    pub token_ids: Option<TokenIds<'a>>,
+}
+
+/// `token_ids` to write: relayed raw, or from a slice.
+#[derive(Debug, Clone, Copy, Serialize)]
+#[serde(untagged)]
+pub enum TokenIds<'a> {
+    Raw(&'a RawValue),
+    Ids(&'a [u32]),
+}
+
+impl ResponseHead {
+    /// Appends one stream chunk as an SSE event. The last chunk of `include_usage` has no
+    /// choices and the usage.
+    pub fn write_chunk<'c>(
+        &self,
+        out: &mut BytesMut,
+        choices: impl Iterator<Item = ChoiceOut<'c>> + Clone,
+        usage: Option<&Usage>,
+    ) -> Result<(), serde_json::Error> {
+        sse::write_event(
+            out,
+            &Envelope {
+                head: self,
+                stream: true,
+                choices: Choices(choices),
+                usage,
+            },
+        )
+    }
+
+    /// A whole (not streamed) response as JSON.
+    pub fn response_json<'c>(
+        &self,
+        choices: impl Iterator<Item = ChoiceOut<'c>> + Clone,
+        usage: Option<&Usage>,
+    ) -> Result<Vec<u8>, serde_json::Error> {
+        serde_json::to_vec(&Envelope {
+            head: self,
+            stream: false,
+            choices: Choices(choices),
+            usage,
+        })
+    }
+}
+
+struct Envelope<'h, I> {
+    head: &'h ResponseHead,
+    stream: bool,
+    choices: Choices<I>,
+    usage: Option<&'h Usage>,
+}
+
+impl<'c, I: Iterator<Item = ChoiceOut<'c>> + Clone> Serialize for Envelope<'_, I> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let head = self.head;
+        let mut out = serializer.serialize_struct("Response", 6)?;
+        out.serialize_field("id", &head.id)?;
+        out.serialize_field("object", head.api.object(self.stream))?;
+        out.serialize_field("created", &head.created)?;
+        out.serialize_field("model", &*head.model)?;
+        out.serialize_field(
+            "choices",
+            &ChoicesAs {
+                api: head.api,
+                stream: self.stream,
+                choices: &self.choices,
+            },
+        )?;
+        if let Some(usage) = self.usage {
+            out.serialize_field("usage", usage)?;
+        }
+        out.end()
+    }
+}
+
+/// Choices written straight from an iterator, without collecting them.
+struct Choices<I>(I);
+
+struct ChoicesAs<'a, I> {
+    api: Api,
+    stream: bool,
+    choices: &'a Choices<I>,
+}
+
+impl<'c, I: Iterator<Item = ChoiceOut<'c>> + Clone> Serialize for ChoicesAs<'_, I> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.choices.0.clone().map(|choice| ChoiceAs {
+            api: self.api,
+            stream: self.stream,
+            choice,
+        }))
+    }
+}
+
+/// One choice in its API's shape: a chat delta, a chat message, or a completion's text.
+struct ChoiceAs<'c> {
+    api: Api,
+    stream: bool,
+    choice: ChoiceOut<'c>,
+}
+
+#[derive(Serialize)]
+struct MessageOut<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+impl Serialize for ChoiceAs<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let c = &self.choice;
+        let mut out = serializer.serialize_struct("Choice", 5)?;
+        out.serialize_field("index", &c.index)?;
+        match (self.api, self.stream) {
+            (Api::Chat, true) => out.serialize_field(
+                "delta",
+                &MessageOut {
+                    role: c.role,
+                    content: c.content,
+                },
+            )?,
+            (Api::Chat, false) => out.serialize_field(
+                "message",
+                &MessageOut {
+                    role: Some(c.role.unwrap_or("assistant")),
+                    content: Some(c.content.unwrap_or("")),
+                },
+            )?,
+            (Api::Completion, _) => out.serialize_field("text", c.content.unwrap_or(""))?,
+        }
+        out.serialize_field("logprobs", &c.logprobs)?;
+        out.serialize_field("finish_reason", &c.finish_reason)?;
+        if let Some(ids) = &c.token_ids {
+            out.serialize_field("token_ids", ids)?;
+        }
+        out.end()
+    }
 }
 
 /// One entry of `GET /v1/models`.
@@ -421,7 +763,7 @@ impl Model {
     pub fn new(id: impl Into<String>, owned_by: impl Into<String>, created: u64) -> Model {
         Model {
             id: id.into(),
-            object: object::MODEL.to_string(),
+            object: "model".to_string(),
             created,
             owned_by: owned_by.into(),
             max_model_len: None,
@@ -439,7 +781,7 @@ pub struct ModelList {
 impl ModelList {
     pub fn new(data: Vec<Model>) -> ModelList {
         ModelList {
-            object: object::LIST.to_string(),
+            object: "list".to_string(),
             data,
         }
     }
@@ -560,5 +902,116 @@ mod tests {
             serde_json::to_value(FinishReason::Stop).unwrap(),
             json!("stop")
         );
+        for reason in [
+            FinishReason::Stop,
+            FinishReason::Length,
+            FinishReason::Abort,
+        ] {
+            assert_eq!(
+                serde_json::to_value(reason).unwrap(),
+                json!(reason.as_str())
+            );
+        }
+    }
+
+    fn head(api: Api) -> ResponseHead {
+        ResponseHead {
+            api,
+            id: "x-1".into(),
+            model: "m".into(),
+            created: 7,
+        }
+    }
+
+    /// One chunk written as an SSE event, read back as JSON.
+    fn chunk_json(api: Api, choice: Option<ChoiceOut<'_>>, usage: Option<&Usage>) -> Value {
+        let mut out = BytesMut::new();
+        head(api)
+            .write_chunk(&mut out, choice.into_iter(), usage)
+            .unwrap();
+        let text = std::str::from_utf8(&out).unwrap();
+        let payload = text
+            .strip_prefix("data: ")
+            .unwrap()
+            .strip_suffix("\n\n")
+            .unwrap();
+        serde_json::from_str(payload).unwrap()
+    }
+
+    #[test]
+    fn chunks_are_written_in_each_apis_shape() {
+        let ids = [5u32, 6];
+        let choice = ChoiceOut {
+            role: Some("assistant"),
+            content: Some("hi"),
+            token_ids: Some(TokenIds::Ids(&ids)),
+            ..ChoiceOut::default()
+        };
+        assert_eq!(
+            chunk_json(Api::Chat, Some(choice), None),
+            json!({"id": "x-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"},
+                                "logprobs": null, "finish_reason": null, "token_ids": [5, 6]}]})
+        );
+        let last = ChoiceOut {
+            finish_reason: Some(FinishReason::Length.as_str()),
+            ..ChoiceOut::default()
+        };
+        assert_eq!(
+            chunk_json(Api::Completion, Some(last), None),
+            json!({"id": "x-1", "object": "text_completion", "created": 7, "model": "m",
+                   "choices": [{"index": 0, "text": "", "logprobs": null, "finish_reason": "length"}]})
+        );
+        let chunk = chunk_json(Api::Chat, None, Some(&Usage::new(10, 2, 8)));
+        assert_eq!(chunk["choices"], json!([]));
+        assert_eq!(chunk["usage"]["prompt_tokens_details"]["cached_tokens"], 8);
+    }
+
+    #[test]
+    fn whole_responses_carry_messages() {
+        let choice = ChoiceOut {
+            content: Some("answer"),
+            finish_reason: Some("stop"),
+            ..ChoiceOut::default()
+        };
+        let usage = Usage::new(3, 1, 0);
+        let body = head(Api::Chat)
+            .response_json(std::iter::once(choice), Some(&usage))
+            .unwrap();
+        let value: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(value["object"], "chat.completion");
+        assert_eq!(
+            value["choices"][0]["message"],
+            json!({"role": "assistant", "content": "answer"})
+        );
+        assert_eq!(value["usage"]["total_tokens"], 4);
+        let view: ResponseView<'_> = serde_json::from_slice(&body).unwrap();
+        assert_eq!(view.choices[0].content(), "answer");
+        assert_eq!(view.usage, Some(usage));
+    }
+
+    #[test]
+    fn views_borrow_what_they_read() {
+        let chunk = r#"{"id":"c","choices":[{"index":1,"delta":{"role":"assistant","content":"he"},"logprobs":null,"finish_reason":null,"token_ids":[1,2,3]}]}"#;
+        let view: ResponseView<'_> = serde_json::from_str(chunk).unwrap();
+        let choice = &view.choices[0];
+        assert_eq!((choice.index, choice.content()), (1, "he"));
+        assert!(matches!(
+            choice.delta.as_ref().and_then(|d| d.content.as_ref()),
+            Some(Cow::Borrowed(_))
+        ));
+        assert_eq!(choice.token_id_count(), Some(3));
+        assert!(choice.logprobs.is_none() && choice.finish_reason.is_none());
+
+        let text =
+            r#"{"choices":[{"text":"x","finish_reason":"length","token_ids":[]}],"usage":null}"#;
+        let view: ResponseView<'_> = serde_json::from_str(text).unwrap();
+        assert_eq!(view.choices[0].content(), "x");
+        assert_eq!(view.choices[0].finish_reason.as_deref(), Some("length"));
+        assert_eq!(view.choices[0].token_id_count(), Some(0));
+
+        let error = r#"{"error":{"message":"boom","type":"server_error"}}"#;
+        let view: ResponseView<'_> = serde_json::from_str(error).unwrap();
+        assert_eq!(view.error.map(|e| e.message), Some("boom".to_string()));
     }
 }

@@ -4,10 +4,10 @@
 use kv_index::{BlockContent, EngineBlockId, KvEvent, KvEventKind, StoredBlock, WorkerId};
 use proptest::prelude::*;
 use protocol::KvEventBatch;
-use protocol::sse::{SseDecoder, SseMessage, done_event, event};
+use protocol::sse::{SseDecoder, SseEvent, done_event, event};
 use protocol::vllm::{VllmEventBatch, decode_multipart};
 
-fn decode_in_pieces(bytes: &[u8], cuts: &[usize]) -> Vec<SseMessage> {
+fn decode_in_pieces(bytes: &[u8], cuts: &[usize]) -> Vec<SseEvent<String>> {
     let mut decoder = SseDecoder::default();
     let mut out = Vec::new();
     let mut at = 0;
@@ -16,7 +16,9 @@ fn decode_in_pieces(bytes: &[u8], cuts: &[usize]) -> Vec<SseMessage> {
     for cut in cuts.into_iter().chain([bytes.len()]) {
         decoder.push(&bytes[at..cut.max(at)]).unwrap();
         at = cut.max(at);
-        out.extend(std::iter::from_fn(|| decoder.next_message()));
+        out.extend(std::iter::from_fn(|| {
+            decoder.next_event().map(SseEvent::into_owned)
+        }));
     }
     out
 }
@@ -33,9 +35,9 @@ proptest! {
         if crlf {
             stream = stream.replace('\n', "\r\n");
         }
-        let mut expected: Vec<SseMessage> =
-            payloads.iter().map(|p| SseMessage::Data(p.clone())).collect();
-        expected.push(SseMessage::Done);
+        let mut expected: Vec<SseEvent<String>> =
+            payloads.iter().map(|p| SseEvent::Data(p.clone())).collect();
+        expected.push(SseEvent::Done);
         prop_assert_eq!(decode_in_pieces(stream.as_bytes(), &cuts), expected);
     }
 

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use engine_server::{EngineServer, EngineServerConfig, EngineServerHandle};
-use protocol::sse::{SseDecoder, SseMessage};
+use protocol::sse::{SseDecoder, SseEvent};
 
 pub const MODEL: &str = "llama-3.1-70b-instruct";
 
@@ -113,11 +113,11 @@ pub async fn read_sse(response: reqwest::Response) -> Vec<serde_json::Value> {
     use futures::StreamExt;
     while let Some(chunk) = stream.next().await {
         decoder.push(&chunk.unwrap()).unwrap();
-        while let Some(message) = decoder.next_message() {
+        while let Some(event) = decoder.next_event() {
             assert!(!done, "data after [DONE]");
-            match message {
-                SseMessage::Data(data) => events.push(serde_json::from_str(&data).unwrap()),
-                SseMessage::Done => done = true,
+            match event {
+                SseEvent::Data(data) => events.push(serde_json::from_str(data).unwrap()),
+                SseEvent::Done => done = true,
             }
         }
     }
