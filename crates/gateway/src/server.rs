@@ -278,7 +278,7 @@ async fn chat_completions(
         let prepared = state
             .preprocessor
             .chat(&messages, need_text)
-            .map_err(|e| ApiError::invalid_param("messages", e))?;
+            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
         state.check_context(
             "messages",
             prepared.tokens.len(),
