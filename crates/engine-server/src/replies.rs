@@ -202,7 +202,7 @@ fn generate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use text::ChatMessage;
+    use text::{ChatMessage, Corpus};
 
     #[test]
     fn a_conversation_about_a_shipped_passage_gets_replies_about_it() {
