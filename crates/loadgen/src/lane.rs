@@ -4,9 +4,9 @@
 //! the workload's turns into streamed chat requests (one task each) and feeds their ends back.
 //! The system message, the questions and the planned answer lengths are the workload's, so
 //! conversation *k* of a seed is the one `kvroute sim` simulates; the history sent is the
-//! answers the target actually gave. Everything the
-//! API shows (window, counters, conversations) lives in [`LaneState`] behind a mutex that the
-//! lane task and the HTTP handlers share; it is held for bookkeeping only, never across I/O.
+//! answers the target actually gave. Everything the API shows (window, counters,
+//! conversations) lives in [`LaneState`] behind a mutex that the lane task and the HTTP
+//! handlers share; it is held for bookkeeping only, never across I/O.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -322,7 +322,9 @@ impl Driver {
                                 concurrency,
                                 ..self.config.workload.clone()
                             };
-                            match ChatWorkload::<TextContent>::with_content(config, self.assets.clone(), self.config.seed, Nanos::ZERO) {
+                            let seed = self.config.seed;
+                            let assets = self.assets.clone();
+                            match ChatWorkload::<TextContent>::with_content(config, assets, seed, Nanos::ZERO) {
                                 Ok(w) => {
                                     epoch = Instant::now();
                                     run += 1;

@@ -71,18 +71,6 @@ fn bench(c: &mut Criterion) {
         });
     }
     group.finish();
-    c.bench_function("assets_build", |b| {
-        b.iter(|| {
-            black_box(
-                Assets::new(
-                    text::Tokenizer::builtin(),
-                    text::Corpus::builtin(),
-                    &text::ReplyConfig::default(),
-                )
-                .expect("assets"),
-            )
-        })
-    });
 }
 
 criterion_group! {

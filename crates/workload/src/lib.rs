@@ -71,8 +71,15 @@ pub use text::Assets;
 pub enum WorkloadError {
     #[error("invalid workload config: {0}")]
     InvalidConfig(String),
+    // The cause is in the message, not a `source` too, so an error chain prints it once.
     #[error("workload assets: {0}")]
-    Assets(#[from] text::TextError),
+    Assets(text::TextError),
     #[error("no open conversation {0}")]
     UnknownConversation(u64),
+}
+
+impl From<text::TextError> for WorkloadError {
+    fn from(e: text::TextError) -> Self {
+        WorkloadError::Assets(e)
+    }
 }
