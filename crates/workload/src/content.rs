@@ -60,8 +60,8 @@ pub struct Turn {
     pub issued_at: Nanos,
 }
 
-/// Writes turns as token ids, building each prompt from the previous one: the previous prompt
-/// + its reply + `<|eot_id|>` + the new user message + the assistant header, equal to
+/// Writes turns as token ids, building each prompt from the previous one: the previous prompt,
+/// its reply, `<|eot_id|>`, the new user message and the assistant header, equal to
 /// tokenizing the rendered conversation. Per turn: the question's pre-tokenized pieces and one
 /// copy of the prompt; passages' tokens are shared by all conversations.
 #[derive(Debug)]
