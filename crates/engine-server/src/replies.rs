@@ -8,15 +8,15 @@ use std::sync::{Arc, OnceLock};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use text::{ChatTokens, Corpus, KeyTerms, ReplyConfig, ReplyGenerator, Tokenizer};
+use text::{ChatTokens, ReplyGenerator, Tokenizer};
 
 use crate::config::ReplyLength;
 
-/// The tokenizer and the reply generator, built once per process (building the generator
-/// tokenizes its streams: tens of milliseconds) and shared by every server in it.
+/// The tokenizer and the reply generator: the process's shared [`text::Assets`] (built once,
+/// tens of milliseconds), and the passages' headings.
 pub struct TextAssets {
     pub tokenizer: Arc<Tokenizer>,
-    pub replies: ReplyGenerator,
+    shared: Arc<text::Assets>,
     /// `# Title` of each shipped passage, in the reply generator's order.
     pub headings: Vec<String>,
 }
@@ -27,25 +27,26 @@ impl TextAssets {
     pub fn get() -> Result<&'static TextAssets, String> {
         ASSETS
             .get_or_init(|| {
-                let tokenizer = Tokenizer::builtin();
-                let corpus = Corpus::builtin();
-                let terms = KeyTerms::extract(&corpus);
-                let replies =
-                    ReplyGenerator::new(&tokenizer, &corpus, &terms, &ReplyConfig::default())
-                        .map_err(|e| format!("building the reply generator: {e}"))?;
-                let headings = corpus
+                let shared = text::Assets::builtin()
+                    .map_err(|e| format!("building the reply generator: {e}"))?;
+                let headings = shared
+                    .corpus()
                     .passages()
                     .iter()
                     .map(|p| format!("# {}", p.title()))
                     .collect();
                 Ok(TextAssets {
-                    tokenizer,
-                    replies,
+                    tokenizer: shared.tokenizer().clone(),
+                    shared,
                     headings,
                 })
             })
             .as_ref()
             .map_err(Clone::clone)
+    }
+
+    pub fn replies(&self) -> &ReplyGenerator {
+        self.shared.replies()
     }
 
     /// The prompt ids of a chat, as the Llama-3 template renders and the tokenizer encodes it.
@@ -144,11 +145,11 @@ fn passage_of(assets: &TextAssets, prompt: &[u32]) -> usize {
         .headings
         .iter()
         .position(|heading| text.contains(heading.as_str()))
-        .filter(|&i| i < assets.replies.passages())
+        .filter(|&i| i < assets.replies().passages())
     {
         return found;
     }
-    let passages = assets.replies.passages().max(1);
+    let passages = assets.replies().passages().max(1);
     (xxhash_rust::xxh3::xxh3_64(
         &head
             .iter()
@@ -178,10 +179,10 @@ fn generate(
     count: usize,
     rng: &mut ChaCha8Rng,
 ) -> Result<Arc<[u32]>, String> {
-    let max = assets.replies.max_tokens().max(1);
+    let max = assets.replies().max_tokens().max(1);
     if count <= max {
         return assets
-            .replies
+            .replies()
             .generate(passage, count, rng)
             .map(|reply| reply.ids)
             .map_err(|e| e.to_string());
@@ -190,7 +191,7 @@ fn generate(
     while ids.len() < count {
         let piece = (count - ids.len()).min(max);
         let reply = assets
-            .replies
+            .replies()
             .generate(passage, piece, rng)
             .map_err(|e| e.to_string())?;
         ids.extend_from_slice(&reply.ids);
@@ -201,7 +202,7 @@ fn generate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use text::ChatMessage;
+    use text::{ChatMessage, Corpus};
 
     #[test]
     fn a_conversation_about_a_shipped_passage_gets_replies_about_it() {
@@ -221,7 +222,7 @@ mod tests {
             .chat_prompt(&[ChatMessage::user("Tell me about caching.")])
             .unwrap();
         let chosen = passage_of(assets, &other);
-        assert!(chosen < assets.replies.passages());
+        assert!(chosen < assets.replies().passages());
         assert_eq!(passage_of(assets, &other), chosen);
     }
 }

@@ -724,7 +724,7 @@ fn main() {
         .on_thread_start(move || lower_this_thread_priority(harness_nice))
         .build()
         .expect("tokio runtime");
-    let pre = Preprocessor::load(None, None).expect("built-in tokenizer");
+    let pre = Preprocessor::builtin();
     runtime.block_on(async {
         println!(
             "gateway overhead ({threads} CPU threads, router mode {})",

@@ -11,7 +11,7 @@ fn words(n: usize, salt: usize) -> String {
 }
 
 fn bench(c: &mut Criterion) {
-    let pre = Preprocessor::load(None, None).unwrap();
+    let pre = Preprocessor::builtin();
     let hasher = kv_index::BlockHasher::new(32).unwrap();
     let short = vec![ChatMessage::user(words(300, 1))];
     let long = vec![

@@ -142,7 +142,7 @@ impl Gateway {
         };
         let (tokenizer, template) = (config.tokenizer.clone(), config.tokenizer_config.clone());
         let preprocessor = tokio::task::spawn_blocking(move || {
-            preprocess::Preprocessor::load(tokenizer.as_deref(), template.as_deref())
+            preprocess::load(tokenizer.as_deref(), template.as_deref())
         })
         .await
         .map_err(|e| GatewayError::Config(format!("loading the tokenizer panicked: {e}")))??;

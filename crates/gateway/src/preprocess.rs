@@ -1,15 +1,11 @@
-//! Preprocessing, once per request: chat template, then tokenization.
-//!
-//! The built-in pair (cl100k + Llama-3 specials, Llama-3 template) takes a fast path that
-//! encodes each message on its own ([`text::Llama3Format`]), which gives the same ids as
-//! rendering and encoding the whole conversation. Any other template renders the text first
-//! and encodes it as a whole.
+//! Preprocessing lives in [`text::Preprocessor`] (chat template + tokens, with its bounded
+//! message cache); this loads the tokenizer and template files it is given.
 
-use std::collections::{HashMap, VecDeque};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use text::{ChatMessage, ChatTemplate, Llama3Format, Tokenizer};
+use text::{ChatTemplate, Tokenizer};
+pub use text::{Prepared, Preprocessor};
 
 /// Why a tokenizer or template could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -23,65 +19,6 @@ pub enum PreprocessError {
     Load { path: String, message: String },
 }
 
-/// A prompt ready for routing: its token ids, and its text when a worker needs text.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Prepared {
-    pub tokens: Vec<u32>,
-    pub text: Option<String>,
-}
-
-/// Messages shorter than this are encoded every time (cheaper than hashing and locking).
-const CACHE_MIN_BYTES: usize = 256;
-/// Bound of the message cache, in cached tokens (about 4 bytes each).
-const CACHE_MAX_TOKENS: usize = 8 << 20;
-
-/// Token ids of recently seen messages under the built-in format. Multi-turn chats resend
-/// their whole history every turn; with this, a turn encodes only its new messages.
-/// Keyed by a 128-bit hash of role and content; bounded by [`CACHE_MAX_TOKENS`], oldest
-/// first out.
-#[derive(Debug, Default)]
-struct MessageCache {
-    map: HashMap<u128, Arc<[u32]>>,
-    order: VecDeque<u128>,
-    tokens: usize,
-}
-
-impl MessageCache {
-    fn key(message: &ChatMessage) -> u128 {
-        let mut bytes = Vec::with_capacity(message.role.len() + message.content.len() + 1);
-        bytes.extend_from_slice(message.role.as_bytes());
-        bytes.push(0);
-        bytes.extend_from_slice(message.content.as_bytes());
-        xxhash_rust::xxh3::xxh3_128(&bytes)
-    }
-
-    fn insert(&mut self, key: u128, tokens: Arc<[u32]>) {
-        if tokens.len() > CACHE_MAX_TOKENS || self.map.contains_key(&key) {
-            return;
-        }
-        while self.tokens + tokens.len() > CACHE_MAX_TOKENS {
-            let Some(old) = self.order.pop_front() else {
-                break;
-            };
-            if let Some(evicted) = self.map.remove(&old) {
-                self.tokens -= evicted.len();
-            }
-        }
-        self.tokens += tokens.len();
-        self.order.push_back(key);
-        self.map.insert(key, tokens);
-    }
-}
-
-/// Tokenizer + chat template.
-#[derive(Debug)]
-pub struct Preprocessor {
-    tokenizer: Arc<Tokenizer>,
-    template: ChatTemplate,
-    fast: Option<Llama3Format>,
-    cache: Mutex<MessageCache>,
-}
-
 fn read(path: &Path) -> Result<String, PreprocessError> {
     std::fs::read_to_string(path).map_err(|source| PreprocessError::Read {
         path: path.display().to_string(),
@@ -89,184 +26,40 @@ fn read(path: &Path) -> Result<String, PreprocessError> {
     })
 }
 
-impl Preprocessor {
-    /// The built-in tokenizer and template, or the given HF files.
-    pub fn load(
-        tokenizer_json: Option<&Path>,
-        tokenizer_config: Option<&Path>,
-    ) -> Result<Preprocessor, PreprocessError> {
-        let tokenizer = match tokenizer_json {
-            None => Tokenizer::builtin(),
-            Some(path) => {
-                let bytes = read(path)?;
-                Arc::new(Tokenizer::from_hf_json(bytes.as_bytes()).map_err(|e| {
-                    PreprocessError::Load {
-                        path: path.display().to_string(),
-                        message: e.to_string(),
-                    }
-                })?)
-            }
-        };
-        let template = match tokenizer_config {
-            None => ChatTemplate::llama3(),
-            Some(path) => ChatTemplate::from_tokenizer_config(&read(path)?).map_err(|e| {
-                PreprocessError::Load {
-                    path: path.display().to_string(),
-                    message: e.to_string(),
-                }
-            })?,
-        };
-        Ok(Preprocessor::new(tokenizer, template))
+fn invalid(path: &Path, error: impl std::fmt::Display) -> PreprocessError {
+    PreprocessError::Load {
+        path: path.display().to_string(),
+        message: error.to_string(),
     }
+}
 
-    pub fn new(tokenizer: Arc<Tokenizer>, template: ChatTemplate) -> Preprocessor {
-        let fast = if template.is_builtin_llama3() {
-            Llama3Format::new(&tokenizer).ok()
-        } else {
-            None
-        };
-        Preprocessor {
-            tokenizer,
-            template,
-            fast,
-            cache: Mutex::default(),
+/// The built-in tokenizer and template, or the given Hugging Face files.
+pub fn load(
+    tokenizer_json: Option<&Path>,
+    tokenizer_config: Option<&Path>,
+) -> Result<Preprocessor, PreprocessError> {
+    let tokenizer = match tokenizer_json {
+        None => Tokenizer::builtin(),
+        Some(path) => {
+            Arc::new(Tokenizer::from_hf_json(read(path)?.as_bytes()).map_err(|e| invalid(path, e))?)
         }
-    }
-
-    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
-        &self.tokenizer
-    }
-
-    /// A chat's prompt, ending with the assistant header. `with_text` also returns the
-    /// rendered text (for workers that take text).
-    pub fn chat(&self, messages: &[ChatMessage], with_text: bool) -> Result<Prepared, String> {
-        let rendered = |template: &ChatTemplate| {
-            template
-                .render(messages, true)
-                .map_err(|e| format!("the chat template cannot format these messages: {e}"))
-        };
-        match &self.fast {
-            Some(format) => {
-                let mut tokens = vec![format.bos()];
-                for message in messages {
-                    self.push_message(format, message, &mut tokens);
-                }
-                tokens.extend_from_slice(format.generation_prompt());
-                let text = if with_text {
-                    Some(rendered(&self.template)?)
-                } else {
-                    None
-                };
-                Ok(Prepared { tokens, text })
-            }
-            None => {
-                let text = rendered(&self.template)?;
-                let tokens = self.tokenizer.encode(&text);
-                Ok(Prepared {
-                    tokens,
-                    text: with_text.then_some(text),
-                })
-            }
+    };
+    let template = match tokenizer_config {
+        None => ChatTemplate::llama3(),
+        Some(path) => {
+            ChatTemplate::from_tokenizer_config(&read(path)?).map_err(|e| invalid(path, e))?
         }
-    }
-
-    /// Appends one message's tokens, from the cache when it was seen before.
-    fn push_message(&self, format: &Llama3Format, message: &ChatMessage, out: &mut Vec<u32>) {
-        if message.content.len() < CACHE_MIN_BYTES {
-            format.push_message(&self.tokenizer, message, out);
-            return;
-        }
-        let key = MessageCache::key(message);
-        let cached = self
-            .cache
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .map
-            .get(&key)
-            .cloned();
-        if let Some(tokens) = cached {
-            out.extend_from_slice(&tokens);
-            return;
-        }
-        let start = out.len();
-        format.push_message(&self.tokenizer, message, out);
-        let tokens: Arc<[u32]> = out[start..].into();
-        self.cache
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, tokens);
-    }
-
-    /// A completion prompt given as text.
-    pub fn text(&self, prompt: &str) -> Vec<u32> {
-        self.tokenizer.encode(prompt)
-    }
+    };
+    Ok(Preprocessor::new(tokenizer, template))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use text::ChatMessage;
 
     #[test]
-    fn fast_path_equals_render_then_encode() {
-        let pre = Preprocessor::load(None, None).unwrap();
-        let messages = vec![
-            ChatMessage::system("You explain caches."),
-            ChatMessage::user("  What is a prefix cache? "),
-            ChatMessage::assistant("A cache of prompt prefixes."),
-            ChatMessage::user("And a KV block?"),
-        ];
-        let prepared = pre.chat(&messages, true).unwrap();
-        let text = prepared.text.unwrap();
-        assert_eq!(prepared.tokens, pre.tokenizer().encode(&text));
-        assert!(text.ends_with("<|start_header_id|>assistant<|end_header_id|>\n\n"));
-    }
-
-    #[test]
-    fn cached_messages_give_the_same_tokens_and_the_cache_stays_bounded() {
-        let pre = Preprocessor::load(None, None).unwrap();
-        let long = "A long passage about caches. ".repeat(40);
-        let turn = |n: usize| {
-            let mut messages = vec![ChatMessage::system(long.clone())];
-            for i in 0..n {
-                messages.push(ChatMessage::user(format!(
-                    "question {i} {}",
-                    "why? ".repeat(60)
-                )));
-                messages.push(ChatMessage::assistant(format!(
-                    "answer {i} {}",
-                    "because. ".repeat(60)
-                )));
-            }
-            messages
-        };
-        for n in [0, 1, 2, 3, 2] {
-            let messages = turn(n);
-            let prepared = pre.chat(&messages, true).unwrap();
-            assert_eq!(
-                prepared.tokens,
-                pre.tokenizer().encode(&prepared.text.unwrap()),
-                "turn {n}"
-            );
-        }
-        let cache = pre.cache.lock().unwrap();
-        assert_eq!(cache.map.len(), 7, "system + 3 questions + 3 answers");
-        assert_eq!(
-            cache.tokens,
-            cache.map.values().map(|t| t.len()).sum::<usize>()
-        );
-        drop(cache);
-        let mut small = MessageCache::default();
-        let big: Arc<[u32]> = vec![0; CACHE_MAX_TOKENS / 2 + 1].into();
-        small.insert(1, big.clone());
-        small.insert(2, big.clone());
-        assert_eq!(small.map.len(), 1, "the oldest entry made room");
-        assert!(small.map.contains_key(&2));
-        assert!(small.tokens <= CACHE_MAX_TOKENS);
-    }
-
-    #[test]
-    fn a_tokenizer_config_template_is_used() {
+    fn a_tokenizer_config_file_is_loaded_and_a_missing_one_named() {
         let dir = std::env::temp_dir().join(format!("gw-pre-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tokenizer_config.json");
@@ -275,14 +68,14 @@ mod tests {
             r#"{"bos_token": "<s>", "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"}"#,
         )
         .unwrap();
-        let pre = Preprocessor::load(None, Some(&path)).unwrap();
+        let pre = load(None, Some(&path)).unwrap();
         let prepared = pre.chat(&[ChatMessage::user("hi")], true).unwrap();
         assert_eq!(prepared.text.as_deref(), Some("<s>[user] hi\n[assistant] "));
         assert_eq!(
             prepared.tokens,
             pre.tokenizer().encode("<s>[user] hi\n[assistant] ")
         );
-        let missing = Preprocessor::load(None, Some(&dir.join("nope.json"))).unwrap_err();
+        let missing = load(None, Some(&dir.join("nope.json"))).unwrap_err();
         assert!(missing.to_string().contains("nope.json"), "{missing}");
     }
 }

@@ -258,7 +258,7 @@ impl Prepare for ChatCompletionRequest {
         state
             .preprocessor
             .chat(&messages, need_text)
-            .map_err(|e| ApiError::invalid_param("messages", e))
+            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))
     }
 }
 

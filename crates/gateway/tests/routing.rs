@@ -17,7 +17,7 @@ async fn conversation(gw: &gateway::Gateway, index: usize, turns: usize) -> Vec<
     let system = passage(index, 1200);
     let mut history: Vec<(String, String)> = vec![("system".into(), system)];
     let mut out = Vec::new();
-    let preprocessor = gateway::preprocess::Preprocessor::load(None, None).unwrap();
+    let preprocessor = gateway::preprocess::Preprocessor::builtin();
     for turn in 0..turns {
         history.push((
             "user".into(),

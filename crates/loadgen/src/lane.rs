@@ -1,21 +1,22 @@
 //! A lane: one target endpoint driven by the seed's chat workload in real time.
 //!
-//! One task owns the sans-IO [`workload::ChatWorkload`] and a clock; it turns the workload's
-//! turns into streamed chat requests (one task each) and feeds their ends back. Everything the
-//! API shows (window, counters, conversations) lives in [`LaneState`] behind a mutex that the
-//! lane task and the HTTP handlers share; it is held for bookkeeping only, never across I/O.
+//! One task owns the sans-IO [`workload::ChatWorkload`] in its text form and a clock; it turns
+//! the workload's turns into streamed chat requests (one task each) and feeds their ends back.
+//! The system message, the questions and the planned answer lengths are the workload's, so
+//! conversation *k* of a seed is the one `kvroute sim` simulates; the history sent is the
+//! answers the target actually gave. Everything the API shows (window, counters,
+//! conversations) lives in [`LaneState`] behind a mutex that the lane task and the HTTP
+//! handlers share; it is held for bookkeeping only, never across I/O.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nanotime::Nanos;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
-use workload::{Assets, ChatWorkload, ConversationId, TurnId, TurnRequest, WorkloadConfig};
+use workload::{Assets, ChatWorkload, TextContent, TextTurn, TurnKey, WorkloadConfig};
 
 use crate::client::{self, TurnError, TurnResult};
 use crate::scrape::{GatewayHistory, WorkersView};
@@ -46,7 +47,8 @@ pub struct LaneSpec {
 /// Who writes the users' follow-up questions.
 #[derive(Clone, Debug, PartialEq)]
 pub enum UserSimulator {
-    /// Built in: questions from the passage and the last answer (`text::QuestionGenerator`).
+    /// Built in: the workload's own questions (`workload::Script`), the ones `kvroute sim`
+    /// tokenizes.
     Builtin,
     /// An OpenAI-compatible "user model" (seed 000's 8B model plays the user).
     Model {
@@ -199,7 +201,6 @@ impl Lane {
             assets,
             http: http.clone(),
             state: state.clone(),
-            system_messages: Vec::new(),
             next_number: 0,
             base: 0,
             conversations: std::collections::HashMap::new(),
@@ -255,10 +256,8 @@ impl Lane {
 /// The text side of an open conversation: what the next request sends.
 struct Conversation {
     number: u64,
-    passage: usize,
     /// The passage's title: the transcript's topic, and what the user model is told.
     topic: Arc<str>,
-    rng: ChaCha8Rng,
     /// (question, answer) of each finished turn.
     history: Vec<(Arc<str>, Arc<str>)>,
 }
@@ -266,7 +265,7 @@ struct Conversation {
 /// A turn's end, reported by its request task.
 struct Outcome {
     run: u64,
-    id: TurnId,
+    id: TurnKey,
     question: Arc<str>,
     result: Result<TurnResult, TurnError>,
     user_model_failed: bool,
@@ -278,12 +277,10 @@ struct Driver {
     assets: Arc<Assets>,
     http: reqwest::Client,
     state: Arc<Mutex<LaneState>>,
-    /// Per passage: the system message (instruction + passage), shared by every request.
-    system_messages: Vec<Arc<str>>,
     /// Conversation numbers continue across restarts, so ids stay unique in the store.
     next_number: u64,
     base: u64,
-    conversations: std::collections::HashMap<ConversationId, Conversation>,
+    conversations: std::collections::HashMap<u64, Conversation>,
     /// Failed turns since the last success: a failure is reported after a backoff that grows
     /// with it, so a dead target is not hammered by replacement conversations.
     failures_in_a_row: Arc<AtomicU32>,
@@ -300,16 +297,8 @@ const OUTCOME_QUEUE: usize = 1 << 16;
 
 impl Driver {
     async fn run(mut self, mut commands: mpsc::Receiver<Command>, shutdown: CancellationToken) {
-        self.system_messages = (0..self.assets.corpus().len())
-            .map(|p| {
-                self.assets
-                    .system_message(&self.config.workload.system_prompt, p)
-                    .content
-                    .into()
-            })
-            .collect();
         let (done_tx, mut done_rx) = mpsc::channel::<Outcome>(OUTCOME_QUEUE);
-        let mut workload: Option<ChatWorkload> = None;
+        let mut workload: Option<ChatWorkload<TextContent>> = None;
         let mut epoch = Instant::now();
         let mut run: u64 = 0;
         let mut requests = CancellationToken::new();
@@ -333,7 +322,9 @@ impl Driver {
                                 concurrency,
                                 ..self.config.workload.clone()
                             };
-                            match ChatWorkload::new(config, self.assets.clone(), self.config.seed, Nanos::ZERO) {
+                            let seed = self.config.seed;
+                            let assets = self.assets.clone();
+                            match ChatWorkload::<TextContent>::with_content(config, assets, seed, Nanos::ZERO) {
                                 Ok(w) => {
                                     epoch = Instant::now();
                                     run += 1;
@@ -412,26 +403,23 @@ impl Driver {
         requests.cancel();
     }
 
-    /// Sends one turn: builds the question and the messages, records the turn as streaming,
-    /// and spawns its request task.
+    /// Sends one turn: builds the messages, records the turn as streaming, and spawns its
+    /// request task.
     fn issue(
         &mut self,
-        workload: &ChatWorkload,
-        request: TurnRequest,
+        workload: &ChatWorkload<TextContent>,
+        request: TextTurn,
         run: u64,
         cancel: &CancellationToken,
         done: &mpsc::Sender<Outcome>,
     ) {
-        let id = request.id;
-        let questions = self.assets.questions();
+        let id = request.key;
         if !self.conversations.contains_key(&id.conversation) {
             let Some(info) = workload.conversation(id.conversation) else {
                 return;
             };
-            let number = self.base + id.conversation.0;
+            let number = self.base + id.conversation;
             self.next_number = self.next_number.max(number + 1);
-            let mut rng = ChaCha8Rng::seed_from_u64(self.config.seed ^ 0x10ad_9e4e);
-            rng.set_stream(id.conversation.0);
             let topic: Arc<str> = self
                 .assets
                 .corpus()
@@ -458,9 +446,7 @@ impl Driver {
                 id.conversation,
                 Conversation {
                     number,
-                    passage: info.passage,
                     topic,
-                    rng,
                     history: Vec::new(),
                 },
             );
@@ -468,15 +454,8 @@ impl Driver {
         let Some(conversation) = self.conversations.get_mut(&id.conversation) else {
             return;
         };
-        // The built-in question: from the passage on the first turn, then from the last answer
-        // (also the fallback when a user model fails).
-        let builtin: Arc<str> = match conversation.history.last() {
-            None => questions.first_question(conversation.passage, &mut conversation.rng),
-            Some((_, answer)) => {
-                questions.follow_up_to_text(conversation.passage, answer, &mut conversation.rng)
-            }
-        }
-        .into();
+        // The workload's question (also the fallback when a user model fails).
+        let builtin = request.question;
         let ask_model = match (&self.config.user, conversation.history.last()) {
             (
                 UserSimulator::Model {
@@ -488,11 +467,7 @@ impl Driver {
             ) => Some((url.clone(), model.clone(), api_key.clone(), answer.clone())),
             _ => None,
         };
-        let system = self
-            .system_messages
-            .get(conversation.passage)
-            .cloned()
-            .unwrap_or_else(|| "".into());
+        let system = request.system;
         let history = conversation.history.clone();
         let number = conversation.number;
         {
@@ -507,7 +482,7 @@ impl Driver {
                 record.turns.push(TurnRecord::streaming(id.turn, user));
             }
         }
-        let output_tokens = request.output.len();
+        let output_tokens = request.planned_reply.len();
         let topic = conversation.topic.clone();
         let http = self.http.clone();
         let spec = self.spec.clone();
@@ -582,7 +557,7 @@ impl Driver {
 
     /// A turn ended: measurements into the window, text into the transcript, and the workload
     /// told (the user thinks, or the conversation ends and is replaced).
-    fn finish(&mut self, workload: &mut ChatWorkload, outcome: Outcome, now: Nanos) {
+    fn finish(&mut self, workload: &mut ChatWorkload<TextContent>, outcome: Outcome, now: Nanos) {
         let id = outcome.id;
         let Some(conversation) = self.conversations.get_mut(&id.conversation) else {
             return;

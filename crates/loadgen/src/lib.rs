@@ -15,8 +15,9 @@
 //! Several **lanes** (targets) can be driven at once with the same seed, so they receive the
 //! same conversations: `kvroute demo --compare round_robin,kv` uses two.
 //!
-//! The simulated user is built in (questions written from the passage and the last answer by
-//! `text::QuestionGenerator`) or an OpenAI-compatible "user model" ([`UserSimulator::Model`]).
+//! The simulated user is built in (the workload's own questions, in its text form
+//! [`workload::TextContent`]: the text whose tokens `kvroute sim` sends) or an
+//! OpenAI-compatible "user model" ([`UserSimulator::Model`]) that writes the follow-ups.
 //!
 //! # Invariants and bounds
 //!
@@ -203,7 +204,7 @@ impl Loadgen {
                 "the request timeout must be positive".into(),
             ));
         }
-        let assets = Assets::builtin()?;
+        let assets = Assets::builtin().map_err(workload::WorkloadError::from)?;
         let http = reqwest::Client::builder()
             // One connection per request in flight: a turn is one long stream.
             .pool_max_idle_per_host(MAX_CONCURRENCY as usize)

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use nanotime::Nanos;
-use workload::{Assets, ChatWorkload, ConversationId, TurnId, WorkloadConfig, WorkloadError};
+use workload::{Assets, ChatWorkload, WorkloadConfig, WorkloadError};
 
 use crate::bench::{BenchJob, BenchSpec, JobResult, run_job};
 use crate::driver::{SimError, derive_seed, streams};
@@ -29,13 +29,6 @@ impl Chat {
     }
 }
 
-fn turn_id(key: TurnKey) -> TurnId {
-    TurnId {
-        conversation: ConversationId(key.conversation),
-        turn: key.turn,
-    }
-}
-
 impl Workload for Chat {
     fn poll_timeout(&self) -> Option<Nanos> {
         self.0.poll_timeout()
@@ -46,23 +39,15 @@ impl Workload for Chat {
     }
 
     fn poll_request(&mut self) -> Option<Turn> {
-        self.0.poll_request().map(|r| Turn {
-            key: TurnKey {
-                conversation: r.id.conversation.0,
-                turn: r.id.turn,
-            },
-            prompt: r.prompt,
-            output: r.output,
-            issued_at: r.issued_at,
-        })
+        self.0.poll_request()
     }
 
     fn on_turn_finished(&mut self, key: TurnKey, now: Nanos) {
-        self.0.on_turn_finished(turn_id(key), now);
+        self.0.on_turn_finished(key, now);
     }
 
     fn on_turn_failed(&mut self, key: TurnKey, now: Nanos) {
-        self.0.on_turn_failed(turn_id(key), now);
+        self.0.on_turn_failed(key, now);
     }
 
     fn set_concurrency(&mut self, n: u32, now: Nanos) {

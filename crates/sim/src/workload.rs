@@ -5,29 +5,10 @@
 //! core: it says when it next needs the clock ([`Workload::poll_timeout`]), and turns are
 //! drained with [`Workload::poll_request`] after every call into it.
 
-use std::sync::Arc;
-
 use nanotime::Nanos;
 
-/// Identifies a turn: its conversation and its index in that conversation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TurnKey {
-    pub conversation: u64,
-    pub turn: u32,
-}
-
-/// One request the workload wants served.
-#[derive(Debug, Clone)]
-pub struct Turn {
-    pub key: TurnKey,
-    /// Prompt token ids (chat template applied, whole history resent).
-    pub prompt: Arc<[u32]>,
-    /// The answer's token ids: the engine generates exactly these, so the next turn's prompt
-    /// (which contains them) hits the blocks cached during decode.
-    pub output: Arc<[u32]>,
-    /// When the client issued it (the start of its TTFT and E2E).
-    pub issued_at: Nanos,
-}
+/// A turn's key and a turn in token ids are the workload crate's own types.
+pub use workload::{Turn, TurnKey};
 
 /// A traffic source driven by the simulator.
 pub trait Workload {
@@ -145,6 +126,7 @@ impl<W: Workload> Workload for ServingPath<W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     /// Issues one turn of conversation `k` whenever told to, at the instant it is told.
     #[derive(Default)]

@@ -6,8 +6,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::hint::black_box;
 use text::{
-    ChatMessage, ChatTokens, Corpus, KeyTerms, QuestionGenerator, ReplyConfig, ReplyGenerator,
-    Tokenizer,
+    Assets, ChatMessage, ChatTokens, Corpus, KeyTerms, QuestionGenerator, ReplyConfig,
+    ReplyGenerator, Tokenizer,
 };
 
 fn bench(c: &mut Criterion) {
@@ -61,11 +61,13 @@ fn bench(c: &mut Criterion) {
     });
     group.finish();
 
-    c.bench_function("reply_generator_build", |b| {
+    // Everything a process builds once: the reply and question generators, the key terms and
+    // the passages' system-message tokens.
+    c.bench_function("assets_build", |b| {
         b.iter(|| {
             black_box(
-                ReplyGenerator::new(&tokenizer, &corpus, &terms, &ReplyConfig::default())
-                    .expect("reply generator"),
+                Assets::new(tokenizer.clone(), corpus.clone(), &ReplyConfig::default())
+                    .expect("assets"),
             )
         })
     });

@@ -13,6 +13,10 @@
 //! - [`ReplyGenerator`]: replies of an exact token length whose tokens survive decode +
 //!   re-encode, so a simulated engine's output is a prefix-cache hit in the next turn, as a
 //!   real model's is. [`QuestionGenerator`]: a simulated user's follow-up questions.
+//! - [`Assets`]: all of the above built once per process ([`Assets::builtin`]) and shared by
+//!   the workload (both its token and its text form), the simulator and the engine simulator.
+//! - [`Preprocessor`]: a server's per-request chat template + tokenization, with a bounded
+//!   cache of recently seen messages (the gateway's preprocessing).
 //!
 //! **Architecture invariant:** no I/O, no clock, no threads. Data is embedded at compile time
 //! (`include_str!`); randomness comes from the caller's seeded RNG, so output is a pure function
@@ -48,15 +52,19 @@
 //! assert!(chat.ids().starts_with(&prompt));
 //! ```
 
+mod assets;
 mod chat_tokens;
 mod corpus;
+mod preprocess;
 mod question;
 mod reply;
 mod template;
 mod tokenizer;
 
+pub use assets::{Assets, DEFAULT_SYSTEM_PROMPT};
 pub use chat_tokens::{ChatTokens, Llama3Format};
 pub use corpus::{Corpus, KeyTerms, Passage, Term};
+pub use preprocess::{FormatError, Prepared, Preprocessor};
 pub use question::{QuestionGenerator, QuestionPlan};
 pub use reply::{Reply, ReplyConfig, ReplyGenerator};
 pub use template::{ChatMessage, ChatTemplate, TemplateError};

@@ -6,11 +6,11 @@ use std::collections::VecDeque;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use nanotime::Nanos;
 use std::hint::black_box;
-use workload::{Assets, ChatWorkload, TurnId, WorkloadConfig};
+use workload::{Assets, ChatWorkload, TurnKey, WorkloadConfig};
 
 struct Loop {
     workload: ChatWorkload,
-    in_flight: VecDeque<TurnId>,
+    in_flight: VecDeque<TurnKey>,
     now: Nanos,
 }
 
@@ -25,7 +25,7 @@ impl Loop {
         let mut workload = ChatWorkload::new(config, assets, 1, Nanos::ZERO).expect("workload");
         let mut in_flight = VecDeque::new();
         while let Some(r) = workload.poll_request() {
-            in_flight.push_back(r.id);
+            in_flight.push_back(r.key);
         }
         Loop {
             workload,
@@ -50,7 +50,7 @@ impl Loop {
         let mut tokens = 0;
         while let Some(r) = self.workload.poll_request() {
             tokens += r.prompt.len();
-            self.in_flight.push_back(r.id);
+            self.in_flight.push_back(r.key);
             black_box(&r);
         }
         tokens
@@ -71,18 +71,6 @@ fn bench(c: &mut Criterion) {
         });
     }
     group.finish();
-    c.bench_function("assets_build", |b| {
-        b.iter(|| {
-            black_box(
-                Assets::new(
-                    text::Tokenizer::builtin(),
-                    text::Corpus::builtin(),
-                    &text::ReplyConfig::default(),
-                )
-                .expect("assets"),
-            )
-        })
-    });
 }
 
 criterion_group! {

@@ -13,7 +13,7 @@ use std::collections::BinaryHeap;
 use std::time::Instant;
 
 use nanotime::Nanos;
-use workload::{Assets, ChatWorkload, TurnId, TurnRequest, WorkloadConfig};
+use workload::{Assets, ChatWorkload, Turn, TurnKey, WorkloadConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -30,8 +30,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut workload = ChatWorkload::new(config, assets, 1, Nanos::ZERO)?;
     // In flight: finish time, id, and the request (its prompt and output stay alive, as in an
     // engine's queue).
-    let mut in_flight: BinaryHeap<Reverse<(Nanos, TurnId)>> = BinaryHeap::new();
-    let mut held: std::collections::HashMap<TurnId, TurnRequest> = Default::default();
+    let mut in_flight: BinaryHeap<Reverse<(Nanos, TurnKey)>> = BinaryHeap::new();
+    let mut held: std::collections::HashMap<TurnKey, Turn> = Default::default();
     let end = Nanos::from_secs(seconds);
     let mut now = Nanos::ZERO;
     let mut prompt_tokens = 0u64;
@@ -42,8 +42,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 + Nanos::from_secs(2)
                 + Nanos::from_millis(30).saturating_mul(r.output.len() as u64);
             prompt_tokens += r.prompt.len() as u64;
-            in_flight.push(Reverse((done, r.id)));
-            held.insert(r.id, r);
+            in_flight.push(Reverse((done, r.key)));
+            held.insert(r.key, r);
         }
         let next_finish = in_flight.peek().map(|Reverse((t, _))| *t);
         let next = match (next_finish, workload.poll_timeout()) {

@@ -4,6 +4,7 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::WorkloadError;
+pub use text::DEFAULT_SYSTEM_PROMPT;
 
 /// Upper bound on [`WorkloadConfig::concurrency`] (and on `set_concurrency`): bounds the
 /// conversation table.
@@ -12,9 +13,6 @@ pub const MAX_CONCURRENCY: u32 = 1_000_000;
 pub const MAX_TURNS: u32 = 1_000;
 /// Upper bound on a think time or the ramp, in seconds (one day).
 pub const MAX_SECONDS: f64 = 86_400.0;
-
-/// The system prompt put before each passage (the passage follows after a blank line).
-pub const DEFAULT_SYSTEM_PROMPT: &str = "You are a knowledgeable assistant for engineers who run large language model inference in production. The user is studying the reference text below and will ask you questions about it. Answer in detail, with concrete numbers and examples where the text gives them.";
 
 /// The multi-turn chat workload of the seeds.
 ///

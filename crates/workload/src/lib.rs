@@ -7,6 +7,15 @@
 //! replaced at once, so the number of open conversations (the concurrency) stays constant.
 //! Everything is configurable through [`WorkloadConfig`], whose `Default` is the seed.
 //!
+//! Three layers, so that the simulator and the load generator send the same conversations:
+//! - the **schedule** ([`ChatWorkload`]): which conversations are open, when each sends its
+//!   next turn (think time, the start ramp), how many are open ([`Arrivals`]);
+//! - the **script** ([`Script`]): conversation *k*'s passage, turn count, and per turn the
+//!   question and planned reply ([`TurnPlan`]), drawn from one source ([`text::Assets`]);
+//! - the **content** ([`Content`]): the plans written out as token ids for the simulator
+//!   ([`TokenContent`], the default) or as text for the load generator ([`TextContent`]).
+//!   The text form tokenized (with the planned replies as answers) is the token form.
+//!
 //! Token ids come from a real tokenizer over a real corpus ([`text`]): prompts are built
 //! incrementally (each turn's prompt is the previous prompt + the previous reply +
 //! `<|eot_id|>` + the new user message + the assistant header, equal to tokenizing the
@@ -34,45 +43,47 @@
 //! assert!(workload.poll_request().is_none()); // both conversations wait on their turn
 //!
 //! // The reply arrives; the user thinks, then asks again with the whole history.
-//! workload.on_turn_finished(first.id, Nanos::from_secs(40));
+//! workload.on_turn_finished(first.key, Nanos::from_secs(40));
 //! let wake = workload.poll_timeout().unwrap();
 //! workload.handle_timeout(wake);
 //! let next = workload.poll_request().unwrap();
-//! assert_eq!(next.id.turn, 1);
+//! assert_eq!(next.key.turn, 1);
 //! assert!(next.prompt.starts_with(&first.prompt));
 //! assert_eq!(&next.prompt[first.prompt.len()..][..first.output.len()], &*first.output);
 //! ```
 
-mod assets;
-mod chat;
 mod config;
+mod content;
+mod schedule;
+mod script;
 pub mod trace;
 
-pub use assets::Assets;
-pub use chat::{
-    ChatWorkload, ConversationId, ConversationInfo, Script, TurnId, TurnRequest, WorkloadStats,
-};
 pub use config::{
     DEFAULT_SYSTEM_PROMPT, Distribution, MAX_CONCURRENCY, MAX_SECONDS, MAX_TURNS, TurnRange,
     WorkloadConfig,
 };
+pub use content::{Content, TextContent, TextTurn, TokenContent, TokenHistory, Turn, TurnKey};
+pub use schedule::{Arrivals, ChatWorkload, ConversationInfo, WorkloadStats};
+pub use script::{Script, TurnPlan};
+pub use text::Assets;
 pub use trace::{
     PromptSynth, SessionStep, Speed, TRACE_BLOCK_TOKENS, Trace, TraceError, TraceRecord,
 };
 
 /// Why a workload could not be built.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {
     #[error("invalid workload config: {0}")]
     InvalidConfig(String),
+    // The cause is in the message, not a `source` too, so an error chain prints it once.
     #[error("workload assets: {0}")]
-    Assets(String),
-    #[error("no open conversation {0:?}")]
-    UnknownConversation(ConversationId),
+    Assets(text::TextError),
+    #[error("no open conversation {0}")]
+    UnknownConversation(u64),
 }
 
 impl From<text::TextError> for WorkloadError {
     fn from(e: text::TextError) -> Self {
-        WorkloadError::Assets(e.to_string())
+        WorkloadError::Assets(e)
     }
 }

@@ -8,10 +8,7 @@ use std::sync::Arc;
 use nanotime::Nanos;
 use proptest::prelude::*;
 use text::{ChatMessage, ChatTemplate};
-use workload::{
-    Assets, ChatWorkload, ConversationId, Distribution, TurnId, TurnRange, TurnRequest,
-    WorkloadConfig,
-};
+use workload::{Assets, ChatWorkload, Distribution, Turn, TurnKey, TurnRange, WorkloadConfig};
 
 fn assets() -> Arc<Assets> {
     Assets::builtin().unwrap()
@@ -20,14 +17,14 @@ fn assets() -> Arc<Assets> {
 /// Serves each turn after `base + per_token × output` and records everything.
 struct Driver {
     workload: ChatWorkload,
-    in_flight: BinaryHeap<Reverse<(Nanos, TurnId)>>,
+    in_flight: BinaryHeap<Reverse<(Nanos, TurnKey)>>,
     now: Nanos,
     base: Nanos,
     per_token: Nanos,
     /// Every request, in issue order.
-    log: Vec<TurnRequest>,
+    log: Vec<Turn>,
     /// When each turn finished.
-    finished_at: BTreeMap<TurnId, Nanos>,
+    finished_at: BTreeMap<TurnKey, Nanos>,
     /// Fail every n-th turn (0 = never).
     fail_every: u64,
     served: u64,
@@ -52,7 +49,7 @@ impl Driver {
         while let Some(r) = self.workload.poll_request() {
             assert!(r.issued_at <= self.now, "issued in the future");
             let done = self.now + self.base + self.per_token.saturating_mul(r.output.len() as u64);
-            self.in_flight.push(Reverse((done, r.id)));
+            self.in_flight.push(Reverse((done, r.key)));
             self.log.push(r);
         }
     }
@@ -108,10 +105,10 @@ fn statistics_match_the_config() {
     let mut d = Driver::new(config.clone(), 1);
     d.run_until(Nanos::from_secs(4 * 3600), |_| {});
     // Group turns by conversation.
-    let mut by_conversation: BTreeMap<ConversationId, Vec<&TurnRequest>> = BTreeMap::new();
+    let mut by_conversation: BTreeMap<u64, Vec<&Turn>> = BTreeMap::new();
     for r in &d.log {
         by_conversation
-            .entry(r.id.conversation)
+            .entry(r.key.conversation)
             .or_default()
             .push(r);
     }
@@ -120,7 +117,7 @@ fn statistics_match_the_config() {
     // Turns per completed conversation: uniform 3..=5.
     let mut turn_counts = [0u64; 6];
     for turns in by_conversation.values() {
-        let last = turns.last().unwrap().id;
+        let last = turns.last().unwrap().key;
         if d.finished_at.contains_key(&last) && turns.len() as u32 >= config.turns.min {
             // Complete iff it reached its last turn: the workload closed it.
             if !d
@@ -153,10 +150,10 @@ fn statistics_match_the_config() {
     // Think time: the gap between a reply's end and the next question, uniform 0.5–1.5 s.
     let mut gaps = Vec::new();
     for r in &d.log {
-        if r.id.turn > 0 {
-            let previous = TurnId {
-                conversation: r.id.conversation,
-                turn: r.id.turn - 1,
+        if r.key.turn > 0 {
+            let previous = TurnKey {
+                conversation: r.key.conversation,
+                turn: r.key.turn - 1,
             };
             gaps.push((r.issued_at - d.finished_at[&previous]).as_secs_f64());
         }
@@ -165,7 +162,7 @@ fn statistics_match_the_config() {
     assert!((mean_gap - 1.0).abs() < 0.02, "mean think time {mean_gap}");
     assert!(gaps.iter().all(|g| (0.5..=1.5).contains(g)));
     // Turn 1 prompts carry the passage: 3,500–4,000 tokens as in the seed.
-    for r in d.log.iter().filter(|r| r.id.turn == 0) {
+    for r in d.log.iter().filter(|r| r.key.turn == 0) {
         assert!(
             (3_500..=4_000).contains(&r.prompt.len()),
             "{}",
@@ -176,7 +173,7 @@ fn statistics_match_the_config() {
     let late: Vec<usize> = d
         .log
         .iter()
-        .filter(|r| r.id.turn == 4)
+        .filter(|r| r.key.turn == 4)
         .map(|r| r.prompt.len())
         .collect();
     let late_mean = late.iter().sum::<usize>() as f64 / late.len() as f64;
@@ -211,14 +208,14 @@ fn concurrency_stays_constant_and_finished_conversations_are_replaced_at_once() 
         .filter(|(id, _)| {
             !d.log
                 .iter()
-                .any(|r| r.id.conversation == id.conversation && r.id.turn == id.turn + 1)
+                .any(|r| r.key.conversation == id.conversation && r.key.turn == id.turn + 1)
         })
         .map(|(_, t)| *t)
         .collect();
     let first_turns: Vec<Nanos> = d
         .log
         .iter()
-        .filter(|r| r.id.turn == 0 && r.issued_at > ramp_end)
+        .filter(|r| r.key.turn == 0 && r.issued_at > ramp_end)
         .map(|r| r.issued_at)
         .collect();
     for t in &first_turns {
@@ -250,9 +247,9 @@ fn same_seed_same_request_stream_and_scripts_do_not_depend_on_timing() {
         d.run_until(Nanos::from_secs(900), |_| {});
         d.log
     };
-    let digest = |log: &[TurnRequest]| -> Vec<(TurnId, Vec<u32>, Vec<u32>, Nanos)> {
+    let digest = |log: &[Turn]| -> Vec<(TurnKey, Vec<u32>, Vec<u32>, Nanos)> {
         log.iter()
-            .map(|r| (r.id, r.prompt.to_vec(), r.output.to_vec(), r.issued_at))
+            .map(|r| (r.key, r.prompt.to_vec(), r.output.to_vec(), r.issued_at))
             .collect()
     };
     let a = run(11, 30);
@@ -260,10 +257,10 @@ fn same_seed_same_request_stream_and_scripts_do_not_depend_on_timing() {
     assert_ne!(digest(&a), digest(&run(12, 30)));
     // A slower cluster sees fewer turns, but each (conversation, turn) it sees is identical.
     let slow = run(11, 45);
-    let by_id: BTreeMap<TurnId, &TurnRequest> = a.iter().map(|r| (r.id, r)).collect();
+    let by_id: BTreeMap<TurnKey, &Turn> = a.iter().map(|r| (r.key, r)).collect();
     let mut compared = 0;
     for r in &slow {
-        if let Some(fast) = by_id.get(&r.id) {
+        if let Some(fast) = by_id.get(&r.key) {
             assert_eq!(r.prompt, fast.prompt);
             assert_eq!(r.output, fast.output);
             compared += 1;
@@ -290,7 +287,7 @@ fn each_prompt_is_the_previous_prompt_reply_and_a_new_question_as_the_template_r
                 .log
                 .iter()
                 .rev()
-                .find(|r| r.id.conversation == info.id)
+                .find(|r| r.key.conversation == info.id)
                 .unwrap();
             let messages = d.workload.messages(info.id).unwrap();
             let history = &messages[..messages.len() - 1]; // drop the planned reply
@@ -304,15 +301,15 @@ fn each_prompt_is_the_previous_prompt_reply_and_a_new_question_as_the_template_r
         }
     });
     assert!(checked > 30);
-    let by_id: BTreeMap<TurnId, &TurnRequest> = d.log.iter().map(|r| (r.id, r)).collect();
+    let by_id: BTreeMap<TurnKey, &Turn> = d.log.iter().map(|r| (r.key, r)).collect();
     let mut pairs = 0;
     for r in &d.log {
-        if r.id.turn == 0 {
+        if r.key.turn == 0 {
             continue;
         }
-        let previous = by_id[&TurnId {
-            conversation: r.id.conversation,
-            turn: r.id.turn - 1,
+        let previous = by_id[&TurnKey {
+            conversation: r.key.conversation,
+            turn: r.key.turn - 1,
         }];
         let p = previous.prompt.len();
         let o = previous.output.len();
@@ -347,14 +344,14 @@ fn conversations_on_one_passage_share_its_whole_system_message() {
     let mut d = Driver::new(small_config(40), 5);
     d.run_until(Nanos::from_secs(20), |_| {});
     let mut by_passage: BTreeMap<usize, Vec<Arc<[u32]>>> = BTreeMap::new();
-    let infos: BTreeMap<ConversationId, usize> = d
+    let infos: BTreeMap<u64, usize> = d
         .workload
         .conversations()
         .map(|c| (c.id, c.passage))
         .collect();
-    for r in d.log.iter().filter(|r| r.id.turn == 0) {
+    for r in d.log.iter().filter(|r| r.key.turn == 0) {
         by_passage
-            .entry(infos[&r.id.conversation])
+            .entry(infos[&r.key.conversation])
             .or_default()
             .push(r.prompt.clone());
     }
@@ -423,7 +420,7 @@ fn failed_turns_abandon_the_conversation_and_replace_it() {
         30 + stats.conversations_completed + stats.conversations_failed
     );
     // Stale reports are ignored.
-    let first = d.log[0].id;
+    let first = d.log[0].key;
     let open = d.workload.active_conversations();
     d.workload.on_turn_finished(first, d.now);
     d.workload.on_turn_failed(first, d.now);
@@ -509,5 +506,5 @@ fn workload_and_assets_can_move_between_threads() {
     fn send_sync<T: Send + Sync>() {}
     send::<ChatWorkload>();
     send_sync::<Assets>();
-    send_sync::<TurnRequest>();
+    send_sync::<Turn>();
 }

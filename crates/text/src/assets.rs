@@ -1,14 +1,17 @@
-//! Everything a workload needs that does not change between runs, built once and shared.
+//! Everything that turns a conversation's plan into text or tokens and does not change between
+//! runs: built once per process and shared by the simulator, the load generator and the
+//! engine simulator.
 
 use std::sync::{Arc, OnceLock};
 
-use text::{
+use crate::{
     ChatMessage, ChatTemplate, Corpus, END_HEADER_ID, KeyTerms, Llama3Format, QuestionGenerator,
-    QuestionPlan, ReplyConfig, ReplyGenerator, START_HEADER_ID, Tokenizer,
+    QuestionPlan, ReplyConfig, ReplyGenerator, START_HEADER_ID, TextError, Tokenizer,
 };
 
-use crate::WorkloadError;
-use crate::config::DEFAULT_SYSTEM_PROMPT;
+/// The instruction put before each passage in a chat conversation's system message (the
+/// passage follows after a blank line).
+pub const DEFAULT_SYSTEM_PROMPT: &str = "You are a knowledgeable assistant for engineers who run large language model inference in production. The user is studying the reference text below and will ask you questions about it. Answer in detail, with concrete numbers and examples where the text gives them.";
 
 /// Tokenizer, chat template, corpus, the passages' system-message tokens, and the reply and
 /// question generators. Immutable and `Send + Sync`: build once (about a second), share through
@@ -40,21 +43,19 @@ impl std::fmt::Debug for Assets {
 
 impl Assets {
     /// The built-in assets: cl100k+Llama-3 tokenizer, Llama-3 template, the shipped corpus.
-    /// Built on first use and cached for the process.
-    pub fn builtin() -> Result<Arc<Assets>, WorkloadError> {
-        static BUILTIN: OnceLock<Result<Arc<Assets>, String>> = OnceLock::new();
-        BUILTIN
-            .get_or_init(|| {
-                Assets::new(
-                    Tokenizer::builtin(),
-                    Corpus::builtin(),
-                    &ReplyConfig::default(),
-                )
-                .map(Arc::new)
-                .map_err(|e| e.to_string())
-            })
-            .clone()
-            .map_err(WorkloadError::Assets)
+    /// Built on first use and kept for the process.
+    pub fn builtin() -> Result<Arc<Assets>, TextError> {
+        static BUILTIN: OnceLock<Arc<Assets>> = OnceLock::new();
+        if let Some(assets) = BUILTIN.get() {
+            return Ok(assets.clone());
+        }
+        // Two threads may both build on first use; the first stored wins, both are equal.
+        let built = Assets::new(
+            Tokenizer::builtin(),
+            Corpus::builtin(),
+            &ReplyConfig::default(),
+        )?;
+        Ok(BUILTIN.get_or_init(|| Arc::new(built)).clone())
     }
 
     /// Assets for another corpus (the tokenizer must have the Llama-3 chat specials).
@@ -62,7 +63,7 @@ impl Assets {
         tokenizer: Arc<Tokenizer>,
         corpus: Corpus,
         reply_config: &ReplyConfig,
-    ) -> Result<Assets, WorkloadError> {
+    ) -> Result<Assets, TextError> {
         let format = Llama3Format::new(&tokenizer)?;
         let terms = KeyTerms::extract(&corpus);
         let replies = ReplyGenerator::new(&tokenizer, &corpus, &terms, reply_config)?;
@@ -84,7 +85,7 @@ impl Assets {
 
     /// `<|begin_of_text|>` + the system message of passage `passage` after `system_prompt`:
     /// the part of every prompt that conversations on this passage share.
-    pub(crate) fn prefix(&self, system_prompt: &str, passage: usize) -> Arc<[u32]> {
+    pub fn prefix(&self, system_prompt: &str, passage: usize) -> Arc<[u32]> {
         if system_prompt == DEFAULT_SYSTEM_PROMPT {
             if let Some(p) = self.default_prefixes.get(passage) {
                 return p.clone();

@@ -1,39 +1,15 @@
-//! The chat workload's state machine: conversations, their turns, timers, concurrency.
+//! The schedule core: which conversations are open, when each sends its next turn (think
+//! time, the ramp), and how many are open at once. What a turn says comes from the
+//! conversation's [`Script`]; how it is written out (tokens or text) from a [`Content`].
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::sync::Arc;
 
 use nanotime::Nanos;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-use text::{ChatMessage, QuestionGenerator, QuestionPlan, Reply, ReplyGenerator};
+use text::{Assets, ChatMessage};
 
-use crate::{Assets, WorkloadConfig, WorkloadError};
-
-/// A conversation's number, unique within a workload, in order of creation.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ConversationId(pub u64);
-
-/// A turn: its conversation and its index there (0 = the first turn).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TurnId {
-    pub conversation: ConversationId,
-    pub turn: u32,
-}
-
-/// One request to serve.
-#[derive(Clone, Debug)]
-pub struct TurnRequest {
-    pub id: TurnId,
-    /// The templated history plus the new question and the assistant header: starts with the
-    /// previous turn's `prompt` followed by its `output`.
-    pub prompt: Arc<[u32]>,
-    /// The planned reply: an engine generates exactly these tokens.
-    pub output: Arc<[u32]>,
-    /// When the simulated user sent it (the start of TTFT and E2E).
-    pub issued_at: Nanos,
-}
+use crate::{Content, Script, TokenContent, TurnKey, WorkloadConfig, WorkloadError};
 
 /// Counters since the workload started.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -46,6 +22,8 @@ pub struct WorkloadStats {
     pub conversations_closed: u64,
     pub turns_issued: u64,
     pub turns_finished: u64,
+    /// Prompt tokens of the turns issued, where the rendering counts tokens (0 in text form:
+    /// the server tokenizes).
     pub prompt_tokens_issued: u64,
     pub output_tokens_issued: u64,
     /// Turns that could not be built (cannot happen with a validated config); their
@@ -56,83 +34,28 @@ pub struct WorkloadStats {
 /// A conversation as seen from outside (transcripts, dashboards).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConversationInfo {
-    pub id: ConversationId,
+    pub id: u64,
     /// Index of the passage in the corpus.
     pub passage: usize,
     /// Turns this conversation will have.
     pub turns: u32,
     /// Turns issued so far (including one in flight).
     pub turns_issued: u32,
-    /// Tokens of the latest prompt (0 before the first turn).
+    /// Tokens of the latest prompt (0 before the first turn, and in text form).
     pub prompt_tokens: usize,
     pub in_flight: bool,
 }
 
-/// What the simulated user of one conversation does, independent of token bookkeeping: the
-/// passage, the number of turns, and per turn the question, the reply length and the think
-/// time. Drawn from the conversation's own RNG (seeded by the workload seed and the
-/// conversation id), so conversation *k* is the same in every run with the same seed, whatever
-/// the timing — two routers compared on one seed see the same conversations.
-#[derive(Clone, Debug)]
-pub struct Script {
-    rng: ChaCha8Rng,
-    passage: usize,
-    turns: u32,
-}
-
-impl Script {
-    fn new(seed: u64, id: ConversationId, config: &WorkloadConfig, passages: usize) -> Script {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        rng.set_stream(id.0);
-        let passage = rng.random_range(0..passages);
-        let turns = config.turns.sample(&mut rng);
-        Script {
-            rng,
-            passage,
-            turns,
-        }
-    }
-
-    pub fn passage(&self) -> usize {
-        self.passage
-    }
-
-    pub fn turns(&self) -> u32 {
-        self.turns
-    }
-
-    /// The user's question for turn `turn`; `topic` is the last reply's term.
-    pub fn question(
-        &mut self,
-        questions: &QuestionGenerator,
-        turn: u32,
-        topic: Option<usize>,
-    ) -> QuestionPlan {
-        if turn == 0 {
-            questions.plan_first(self.passage, &mut self.rng)
-        } else {
-            questions.plan_follow_up(self.passage, topic, &mut self.rng)
-        }
-    }
-
-    /// The planned reply length of the next turn, in tokens.
-    pub fn output_tokens(&mut self, config: &WorkloadConfig) -> usize {
-        config.output_tokens.sample(&mut self.rng).round().max(1.0) as usize
-    }
-
-    /// The planned reply of `tokens` tokens.
-    pub fn reply(
-        &mut self,
-        replies: &ReplyGenerator,
-        tokens: usize,
-    ) -> Result<Reply, WorkloadError> {
-        Ok(replies.generate(self.passage, tokens, &mut self.rng)?)
-    }
-
-    /// The user's pause before the next question.
-    pub fn think_time(&mut self, config: &WorkloadConfig) -> Nanos {
-        Nanos::from_secs_f64(config.think_time_s.sample(&mut self.rng))
-    }
+/// How new conversations arrive.
+///
+/// Only the closed loop exists today. An open loop (conversations arriving at a rate, e.g.
+/// Poisson, in a later issue) is a second variant: the schedule then keeps a timer for the
+/// next arrival and does not replace finished conversations; scripts, renderings and drivers
+/// stay as they are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrivals {
+    /// `concurrency` conversations are open at all times: a finished one is replaced at once.
+    ClosedLoop { concurrency: u32 },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,20 +69,18 @@ enum Phase {
 }
 
 #[derive(Debug)]
-struct Conversation {
+struct Conversation<H> {
     script: Script,
     /// Index of the next turn to issue (or of the turn in flight).
     next_turn: u32,
     phase: Phase,
-    /// The latest prompt; the next prompt starts with it.
-    history: Option<Arc<[u32]>>,
-    /// The latest planned reply (follows `history` in the next prompt).
-    reply: Option<Arc<[u32]>>,
-    /// The latest reply's term, for the next question.
-    topic: Option<usize>,
+    /// What the rendering keeps of the conversation so far.
+    history: H,
 }
 
-/// The seed's multi-turn chat workload, sans-IO (quinn-proto style).
+/// The seed's multi-turn chat workload, sans-IO (quinn-proto style): the schedule, over
+/// conversations whose turns are written out by `C` (token ids by default, for the simulator;
+/// [`crate::TextContent`] for the load generator).
 ///
 /// Drive it with the time: [`ChatWorkload::handle_timeout`] at [`ChatWorkload::poll_timeout`],
 /// drain [`ChatWorkload::poll_request`] after every call, report each turn's end with
@@ -168,29 +89,59 @@ struct Conversation {
 /// Bounds: the conversation table holds at most the largest concurrency set (≤
 /// [`crate::MAX_CONCURRENCY`]); the timer heap and ready queue hold at most one live entry per
 /// conversation plus entries of conversations removed by a shrink, which are dropped as they
-/// come up. Per turn the work is one encode of the new question and one copy of the prompt;
-/// passages' tokens are shared by all conversations.
+/// come up. Per turn the work is the script's draws and the content's rendering.
 #[derive(Debug)]
-pub struct ChatWorkload {
+pub struct ChatWorkload<C: Content = TokenContent> {
     config: WorkloadConfig,
-    assets: Arc<Assets>,
+    content: C,
     seed: u64,
-    /// Per passage in use: `<|begin_of_text|>` + system message.
-    prefixes: Vec<Arc<[u32]>>,
-    target: u32,
-    conversations: BTreeMap<ConversationId, Conversation>,
+    arrivals: Arrivals,
+    conversations: BTreeMap<u64, Conversation<C::History>>,
     next_id: u64,
-    timers: BinaryHeap<Reverse<(Nanos, u64, ConversationId)>>,
+    timers: BinaryHeap<Reverse<(Nanos, u64, u64)>>,
     timer_seq: u64,
-    ready: VecDeque<ConversationId>,
+    ready: VecDeque<u64>,
     now: Nanos,
     stats: WorkloadStats,
 }
 
 impl ChatWorkload {
-    /// A workload of `config.concurrency` conversations whose starts spread over
-    /// `config.ramp_s` from `now`.
+    /// The workload in token ids (the simulator's form): `config.concurrency` conversations
+    /// whose starts spread over `config.ramp_s` from `now`.
     pub fn new(
+        config: WorkloadConfig,
+        assets: Arc<Assets>,
+        seed: u64,
+        now: Nanos,
+    ) -> Result<Self, WorkloadError> {
+        ChatWorkload::with_content(config, assets, seed, now)
+    }
+
+    /// A conversation as text messages (system, user, assistant, …), decoded from its token
+    /// history on demand; a reply in flight shows as its planned text.
+    pub fn messages(&self, id: u64) -> Option<Vec<ChatMessage>> {
+        let c = self.conversations.get(&id)?;
+        let assets = self.content.assets();
+        let tokenizer = assets.tokenizer();
+        let Some(history) = c.history.prompt() else {
+            return Some(Vec::new());
+        };
+        let mut messages = assets.format().parse(tokenizer, history);
+        // The history ends with the open assistant header; its content is the planned reply.
+        if let (Some(last), Some(reply)) = (messages.last_mut(), c.history.reply()) {
+            if last.role == "assistant" && last.content.is_empty() {
+                last.content = tokenizer.decode_lossy(reply);
+            }
+        }
+        Some(messages)
+    }
+}
+
+impl<C: Content> ChatWorkload<C> {
+    /// A workload of `config.concurrency` conversations whose starts spread over
+    /// `config.ramp_s` from `now`, written out by `C`
+    /// (`ChatWorkload::<TextContent>::with_content(…)` for text).
+    pub fn with_content(
         config: WorkloadConfig,
         assets: Arc<Assets>,
         seed: u64,
@@ -210,16 +161,15 @@ impl ChatWorkload {
                 "output_tokens: at most {max_reply} tokens per reply"
             )));
         }
-        let prefixes = (0..config.passages as usize)
-            .map(|p| assets.prefix(&config.system_prompt, p))
-            .collect();
+        let content = C::new(assets, &config);
         let target = config.concurrency;
         let mut me = ChatWorkload {
             config,
-            assets,
+            content,
             seed,
-            prefixes,
-            target,
+            arrivals: Arrivals::ClosedLoop {
+                concurrency: target,
+            },
             conversations: BTreeMap::new(),
             next_id: 0,
             timers: BinaryHeap::new(),
@@ -238,16 +188,14 @@ impl ChatWorkload {
     }
 
     fn open_conversation(&mut self, start: Nanos) {
-        let id = ConversationId(self.next_id);
+        let id = self.next_id;
         self.next_id += 1;
-        let script = Script::new(self.seed, id, &self.config, self.prefixes.len());
+        let script = Script::new(self.seed, id, &self.config, self.config.passages as usize);
         let mut conversation = Conversation {
+            history: self.content.open(script.passage()),
             script,
             next_turn: 0,
             phase: Phase::Ready { since: start },
-            history: None,
-            reply: None,
-            topic: None,
         };
         if start <= self.now {
             self.ready.push_back(id);
@@ -259,14 +207,15 @@ impl ChatWorkload {
         self.stats.conversations_started += 1;
     }
 
-    fn push_timer(&mut self, at: Nanos, id: ConversationId) {
+    fn push_timer(&mut self, at: Nanos, id: u64) {
         self.timers.push(Reverse((at, self.timer_seq, id)));
         self.timer_seq += 1;
     }
 
-    /// Opens conversations until `target` are open.
+    /// Opens conversations until as many are open as the arrivals ask for.
     fn refill(&mut self) {
-        while (self.conversations.len() as u64) < u64::from(self.target) {
+        let Arrivals::ClosedLoop { concurrency } = self.arrivals;
+        while (self.conversations.len() as u64) < u64::from(concurrency) {
             self.open_conversation(self.now);
         }
     }
@@ -276,13 +225,13 @@ impl ChatWorkload {
     /// first), then lets the rest end naturally without replacing them.
     pub fn set_concurrency(&mut self, n: u32, now: Nanos) {
         self.advance(now);
-        self.target = n.min(crate::MAX_CONCURRENCY);
-        let excess = self
-            .conversations
-            .len()
-            .saturating_sub(self.target as usize);
+        let target = n.min(crate::MAX_CONCURRENCY);
+        self.arrivals = Arrivals::ClosedLoop {
+            concurrency: target,
+        };
+        let excess = self.conversations.len().saturating_sub(target as usize);
         if excess > 0 {
-            let unstarted: Vec<ConversationId> = self
+            let unstarted: Vec<u64> = self
                 .conversations
                 .iter()
                 .rev()
@@ -301,7 +250,13 @@ impl ChatWorkload {
 
     /// The target number of open conversations.
     pub fn concurrency(&self) -> u32 {
-        self.target
+        let Arrivals::ClosedLoop { concurrency } = self.arrivals;
+        concurrency
+    }
+
+    /// How conversations arrive.
+    pub fn arrivals(&self) -> Arrivals {
+        self.arrivals
     }
 
     /// When [`ChatWorkload::handle_timeout`] is next needed: the earliest end of a think time
@@ -333,7 +288,7 @@ impl ChatWorkload {
 
     /// The next turn to send, in a deterministic order (by the time it became ready, then by
     /// when it was queued).
-    pub fn poll_request(&mut self) -> Option<TurnRequest> {
+    pub fn poll_request(&mut self) -> Option<C::Turn> {
         while let Some(id) = self.ready.pop_front() {
             let Some(c) = self.conversations.get(&id) else {
                 continue;
@@ -355,64 +310,32 @@ impl ChatWorkload {
         None
     }
 
-    fn issue(
-        &mut self,
-        id: ConversationId,
-        issued_at: Nanos,
-    ) -> Result<TurnRequest, WorkloadError> {
-        let assets = &self.assets;
-        let format = assets.format();
+    fn issue(&mut self, id: u64, issued_at: Nanos) -> Result<C::Turn, WorkloadError> {
         let c = self
             .conversations
             .get_mut(&id)
             .ok_or(WorkloadError::UnknownConversation(id))?;
         let turn = c.next_turn;
-        let question = c.script.question(assets.questions(), turn, c.topic);
-        let mut user = Vec::with_capacity(96);
-        assets.push_user_question(&question, &mut user);
-        let tokens = c.script.output_tokens(&self.config);
-        let reply = c.script.reply(assets.replies(), tokens)?;
-        let generation = format.generation_prompt();
-        let eot = [format.eot()];
-        // Slices are copied with memcpy into one buffer (an iterator chain of elements was
-        // a third of the turn's cost), then once into the shared allocation.
-        let parts: [&[u32]; 5] = match (&c.history, &c.reply) {
-            (Some(history), Some(previous)) => [history, previous, &eot, &user, generation],
-            _ => [
-                &self.prefixes[c.script.passage()],
-                &user,
-                generation,
-                &[],
-                &[],
-            ],
+        let plan = c
+            .script
+            .next_turn(self.content.assets(), &self.config, turn)?;
+        let output_tokens = plan.reply.ids.len();
+        let key = TurnKey {
+            conversation: id,
+            turn,
         };
-        let mut ids = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
-        for part in parts {
-            ids.extend_from_slice(part);
-        }
-        let prompt: Arc<[u32]> = ids.into();
-        c.history = Some(prompt.clone());
-        c.reply = Some(reply.ids.clone());
-        c.topic = reply.topic;
+        let request = self.content.turn(&mut c.history, plan, key, issued_at);
         c.phase = Phase::InFlight { turn };
         self.stats.turns_issued += 1;
-        self.stats.prompt_tokens_issued += prompt.len() as u64;
-        self.stats.output_tokens_issued += reply.ids.len() as u64;
-        Ok(TurnRequest {
-            id: TurnId {
-                conversation: id,
-                turn,
-            },
-            prompt,
-            output: reply.ids,
-            issued_at,
-        })
+        self.stats.prompt_tokens_issued += C::prompt_tokens(&c.history) as u64;
+        self.stats.output_tokens_issued += output_tokens as u64;
+        Ok(request)
     }
 
     /// The turn's reply arrived in full at `now`: it becomes history; the user thinks, then
     /// asks the next question, or the conversation ends and a new one replaces it at once.
     /// Unknown or stale ids are ignored.
-    pub fn on_turn_finished(&mut self, id: TurnId, now: Nanos) {
+    pub fn on_turn_finished(&mut self, id: TurnKey, now: Nanos) {
         self.advance(now);
         let Some(c) = self.conversations.get_mut(&id.conversation) else {
             return;
@@ -435,7 +358,7 @@ impl ChatWorkload {
 
     /// The turn failed (rejected, dropped, timed out): the conversation is abandoned and a new
     /// one replaces it at once. Unknown or stale ids are ignored.
-    pub fn on_turn_failed(&mut self, id: TurnId, now: Nanos) {
+    pub fn on_turn_failed(&mut self, id: TurnKey, now: Nanos) {
         self.advance(now);
         let in_flight = self
             .conversations
@@ -462,7 +385,7 @@ impl ChatWorkload {
     }
 
     pub fn assets(&self) -> &Arc<Assets> {
-        &self.assets
+        self.content.assets()
     }
 
     /// The open conversations, by id.
@@ -474,34 +397,15 @@ impl ChatWorkload {
 
     /// One open conversation, in O(log n) (drivers that keep their own per-conversation state
     /// look up a new conversation's passage and turn count here).
-    pub fn conversation(&self, id: ConversationId) -> Option<ConversationInfo> {
+    pub fn conversation(&self, id: u64) -> Option<ConversationInfo> {
         let c = self.conversations.get(&id)?;
         Some(ConversationInfo {
             id,
             passage: c.script.passage(),
             turns: c.script.turns(),
             turns_issued: c.next_turn + u32::from(matches!(c.phase, Phase::InFlight { .. })),
-            prompt_tokens: c.history.as_ref().map_or(0, |h| h.len()),
+            prompt_tokens: C::prompt_tokens(&c.history),
             in_flight: matches!(c.phase, Phase::InFlight { .. }),
         })
-    }
-
-    /// A conversation as text messages (system, user, assistant, …), decoded from its token
-    /// history on demand; a reply in flight shows as its planned text.
-    pub fn messages(&self, id: ConversationId) -> Option<Vec<ChatMessage>> {
-        let c = self.conversations.get(&id)?;
-        let tokenizer = self.assets.tokenizer();
-        let format = self.assets.format();
-        let Some(history) = &c.history else {
-            return Some(Vec::new());
-        };
-        let mut messages = format.parse(tokenizer, history);
-        // The history ends with the open assistant header; its content is the planned reply.
-        if let (Some(last), Some(reply)) = (messages.last_mut(), &c.reply) {
-            if last.role == "assistant" && last.content.is_empty() {
-                last.content = tokenizer.decode_lossy(reply);
-            }
-        }
-        Some(messages)
     }
 }

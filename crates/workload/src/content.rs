@@ -1,0 +1,237 @@
+//! How a conversation's [`TurnPlan`]s are written out for a driver: as token ids for the
+//! simulator ([`TokenContent`]) or as text for the load generator ([`TextContent`]). Both
+//! write the same plans (passage, questions, planned answers): the text form's system message
+//! and questions, rendered with the chat template and tokenized with the planned replies as
+//! answers, are exactly the token form's prompts (tested in `tests/content.rs`).
+
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use nanotime::Nanos;
+use text::Assets;
+
+use crate::{TurnPlan, WorkloadConfig};
+
+/// A turn: its conversation (numbered from 0 in order of creation) and its index there (0 =
+/// the first turn).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TurnKey {
+    pub conversation: u64,
+    pub turn: u32,
+}
+
+/// A rendering of conversations: what the schedule hands the driver for each turn.
+pub trait Content {
+    /// What the rendering keeps of one open conversation between its turns.
+    type History: Debug + Send;
+    /// One turn as the driver sends it.
+    type Turn;
+    /// The rendering of `config`'s conversations (system prompt, passages in use).
+    fn new(assets: Arc<Assets>, config: &WorkloadConfig) -> Self
+    where
+        Self: Sized;
+    /// The shared text assets the plans are drawn from.
+    fn assets(&self) -> &Arc<Assets>;
+    /// A new conversation about passage `passage`.
+    fn open(&self, passage: usize) -> Self::History;
+    /// Writes turn `key` out; `history` is then the conversation up to this turn.
+    fn turn(
+        &self,
+        history: &mut Self::History,
+        plan: TurnPlan,
+        key: TurnKey,
+        issued_at: Nanos,
+    ) -> Self::Turn;
+    /// Tokens of the latest prompt, where this rendering knows them (0 otherwise).
+    fn prompt_tokens(history: &Self::History) -> usize;
+}
+
+/// One request to serve, in token ids (the simulator's form).
+#[derive(Clone, Debug)]
+pub struct Turn {
+    pub key: TurnKey,
+    /// The templated history plus the new question and the assistant header: starts with the
+    /// previous turn's `prompt` followed by its `output`.
+    pub prompt: Arc<[u32]>,
+    /// The planned reply: an engine generates exactly these tokens, so the next turn's prompt
+    /// (which contains them) hits the blocks cached during decode.
+    pub output: Arc<[u32]>,
+    /// When the simulated user sent it (the start of TTFT and E2E).
+    pub issued_at: Nanos,
+}
+
+/// Writes turns as token ids, building each prompt from the previous one: the previous prompt,
+/// its reply, `<|eot_id|>`, the new user message and the assistant header, equal to
+/// tokenizing the rendered conversation. Per turn: the question's pre-tokenized pieces and one
+/// copy of the prompt; passages' tokens are shared by all conversations.
+#[derive(Debug)]
+pub struct TokenContent {
+    assets: Arc<Assets>,
+    /// Per passage in use: `<|begin_of_text|>` + system message.
+    prefixes: Vec<Arc<[u32]>>,
+}
+
+/// A conversation in tokens: its last prompt and planned reply.
+#[derive(Debug)]
+pub struct TokenHistory {
+    passage: usize,
+    prompt: Option<Arc<[u32]>>,
+    reply: Option<Arc<[u32]>>,
+}
+
+impl TokenHistory {
+    /// The latest prompt (`None` before the first turn).
+    pub fn prompt(&self) -> Option<&Arc<[u32]>> {
+        self.prompt.as_ref()
+    }
+
+    /// The latest planned reply.
+    pub fn reply(&self) -> Option<&Arc<[u32]>> {
+        self.reply.as_ref()
+    }
+}
+
+impl Content for TokenContent {
+    type History = TokenHistory;
+    type Turn = Turn;
+
+    fn new(assets: Arc<Assets>, config: &WorkloadConfig) -> TokenContent {
+        let prefixes = (0..config.passages as usize)
+            .map(|p| assets.prefix(&config.system_prompt, p))
+            .collect();
+        TokenContent { assets, prefixes }
+    }
+
+    fn assets(&self) -> &Arc<Assets> {
+        &self.assets
+    }
+
+    fn open(&self, passage: usize) -> TokenHistory {
+        TokenHistory {
+            passage,
+            prompt: None,
+            reply: None,
+        }
+    }
+
+    fn turn(
+        &self,
+        history: &mut TokenHistory,
+        plan: TurnPlan,
+        key: TurnKey,
+        issued_at: Nanos,
+    ) -> Turn {
+        let format = self.assets.format();
+        let mut user = Vec::with_capacity(96);
+        self.assets.push_user_question(&plan.question, &mut user);
+        let generation = format.generation_prompt();
+        let eot = [format.eot()];
+        // Slices are copied with memcpy into one buffer (an iterator chain of elements was
+        // a third of the turn's cost), then once into the shared allocation.
+        let parts: [&[u32]; 5] = match (&history.prompt, &history.reply) {
+            (Some(prompt), Some(previous)) => [prompt, previous, &eot, &user, generation],
+            _ => [
+                self.prefixes
+                    .get(history.passage)
+                    .map_or(&[][..], |p| &p[..]),
+                &user,
+                generation,
+                &[],
+                &[],
+            ],
+        };
+        let mut ids = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+        for part in parts {
+            ids.extend_from_slice(part);
+        }
+        let prompt: Arc<[u32]> = ids.into();
+        history.prompt = Some(prompt.clone());
+        history.reply = Some(plan.reply.ids.clone());
+        Turn {
+            key,
+            prompt,
+            output: plan.reply.ids,
+            issued_at,
+        }
+    }
+
+    fn prompt_tokens(history: &TokenHistory) -> usize {
+        history.prompt.as_ref().map_or(0, |p| p.len())
+    }
+}
+
+/// One request to send, in text (the load generator's form). The driver keeps the
+/// conversation's earlier questions and the answers it actually received, and sends them as
+/// the history before `question`.
+#[derive(Clone, Debug)]
+pub struct TextTurn {
+    pub key: TurnKey,
+    /// The system message: instruction + passage, shared by every conversation on it.
+    pub system: Arc<str>,
+    /// The user's question.
+    pub question: Arc<str>,
+    /// The planned reply's ids: ask for `planned_reply.len()` tokens. Its text
+    /// (`tokenizer.decode`) is what the simulator's engine answers.
+    pub planned_reply: Arc<[u32]>,
+    /// When the simulated user sent it.
+    pub issued_at: Nanos,
+}
+
+/// Writes turns as text: the system message and the questions whose tokenization the token
+/// form assembles.
+#[derive(Debug)]
+pub struct TextContent {
+    assets: Arc<Assets>,
+    /// Per passage in use: the system message's text.
+    systems: Vec<Arc<str>>,
+}
+
+impl Content for TextContent {
+    /// The conversation's passage: the driver keeps the text history (with real answers).
+    type History = usize;
+    type Turn = TextTurn;
+
+    fn new(assets: Arc<Assets>, config: &WorkloadConfig) -> TextContent {
+        let systems = (0..config.passages as usize)
+            .map(|p| {
+                assets
+                    .system_message(&config.system_prompt, p)
+                    .content
+                    .into()
+            })
+            .collect();
+        TextContent { assets, systems }
+    }
+
+    fn assets(&self) -> &Arc<Assets> {
+        &self.assets
+    }
+
+    fn open(&self, passage: usize) -> usize {
+        passage
+    }
+
+    fn turn(
+        &self,
+        passage: &mut usize,
+        plan: TurnPlan,
+        key: TurnKey,
+        issued_at: Nanos,
+    ) -> TextTurn {
+        TextTurn {
+            key,
+            system: self
+                .systems
+                .get(*passage)
+                .cloned()
+                .unwrap_or_else(|| "".into()),
+            question: self.assets.questions().text(&plan.question).into(),
+            planned_reply: plan.reply.ids,
+            issued_at,
+        }
+    }
+
+    fn prompt_tokens(_: &usize) -> usize {
+        0
+    }
+}
