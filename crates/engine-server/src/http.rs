@@ -14,12 +14,11 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use engine::{EngineRequest, OutputSpec, RejectReason, RequestId};
 use futures::StreamExt;
-use kv_index::BlockHasher;
 use protocol::openai::object;
 use protocol::{
     ApiError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionRequest, CompletionResponse,
-    FinishReason, Model, ModelList, Prompt, ResponseMessage, SamplingParams, Usage, WorkerInfo,
+    FinishReason, Model, ModelList, Prompt, ResponseMessage, SamplingParams, Usage, WorkerCard,
 };
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
@@ -31,11 +30,10 @@ use crate::replies::{LengthRequest, PlannedReply, TextAssets, plan_reply};
 
 /// Shared by every handler.
 pub struct AppState {
-    pub info: WorkerInfo,
+    pub info: WorkerCard,
     pub commands: mpsc::Sender<Command>,
     pub next_id: AtomicU64,
     pub assets: &'static TextAssets,
-    pub hasher: BlockHasher,
     pub reply_length: ReplyLength,
     pub seed: u64,
     pub body_limit: usize,
@@ -239,7 +237,8 @@ async fn serve(
             "max_tokens must be at least 1",
         ));
     }
-    let context = state.info.max_model_len;
+    // The server always declares its context (`EngineServer::bind`).
+    let context = state.info.max_model_len.unwrap_or(u32::MAX);
     let prompt_len = prompt.len() as u64;
     let requested = u64::from(max_tokens.unwrap_or(1));
     if prompt_len + requested > u64::from(context) {
@@ -265,8 +264,6 @@ async fn serve(
     )
     .map_err(ApiError::internal)?;
 
-    let sequence: Arc<[u32]> = prompt.iter().chain(reply.ids.iter()).copied().collect();
-    let block_hashes = state.hasher.sequence_hashes(&sequence);
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let (progress_tx, mut progress) = watch::channel(Progress::new());
     let submission = Submission {
@@ -275,8 +272,6 @@ async fn serve(
             prompt: prompt.into(),
             output: OutputSpec::Tokens(reply.ids.clone()),
         },
-        block_hashes,
-        sequence,
         progress: progress_tx,
     };
     match state
@@ -317,8 +312,14 @@ async fn serve(
     let reply = Arc::new(reply);
     let meta = ResponseMeta {
         id: match kind {
-            Kind::Chat => format!("chatcmpl-{}-{}", state.info.worker, id.0),
-            Kind::Completion => format!("cmpl-{}-{}", state.info.worker, id.0),
+            Kind::Chat => format!(
+                "chatcmpl-{}-{}",
+                state.info.worker.unwrap_or_default().0,
+                id.0
+            ),
+            Kind::Completion => {
+                format!("cmpl-{}-{}", state.info.worker.unwrap_or_default().0, id.0)
+            }
         },
         created: unix_now(),
         model: model.to_string(),
@@ -585,7 +586,7 @@ impl Relay {
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let mut model = Model::new(state.info.model.clone(), "kvroute", state.started);
-    model.max_model_len = Some(state.info.max_model_len);
+    model.max_model_len = state.info.max_model_len;
     axum::Json(ModelList::new(vec![model])).into_response()
 }
 

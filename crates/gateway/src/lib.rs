@@ -63,10 +63,11 @@ use axum::serve::ListenerExt;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use config::{GatewayConfig, PromptFormat, RoutingConfig, WorkerSpec};
-pub use dispatch::{Dispatcher, WorkerInfo};
+pub use config::{GatewayConfig, PromptFormat, WorkerSpec};
+pub use dispatch::Dispatcher;
 pub use events::KvEventSink;
 pub use metrics::Metrics;
+pub use registry::WorkerInfo;
 
 use crate::events::ZmqSubscriptions;
 use crate::registry::RegistryCtx;
@@ -231,7 +232,7 @@ impl Gateway {
             registry.clone(),
             config.health_interval,
         )));
-        if !config.routing.kv_events {
+        if !config.kv_events() {
             let dispatcher = dispatcher.clone();
             let cancel = cancel.clone();
             gateway.tasks.push(tokio::spawn(async move {

@@ -6,9 +6,7 @@ use std::sync::Arc;
 use engine::{Engine, EngineEvent, EngineRequest, OutputSpec};
 use kv_index::{IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
-use router::{
-    KvSource, RequestId, RouteError, Router, RouterConfig, RoutingKey, WorkerLimits, WorkerTiming,
-};
+use router::{KvSource, RequestId, RouteError, Router, RouterConfig, RoutingKey};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -319,21 +317,8 @@ impl<W: Workload> Simulation<W> {
         };
         let mut router = Router::new(router_cfg).map_err(ConfigError::from)?;
         for (i, e) in engines.iter().enumerate() {
-            let marginal = cfg
-                .engine
-                .profile
-                .marginal_timing(cfg.engine.block_size, u64::from(e.kv_capacity_blocks()));
-            let timing = WorkerTiming {
-                prefill_secs_per_token: marginal.prefill_secs_per_token,
-                decode_secs_per_context_token: marginal.decode_secs_per_context_token,
-            };
-            let limits = WorkerLimits {
-                max_num_seqs: Some(cfg.engine.max_num_seqs),
-                kv_capacity_blocks: Some(u64::from(e.kv_capacity_blocks())),
-                timing: Some(timing),
-            };
             router
-                .add_worker(WorkerId(i as u64), limits)
+                .add_worker(WorkerId(i as u64), e.limits())
                 .map_err(ConfigError::from)?;
         }
         let oracle = cfg
