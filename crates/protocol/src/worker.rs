@@ -16,61 +16,46 @@ use worker_limits::WorkerLimits;
 /// What a worker declares about itself: who and where it is, what it serves, what the
 /// router needs to price it ([`WorkerLimits`]) and where its KV events are published.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct WorkerCard {
     /// Its id across the system (`kvroute engine --worker-id`). A foreign backend may have
     /// none; gateways then derive one from its URL.
-    #[serde(
-        default,
-        alias = "worker_id",
-        alias = "id",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(alias = "worker_id", alias = "id")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub worker: Option<WorkerId>,
     /// The process run (random at start-up); a new value means the worker restarted with an
     /// empty cache and sequence numbers from 0.
-    #[serde(default)]
     pub instance: u64,
     /// Base URL of its OpenAI-compatible HTTP API, e.g. `http://10.0.0.5:8000`.
-    #[serde(default)]
     pub url: String,
     /// The model it serves.
-    #[serde(default)]
     pub model: String,
     /// Hardware profile name (e.g. `h200-llama70b-fp8`) of a simulated engine.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<String>,
     /// The GPU it runs on (simulated engines: the profile's).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<String>,
     /// Tokens per KV block; gateways refuse a worker whose blocks differ from their router's.
-    #[serde(
-        default,
-        alias = "kv_block_size",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(alias = "kv_block_size")]
     pub block_size: Option<u32>,
     /// The model's context length in tokens.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<u32>,
     /// Batch limit, KV capacity and marginal timing, for load-aware routing (flat fields on
     /// the wire: `max_num_seqs`, `kv_capacity_blocks`, `prefill_secs_per_token`, …).
     #[serde(flatten)]
     pub limits: WorkerLimits,
     /// Modelled time runs this many times faster than wall time (simulated engines).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub speedup: Option<f64>,
     /// NATS server of its KV events in kvroute's format, if it publishes there.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub nats_url: Option<String>,
     /// The subject of those events (`kvroute.<ns>.kv.<worker>`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub nats_kv_subject: Option<String>,
     /// ZMQ endpoint of its KV events in vLLM's format, if it publishes there.
-    #[serde(default, alias = "zmq", skip_serializing_if = "Option::is_none")]
+    #[serde(alias = "zmq", skip_serializing_if = "Option::is_none")]
     pub zmq_endpoint: Option<String>,
     /// It returns generated token ids when a request asks (`return_token_ids`), so a
     /// gateway counts tokens exactly even when one chunk carries several.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub returns_token_ids: bool,
 }
 
@@ -79,11 +64,7 @@ pub struct WorkerCard {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum WorkerMessage {
     Announce(WorkerAnnounce),
-    Goodbye {
-        worker: u64,
-        #[serde(default)]
-        instance: u64,
-    },
+    Goodbye { worker: u64, instance: u64 },
 }
 
 /// A worker's card, valid for `lease_ms`. Sent on start-up and then every `lease_ms / 3` or

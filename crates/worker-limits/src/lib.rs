@@ -17,22 +17,19 @@ use serde::{Deserialize, Serialize};
 /// Every field is optional: a foreign backend (vLLM described by `--worker` flags, another
 /// server's `/info`) may not know them.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct WorkerLimits {
     /// The engine's `max_num_seqs` (largest running batch), when known.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_num_seqs: Option<u32>,
     /// The engine's KV cache capacity in blocks, when known (vLLM's `num_gpu_blocks`).
-    #[serde(
-        default,
-        alias = "num_gpu_blocks",
-        alias = "capacity_blocks",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(alias = "num_gpu_blocks", alias = "capacity_blocks")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_capacity_blocks: Option<u64>,
     /// How fast the worker prefills and decodes, when known (from its hardware profile). On
     /// the wire its two figures sit beside the others; a worker that gives only one of them
     /// declares no timing.
-    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub timing: Option<WorkerTiming>,
 }
 
