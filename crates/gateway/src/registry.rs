@@ -94,7 +94,7 @@ pub fn describe(spec: &WorkerSpec, card: &WorkerCard, router_block_size: usize) 
 #[derive(Debug)]
 pub enum Probe {
     /// The worker answered with its card.
-    Described(WorkerCard),
+    Described(Box<WorkerCard>),
     /// The worker is up but has no (usable) `/info`: a foreign backend, described by flags.
     NoInfo,
     /// The worker did not answer.
@@ -116,7 +116,7 @@ pub async fn probe_info(http: &reqwest::Client, url: &str, timeout: Duration) ->
     }
     match response.bytes().await {
         Ok(body) => match serde_json::from_slice::<WorkerCard>(&body) {
-            Ok(card) => Probe::Described(card),
+            Ok(card) => Probe::Described(Box::new(card)),
             Err(_) => Probe::NoInfo,
         },
         Err(e) => Probe::Down(e.to_string()),
@@ -166,7 +166,7 @@ impl RegistryCtx {
     /// its health check. A block size that cannot work is an error.
     pub async fn add_static(&self, spec: &WorkerSpec) -> Result<WorkerInfo, RegistryError> {
         let (card, up) = match probe_info(&self.http, &spec.url, self.probe_timeout).await {
-            Probe::Described(card) => (card, true),
+            Probe::Described(card) => (*card, true),
             Probe::NoInfo => (WorkerCard::default(), true),
             Probe::Down(why) => {
                 tracing::warn!(url = %spec.url, %why, "worker not reachable yet; waiting for its health check");
@@ -212,7 +212,7 @@ pub(crate) async fn run_health_checks(ctx: RegistryCtx, interval: Duration) {
                             return;
                         };
                         let card = match probe_info(&ctx.http, &spec.url, ctx.probe_timeout).await {
-                            Probe::Described(card) => card,
+                            Probe::Described(card) => *card,
                             Probe::NoInfo => WorkerCard::default(),
                             Probe::Down(_) => return,
                         };

@@ -62,6 +62,8 @@ pub struct WorkerCard {
 /// A worker telling gateways it exists (repeated as a heartbeat) or is leaving.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
+// One message per heartbeat, decoded and dropped at once: boxing the card would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum WorkerMessage {
     Announce(WorkerAnnounce),
     Goodbye { worker: u64, instance: u64 },
