@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineEvent, EngineMetrics, EngineRequest, RejectReason, RequestId};
-use kv_index::{BlockContent, KvEvent, KvEventKind, SequenceHash};
+use kv_index::KvEvent;
 use nanotime::Nanos;
 use rustc_hash::FxHashMap;
 use tokio::sync::{mpsc, watch};
@@ -103,11 +103,6 @@ impl Default for Progress {
 /// A request for the engine task.
 pub struct Submission {
     pub request: EngineRequest,
-    /// Sequence hashes of every full block of prompt + output (the engine's block ids), so
-    /// the task can attach tokens to the KV events it publishes.
-    pub block_hashes: Vec<SequenceHash>,
-    /// Prompt followed by output tokens.
-    pub sequence: Arc<[u32]>,
     pub progress: watch::Sender<Progress>,
 }
 
@@ -127,20 +122,11 @@ pub struct Snapshot {
 struct Active {
     progress: watch::Sender<Progress>,
     submitted_at: Nanos,
-    block_hashes: Vec<SequenceHash>,
-}
-
-/// Where a block's tokens are: a sequence shared by the requests that hold that block.
-struct BlockTokens {
-    sequence: Arc<[u32]>,
-    start: u32,
-    refs: u32,
 }
 
 pub struct Driver {
     engine: Engine,
     clock: Clock,
-    block_size: u32,
     commands: mpsc::Receiver<Command>,
     shutdown: watch::Receiver<bool>,
     kv_out: mpsc::Sender<Vec<KvEvent>>,
@@ -150,9 +136,8 @@ pub struct Driver {
     /// Requests not yet admitted, in submission order (the engine admits first-come
     /// first-served, so the admitted ones are a prefix).
     unscheduled: std::collections::VecDeque<RequestId>,
-    blocks: FxHashMap<u64, BlockTokens>,
-    /// Requests that left the engine during the current drain; their blocks' tokens are
-    /// released after the drain, since the drain's KV events may still name them.
+    /// Requests that left the engine during the current drain; forgotten after it, once
+    /// their queue time is recorded.
     leaving: Vec<RequestId>,
     kv_batch: Vec<KvEvent>,
     now: Nanos,
@@ -172,11 +157,9 @@ impl Driver {
         metrics: Arc<ServerMetrics>,
         snapshot: Arc<Mutex<Snapshot>>,
     ) -> Driver {
-        let block_size = engine.config().block_size;
         Driver {
             engine,
             clock,
-            block_size,
             commands,
             shutdown,
             kv_out,
@@ -184,7 +167,6 @@ impl Driver {
             snapshot,
             active: FxHashMap::default(),
             unscheduled: std::collections::VecDeque::new(),
-            blocks: FxHashMap::default(),
             leaving: Vec::new(),
             kv_batch: Vec::new(),
             now: Nanos::ZERO,
@@ -247,30 +229,14 @@ impl Driver {
     fn handle(&mut self, command: Command) {
         match command {
             Command::Submit(submission) => {
-                let Submission {
-                    request,
-                    block_hashes,
-                    sequence,
-                    progress,
-                } = *submission;
+                let Submission { request, progress } = *submission;
                 let id = request.id;
                 let now = self.engine_now();
-                for (index, hash) in block_hashes.iter().enumerate() {
-                    self.blocks
-                        .entry(hash.0)
-                        .and_modify(|b| b.refs += 1)
-                        .or_insert_with(|| BlockTokens {
-                            sequence: sequence.clone(),
-                            start: index as u32 * self.block_size,
-                            refs: 1,
-                        });
-                }
                 self.active.insert(
                     id,
                     Active {
                         progress,
                         submitted_at: now,
-                        block_hashes,
                     },
                 );
                 self.unscheduled.push_back(id);
@@ -362,10 +328,7 @@ impl Driver {
                     self.metrics.rejected.inc();
                     self.finish(id, RequestState::Rejected(reason));
                 }
-                EngineEvent::Kv(event) => {
-                    let event = self.with_tokens(event);
-                    self.kv_batch.push(event);
-                }
+                EngineEvent::Kv(event) => self.kv_batch.push(event),
             }
         }
         self.note_admissions();
@@ -376,7 +339,7 @@ impl Driver {
             }
         }
         for id in std::mem::take(&mut self.leaving) {
-            self.release_blocks(id);
+            self.active.remove(&id);
         }
         self.publish_snapshot();
         for id in cancel {
@@ -391,22 +354,6 @@ impl Driver {
         if let Some(active) = self.active.get(&id) {
             active.progress.send_modify(|p| p.state = state);
             self.leaving.push(id);
-        }
-    }
-
-    fn release_blocks(&mut self, id: RequestId) {
-        let Some(active) = self.active.remove(&id) else {
-            return;
-        };
-        for hash in active.block_hashes {
-            if let std::collections::hash_map::Entry::Occupied(mut entry) =
-                self.blocks.entry(hash.0)
-            {
-                entry.get_mut().refs -= 1;
-                if entry.get().refs == 0 {
-                    entry.remove();
-                }
-            }
         }
     }
 
@@ -429,30 +376,6 @@ impl Driver {
                 }
             }
         }
-    }
-
-    /// Our engine names stored blocks by sequence hash with a local-hash content; receivers
-    /// (and vLLM's format) want the tokens, which the submitting request's sequence holds.
-    fn with_tokens(&self, mut event: KvEvent) -> KvEvent {
-        if let KvEventKind::Stored { blocks, .. } = &mut event.kind {
-            for block in blocks {
-                if let BlockContent::LocalHash(_) = block.content {
-                    match self.blocks.get(&block.id.0) {
-                        Some(found) => {
-                            let start = found.start as usize;
-                            let end = start + self.block_size as usize;
-                            if let Some(tokens) = found.sequence.get(start..end) {
-                                block.content = BlockContent::Tokens(tokens.to_vec());
-                            }
-                        }
-                        None => {
-                            self.metrics.kv_blocks_without_tokens.inc();
-                        }
-                    }
-                }
-            }
-        }
-        event
     }
 
     fn publish_snapshot(&mut self) {

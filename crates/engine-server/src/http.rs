@@ -13,11 +13,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::{Bytes, BytesMut};
 use engine::{EngineRequest, OutputSpec, RejectReason, RequestId};
-use kv_index::BlockHasher;
 use protocol::http::{check_model, json_response, read_json};
 use protocol::{
     Api, ApiError, ApiRequest, ChatCompletionRequest, ChoiceOut, CompletionRequest, FinishReason,
-    Model, ModelList, Prompt, ResponseHead, SamplingParams, TokenIds, Usage, WorkerInfo, sse,
+    Model, ModelList, Prompt, ResponseHead, SamplingParams, TokenIds, Usage, WorkerCard, sse,
 };
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
@@ -29,11 +28,10 @@ use crate::replies::{LengthRequest, PlannedReply, TextAssets, plan_reply};
 
 /// Shared by every handler.
 pub struct AppState {
-    pub info: WorkerInfo,
+    pub info: WorkerCard,
     pub commands: mpsc::Sender<Command>,
     pub next_id: AtomicU64,
     pub assets: &'static TextAssets,
-    pub hasher: BlockHasher,
     pub reply_length: ReplyLength,
     pub seed: u64,
     pub body_limit: usize,
@@ -190,7 +188,8 @@ async fn serve(
             "max_tokens must be at least 1",
         ));
     }
-    let context = state.info.max_model_len;
+    // The server always declares its context (`EngineServer::bind`).
+    let context = state.info.max_model_len.unwrap_or(u32::MAX);
     let prompt_len = prompt.len() as u64;
     let requested = u64::from(max_tokens.unwrap_or(1));
     if prompt_len + requested > u64::from(context) {
@@ -216,8 +215,6 @@ async fn serve(
     )
     .map_err(ApiError::internal)?;
 
-    let sequence: Arc<[u32]> = prompt.iter().chain(reply.ids.iter()).copied().collect();
-    let block_hashes = state.hasher.sequence_hashes(&sequence);
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let (progress_tx, mut progress) = watch::channel(Progress::new());
     let submission = Submission {
@@ -226,8 +223,6 @@ async fn serve(
             prompt: prompt.into(),
             output: OutputSpec::Tokens(reply.ids.clone()),
         },
-        block_hashes,
-        sequence,
         progress: progress_tx,
     };
     match state
@@ -269,7 +264,7 @@ async fn serve(
     let meta = ResponseMeta {
         head: ResponseHead {
             api,
-            id: format!("{}-{}-{}", api.id_prefix(), state.info.worker, id.0),
+            id: format!("{}-{}-{}", api.id_prefix(), state.info.worker.unwrap_or_default().0, id.0),
             model: model.into(),
             created: unix_now(),
         },
@@ -486,7 +481,7 @@ impl Relay {
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let mut model = Model::new(state.info.model.clone(), "kvroute", state.started);
-    model.max_model_len = Some(state.info.max_model_len);
+    model.max_model_len = state.info.max_model_len;
     json_response(200, &ModelList::new(vec![model]))
 }
 

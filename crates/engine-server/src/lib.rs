@@ -7,11 +7,11 @@
 //! readable text from `text::ReplyGenerator` whose token ids are the ones the next turn's
 //! prompt re-tokenizes to, so a conversation's replies are prefix-cache hits, as with a real
 //! model. KV events go to NATS (our msgpack format, plus worker registration) and/or a ZMQ PUB
-//! socket (vLLM's `KVEventBatch` format), with the blocks' tokens attached.
+//! socket (vLLM's `KVEventBatch` format) as the engine emits them, blocks' tokens included.
 //!
 //! Endpoints: `POST /v1/completions` (text or token-id prompt), `POST /v1/chat/completions`
 //! (Llama-3 template), both streaming (SSE, `stream_options.include_usage`) or not;
-//! `GET /v1/models`, `GET /health`, `GET /info` ([`protocol::WorkerInfo`]),
+//! `GET /v1/models`, `GET /health`, `GET /info` (its [`protocol::WorkerCard`]),
 //! `POST /tokenize`, `GET /metrics` (see [`metrics`]). Errors are OpenAI error JSON: bad
 //! JSON 400, prompt over the context 400 `context_length_exceeded`, unknown model 404, body
 //! over the limit 413, engine queue full 429.
@@ -23,8 +23,7 @@
 //! - Bounds: submissions (`command_queue`, full → 429), requests in the engine
 //!   (`EngineConfig::max_waiting` + `max_num_seqs`, full → 429), KV event batches waiting to
 //!   be published (`kv_event_queue`, full → dropped, counted, and visible to receivers as a
-//!   sequence gap), request bodies (`body_limit_bytes`, → 413), and the block→tokens map
-//!   (the blocks of requests in the engine).
+//!   sequence gap), and request bodies (`body_limit_bytes`, → 413).
 //!
 //! # Example
 //!
@@ -55,8 +54,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::serve::ListenerExt;
 use engine::{Engine, EngineConfigError};
-use kv_index::BlockHasher;
-use protocol::WorkerInfo;
+use protocol::{WorkerAnnounce, WorkerCard};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
@@ -89,7 +87,7 @@ pub struct EngineServer;
 /// flushed).
 pub struct EngineServerHandle {
     local_addr: SocketAddr,
-    info: WorkerInfo,
+    card: WorkerCard,
     shutdown: watch::Sender<bool>,
     server: Option<JoinHandle<()>>,
     driver: Option<JoinHandle<()>>,
@@ -124,18 +122,18 @@ impl EngineServer {
         let mut engine_config = config.engine.clone();
         engine_config.coalesce_decode = false;
         engine_config.seed = config.seed;
+        // The publishers forward the engine's events as they are, tokens included.
+        engine_config.kv_event_tokens = true;
         let engine = Engine::new(engine_config, config.worker_id)?;
         let assets = replies::TextAssets::get().map_err(ServerError::Text)?;
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .map_err(|source| ServerError::Bind {
-                addr: config.listen,
-                source,
-            })?;
-        let local_addr = listener.local_addr().map_err(|source| ServerError::Bind {
+        let bind_error = |source| ServerError::Bind {
             addr: config.listen,
             source,
-        })?;
+        };
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(bind_error)?;
+        let local_addr = listener.local_addr().map_err(bind_error)?;
         let nats = match &config.nats {
             Some(nats) => Some(publish::Nats::connect(&nats.url, &nats.namespace).await?),
             None => None,
@@ -145,36 +143,42 @@ impl EngineServer {
             None => None,
         };
         let block_size = engine.config().block_size;
-        let timing = engine
-            .profile()
-            .marginal_timing(block_size, u64::from(engine.kv_capacity_blocks()));
-        let info = WorkerInfo {
-            worker: config.worker_id.0,
+        let profile = engine.profile();
+        let card = WorkerCard {
+            worker: Some(config.worker_id),
             instance: instance_id(),
             url: config
                 .advertise_url
                 .clone()
                 .unwrap_or_else(|| format!("http://{local_addr}")),
             model: config.model.clone(),
-            profile: engine.profile().name.clone(),
-            gpu: engine.profile().gpu.clone(),
-            block_size,
-            kv_capacity_blocks: u64::from(engine.kv_capacity_blocks()),
-            max_num_seqs: engine.config().max_num_seqs,
-            max_model_len: engine.profile().max_context_tokens,
-            speedup: config.speedup,
+            profile: Some(profile.name.clone()),
+            gpu: Some(profile.gpu.clone()),
+            block_size: Some(block_size),
+            max_model_len: Some(profile.max_context_tokens),
+            limits: engine.limits(),
+            speedup: Some(config.speedup),
             nats_url: config.nats.as_ref().map(|n| n.url.clone()),
             nats_kv_subject: nats
                 .as_ref()
                 .map(|n| n.subjects.kv_events(config.worker_id)),
             zmq_endpoint: zmq.as_ref().map(|z| z.endpoint.clone()),
-            prefill_secs_per_token: Some(timing.prefill_secs_per_token),
-            decode_secs_per_context_token: Some(timing.decode_secs_per_context_token),
+            returns_token_ids: true,
+        };
+        let registration = match (&nats, &config.nats) {
+            (Some(client), Some(settings)) => Some((
+                client.clone(),
+                publish::Registration::new(WorkerAnnounce {
+                    card: card.clone(),
+                    lease_ms: settings.lease_ms,
+                })?,
+            )),
+            _ => None,
         };
 
         let metrics = Arc::new(metrics::ServerMetrics::new(
             &config.model,
-            &info.gpu,
+            &profile.gpu,
             &config.hostname,
         ));
         let snapshot = Arc::new(Mutex::new(driver::Snapshot::default()));
@@ -196,27 +200,24 @@ impl EngineServer {
         let publisher = tokio::spawn(publish::run_kv_publisher(
             kv_rx,
             config.worker_id,
-            info.instance,
+            card.instance,
             block_size,
             nats.clone(),
             zmq,
         ));
-        let registration = match (&nats, &config.nats) {
-            (Some(client), Some(settings)) => Some(tokio::spawn(publish::run_registration(
-                client.clone(),
-                info.announce(settings.lease_ms),
+        let registration = registration.map(|(client, registration)| {
+            tokio::spawn(publish::run_registration(
+                client,
+                registration,
                 shutdown_rx.clone(),
-            ))),
-            _ => None,
-        };
+            ))
+        });
 
         let state = Arc::new(http::AppState {
-            info: info.clone(),
+            info: card.clone(),
             commands: command_tx,
             next_id: AtomicU64::new(1),
             assets,
-            hasher: BlockHasher::new(block_size as usize)
-                .unwrap_or_else(|| unreachable!("Engine::new refused block size 0")),
             reply_length: config.reply_length,
             seed: config.seed,
             body_limit: config.body_limit_bytes,
@@ -250,7 +251,7 @@ impl EngineServer {
         tracing::info!(%local_addr, worker = config.worker_id.0, "engine server listening");
         Ok(EngineServerHandle {
             local_addr,
-            info,
+            card,
             shutdown: shutdown_tx,
             server: Some(server),
             driver: Some(driver),
@@ -271,9 +272,9 @@ impl EngineServerHandle {
         format!("http://{}", self.local_addr)
     }
 
-    /// What `GET /info` answers.
-    pub fn info(&self) -> &WorkerInfo {
-        &self.info
+    /// What `GET /info` answers and the NATS announcement carries.
+    pub fn info(&self) -> &WorkerCard {
+        &self.card
     }
 
     /// Stops cleanly: cancels requests in flight (streams end with an error event), stops

@@ -55,8 +55,6 @@ pub struct ServerMetrics {
     pub rejected: Counter,
     /// KV event batches dropped because the publishers fell behind.
     pub kv_batches_dropped: Counter,
-    /// Stored blocks published without tokens (should stay 0).
-    pub kv_blocks_without_tokens: Counter,
     /// (modelled time, busy time) at the last utilisation sample, and the value computed then.
     util_sample: Mutex<Option<(Nanos, Nanos, f64)>>,
     /// Counter values already added, to turn the engine's cumulative counts into increments.
@@ -103,7 +101,6 @@ impl ServerMetrics {
             fb_free: Family::default(),
             rejected: Counter::default(),
             kv_batches_dropped: Counter::default(),
-            kv_blocks_without_tokens: Counter::default(),
             util_sample: Mutex::new(None),
             last: Mutex::new(EngineMetrics::default()),
         };
@@ -186,11 +183,6 @@ impl ServerMetrics {
             "kvroute_engine_kv_batches_dropped",
             "KV event batches dropped because publishers fell behind",
             m.kv_batches_dropped.clone(),
-        );
-        registry.register(
-            "kvroute_engine_kv_blocks_without_tokens",
-            "Stored blocks published without their tokens",
-            m.kv_blocks_without_tokens.clone(),
         );
         // Every series exists from the start (at 0), as vLLM's do, so rates and absent-series
         // alerts behave.

@@ -1,4 +1,7 @@
 //! KV event publishing (NATS in our format, ZMQ in vLLM's) and NATS worker registration.
+//!
+//! The engine's events already carry what both formats need (block hashes, parents and
+//! token ids), so publishing is a conversion to the wire, in order.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -24,6 +27,8 @@ pub enum PublishError {
         endpoint: String,
         source: zeromq::ZmqError,
     },
+    #[error("the worker's NATS announcement cannot be encoded: {0}")]
+    Announcement(#[from] serde_json::Error),
 }
 
 /// A connected NATS publisher.
@@ -130,33 +135,52 @@ pub async fn run_kv_publisher(
     }
 }
 
+/// A worker's announcement and goodbye, encoded once, before anything is published.
+pub struct Registration {
+    hello: Bytes,
+    goodbye: Bytes,
+    /// Heartbeats go out three times per lease.
+    period: Duration,
+}
+
+impl Registration {
+    pub fn new(announce: WorkerAnnounce) -> Result<Registration, PublishError> {
+        let period = Duration::from_millis((announce.lease_ms / 3).max(1));
+        let instance = announce.card.instance;
+        let hello = WorkerMessage::Announce(announce);
+        let goodbye = WorkerMessage::Goodbye {
+            worker: hello.worker().0,
+            instance,
+        };
+        Ok(Registration {
+            hello: Bytes::from(hello.encode()?),
+            goodbye: Bytes::from(goodbye.encode()?),
+            period,
+        })
+    }
+}
+
 /// Announces the worker now and every `lease / 3` until shutdown, then says goodbye.
 pub async fn run_registration(
     nats: Nats,
-    announce: WorkerAnnounce,
+    registration: Registration,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let subject = nats.subjects.workers();
-    let period = Duration::from_millis((announce.lease_ms / 3).max(1));
-    let hello = Bytes::from(WorkerMessage::Announce(announce.clone()).encode());
     loop {
-        if let Err(err) = nats.client.publish(subject.clone(), hello.clone()).await {
+        if let Err(err) = nats
+            .client
+            .publish(subject.clone(), registration.hello.clone())
+            .await
+        {
             tracing::warn!(%err, "announcing the worker on NATS failed");
         }
         tokio::select! {
-            _ = tokio::time::sleep(period) => {}
+            _ = tokio::time::sleep(registration.period) => {}
             _ = shutdown.wait_for(|stop| *stop) => break,
         }
     }
-    let goodbye = WorkerMessage::Goodbye {
-        worker: announce.worker,
-        instance: announce.instance,
-    };
-    if let Err(err) = nats
-        .client
-        .publish(subject, Bytes::from(goodbye.encode()))
-        .await
-    {
+    if let Err(err) = nats.client.publish(subject, registration.goodbye).await {
         tracing::warn!(%err, "saying goodbye on NATS failed");
     }
     let _ = nats.client.flush().await;

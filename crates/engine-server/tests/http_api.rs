@@ -204,7 +204,7 @@ async fn chat_stream_puts_role_on_the_first_token() {
 async fn second_turn_hits_the_cache_for_the_first_turns_prompt_and_reply() {
     let server = start(config(1_000.0)).await;
     let base = server.url();
-    let block = server.info().block_size as u64;
+    let block = u64::from(server.info().block_size.unwrap());
     let system = "You are a helpful assistant. Answer in detail about distributed systems.";
     let mut messages = vec![
         json!({"role": "system", "content": system}),
@@ -320,7 +320,7 @@ async fn models_health_info_and_metrics() {
     assert_eq!(models["data"][0]["id"], MODEL);
     let health = client().get(format!("{base}/health")).send().await.unwrap();
     assert_eq!(health.status(), 200);
-    let info: protocol::WorkerInfo = client()
+    let info: protocol::WorkerCard = client()
         .get(format!("{base}/info"))
         .send()
         .await
@@ -329,9 +329,14 @@ async fn models_health_info_and_metrics() {
         .await
         .unwrap();
     assert_eq!(&info, server.info());
-    assert_eq!(info.block_size, 32);
-    assert_eq!(info.max_num_seqs, 64);
-    assert!(info.kv_capacity_blocks > 1_000);
+    assert_eq!(info.block_size, Some(32));
+    assert_eq!(info.limits.max_num_seqs, Some(64));
+    assert!(info.limits.kv_capacity_blocks.unwrap() > 1_000);
+    assert!(
+        info.limits.timing.is_some_and(|t| t.is_usable()),
+        "it declares its timing for kv_load"
+    );
+    assert!(info.returns_token_ids);
 
     post(
         &base,

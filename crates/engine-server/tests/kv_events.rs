@@ -63,7 +63,7 @@ fn cached_blocks(prompt: &[u32], reply: &[u32], block: usize) -> u32 {
 async fn nats_events_rebuild_the_engines_cache_and_registration_has_a_lease() {
     let nats = NatsServer::start();
     let subjects = Subjects::new("kvtest").unwrap();
-    let observer = async_nats::connect(&nats.url).await.unwrap();
+    let observer = async_nats::connect(nats.url()).await.unwrap();
     let mut kv = observer.subscribe(subjects.kv_events_all()).await.unwrap();
     let mut workers = observer.subscribe(subjects.workers()).await.unwrap();
     observer.flush().await.unwrap();
@@ -71,7 +71,7 @@ async fn nats_events_rebuild_the_engines_cache_and_registration_has_a_lease() {
     let mut cfg = config(500.0);
     cfg.worker_id = WorkerId(7);
     cfg.nats = Some(engine_server::NatsConfig {
-        url: nats.url.clone(),
+        url: nats.url(),
         namespace: "kvtest".into(),
         lease_ms: 300,
     });
@@ -92,13 +92,21 @@ async fn nats_events_rebuild_the_engines_cache_and_registration_has_a_lease() {
         else {
             panic!("expected an announcement")
         };
-        assert_eq!(announce.worker, 7);
-        assert_eq!(announce.url, base);
-        assert_eq!(announce.model, MODEL);
-        assert_eq!(announce.block_size, 32);
+        assert_eq!(announce.card.worker, Some(WorkerId(7)));
+        assert_eq!(announce.card.url, base);
+        assert_eq!(announce.card.model, MODEL);
+        assert_eq!(announce.card.block_size, Some(32));
         assert_eq!(announce.lease_ms, 300);
-        assert!(announce.nats_kv_events);
-        assert_eq!(announce.instance, server.info().instance);
+        assert_eq!(
+            announce.card.nats_kv_subject.as_deref(),
+            Some("kvroute.kvtest.kv.7")
+        );
+        assert_eq!(announce.card.instance, server.info().instance);
+        assert_eq!(
+            &announce.card,
+            server.info(),
+            "the announcement carries the /info card"
+        );
     }
 
     let (prompt, reply) = chat_turn(&base, "How do KV events keep a router's index fresh?").await;

@@ -4,12 +4,14 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use kv_index::{
-    EngineBlockId, KvEvent, KvEventKind, LocalBlockHash, SequenceHash, StoredBlock, WorkerId,
+    BlockContent, EngineBlockId, KvEvent, KvEventKind, LocalBlockHash, SequenceHash, StoredBlock,
+    WorkerId,
 };
 use nanotime::Nanos;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
+use worker_limits::WorkerLimits;
 
 use crate::pool::BlockPool;
 use crate::profile::{HardwareProfile, StepShape};
@@ -273,6 +275,22 @@ impl Engine {
     /// Size of the KV pool in blocks.
     pub fn kv_capacity_blocks(&self) -> u32 {
         self.capacity
+    }
+
+    /// What this worker declares to routers: its batch limit, KV capacity and marginal
+    /// timing. The engine server serves it in its `/info` card and announcements; the
+    /// simulator hands it to its router.
+    pub fn limits(&self) -> WorkerLimits {
+        let capacity = u64::from(self.capacity);
+        WorkerLimits {
+            max_num_seqs: Some(self.cfg.max_num_seqs),
+            kv_capacity_blocks: Some(capacity),
+            timing: Some(
+                self.cfg
+                    .profile
+                    .marginal_timing(self.cfg.block_size, capacity),
+            ),
+        }
     }
 
     /// True when no request is in the engine.
@@ -610,6 +628,7 @@ impl Engine {
             return;
         }
         let bs = self.block_size as usize;
+        let with_tokens = self.cfg.kv_event_tokens;
         let Some(r) = self.reqs[slot as usize].as_mut() else {
             return;
         };
@@ -629,7 +648,16 @@ impl Engine {
                 if run.is_empty() {
                     parent = (j > 0).then(|| EngineBlockId(r.hashes[j - 1].0));
                 }
-                run.push(StoredBlock::from_hash(h, r.locals[j]));
+                run.push(if with_tokens {
+                    StoredBlock {
+                        id: EngineBlockId(h.0),
+                        content: BlockContent::Tokens(
+                            (j * bs..(j + 1) * bs).map(|i| r.token(i)).collect(),
+                        ),
+                    }
+                } else {
+                    StoredBlock::from_hash(h, r.locals[j])
+                });
             } else if !run.is_empty() {
                 out.push(KvEventKind::Stored {
                     parent,

@@ -119,11 +119,12 @@ mod types;
 pub use engine::Engine;
 pub use pool::BlockPool;
 pub use profile::{
-    DynamoMockerTiming, EngineDefaults, HardwareProfile, KvLink, KvTransferProfile, MarginalTiming,
-    ProfileError, RooflineTiming, StepShape, TimingModel,
+    DynamoMockerTiming, EngineDefaults, HardwareProfile, KvLink, KvTransferProfile, ProfileError,
+    RooflineTiming, StepShape, TimingModel,
 };
 pub use spec::{SpecDecodeConfig, SpecMethod, expected_tokens_per_step};
 pub use types::{
     EngineConfig, EngineConfigError, EngineEvent, EngineMetrics, EngineRequest, OutputSpec,
     RejectReason, RequestId, Role, pseudo_token,
 };
+pub use worker_limits::{WorkerLimits, WorkerTiming};

@@ -63,6 +63,7 @@
 use nanotime::Nanos;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
+use worker_limits::WorkerTiming;
 
 /// How a decode worker receives KV from a prefill worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -166,15 +167,6 @@ pub struct HardwareProfile {
     /// Engine settings this profile is meant to run with (optional).
     #[serde(default)]
     pub engine_defaults: EngineDefaults,
-}
-
-/// Marginal costs of one token on this hardware ([`HardwareProfile::marginal_timing`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct MarginalTiming {
-    /// Seconds to prefill one more prompt token.
-    pub prefill_secs_per_token: f64,
-    /// Seconds one more token of context adds to each decode step.
-    pub decode_secs_per_context_token: f64,
 }
 
 /// What one scheduler step computes; the input of [`HardwareProfile::step_time`].
@@ -516,7 +508,7 @@ impl HardwareProfile {
     /// 4,096 cached tokens, above the cost of a 1-token chunk), and keeping it in the context
     /// of a decoding batch (the step time's slope in the batch's total context, 64 sequences
     /// filling 20% to 40% of the pool). Load-aware routing prices workers with these.
-    pub fn marginal_timing(&self, block_size: u32, pool_blocks: u64) -> MarginalTiming {
+    pub fn marginal_timing(&self, block_size: u32, pool_blocks: u64) -> WorkerTiming {
         let chunk = 4096u64;
         let prefill = (self.step_secs(&StepShape::prefill(chunk, 4096))
             - self.step_secs(&StepShape::prefill(1, 4096)))
@@ -530,7 +522,7 @@ impl HardwareProfile {
         let decode = (self.step_secs(&StepShape::decode(seqs, long, block_size, pool_blocks))
             - self.step_secs(&StepShape::decode(seqs, short, block_size, pool_blocks)))
             / (seqs * (long - short)) as f64;
-        MarginalTiming {
+        WorkerTiming {
             prefill_secs_per_token: prefill.max(0.0),
             decode_secs_per_context_token: decode.max(0.0),
         }

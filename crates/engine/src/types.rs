@@ -175,6 +175,11 @@ pub struct EngineConfig {
     /// Seed of the speculative-decoding acceptance sampler.
     #[serde(default)]
     pub seed: u64,
+    /// `Stored` events carry each block's token ids, as vLLM's `BlockStored` does, so a
+    /// publisher forwards them as they are; otherwise only local hashes (enough for an
+    /// in-process router, and cheaper in the simulator).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub kv_event_tokens: bool,
 }
 
 mod defaults {
@@ -215,6 +220,7 @@ impl EngineConfig {
             coalesce_decode: false,
             max_waiting: defaults::max_waiting(),
             seed: 0,
+            kv_event_tokens: false,
         }
     }
 
@@ -222,18 +228,14 @@ impl EngineConfig {
     /// profile brings its 64-token blocks, 16,384-block pool, 256 sequences, 8,192 tokens).
     pub fn from_profile(profile: HardwareProfile) -> Self {
         let d = profile.engine_defaults.clone();
-        let mut c = Self::new(profile);
-        if let Some(v) = d.block_size {
-            c.block_size = v;
+        let c = Self::new(profile);
+        EngineConfig {
+            block_size: d.block_size.unwrap_or(c.block_size),
+            max_num_seqs: d.max_num_seqs.unwrap_or(c.max_num_seqs),
+            max_num_batched_tokens: d.max_num_batched_tokens.unwrap_or(c.max_num_batched_tokens),
+            num_gpu_blocks_override: d.num_gpu_blocks,
+            ..c
         }
-        if let Some(v) = d.max_num_seqs {
-            c.max_num_seqs = v;
-        }
-        if let Some(v) = d.max_num_batched_tokens {
-            c.max_num_batched_tokens = v;
-        }
-        c.num_gpu_blocks_override = d.num_gpu_blocks;
-        c
     }
 
     /// Seed 002's worker: `h200-llama70b-fp8` with the seed's settings.

@@ -5,7 +5,7 @@ use engine::{
     EngineConfig, EngineEvent, HardwareProfile, KvLink, RejectReason, RequestId, Role,
     SpecDecodeConfig, StepShape,
 };
-use kv_index::{BlockHasher, KvEventKind};
+use kv_index::{BlockContent, BlockHasher, KvEventKind};
 use nanotime::Nanos;
 
 fn h200() -> EngineConfig {
@@ -491,4 +491,71 @@ fn bad_configs_are_errors() {
     let mut cfg = h200();
     cfg.spec_decode = Some(SpecDecodeConfig::eagle3(5, 1.2));
     assert!(engine::Engine::new(cfg, kv_index::WorkerId(1)).is_err());
+}
+
+/// With `kv_event_tokens`, `Stored` events carry each block's tokens (prompt and generated
+/// output alike) under the same block ids and parents as without: what a publisher of vLLM's
+/// `BlockStored` needs, with no second hashing or token table of its own.
+#[test]
+fn stored_events_carry_tokens_when_asked() {
+    let prompt = text(1, 100);
+    let answer = text(2, 40);
+    let stored = |with_tokens: bool| {
+        let mut cfg = h200();
+        cfg.kv_event_tokens = with_tokens;
+        let mut e = engine(cfg);
+        let r = run(
+            &mut e,
+            vec![(Nanos::ZERO, Action::Submit(req_tokens(1, &prompt, &answer)))],
+            true,
+        );
+        r.events
+            .into_iter()
+            .filter_map(|e| match e {
+                EngineEvent::Kv(kv) => match kv.kind {
+                    KvEventKind::Stored { parent, blocks } => Some((parent, blocks)),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let hashed = stored(false);
+    let with_tokens = stored(true);
+    assert_eq!(hashed.len(), with_tokens.len());
+    let sequence: Vec<u32> = prompt.iter().chain(&answer).copied().collect();
+    let mut block = 0;
+    for ((parent_h, blocks_h), (parent_t, blocks_t)) in hashed.iter().zip(&with_tokens) {
+        assert_eq!(parent_h, parent_t);
+        for (h, t) in blocks_h.iter().zip(blocks_t) {
+            assert_eq!(h.id, t.id, "same block ids either way");
+            let tokens = &sequence[block * 32..(block + 1) * 32];
+            assert_eq!(t.content, BlockContent::Tokens(tokens.to_vec()));
+            assert_eq!(t.content.local_hash(), h.content.local_hash());
+            block += 1;
+        }
+    }
+    // 139 tokens fed (the last output token never is): 4 full blocks, the last one part
+    // prompt and part answer.
+    assert_eq!(block, 4);
+}
+
+/// What an engine declares to routers is its own settings and the profile's timing.
+#[test]
+fn an_engine_declares_its_limits() {
+    let cfg = h200();
+    let e = engine(cfg.clone());
+    let limits = e.limits();
+    assert_eq!(limits.max_num_seqs, Some(cfg.max_num_seqs));
+    assert_eq!(
+        limits.kv_capacity_blocks,
+        Some(u64::from(e.kv_capacity_blocks()))
+    );
+    assert_eq!(
+        limits.timing,
+        Some(
+            cfg.profile
+                .marginal_timing(cfg.block_size, u64::from(e.kv_capacity_blocks()))
+        )
+    );
 }

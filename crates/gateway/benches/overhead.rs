@@ -235,8 +235,8 @@ async fn gateway(workers: Vec<WorkerSpec>, mode: &str) -> Gateway {
         listen: "127.0.0.1:0".parse().unwrap(),
         model: MODEL.into(),
         workers,
-        routing: gateway::RoutingConfig {
-            mode: mode.parse().expect("a router mode"),
+        router: router::RouterConfig {
+            policy: mode.parse().expect("a router mode"),
             ..Default::default()
         },
         frontend: gateway::FrontendConfig {

@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use kv_index::WorkerId;
-use router::PolicyKind;
+use router::{KvSource, RouterConfig, WorkerLimits};
 
 /// How a worker wants its prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -22,19 +22,19 @@ pub enum PromptFormat {
 }
 
 /// One `--worker` entry: a worker's base URL plus what the gateway cannot learn from its
-/// `/info` (foreign backends such as vLLM have none).
+/// `/info` card (foreign backends such as vLLM have none).
 ///
 /// Written `URL[,key=value]…` with keys `id`, `block_size`, `capacity` (KV blocks),
 /// `max_num_seqs`, `zmq` (a vLLM-format KV event endpoint, e.g. `tcp://host:5557`) and
 /// `prompt` (`tokens` or `text`). Values given here win over the worker's `/info`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WorkerSpec {
     /// Base URL, without a trailing slash (`http://10.0.0.5:8000`).
     pub url: String,
     pub id: Option<WorkerId>,
     pub block_size: Option<usize>,
-    pub kv_capacity_blocks: Option<u64>,
-    pub max_num_seqs: Option<u32>,
+    /// `capacity` and `max_num_seqs`; each wins over the worker's card.
+    pub limits: WorkerLimits,
     /// ZMQ endpoint publishing this worker's KV events in vLLM's format.
     pub zmq: Option<String>,
     pub prompt: PromptFormat,
@@ -47,8 +47,7 @@ impl WorkerSpec {
             url: url.into().trim_end_matches('/').to_string(),
             id: None,
             block_size: None,
-            kv_capacity_blocks: None,
-            max_num_seqs: None,
+            limits: WorkerLimits::default(),
             zmq: None,
             prompt: PromptFormat::Tokens,
         }
@@ -114,9 +113,9 @@ impl FromStr for WorkerSpec {
                     }
                     spec.block_size = Some(n as usize);
                 }
-                "capacity" => spec.kv_capacity_blocks = Some(number("capacity")?),
+                "capacity" => spec.limits.kv_capacity_blocks = Some(number("capacity")?),
                 "max_num_seqs" => {
-                    spec.max_num_seqs =
+                    spec.limits.max_num_seqs =
                         Some(u32::try_from(number("max_num_seqs")?).map_err(|_| {
                             WorkerSpecError(format!("worker `{s}`: max_num_seqs is too large"))
                         })?)
@@ -151,43 +150,6 @@ impl FromStr for WorkerSpec {
     }
 }
 
-/// Routing settings, as Dynamo's frontend names them.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RoutingConfig {
-    /// `--router-mode` / `DYN_ROUTER_MODE`.
-    pub mode: PolicyKind,
-    /// `--kv-block-size` / `DYN_KV_CACHE_BLOCK_SIZE`: must match the workers'.
-    pub block_size: usize,
-    /// `--kv-overlap-score-weight`.
-    pub overlap_weight: f64,
-    /// `--router-temperature`.
-    pub temperature: f64,
-    /// `false` with `--no-kv-events`: approximate mode, the router predicts caches from its
-    /// own decisions and ignores workers' events.
-    pub kv_events: bool,
-    /// How long approximate mode assumes a routed prompt stays cached.
-    pub approx_ttl: Duration,
-    /// Seed of the router's RNG.
-    pub seed: u64,
-    /// Parameters of the `kv_load` policy (`--kv-load-set`).
-    pub kv_load: router::KvLoadParams,
-}
-
-impl Default for RoutingConfig {
-    fn default() -> Self {
-        RoutingConfig {
-            mode: PolicyKind::DEFAULT,
-            block_size: kv_index::DEFAULT_BLOCK_SIZE,
-            overlap_weight: 1.0,
-            temperature: 0.0,
-            kv_events: true,
-            approx_ttl: Duration::from_secs(120),
-            seed: 0,
-            kv_load: router::KvLoadParams::default(),
-        }
-    }
-}
-
 /// Everything [`Gateway::bind`](crate::Gateway::bind) needs.
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
@@ -199,7 +161,9 @@ pub struct GatewayConfig {
     pub context_length: u32,
     /// Static workers.
     pub workers: Vec<WorkerSpec>,
-    pub routing: RoutingConfig,
+    /// The router core's settings (policy and its parameters, block size, seed, KV events or
+    /// approximate mode), as `kvroute gateway` builds them from its flags.
+    pub router: RouterConfig,
     /// NATS server for KV events in our format and dynamic worker registration.
     pub nats_url: Option<String>,
     /// Namespace of NATS subjects (`kvroute.<namespace>.…`).
@@ -230,7 +194,7 @@ impl Default for GatewayConfig {
             model: "kvroute".to_string(),
             context_length: 131_072,
             workers: Vec::new(),
-            routing: RoutingConfig::default(),
+            router: RouterConfig::default(),
             nats_url: None,
             namespace: "default".to_string(),
             max_body_bytes: 16 << 20,
@@ -241,6 +205,13 @@ impl Default for GatewayConfig {
             tokenizer_config: None,
             max_workers: 1024,
         }
+    }
+}
+
+impl GatewayConfig {
+    /// Whether the router reads workers' KV events (otherwise it predicts caches itself).
+    pub fn kv_events(&self) -> bool {
+        self.router.kv_source == KvSource::Events
     }
 }
 
@@ -257,8 +228,8 @@ mod tests {
         assert_eq!(spec.url, "http://h:8000");
         assert_eq!(spec.id, Some(WorkerId(7)));
         assert_eq!(spec.block_size, Some(16));
-        assert_eq!(spec.kv_capacity_blocks, Some(1000));
-        assert_eq!(spec.max_num_seqs, Some(64));
+        assert_eq!(spec.limits.kv_capacity_blocks, Some(1000));
+        assert_eq!(spec.limits.max_num_seqs, Some(64));
         assert_eq!(spec.zmq.as_deref(), Some("tcp://h:5557"));
         assert_eq!(spec.prompt, PromptFormat::Text);
     }

@@ -21,48 +21,14 @@ use kv_index::{EventError, KvEvent, WorkerId};
 use nanotime::Nanos;
 pub use router::AdmitError;
 use router::{
-    Frontend, FrontendEvent, KvCostParams, KvSource, PolicyParams, RequestId, RouteDecision,
-    RouteError, RouterConfig, RoutingKey, WorkerLimits,
+    Frontend, FrontendEvent, RequestId, RouteDecision, RouteError, RoutingKey,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{GatewayConfig, PromptFormat};
 use crate::metrics::{EventCounters, EventSource, Metrics, RouterSnapshot, WorkerSnapshot};
-
-/// What the gateway knows about a worker.
-#[derive(Debug, Clone, PartialEq)]
-pub struct WorkerInfo {
-    pub id: WorkerId,
-    /// Base URL, no trailing slash.
-    pub url: String,
-    /// `{url}/v1/completions`, built once.
-    pub completions_url: String,
-    pub prompt: PromptFormat,
-    pub block_size: usize,
-    pub limits: WorkerLimits,
-    /// vLLM-format KV event endpoint to subscribe to, if any.
-    pub zmq: Option<String>,
-    /// The worker returns generated token ids when asked (`return_token_ids`), so the relay
-    /// counts tokens exactly even when one chunk carries several.
-    pub token_ids: bool,
-}
-
-impl WorkerInfo {
-    pub fn new(id: WorkerId, url: &str) -> WorkerInfo {
-        let url = url.trim_end_matches('/').to_string();
-        WorkerInfo {
-            id,
-            completions_url: format!("{url}/v1/completions"),
-            url,
-            prompt: PromptFormat::Tokens,
-            block_size: kv_index::DEFAULT_BLOCK_SIZE,
-            limits: WorkerLimits::default(),
-            zmq: None,
-            token_ids: false,
-        }
-    }
-}
+use crate::registry::WorkerInfo;
 
 /// How a worker joined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -196,30 +162,7 @@ impl Dispatcher {
     /// State for a gateway configured by `config`. Spawn [`run_timers`](Dispatcher::run_timers)
     /// beside it, or queued requests never time out.
     pub fn new(config: &GatewayConfig) -> Result<Arc<Dispatcher>, router::RouterConfigError> {
-        let routing = &config.routing;
-        let kv = KvCostParams {
-            overlap_weight: routing.overlap_weight,
-            temperature: routing.temperature,
-        };
-        let params = PolicyParams {
-            kv,
-            kv_load: routing.kv_load,
-        };
-        let router_config = RouterConfig {
-            policy: routing.mode,
-            params,
-            block_size: routing.block_size,
-            seed: routing.seed,
-            kv_source: if routing.kv_events {
-                KvSource::Events
-            } else {
-                KvSource::Approximate {
-                    ttl: Nanos(u64::try_from(routing.approx_ttl.as_nanos()).unwrap_or(u64::MAX)),
-                }
-            },
-            ..RouterConfig::default()
-        };
-        let frontend = Frontend::new(router_config, config.frontend)?;
+        let frontend = Frontend::new(config.router.clone(), config.frontend)?;
         let hasher = *frontend.router().hasher();
         Ok(Arc::new(Dispatcher {
             core: Mutex::new(Core {
@@ -233,7 +176,7 @@ impl Dispatcher {
             hasher,
             timer: Notify::new(),
             max_workers: config.max_workers.max(1),
-            kv_events: routing.kv_events,
+            kv_events: config.kv_events(),
             text_workers: std::sync::atomic::AtomicBool::new(false),
             events: EventStats::default(),
             metrics: std::sync::OnceLock::new(),
@@ -741,8 +684,8 @@ mod tests {
                 queue_capacity: queue,
                 queue_timeout: Some(Nanos::from_millis(timeout_ms)),
             },
-            routing: crate::config::RoutingConfig {
-                mode: router::PolicyKind::Kv,
+            router: router::RouterConfig {
+                policy: router::PolicyKind::Kv,
                 block_size: 4,
                 ..Default::default()
             },

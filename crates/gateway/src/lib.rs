@@ -62,12 +62,13 @@ use axum::serve::ListenerExt;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use config::{GatewayConfig, PromptFormat, RoutingConfig, WorkerSpec};
-pub use dispatch::{Dispatcher, WorkerInfo};
+pub use config::{GatewayConfig, PromptFormat, WorkerSpec};
+pub use dispatch::Dispatcher;
 pub use events::KvEventSink;
 pub use metrics::Metrics;
 /// Admission settings ([`GatewayConfig::frontend`]), the router crate's.
 pub use router::FrontendConfig;
+pub use registry::WorkerInfo;
 
 use crate::events::ZmqSubscriptions;
 use crate::registry::RegistryCtx;

@@ -1,5 +1,8 @@
 //! Where workers come from and how they leave: static `--worker` URLs (described by their
-//! `/info` or by flags), dynamic announcements over NATS with leases, health checks.
+//! `/info` card or by flags), dynamic announcements over NATS with leases, health checks.
+//!
+//! Both paths read the same [`WorkerCard`] and turn it into a [`WorkerInfo`] in one place,
+//! [`describe`]: what the card declares, with `--worker` flags winning.
 //!
 //! - Static workers stay known for the gateway's life; a failed health check (or a failed
 //!   request) takes one out of the routing set, a passing one brings it back.
@@ -17,95 +20,81 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kv_index::WorkerId;
-use protocol::{Subjects, WorkerAnnounce, WorkerMessage};
-use router::{WorkerLimits, WorkerTiming};
-use serde::Deserialize;
+use protocol::{Subjects, WorkerCard, WorkerMessage};
+use router::WorkerLimits;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::WorkerSpec;
-use crate::dispatch::{Dispatcher, Origin, RegistryError, WorkerInfo};
+use crate::config::{PromptFormat, WorkerSpec};
+use crate::dispatch::{Dispatcher, Origin, RegistryError};
 use crate::events::ZmqSubscriptions;
 use crate::metrics::EventSource;
 
-/// What a worker's `GET /info` may say about itself (field names of our engine server,
-/// with common aliases).
-#[derive(Debug, Default, Deserialize)]
-pub struct InfoDoc {
-    #[serde(default, alias = "worker_id", alias = "id")]
-    pub worker: Option<u64>,
-    #[serde(default, alias = "kv_block_size")]
-    pub block_size: Option<u32>,
-    #[serde(default, alias = "num_gpu_blocks", alias = "capacity_blocks")]
-    pub kv_capacity_blocks: Option<u64>,
-    #[serde(default)]
-    pub max_num_seqs: Option<u32>,
-    #[serde(default, alias = "zmq")]
-    pub zmq_endpoint: Option<String>,
-    /// Set when the worker publishes its KV events over NATS (our engine server).
-    #[serde(default)]
-    pub nats_kv_subject: Option<String>,
-    /// The worker's marginal timing (our engine server), for `kv_load`.
-    #[serde(default)]
-    pub prefill_secs_per_token: Option<f64>,
-    #[serde(default)]
-    pub decode_secs_per_context_token: Option<f64>,
+/// What the gateway knows about a worker: its [`WorkerCard`] resolved against the flags and
+/// the router's settings, and how to reach it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerInfo {
+    pub id: WorkerId,
+    /// Base URL, no trailing slash.
+    pub url: String,
+    /// `{url}/v1/completions`, built once.
+    pub completions_url: String,
+    pub prompt: PromptFormat,
+    pub block_size: usize,
+    pub limits: WorkerLimits,
+    /// vLLM-format KV event endpoint to subscribe to, if any.
+    pub zmq: Option<String>,
+    /// The worker returns generated token ids when asked (`return_token_ids`), so the relay
+    /// counts tokens exactly even when one chunk carries several.
+    pub token_ids: bool,
 }
 
-impl InfoDoc {
-    /// Whether this is our engine server's `/info` (it returns token ids when asked).
-    fn is_kvroute_engine(&self) -> bool {
-        self.worker.is_some() && self.block_size.is_some() && self.kv_capacity_blocks.is_some()
+impl WorkerInfo {
+    pub fn new(id: WorkerId, url: &str) -> WorkerInfo {
+        let url = url.trim_end_matches('/').to_string();
+        WorkerInfo {
+            id,
+            completions_url: format!("{url}/v1/completions"),
+            url,
+            prompt: PromptFormat::Tokens,
+            block_size: kv_index::DEFAULT_BLOCK_SIZE,
+            limits: WorkerLimits::default(),
+            zmq: None,
+            token_ids: false,
+        }
     }
 }
 
-/// Builds a static worker's description from its flags and, when it has one, its `/info`.
-/// Flags win. Without an id from either, the id is a hash of the URL.
-pub fn describe(spec: &WorkerSpec, info: Option<&InfoDoc>, router_block_size: usize) -> WorkerInfo {
+/// Describes a worker from what its card declares (`WorkerCard::default()` when it has
+/// none) and its `--worker` flags, which win. Without an id from either, the id is a hash of
+/// the URL; without a block size, the router's.
+pub fn describe(spec: &WorkerSpec, card: &WorkerCard, router_block_size: usize) -> WorkerInfo {
     let id = spec
         .id
-        .or(info.and_then(|i| i.worker).map(WorkerId))
+        .or(card.worker)
         .unwrap_or_else(|| WorkerSpec::default_id(&spec.url));
     let mut w = WorkerInfo::new(id, &spec.url);
     w.prompt = spec.prompt;
     w.block_size = spec
         .block_size
-        .or(info.and_then(|i| i.block_size).map(|b| b as usize))
+        .or(card.block_size.map(|b| b as usize))
         .unwrap_or(router_block_size);
-    w.limits = WorkerLimits {
-        max_num_seqs: spec.max_num_seqs.or(info.and_then(|i| i.max_num_seqs)),
-        kv_capacity_blocks: spec
-            .kv_capacity_blocks
-            .or(info.and_then(|i| i.kv_capacity_blocks)),
-        timing: info
-            .and_then(|i| worker_timing(i.prefill_secs_per_token, i.decode_secs_per_context_token)),
-    };
+    w.limits = spec.limits.or(card.limits).usable();
     // vLLM-format ZMQ events only when asked for by flag, or when the worker offers them
     // and does not publish over NATS (which the gateway reads for every worker at once).
     w.zmq = spec.zmq.clone().or_else(|| {
-        info.filter(|i| i.nats_kv_subject.is_none())
-            .and_then(|i| i.zmq_endpoint.clone())
+        card.zmq_endpoint
+            .clone()
+            .filter(|_| card.nats_kv_subject.is_none())
     });
-    w.token_ids = info.is_some_and(InfoDoc::is_kvroute_engine);
+    w.token_ids = card.returns_token_ids;
     w
-}
-
-/// A worker's declared timing, when it declares both figures and they are usable.
-fn worker_timing(prefill: Option<f64>, decode: Option<f64>) -> Option<WorkerTiming> {
-    let usable = |v: f64| v.is_finite() && v >= 0.0;
-    match (prefill, decode) {
-        (Some(p), Some(d)) if usable(p) && usable(d) => Some(WorkerTiming {
-            prefill_secs_per_token: p,
-            decode_secs_per_context_token: d,
-        }),
-        _ => None,
-    }
 }
 
 /// Outcome of probing a worker's `/info`.
 #[derive(Debug)]
 pub enum Probe {
-    /// The worker answered with a description.
-    Described(InfoDoc),
+    /// The worker answered with its card.
+    Described(Box<WorkerCard>),
     /// The worker is up but has no (usable) `/info`: a foreign backend, described by flags.
     NoInfo,
     /// The worker did not answer.
@@ -126,8 +115,8 @@ pub async fn probe_info(http: &reqwest::Client, url: &str, timeout: Duration) ->
         return Probe::NoInfo;
     }
     match response.bytes().await {
-        Ok(body) => match serde_json::from_slice::<InfoDoc>(&body) {
-            Ok(doc) => Probe::Described(doc),
+        Ok(body) => match serde_json::from_slice::<WorkerCard>(&body) {
+            Ok(card) => Probe::Described(Box::new(card)),
             Err(_) => Probe::NoInfo,
         },
         Err(e) => Probe::Down(e.to_string()),
@@ -176,15 +165,15 @@ impl RegistryCtx {
     /// Registers a static worker: routable if it answers, otherwise known and waiting for
     /// its health check. A block size that cannot work is an error.
     pub async fn add_static(&self, spec: &WorkerSpec) -> Result<WorkerInfo, RegistryError> {
-        let block = self.dispatcher.block_size();
-        let (info, up) = match probe_info(&self.http, &spec.url, self.probe_timeout).await {
-            Probe::Described(doc) => (describe(spec, Some(&doc), block), true),
-            Probe::NoInfo => (describe(spec, None, block), true),
+        let (card, up) = match probe_info(&self.http, &spec.url, self.probe_timeout).await {
+            Probe::Described(card) => (*card, true),
+            Probe::NoInfo => (WorkerCard::default(), true),
             Probe::Down(why) => {
                 tracing::warn!(url = %spec.url, %why, "worker not reachable yet; waiting for its health check");
-                (describe(spec, None, block), false)
+                (WorkerCard::default(), false)
             }
         };
+        let info = describe(spec, &card, self.dispatcher.block_size());
         self.dispatcher
             .upsert_worker(info.clone(), Origin::Static, up)?;
         self.statics
@@ -222,12 +211,12 @@ pub(crate) async fn run_health_checks(ctx: RegistryCtx, interval: Duration) {
                         let Some(spec) = statics.get(&info.url) else {
                             return;
                         };
-                        let block = ctx.dispatcher.block_size();
-                        let fresh = match probe_info(&ctx.http, &spec.url, ctx.probe_timeout).await {
-                            Probe::Described(doc) => describe(spec, Some(&doc), block),
-                            Probe::NoInfo => describe(spec, None, block),
+                        let card = match probe_info(&ctx.http, &spec.url, ctx.probe_timeout).await {
+                            Probe::Described(card) => *card,
+                            Probe::NoInfo => WorkerCard::default(),
                             Probe::Down(_) => return,
                         };
+                        let fresh = describe(spec, &card, ctx.dispatcher.block_size());
                         if fresh.id != info.id {
                             ctx.dispatcher.remove_worker(info.id);
                             ctx.zmq.stop(info.id);
@@ -264,22 +253,6 @@ pub(crate) async fn run_lease_expiry(ctx: RegistryCtx, every: Duration) {
     }
 }
 
-fn announced(a: &WorkerAnnounce) -> WorkerInfo {
-    let mut w = WorkerInfo::new(WorkerId(a.worker), &a.url);
-    w.block_size = a.block_size as usize;
-    w.limits = WorkerLimits {
-        max_num_seqs: Some(a.max_num_seqs),
-        kv_capacity_blocks: Some(a.kv_capacity_blocks),
-        timing: worker_timing(a.prefill_secs_per_token, a.decode_secs_per_context_token),
-    };
-    if !a.nats_kv_events {
-        w.zmq = a.zmq_endpoint.clone();
-    }
-    // Only kvroute engines announce themselves this way.
-    w.token_ids = true;
-    w
-}
-
 /// Longest lease honoured, so a bad announcement cannot pin a dead worker for long.
 const MAX_LEASE: Duration = Duration::from_secs(300);
 
@@ -290,12 +263,11 @@ pub(crate) async fn run_discovery(
     subjects: Subjects,
     max_workers: usize,
 ) {
-    let mut subscriber = match client.subscribe(subjects.workers()).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot subscribe to worker announcements over NATS");
-            return;
-        }
+    let subscribed = client.subscribe(subjects.workers()).await.inspect_err(
+        |e| tracing::error!(error = %e, "cannot subscribe to worker announcements over NATS"),
+    );
+    let Ok(mut subscriber) = subscribed else {
+        return;
     };
     // Each dynamic worker's current instance; bounded like the worker table.
     let mut instances: BTreeMap<WorkerId, u64> = BTreeMap::new();
@@ -313,17 +285,22 @@ pub(crate) async fn run_discovery(
         };
         match message {
             WorkerMessage::Announce(a) => {
-                let id = WorkerId(a.worker);
+                let info = describe(
+                    &WorkerSpec::new(a.card.url.as_str()),
+                    &a.card,
+                    ctx.dispatcher.block_size(),
+                );
+                let id = info.id;
                 let lease = Duration::from_millis(a.lease_ms).min(MAX_LEASE);
                 let deadline = Instant::now() + lease;
-                let restarted = instances.get(&id).is_some_and(|i| *i != a.instance);
+                let restarted = instances.get(&id).is_some_and(|i| *i != a.card.instance);
                 if ctx.dispatcher.origin(id) == Some(Origin::Static) {
                     // Also a `--worker`: the flag's entry stays; a restart still drops
                     // what the index held for it.
                     if restarted {
                         ctx.dispatcher.resync_worker(EventSource::Nats, id);
                     }
-                    instances.insert(id, a.instance);
+                    instances.insert(id, a.card.instance);
                     continue;
                 }
                 if !restarted
@@ -337,7 +314,6 @@ pub(crate) async fn run_discovery(
                     ctx.dispatcher.remove_worker(id);
                     ctx.zmq.stop(id);
                 }
-                let info = announced(&a);
                 match ctx.dispatcher.upsert_worker(
                     info.clone(),
                     Origin::Dynamic {
@@ -349,12 +325,12 @@ pub(crate) async fn run_discovery(
                         if instances.len() >= max_workers && !instances.contains_key(&id) {
                             instances.clear();
                         }
-                        instances.insert(id, a.instance);
+                        instances.insert(id, a.card.instance);
                         ctx.start_zmq(&info);
-                        tracing::info!(worker = %id, url = %a.url, "worker registered");
+                        tracing::info!(worker = %id, url = %info.url, "worker registered");
                     }
                     Err(e) => {
-                        tracing::error!(worker = %id, url = %a.url, error = %e, "announced worker refused")
+                        tracing::error!(worker = %id, url = %info.url, error = %e, "announced worker refused")
                     }
                 }
             }
@@ -373,21 +349,27 @@ pub(crate) async fn run_discovery(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use router::WorkerTiming;
 
     #[test]
     fn flags_win_over_info_and_ids_fall_back_to_the_url() {
         let spec: WorkerSpec = "http://w:1,block_size=16,max_num_seqs=8".parse().unwrap();
-        let doc = InfoDoc {
-            worker: Some(9),
+        let card = WorkerCard {
+            worker: Some(WorkerId(9)),
             block_size: Some(32),
-            kv_capacity_blocks: Some(1000),
-            max_num_seqs: Some(64),
+            limits: WorkerLimits {
+                max_num_seqs: Some(64),
+                kv_capacity_blocks: Some(1000),
+                timing: Some(WorkerTiming {
+                    prefill_secs_per_token: 1.5e-4,
+                    decode_secs_per_context_token: 1e-7,
+                }),
+            },
             zmq_endpoint: Some("tcp://w:5557".into()),
-            nats_kv_subject: None,
-            prefill_secs_per_token: Some(1.5e-4),
-            decode_secs_per_context_token: Some(1e-7),
+            returns_token_ids: true,
+            ..WorkerCard::default()
         };
-        let w = describe(&spec, Some(&doc), 32);
+        let w = describe(&spec, &card, 32);
         assert_eq!(
             w.limits.timing,
             Some(WorkerTiming {
@@ -403,17 +385,69 @@ mod tests {
         assert_eq!(w.zmq.as_deref(), Some("tcp://w:5557"));
         assert_eq!(w.completions_url, "http://w:1/v1/completions");
 
-        let bare = describe(&spec, None, 32);
+        let bare = describe(&spec, &WorkerCard::default(), 32);
         assert_eq!(bare.id, WorkerSpec::default_id("http://w:1"));
         assert_eq!(bare.limits.timing, None);
         assert_eq!(bare.zmq, None);
 
         assert!(w.token_ids);
         assert!(!bare.token_ids);
-        let nats = InfoDoc {
+        let nats = WorkerCard {
             nats_kv_subject: Some("kvroute.ns.kv.9".into()),
-            ..doc
+            ..card.clone()
         };
-        assert_eq!(describe(&spec, Some(&nats), 32).zmq, None);
+        assert_eq!(describe(&spec, &nats, 32).zmq, None);
+
+        // A timing the router cannot price with is no timing.
+        let mut broken = card;
+        if let Some(timing) = &mut broken.limits.timing {
+            timing.prefill_secs_per_token = f64::NAN;
+        }
+        assert_eq!(describe(&spec, &broken, 32).limits.timing, None);
+    }
+
+    /// Another server's `/info`, in its own names, describes a static worker as far as it
+    /// goes; the router's block size fills in what neither it nor the flags say.
+    #[test]
+    fn foreign_info_documents_describe_what_they_name() {
+        let card: WorkerCard = serde_json::from_str(
+            r#"{"worker_id": 4, "num_gpu_blocks": 5000, "zmq": "tcp://v:5557", "version": "x"}"#,
+        )
+        .unwrap();
+        let w = describe(&WorkerSpec::new("http://v:8000/"), &card, 64);
+        assert_eq!(w.id, WorkerId(4));
+        assert_eq!(w.url, "http://v:8000");
+        assert_eq!(w.block_size, 64);
+        assert_eq!(w.limits.kv_capacity_blocks, Some(5000));
+        assert_eq!(w.limits.max_num_seqs, None);
+        assert_eq!(w.zmq.as_deref(), Some("tcp://v:5557"));
+        assert!(!w.token_ids);
+    }
+
+    /// An announcement is described exactly as the same card served by `/info` would be.
+    #[test]
+    fn announcements_and_info_cards_describe_a_worker_alike() {
+        let card = WorkerCard {
+            worker: Some(WorkerId(5)),
+            instance: 11,
+            url: "http://e:9000".into(),
+            block_size: Some(32),
+            limits: WorkerLimits {
+                max_num_seqs: Some(64),
+                kv_capacity_blocks: Some(13_022),
+                timing: Some(WorkerTiming::H200_LLAMA70B_FP8),
+            },
+            nats_kv_subject: Some("kvroute.ns.kv.5".into()),
+            zmq_endpoint: Some("tcp://e:5557".into()),
+            returns_token_ids: true,
+            ..WorkerCard::default()
+        };
+        let announced = describe(&WorkerSpec::new(card.url.as_str()), &card, 32);
+        let probed = describe(&WorkerSpec::new("http://e:9000"), &card, 32);
+        assert_eq!(announced, probed);
+        assert_eq!(announced.id, WorkerId(5));
+        assert_eq!(announced.limits, card.limits);
+        assert_eq!(announced.zmq, None, "NATS events win over ZMQ");
+        assert!(announced.token_ids);
     }
 }

@@ -19,9 +19,10 @@ use protocol::{
 use serde_json::Value;
 
 use crate::config::PromptFormat;
-use crate::dispatch::{AdmitError, Dispatcher, Ticket, WorkerInfo};
+use crate::dispatch::{AdmitError, Dispatcher, Ticket};
 use crate::metrics::{CONTENT_TYPE, Metrics};
 use crate::preprocess::{Prepared, Preprocessor};
+use crate::registry::WorkerInfo;
 use crate::relay::{OutputCtx, Relay, RequestRecord, endpoint, read_error};
 
 /// Connection attempts per request: a worker that refuses the connection leaves the routing

@@ -433,8 +433,8 @@ async fn workers_get_token_ids_and_unknown_fields_or_text_when_configured() {
             format!("{},id=1", tokens_worker.url()).parse().unwrap(),
             text_spec,
         ],
-        routing: gateway::RoutingConfig {
-            mode: router::PolicyKind::RoundRobin,
+        router: router::RouterConfig {
+            policy: router::PolicyKind::RoundRobin,
             ..Default::default()
         },
         ..gateway_config(&[])
@@ -497,8 +497,8 @@ async fn a_worker_dying_mid_stream_gives_a_clean_error_and_leaves_the_routing_se
             format!("{},id=1", crashing.url()).parse().unwrap(),
             format!("{},id=2", healthy.url()).parse().unwrap(),
         ],
-        routing: gateway::RoutingConfig {
-            mode: router::PolicyKind::RoundRobin,
+        router: router::RouterConfig {
+            policy: router::PolicyKind::RoundRobin,
             ..Default::default()
         },
         // Health checks would hide the request-triggered removal; keep them out of the way.

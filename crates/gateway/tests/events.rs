@@ -19,7 +19,7 @@ const BLOCK: usize = 4;
 
 fn config() -> GatewayConfig {
     GatewayConfig {
-        routing: gateway::RoutingConfig {
+        router: router::RouterConfig {
             block_size: BLOCK,
             ..Default::default()
         },

@@ -77,7 +77,7 @@ async fn cluster(
     }
     let refs: Vec<_> = engines.iter().collect();
     let mut config = gateway_config(&refs);
-    config.routing.mode = mode;
+    config.router.policy = mode;
     config.nats_url = Some(nats.url());
     config.namespace = namespace.to_string();
     let gw = gateway(config).await;
@@ -188,7 +188,7 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
     assert!(gw.dispatcher().cached_blocks(served) > 0);
     let position = engines
         .iter()
-        .position(|e| e.info().worker == served.0)
+        .position(|e| e.info().worker == Some(served))
         .unwrap();
     engines.remove(position).shutdown().await;
     wait_for("the goodbye", Duration::from_secs(5), || {
@@ -204,22 +204,25 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
             .await;
     let client = async_nats::connect(nats.url()).await.unwrap();
     let announce = protocol::WorkerMessage::Announce(protocol::WorkerAnnounce {
-        worker: 99,
-        instance: 1,
-        url: silent.url(),
-        model: MODEL.into(),
-        block_size: 32,
-        kv_capacity_blocks: 1000,
-        max_num_seqs: 8,
+        card: protocol::WorkerCard {
+            worker: Some(WorkerId(99)),
+            instance: 1,
+            url: silent.url(),
+            model: MODEL.into(),
+            block_size: Some(32),
+            limits: router::WorkerLimits {
+                max_num_seqs: Some(8),
+                kv_capacity_blocks: Some(1000),
+                timing: None,
+            },
+            nats_kv_subject: Some("kvroute.dyn.kv.99".into()),
+            returns_token_ids: true,
+            ..protocol::WorkerCard::default()
+        },
         lease_ms: 300,
-        max_model_len: None,
-        zmq_endpoint: None,
-        nats_kv_events: true,
-        prefill_secs_per_token: None,
-        decode_secs_per_context_token: None,
     });
     client
-        .publish("kvroute.dyn.workers", announce.encode().into())
+        .publish("kvroute.dyn.workers", announce.encode().unwrap().into())
         .await
         .unwrap();
     client.flush().await.unwrap();
@@ -247,7 +250,9 @@ async fn approximate_mode_keeps_conversations_on_their_worker_without_events() {
     }
     let refs: Vec<_> = engines.iter().collect();
     let mut config = gateway_config(&refs);
-    config.routing.kv_events = false;
+    config.router.kv_source = router::KvSource::Approximate {
+        ttl: nanotime::Nanos::from_secs(120),
+    };
     let gw = gateway(config).await;
     for c in 0..3 {
         let system = passage(20 + c, 1000);

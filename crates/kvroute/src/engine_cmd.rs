@@ -145,11 +145,11 @@ pub fn run(args: EngineArgs) -> Result<()> {
         let info = server.info();
         println!(
             "kvroute engine: worker {} ({} on {}, {} KV blocks of {} tokens) listening on {}",
-            info.worker,
+            info.worker.unwrap_or_default().0,
             info.model,
-            info.profile,
-            info.kv_capacity_blocks,
-            info.block_size,
+            info.profile.as_deref().unwrap_or_default(),
+            info.limits.kv_capacity_blocks.unwrap_or_default(),
+            info.block_size.unwrap_or_default(),
             server.url()
         );
         if let Some(endpoint) = &info.zmq_endpoint {

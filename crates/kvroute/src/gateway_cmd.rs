@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use gateway::{Gateway, GatewayConfig, RoutingConfig, WorkerSpec};
-use router::PolicyKind;
+use gateway::{Gateway, GatewayConfig, WorkerSpec};
+use nanotime::Nanos;
+use router::{KvCostParams, KvSource, PolicyKind, PolicyParams, RouterConfig};
 
 /// `--router-mode` values: every built-in policy by name (and Dynamo's hyphenated spelling),
 /// so a new policy in the router appears here without a change.
@@ -119,29 +120,46 @@ fn seconds(flag: &str, value: f64) -> Result<Duration> {
     Ok(Duration::from_secs_f64(value))
 }
 
-pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
+/// The router core's settings from the routing flags (Dynamo's names); the router checks
+/// the values when the gateway starts.
+fn router_config(args: &GatewayArgs) -> Result<RouterConfig> {
     if args.kv_block_size == 0 {
         bail!("--kv-block-size must be at least 1");
     }
-    Ok(GatewayConfig {
-        listen: SocketAddr::new(args.host, args.port),
-        model: args.model.clone(),
-        context_length: args.context_length,
-        workers: args.workers.clone(),
-        routing: RoutingConfig {
-            mode: args.router_mode,
-            block_size: args.kv_block_size,
-            overlap_weight: args.kv_overlap_score_weight,
-            temperature: args.router_temperature,
-            kv_events: !args.no_kv_events,
-            approx_ttl: seconds("router-ttl", args.router_ttl)?,
-            seed: args.router_seed,
+    let ttl = seconds("router-ttl", args.router_ttl)?;
+    Ok(RouterConfig {
+        policy: args.router_mode,
+        params: PolicyParams {
+            kv: KvCostParams {
+                overlap_weight: args.kv_overlap_score_weight,
+                temperature: args.router_temperature,
+            },
             kv_load: crate::sim_cmd::patch(
                 router::KvLoadParams::default(),
                 &args.kv_load_set,
                 "kv-load",
             )?,
         },
+        block_size: args.kv_block_size,
+        seed: args.router_seed,
+        kv_source: if args.no_kv_events {
+            KvSource::Approximate {
+                ttl: Nanos(u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX)),
+            }
+        } else {
+            KvSource::Events
+        },
+        ..RouterConfig::default()
+    })
+}
+
+pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
+    Ok(GatewayConfig {
+        listen: SocketAddr::new(args.host, args.port),
+        model: args.model.clone(),
+        context_length: args.context_length,
+        workers: args.workers.clone(),
+        router: router_config(args)?,
         nats_url: args.nats.clone(),
         namespace: args.namespace.clone(),
         max_body_bytes: args.max_body_bytes,
@@ -162,7 +180,7 @@ pub fn run(args: GatewayArgs) -> Result<()> {
     let config = config(&args)?;
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
-        let mode = config.routing.mode;
+        let mode = config.router.policy;
         let mut gateway = Gateway::bind(config).await?;
         let workers = gateway.dispatcher().workers();
         let routable = workers.iter().filter(|w| w.2).count();

@@ -1,5 +1,5 @@
 //! Wire formats shared by kvroute's services: OpenAI API types and errors, server-sent events,
-//! KV events over NATS (our format), worker registration, and vLLM's ZMQ KV event format.
+//! KV events over NATS (our format), worker cards and registration, and vLLM's ZMQ KV event format.
 //!
 //! Pure data and codecs: no tokio, no sockets, no clock. The engine server, the gateway and the
 //! tests all speak through these types, so a format changes in one place.
@@ -11,7 +11,8 @@
 //! | [`http`] | what both HTTP servers do to a request: [`http::parse_json`], [`http::check_model`]; with the `axum` feature, a size-limited `read_body` and `json_response` |
 //! | [`sse`] | `data:` event writers and the one incremental, bounded, zero-copy [`SseDecoder`] |
 //! | [`kv_events`] | [`KvEventBatch`]: a worker's KV events in msgpack, 1:1 with [`kv_index::KvEvent`] |
-//! | [`subjects`] | NATS subjects `kvroute.<ns>.kv.<worker>`, `kvroute.<ns>.workers`; [`WorkerMessage`] announce/heartbeat/goodbye |
+//! | [`subjects`] | NATS subjects `kvroute.<ns>.kv.<worker>`, `kvroute.<ns>.workers` |
+//! | [`worker`] | [`WorkerCard`]: what a worker declares (`GET /info`, and the [`WorkerMessage`] announce/heartbeat/goodbye over NATS) |
 //! | [`vllm`] | vLLM's `KVEventBatch` over ZMQ, array- or map-encoded; [`VllmEventStream`] → `kv-index` events with gap detection |
 //!
 //! # Invariant
@@ -62,6 +63,7 @@ pub mod openai;
 pub mod sse;
 pub mod subjects;
 pub mod vllm;
+pub mod worker;
 
 pub use error::{ApiError, ErrorBody, ErrorDetail};
 pub use kv_events::{KvEventBatch, KvWireError, WireBlock, WireKvEvent, WireKvKind};
@@ -71,5 +73,7 @@ pub use openai::{
     ResponseHead, ResponseView, SamplingParams, StreamOptions, TokenIds, Usage,
 };
 pub use sse::{SseDecoder, SseError, SseEvent};
-pub use subjects::{BadNamespace, Subjects, WorkerAnnounce, WorkerInfo, WorkerMessage};
+pub use subjects::{BadNamespace, Subjects};
 pub use vllm::{VllmEventBatch, VllmEventStream, VllmFrame};
+pub use worker::{WorkerAnnounce, WorkerCard, WorkerMessage, WorkerMessageError};
+pub use worker_limits::{WorkerLimits, WorkerTiming};

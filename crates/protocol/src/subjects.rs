@@ -1,15 +1,14 @@
-//! NATS subject names and the worker registration messages.
+//! NATS subject names.
 //!
 //! - `kvroute.<namespace>.kv.<worker>`: a worker's KV event batches
 //!   ([`KvEventBatch`](crate::KvEventBatch), msgpack).
-//! - `kvroute.<namespace>.workers`: [`WorkerMessage`]s (JSON): announcements, repeated as
-//!   heartbeats within each lease, and goodbyes.
+//! - `kvroute.<namespace>.workers`: [`WorkerMessage`](crate::WorkerMessage)s (JSON):
+//!   announcements, repeated as heartbeats within each lease, and goodbyes.
 //!
 //! A namespace is one NATS subject token: non-empty, at most 128 bytes, no `.`, `*`, `>` or
 //! whitespace (so several clusters share one NATS server without seeing each other).
 
 use kv_index::WorkerId;
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 const PREFIX: &str = "kvroute";
@@ -82,130 +81,6 @@ impl Subjects {
     }
 }
 
-/// A worker telling gateways it exists (repeated as a heartbeat) or is leaving.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum WorkerMessage {
-    Announce(WorkerAnnounce),
-    Goodbye {
-        worker: u64,
-        #[serde(default)]
-        instance: u64,
-    },
-}
-
-/// What a gateway needs to route to a worker. Sent on start-up and then every
-/// `lease_ms / 3` or so; a gateway drops a worker it has not heard from for `lease_ms`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct WorkerAnnounce {
-    pub worker: u64,
-    /// The process run (random at start-up); a new value means the worker restarted with an
-    /// empty cache and sequence numbers from 0.
-    #[serde(default)]
-    pub instance: u64,
-    /// Base URL of its OpenAI-compatible HTTP API, e.g. `http://10.0.0.5:8000`.
-    pub url: String,
-    pub model: String,
-    /// Tokens per KV block.
-    pub block_size: u32,
-    pub kv_capacity_blocks: u64,
-    pub max_num_seqs: u32,
-    /// How long this announcement is valid.
-    pub lease_ms: u64,
-    /// The model's context length in tokens.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_model_len: Option<u32>,
-    /// Where it publishes vLLM-format KV events over ZMQ, if it does.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub zmq_endpoint: Option<String>,
-    /// Whether it publishes KV events on [`Subjects::kv_events`].
-    #[serde(default)]
-    pub nats_kv_events: bool,
-    /// Modelled seconds to prefill one more prompt token (not divided by any speedup), for
-    /// load-aware routing.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prefill_secs_per_token: Option<f64>,
-    /// Modelled seconds one more token of context adds to each decode step.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub decode_secs_per_context_token: Option<f64>,
-}
-
-/// `GET /info` of a kvroute engine server: what a gateway needs to route to it and where its
-/// KV events are published.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct WorkerInfo {
-    pub worker: u64,
-    /// The process run (random at start-up).
-    pub instance: u64,
-    /// Base URL of its HTTP API.
-    pub url: String,
-    pub model: String,
-    /// Hardware profile name (e.g. `h200-llama70b-fp8`).
-    pub profile: String,
-    /// Simulated GPU.
-    pub gpu: String,
-    pub block_size: u32,
-    pub kv_capacity_blocks: u64,
-    pub max_num_seqs: u32,
-    pub max_model_len: u32,
-    /// Modelled time runs this many times faster than wall time.
-    pub speedup: f64,
-    /// NATS server and subject of its KV events (our format), if it publishes there.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nats_url: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nats_kv_subject: Option<String>,
-    /// ZMQ endpoint of its KV events (vLLM's format), if it publishes there.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub zmq_endpoint: Option<String>,
-    /// Modelled seconds to prefill one more prompt token (not divided by any speedup), for
-    /// load-aware routing.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prefill_secs_per_token: Option<f64>,
-    /// Modelled seconds one more token of context adds to each decode step.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub decode_secs_per_context_token: Option<f64>,
-}
-
-impl WorkerInfo {
-    /// The announcement a worker with this info sends, valid for `lease_ms`.
-    pub fn announce(&self, lease_ms: u64) -> WorkerAnnounce {
-        WorkerAnnounce {
-            worker: self.worker,
-            instance: self.instance,
-            url: self.url.clone(),
-            model: self.model.clone(),
-            block_size: self.block_size,
-            kv_capacity_blocks: self.kv_capacity_blocks,
-            max_num_seqs: self.max_num_seqs,
-            lease_ms,
-            max_model_len: Some(self.max_model_len),
-            zmq_endpoint: self.zmq_endpoint.clone(),
-            nats_kv_events: self.nats_kv_subject.is_some(),
-            prefill_secs_per_token: self.prefill_secs_per_token,
-            decode_secs_per_context_token: self.decode_secs_per_context_token,
-        }
-    }
-}
-
-impl WorkerMessage {
-    pub fn encode(&self) -> Vec<u8> {
-        serde_json::to_vec(self).unwrap_or_default()
-    }
-
-    pub fn decode(bytes: &[u8]) -> Result<WorkerMessage, serde_json::Error> {
-        serde_json::from_slice(bytes)
-    }
-
-    /// The worker the message is about.
-    pub fn worker(&self) -> WorkerId {
-        match self {
-            WorkerMessage::Announce(announce) => WorkerId(announce.worker),
-            WorkerMessage::Goodbye { worker, .. } => WorkerId(*worker),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,35 +112,5 @@ mod tests {
             assert!(Subjects::new(bad).is_err(), "{bad}");
         }
         assert!(Subjects::new("team-a_1").is_ok());
-    }
-
-    #[test]
-    fn worker_messages_round_trip() {
-        let announce = WorkerMessage::Announce(WorkerAnnounce {
-            worker: 3,
-            instance: 77,
-            url: "http://127.0.0.1:9000".into(),
-            model: "llama".into(),
-            block_size: 32,
-            kv_capacity_blocks: 100_000,
-            max_num_seqs: 64,
-            lease_ms: 3_000,
-            max_model_len: Some(131_072),
-            zmq_endpoint: None,
-            nats_kv_events: true,
-            prefill_secs_per_token: None,
-            decode_secs_per_context_token: None,
-        });
-        let bytes = announce.encode();
-        let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
-        assert_eq!(json["type"], "announce");
-        assert_eq!(WorkerMessage::decode(&bytes).unwrap(), announce);
-        let bye = WorkerMessage::Goodbye {
-            worker: 3,
-            instance: 77,
-        };
-        assert_eq!(WorkerMessage::decode(&bye.encode()).unwrap(), bye);
-        assert_eq!(bye.worker(), WorkerId(3));
-        assert!(WorkerMessage::decode(b"{\"type\":\"hello\"}").is_err());
     }
 }

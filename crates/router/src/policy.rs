@@ -31,35 +31,9 @@ pub struct Candidate {
     pub limits: WorkerLimits,
 }
 
-/// Capacity a worker declares when it joins; used by load-aware policies.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct WorkerLimits {
-    /// The engine's `max_num_seqs` (largest running batch), when known.
-    pub max_num_seqs: Option<u32>,
-    /// The engine's KV cache capacity in blocks, when known.
-    pub kv_capacity_blocks: Option<u64>,
-    /// How fast the worker prefills and decodes, when known (from its hardware profile).
-    pub timing: Option<WorkerTiming>,
-}
-
-/// A worker's marginal costs, in seconds, as a load-aware policy prices them: what one more
-/// prompt token costs to prefill, and what one more token of context costs each decode step
-/// (attention reads every running sequence's KV once per step).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct WorkerTiming {
-    pub prefill_secs_per_token: f64,
-    pub decode_secs_per_context_token: f64,
-}
-
-impl WorkerTiming {
-    /// Seed 002's worker, calibrated (`engine`'s `h200-llama70b-fp8` profile; a router test
-    /// checks these against the profile): about 7,100 prompt tokens/s of prefill, and 0.1 µs
-    /// per step for each token of context.
-    pub const H200_LLAMA70B_FP8: WorkerTiming = WorkerTiming {
-        prefill_secs_per_token: 1.4074e-4,
-        decode_secs_per_context_token: 9.8937e-8,
-    };
-}
+/// What a worker declares about itself (batch limit, KV capacity, timing): one type from the
+/// engine through the wire to the router, defined in the `worker-limits` leaf crate.
+pub use worker_limits::{WorkerLimits, WorkerTiming};
 
 /// Everything a policy may look at to decide.
 #[derive(Debug)]

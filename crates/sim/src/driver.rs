@@ -6,10 +6,7 @@ use std::sync::Arc;
 use engine::{Engine, EngineEvent, EngineRequest, OutputSpec};
 use kv_index::{IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
-use router::{
-    Frontend, FrontendEvent, KvSource, RequestId, RouteDecision, Router, RouterConfig,
-    WorkerLimits, WorkerTiming,
-};
+use router::{Frontend, FrontendEvent, KvSource, RequestId, RouteDecision, Router, RouterConfig};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -337,21 +334,8 @@ impl<W: Workload> Simulation<W> {
         };
         let mut frontend = Frontend::new(router_cfg, cfg.frontend).map_err(ConfigError::from)?;
         for (i, e) in engines.iter().enumerate() {
-            let marginal = cfg
-                .engine
-                .profile
-                .marginal_timing(cfg.engine.block_size, u64::from(e.kv_capacity_blocks()));
-            let timing = WorkerTiming {
-                prefill_secs_per_token: marginal.prefill_secs_per_token,
-                decode_secs_per_context_token: marginal.decode_secs_per_context_token,
-            };
-            let limits = WorkerLimits {
-                max_num_seqs: Some(cfg.engine.max_num_seqs),
-                kv_capacity_blocks: Some(u64::from(e.kv_capacity_blocks())),
-                timing: Some(timing),
-            };
             frontend
-                .add_worker(WorkerId(i as u64), limits, Nanos::ZERO)
+                .add_worker(WorkerId(i as u64), e.limits(), Nanos::ZERO)
                 .map_err(ConfigError::from)?;
         }
         let oracle = cfg

@@ -3,88 +3,18 @@
 
 #![allow(dead_code)]
 
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use engine_server::{EngineServer, EngineServerConfig, EngineServerHandle};
 use protocol::sse::{SseDecoder, SseEvent};
 
+// The gateway's tests' nats-server harness, shared rather than copied.
+#[path = "../../../gateway/tests/common/nats.rs"]
+mod nats;
+#[allow(unused_imports)] // Not every test binary starts a nats-server.
+pub use nats::NatsServer;
+
 pub const MODEL: &str = "llama-3.1-70b-instruct";
-
-/// A nats-server on a free port, killed on drop.
-pub struct NatsServer {
-    child: Child,
-    pub url: String,
-}
-
-fn nats_binary() -> PathBuf {
-    if let Ok(path) = std::env::var("NATS_SERVER_BIN") {
-        return PathBuf::from(path);
-    }
-    let in_path = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|dir| dir.join("nats-server"))
-            .find(|candidate| candidate.is_file())
-    });
-    in_path
-        .or_else(|| {
-            ["/usr/sbin/nats-server", "/usr/local/bin/nats-server"]
-                .into_iter()
-                .map(PathBuf::from)
-                .find(|p| p.is_file())
-        })
-        .unwrap_or_else(|| {
-            panic!("nats-server not found: install nats-server (apt-get install nats-server)")
-        })
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-impl NatsServer {
-    pub fn start() -> NatsServer {
-        let binary = nats_binary();
-        let port = free_port();
-        let child = Command::new(&binary)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot run {}: {e}; install nats-server (apt-get install nats-server)",
-                    binary.display()
-                )
-            });
-        let server = NatsServer {
-            child,
-            url: format!("nats://127.0.0.1:{port}"),
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not accept connections within 10 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// A fast engine: seed 002's worker at `speedup`.
 pub fn config(speedup: f64) -> EngineServerConfig {

@@ -1,12 +1,36 @@
-//! A real `nats-server` for tests: spawned on a free loopback port, killed on drop.
+//! A real `nats-server` for tests: spawned on a free loopback port, killed on drop. Shared by
+//! the engine server's, the gateway's and the `kvroute` binary's tests (`#[path]`).
 
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub struct NatsServer {
     child: Child,
     port: u16,
+}
+
+/// `$NATS_SERVER_BIN`, else `nats-server` on the `PATH` or where Debian installs it.
+fn nats_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("NATS_SERVER_BIN") {
+        return PathBuf::from(path);
+    }
+    let in_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("nats-server"))
+            .find(|candidate| candidate.is_file())
+    });
+    in_path
+        .or_else(|| {
+            ["/usr/sbin/nats-server", "/usr/local/bin/nats-server"]
+                .into_iter()
+                .map(PathBuf::from)
+                .find(|p| p.is_file())
+        })
+        .unwrap_or_else(|| {
+            panic!("nats-server not found: install nats-server (apt-get install nats-server)")
+        })
 }
 
 impl NatsServer {
@@ -17,14 +41,16 @@ impl NatsServer {
                 .expect("a free loopback port");
             probe.local_addr().unwrap().port()
         };
-        let child = Command::new("nats-server")
+        let binary = nats_binary();
+        let child = Command::new(&binary)
             .args(["-a", "127.0.0.1", "-p", &port.to_string()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| {
                 panic!(
-                    "cannot run nats-server ({e}): install nats-server (apt-get install nats-server)"
+                    "cannot run {} ({e}): install nats-server (apt-get install nats-server)",
+                    binary.display()
                 )
             });
         let server = NatsServer { child, port };
