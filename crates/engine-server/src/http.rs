@@ -264,7 +264,12 @@ async fn serve(
     let meta = ResponseMeta {
         head: ResponseHead {
             api,
-            id: format!("{}-{}-{}", api.id_prefix(), state.info.worker.unwrap_or_default().0, id.0),
+            id: format!(
+                "{}-{}-{}",
+                api.id_prefix(),
+                state.info.worker.unwrap_or_default().0,
+                id.0
+            ),
             model: model.into(),
             created: unix_now(),
         },

@@ -642,22 +642,39 @@ impl Engine {
         let mut run: Vec<StoredBlock> = Vec::new();
         let mut parent = None;
         let mut out: Vec<KvEventKind> = Vec::new();
+        let stored = |r: &Req, j: usize| {
+            if with_tokens {
+                StoredBlock {
+                    id: EngineBlockId(r.hashes[j].0),
+                    content: BlockContent::Tokens(
+                        (j * bs..(j + 1) * bs).map(|i| r.token(i)).collect(),
+                    ),
+                }
+            } else {
+                StoredBlock::from_hash(r.hashes[j], r.locals[j])
+            }
+        };
         for j in from..full {
             let h = r.hashes[j];
             if self.pool.register(r.blocks[j], h.0) {
                 if run.is_empty() {
-                    parent = (j > 0).then(|| EngineBlockId(r.hashes[j - 1].0));
-                }
-                run.push(if with_tokens {
-                    StoredBlock {
-                        id: EngineBlockId(h.0),
-                        content: BlockContent::Tokens(
-                            (j * bs..(j + 1) * bs).map(|i| r.token(i)).collect(),
-                        ),
+                    // A run's parent must be in the cache, or the stream announces a child of
+                    // a block it already said was removed. The parent can be a private
+                    // duplicate whose cached twin was evicted since: enter it (and any such
+                    // ancestors) now, at the head of this run.
+                    let mut start = j;
+                    while start > 0
+                        && self.pool.lookup(r.hashes[start - 1].0).is_none()
+                        && self
+                            .pool
+                            .register(r.blocks[start - 1], r.hashes[start - 1].0)
+                    {
+                        start -= 1;
                     }
-                } else {
-                    StoredBlock::from_hash(h, r.locals[j])
-                });
+                    parent = (start > 0).then(|| EngineBlockId(r.hashes[start - 1].0));
+                    run.extend((start..j).map(|k| stored(r, k)));
+                }
+                run.push(stored(r, j));
             } else if !run.is_empty() {
                 out.push(KvEventKind::Stored {
                     parent,

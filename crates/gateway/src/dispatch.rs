@@ -20,9 +20,7 @@ use std::time::{Duration, Instant};
 use kv_index::{EventError, KvEvent, WorkerId};
 use nanotime::Nanos;
 pub use router::AdmitError;
-use router::{
-    Frontend, FrontendEvent, RequestId, RouteDecision, RouteError, RoutingKey,
-};
+use router::{Frontend, FrontendEvent, RequestId, RouteDecision, RouteError, RoutingKey};
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
 

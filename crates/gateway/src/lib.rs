@@ -66,9 +66,9 @@ pub use config::{GatewayConfig, PromptFormat, WorkerSpec};
 pub use dispatch::Dispatcher;
 pub use events::KvEventSink;
 pub use metrics::Metrics;
+pub use registry::WorkerInfo;
 /// Admission settings ([`GatewayConfig::frontend`]), the router crate's.
 pub use router::FrontendConfig;
-pub use registry::WorkerInfo;
 
 use crate::events::ZmqSubscriptions;
 use crate::registry::RegistryCtx;
