@@ -38,11 +38,13 @@ const FORBIDDEN: [&str; 14] = [
     "prometheus-client",
 ];
 
+/// Package id → (name, ids of its normal dependencies).
+type Graph = BTreeMap<String, (String, Vec<String>)>;
+/// Workspace member name → package id.
+type Members = BTreeMap<String, String>;
+
 /// `cargo metadata`'s resolve graph: package id → (name, normal dependencies' ids).
-fn normal_graph() -> (
-    BTreeMap<String, (String, Vec<String>)>,
-    BTreeMap<String, String>,
-) {
+fn normal_graph() -> (Graph, Members) {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     // This machine's platform only: the resolve then needs no other platform's crates
     // (Windows-only ones are not downloaded here).
