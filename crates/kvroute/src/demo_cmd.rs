@@ -14,6 +14,7 @@ use loadgen::{Baseline, DriveConfig, LaneSpec, Loadgen, LoadgenConfig, UserSimul
 use router::PolicyKind;
 use workload::{Distribution, WorkloadConfig};
 
+use crate::demo_prometheus::{self, DemoPrometheus};
 use crate::{bench_cmd, engine_cmd, gateway_cmd};
 
 /// Workload, user and dashboard settings shared by `loadgen` and `demo`.
@@ -222,6 +223,24 @@ pub struct DemoArgs {
     /// Drive an external gateway at this URL instead of starting a simulated cluster.
     #[arg(long, conflicts_with = "compare")]
     target: Option<String>,
+    /// Also start a Prometheus server (its `prometheus` binary must be installed) on
+    /// deploy/prometheus/demo.yml, scraping the gateway, the workers and the load generator;
+    /// the dashboard then reads the KV hit rate, queue and GPUs from it, and Grafana can show
+    /// deploy/grafana/'s dashboards. One simulated cluster only (its series carry
+    /// namespace="kvroute").
+    #[arg(long, conflicts_with_all = ["compare", "target"])]
+    prometheus: bool,
+    /// The Prometheus binary to run with --prometheus.
+    #[arg(
+        long,
+        default_value = "prometheus",
+        value_name = "PATH",
+        requires = "prometheus"
+    )]
+    prometheus_bin: PathBuf,
+    /// Prometheus's port with --prometheus (0: any free port).
+    #[arg(long, default_value_t = 9090, requires = "prometheus")]
+    prometheus_port: u16,
     #[command(flatten)]
     drive: DriveArgs,
 }
@@ -396,6 +415,11 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         } else {
             Some(simulated_baseline(&args, &routers)?)
         };
+    // Chosen before the load generator starts, which must know Prometheus's URL.
+    let prometheus_port = match args.prometheus {
+        true => Some(demo_prometheus::choose_port(args.prometheus_port)?),
+        false => None,
+    };
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let mut clusters = Vec::new();
@@ -428,6 +452,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                     .iter()
                     .map(|e| format!("{}/metrics", e.url()))
                     .collect();
+                lane.prometheus = prometheus_port.map(|port| format!("http://127.0.0.1:{port}"));
                 println!(
                     "kvroute demo: {} simulated {} workers behind the {} gateway on {}",
                     cluster.engines.len(),
@@ -447,6 +472,32 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             ..LoadgenConfig::new(lanes)
         };
         let loadgen = Loadgen::bind(config).await?;
+        // Started last, when every address it scrapes is bound; kept until the end (drop
+        // stops it).
+        let _prometheus = match (prometheus_port, clusters.first()) {
+            (Some(port), Some(cluster)) => {
+                let targets = demo_prometheus::Targets {
+                    gateway: cluster.gateway.local_addr(),
+                    engines: cluster
+                        .engines
+                        .iter()
+                        .enumerate()
+                        .map(|(w, e)| (format!("worker-{w}"), e.local_addr()))
+                        .collect(),
+                    loadgen: loadgen.local_addr(),
+                };
+                let mut prometheus = DemoPrometheus::start(&args.prometheus_bin, port, &targets)?;
+                prometheus.wait_ready().await?;
+                println!(
+                    "kvroute demo: Prometheus on {} (configuration {}; Grafana dashboards in \
+                     deploy/grafana/)",
+                    prometheus.url(),
+                    prometheus.config_path().display()
+                );
+                Some(prometheus)
+            }
+            _ => None,
+        };
         println!("kvroute demo: open {} (Ctrl-C stops)", loadgen.url());
         run_or_wait(&loadgen, &args.drive, args.speedup).await?;
         println!("kvroute demo: shutting down");

@@ -14,6 +14,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bench_cmd;
 mod demo_cmd;
+mod demo_prometheus;
 mod engine_cmd;
 mod gateway_cmd;
 mod profiles;
