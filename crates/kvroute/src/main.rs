@@ -15,6 +15,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod bench_cmd;
 mod demo_cmd;
 mod demo_prometheus;
+#[cfg(test)]
+mod deploy_args;
 mod engine_cmd;
 mod gateway_cmd;
 mod profiles;

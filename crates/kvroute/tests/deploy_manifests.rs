@@ -1,0 +1,254 @@
+//! The Kubernetes manifests in `deploy/k8s/`, offline: `kubectl kustomize` renders the base
+//! and every overlay, and every rendered object validates against the Kubernetes schemas
+//! (PyPI `kubernetes-validate`, strict) and the CRD schemas vendored in
+//! `deploy/k8s/schemas/` (KEDA, Gateway API), through `deploy/k8s/validate.py`. The
+//! containers' `kvroute` command lines are checked by the binary's own parser, in
+//! `src/deploy_args.rs`.
+//!
+//! Without `kubectl` (with kustomize built in) the tests print why and pass; CI's machine has
+//! it. `kubernetes-validate` is installed by `.ci/run`.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde::Deserialize;
+use serde_json::Value;
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The base and every overlay, as paths under deploy/k8s.
+fn kustomizations() -> Vec<PathBuf> {
+    let k8s = repo_root().join("deploy/k8s");
+    let mut dirs = vec![k8s.join("base")];
+    let mut overlays: Vec<PathBuf> = std::fs::read_dir(k8s.join("overlays"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("kustomization.yaml").exists())
+        .collect();
+    overlays.sort();
+    let names: Vec<String> = overlays
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["doks", "vllm"], "the overlays the docs describe");
+    dirs.extend(overlays);
+    dirs
+}
+
+/// `kubectl kustomize DIR`, or None (with the reason printed) when kubectl is missing.
+fn render(dir: &Path) -> Option<String> {
+    let output = match Command::new("kubectl").arg("kustomize").arg(dir).output() {
+        Ok(output) => output,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            println!("SKIPPED: kubectl is not installed, so deploy/k8s cannot be rendered here");
+            return None;
+        }
+        Err(e) => panic!("running kubectl: {e}"),
+    };
+    assert!(
+        output.status.success(),
+        "kubectl kustomize {} failed:\n{}",
+        dir.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Some(String::from_utf8(output.stdout).unwrap())
+}
+
+fn objects(yaml: &str) -> Vec<Value> {
+    serde_yaml_ng::Deserializer::from_str(yaml)
+        .map(|doc| Value::deserialize(doc).expect("rendered YAML parses"))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+const CLUSTER_SCOPED: [&str; 3] = ["Namespace", "PersistentVolume", "RuntimeClass"];
+
+#[test]
+fn every_overlay_renders_into_one_namespace_with_pinned_images() {
+    for dir in kustomizations() {
+        let Some(yaml) = render(&dir) else { return };
+        let objects = objects(&yaml);
+        let name = dir.display();
+        assert!(objects.len() >= 15, "{name}: {} objects", objects.len());
+        for o in &objects {
+            let kind = o["kind"].as_str().unwrap();
+            let ns = &o["metadata"]["namespace"];
+            if CLUSTER_SCOPED.contains(&kind) {
+                assert!(ns.is_null(), "{name}: {kind} is cluster-scoped");
+            } else {
+                assert_eq!(ns, "kvroute", "{name}: {kind} {}", o["metadata"]["name"]);
+            }
+            let spec = &o["spec"]["template"]["spec"];
+            for c in spec["containers"].as_array().into_iter().flatten() {
+                // Every image comes through a kustomize image entry, with a tag.
+                let image = c["image"].as_str().unwrap();
+                let tag = image.rsplit('/').next().unwrap().split_once(':');
+                assert!(
+                    tag.is_some_and(|(_, t)| t != "latest"),
+                    "{name}: image {image} needs a pinned tag from a kustomize image entry"
+                );
+            }
+        }
+        for (kind, object) in [
+            ("Deployment", "gateway"),
+            ("Deployment", "loadgen"),
+            ("Deployment", "nats"),
+            ("Deployment", "prometheus"),
+            ("Service", "gateway"),
+        ] {
+            find(&objects, kind, object);
+        }
+        // The dashboards and the Prometheus configuration ship as the files in deploy/.
+        for file in ["kvroute-demo.json", "kvroute-scaling.json"] {
+            let stem = file.trim_end_matches(".json");
+            let cm = find(&objects, "ConfigMap", &format!("grafana-dashboard-{stem}"));
+            assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+            let shipped =
+                std::fs::read_to_string(repo_root().join("deploy/grafana").join(file)).unwrap();
+            assert_eq!(cm["data"][file], shipped.as_str());
+        }
+        let prometheus = objects
+            .iter()
+            .find(|o| {
+                o["kind"] == "ConfigMap"
+                    && o["metadata"]["name"]
+                        .as_str()
+                        .unwrap()
+                        .starts_with("prometheus-config")
+            })
+            .expect("the Prometheus ConfigMap");
+        let shipped =
+            std::fs::read_to_string(repo_root().join("deploy/prometheus/kubernetes.yml")).unwrap();
+        assert_eq!(prometheus["data"]["prometheus.yml"], shipped.as_str());
+    }
+}
+
+#[test]
+fn the_overlays_carry_what_they_promise() {
+    let k8s = repo_root().join("deploy/k8s/overlays");
+    let Some(vllm) = render(&k8s.join("vllm")) else {
+        return;
+    };
+    let vllm = objects(&vllm);
+    assert!(
+        !vllm
+            .iter()
+            .any(|o| o["metadata"]["name"] == "engine" && o["kind"] == "StatefulSet"),
+        "vllm replaces the simulated workers"
+    );
+    let worker = &find(&vllm, "StatefulSet", "vllm")["spec"]["template"]["spec"]["containers"][0];
+    let args = worker["args"].to_string();
+    assert!(args.contains("--enable-prefix-caching"), "{args}");
+    assert!(args.contains("enable_kv_cache_events"), "{args}");
+    let gateway = find(&vllm, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
+        ["args"]
+        .to_string();
+    assert!(gateway.contains("zmq=tcp://vllm-0.vllm:5557"), "{gateway}");
+
+    let Some(doks) = render(&k8s.join("doks")) else {
+        return;
+    };
+    let doks = objects(&doks);
+    assert_eq!(find(&doks, "RuntimeClass", "nvidia")["handler"], "nvidia");
+    let pod = &find(&doks, "StatefulSet", "vllm")["spec"]["template"]["spec"];
+    assert_eq!(pod["runtimeClassName"], "nvidia");
+    assert_eq!(pod["tolerations"][0]["key"], "nvidia.com/gpu");
+    assert_eq!(
+        pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+    assert_eq!(
+        pod["containers"][0]["volumeMounts"][0]["mountPath"],
+        "/models"
+    );
+    let claim = find(&doks, "PersistentVolumeClaim", "model-nfs-pvc");
+    assert_eq!(claim["spec"]["volumeName"], "model-nfs-pv");
+    assert!(find(&doks, "PersistentVolume", "model-nfs-pv")["spec"]["nfs"].is_object());
+    find(&doks, "Gateway", "kvroute");
+    find(&doks, "HTTPRoute", "kvroute");
+    let scaler = find(&doks, "ScaledObject", "vllm");
+    assert_eq!(
+        scaler["metadata"]["annotations"]["autoscaling.keda.sh/paused"],
+        "false"
+    );
+    let triggers = scaler["spec"]["triggers"].to_string();
+    assert!(triggers.contains("dynamo_frontend_time_to_first_token_seconds_bucket"));
+    assert!(triggers.contains("dynamo_frontend_inter_token_latency_seconds_bucket"));
+}
+
+/// Runs deploy/k8s/validate.py on `yaml`; its output and success.
+fn validate(yaml: &str) -> (String, bool) {
+    let script = repo_root().join("deploy/k8s/validate.py");
+    let mut child = Command::new("python3")
+        .arg(&script)
+        .arg("-")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 runs deploy/k8s/validate.py");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(yaml.as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !stderr.contains("No module named"),
+        "deploy/k8s/validate.py needs PyPI's kubernetes-validate: pip install \
+         kubernetes-validate==1.37.0 (.ci/run does)\n{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    (format!("{stdout}{stderr}"), output.status.success())
+}
+
+#[test]
+fn every_rendered_object_validates_against_kubernetes_and_crd_schemas() {
+    for dir in kustomizations() {
+        let Some(yaml) = render(&dir) else { return };
+        let (report, ok) = validate(&yaml);
+        println!("{}: {}", dir.display(), report.trim());
+        assert!(ok, "{}:\n{report}", dir.display());
+    }
+}
+
+#[test]
+fn the_validator_rejects_unknown_fields_and_kinds() {
+    // Guards the guard: a typo in a built-in kind, in a CRD and an unknown kind all fail.
+    let bad = "\
+apiVersion: v1
+kind: Service
+metadata: {name: s}
+spec: {ports: [{port: 80, targetPort: 80, protocl: TCP}]}
+---
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata: {name: o}
+spec: {scaleTargetRef: {name: x}, triggers: [{type: cpu, metadata: {}}], maxReplicas: 3}
+---
+apiVersion: example.com/v1
+kind: Unknown
+metadata: {name: u}
+";
+    let (report, ok) = validate(bad);
+    assert!(!ok, "{report}");
+    for expected in [
+        "'protocl' was unexpected",
+        "'maxReplicas' was unexpected",
+        "no schema",
+    ] {
+        assert!(report.contains(expected), "{expected}: {report}");
+    }
+}
