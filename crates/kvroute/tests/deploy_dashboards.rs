@@ -441,3 +441,43 @@ fn every_panel_query_returns_data_from_a_real_prometheus_scraping_the_demo() {
     }
     drop(demo);
 }
+
+#[test]
+fn demo_prometheus_says_what_to_install_when_prometheus_is_missing() {
+    let output = kvroute()
+        .args([
+            "demo",
+            "--prometheus",
+            "--prometheus-bin",
+            "/nonexistent/prometheus",
+        ])
+        .args(["--port", "0", "--gateway-port", "0", "--workers", "1"])
+        .args(["--prometheus-port", "0", "--no-baseline"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("error: --prometheus needs a Prometheus server")
+            && stderr.contains("apt-get install prometheus")
+            && stderr.contains("--prometheus-bin"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn demo_prometheus_is_for_one_simulated_cluster() {
+    for extra in [
+        &["--compare", "round_robin,kv"][..],
+        &["--target", "http://127.0.0.1:1"][..],
+    ] {
+        let output = kvroute()
+            .args(["demo", "--prometheus"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains("cannot be used with"), "{stderr}");
+    }
+}
