@@ -470,9 +470,9 @@ fn our_encoder_writes_what_vllm_writes_and_decodes_back() {
     // each event becomes a map named by its `type`.
     let tagged = encode_multipart(b"", 7, &batch, EventEncoding::TaggedMap);
     let value = rmpv::decode::read_value(&mut tagged[2].as_slice()).unwrap();
-    let event = &value.as_array().unwrap()[1].as_array().unwrap()[0];
+    let first = &value.as_array().unwrap()[1].as_array().unwrap()[0];
     let field = |name: &str| {
-        event
+        first
             .as_map()
             .unwrap()
             .iter()
