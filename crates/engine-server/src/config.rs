@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 
 use engine::{EngineConfig, HardwareProfile};
 use kv_index::WorkerId;
+use protocol::vllm::EventEncoding;
 
 /// How long generated replies are when the request does not fix the length (`ignore_eos`).
 ///
@@ -68,6 +69,9 @@ pub struct EngineServerConfig {
     /// Publish KV events in vLLM's ZMQ format on this endpoint (bound: `tcp://127.0.0.1:5557`,
     /// port 0 picks a free port).
     pub zmq_pub: Option<String>,
+    /// How each event is written on that socket: tagged maps (current vLLM, what vllm-router
+    /// decodes) or arrays (earlier vLLM). kvroute's gateway reads both.
+    pub zmq_event_encoding: EventEncoding,
     /// The `Hostname` label of the simulated DCGM metrics.
     pub hostname: String,
 }
@@ -94,6 +98,7 @@ impl EngineServerConfig {
             kv_event_queue: 4096,
             nats: None,
             zmq_pub: None,
+            zmq_event_encoding: EventEncoding::default(),
             hostname: std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".to_string()),
         }
     }

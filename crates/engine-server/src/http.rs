@@ -43,7 +43,7 @@ pub struct AppState {
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let api = Router::new()
         .route("/v1/completions", post(handle::<CompletionRequest>))
         .route(
             "/v1/chat/completions",
@@ -53,7 +53,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/info", get(info))
         .route("/tokenize", post(tokenize))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics));
+    crate::compat::routes(api)
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .with_state(state)
 }

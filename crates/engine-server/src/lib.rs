@@ -40,6 +40,7 @@
 //! # Ok(()) }
 //! ```
 
+mod compat;
 mod config;
 mod driver;
 mod http;
@@ -59,6 +60,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub use config::{EngineServerConfig, NatsConfig, ReplyLength};
+pub use protocol::vllm::EventEncoding;
 pub use publish::PublishError;
 
 /// Why a server could not start.
@@ -139,7 +141,7 @@ impl EngineServer {
             None => None,
         };
         let zmq = match &config.zmq_pub {
-            Some(endpoint) => Some(publish::Zmq::bind(endpoint).await?),
+            Some(endpoint) => Some(publish::Zmq::bind(endpoint, config.zmq_event_encoding).await?),
             None => None,
         };
         let block_size = engine.config().block_size;

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kv_index::{KvEvent, WorkerId};
-use protocol::vllm::{VllmEvent, VllmEventBatch, encode_multipart};
+use protocol::vllm::{EventEncoding, VllmEvent, VllmEventBatch, encode_multipart};
 use protocol::{KvEventBatch, Subjects, WorkerAnnounce, WorkerMessage};
 use tokio::sync::{mpsc, watch};
 use zeromq::{Socket, SocketSend, ZmqMessage};
@@ -55,12 +55,13 @@ impl Nats {
 /// A bound ZMQ PUB socket.
 pub struct Zmq {
     socket: zeromq::PubSocket,
+    encoding: EventEncoding,
     /// The resolved endpoint (`tcp://127.0.0.1:PORT`).
     pub endpoint: String,
 }
 
 impl Zmq {
-    pub async fn bind(endpoint: &str) -> Result<Zmq, PublishError> {
+    pub async fn bind(endpoint: &str, encoding: EventEncoding) -> Result<Zmq, PublishError> {
         let mut socket = zeromq::PubSocket::new();
         let bound = socket
             .bind(endpoint)
@@ -71,6 +72,7 @@ impl Zmq {
             })?;
         Ok(Zmq {
             socket,
+            encoding,
             endpoint: bound.to_string(),
         })
     }
@@ -123,7 +125,7 @@ pub async fn run_kv_publisher(
                 events: vllm_events,
                 data_parallel_rank: Some(0),
             };
-            let parts = encode_multipart(b"", zmq_seq, &batch);
+            let parts = encode_multipart(b"", zmq_seq, &batch, zmq.encoding);
             zmq_seq += 1;
             let frames: Vec<Bytes> = parts.into_iter().map(Bytes::from).collect();
             if let Ok(message) = ZmqMessage::try_from(frames) {

@@ -5,8 +5,15 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use engine::{EngineConfig, HardwareProfile};
-use engine_server::{EngineServer, EngineServerConfig, NatsConfig, ReplyLength};
+use engine_server::{EngineServer, EngineServerConfig, EventEncoding, NatsConfig, ReplyLength};
 use kv_index::WorkerId;
+
+/// `--zmq-event-encoding`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ZmqEventEncoding {
+    Map,
+    Array,
+}
 
 #[derive(Debug, clap::Args)]
 pub struct EngineArgs {
@@ -43,6 +50,10 @@ pub struct EngineArgs {
     /// Publish KV events in vLLM's ZMQ format on this endpoint, e.g. tcp://127.0.0.1:5557.
     #[arg(long)]
     zmq_pub: Option<String>,
+    /// How events are written on --zmq-pub: `map` (current vLLM; what vllm-router's kv_aware
+    /// policy reads) or `array` (earlier vLLM). kvroute's gateway reads both.
+    #[arg(long, value_enum, default_value_t = ZmqEventEncoding::Map)]
+    zmq_event_encoding: ZmqEventEncoding,
     /// The URL gateways should use to reach this worker (announced over NATS); default
     /// http://HOST:PORT.
     #[arg(long)]
@@ -131,6 +142,10 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
         lease_ms: args.lease_ms,
     });
     config.zmq_pub = args.zmq_pub.clone();
+    config.zmq_event_encoding = match args.zmq_event_encoding {
+        ZmqEventEncoding::Map => EventEncoding::TaggedMap,
+        ZmqEventEncoding::Array => EventEncoding::Array,
+    };
     if let Some(hostname) = &args.hostname {
         config.hostname = hostname.clone();
     }

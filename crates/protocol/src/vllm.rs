@@ -21,7 +21,9 @@
 //! ([`ExternalBlockHash::engine_block_id`]); the receiver recomputes its own hashes from the
 //! token ids, so vLLM's hash function never matters.
 //!
-//! [`VllmEventBatch::encode_array`] writes the array form vLLM sends, for our engine server.
+//! [`VllmEventBatch::encode`] writes either form for our engine server ([`EventEncoding`]):
+//! tagged maps inside the batch array, as current vLLM sends and vllm-router reads, or
+//! arrays throughout, as earlier vLLM sent.
 //! [`VllmEventStream`] turns one worker's frames into [`kv_index::KvEvent`]s and watches the
 //! batch sequence numbers for gaps and restarts.
 
@@ -155,12 +157,29 @@ pub fn decode_multipart<B: AsRef<[u8]>>(parts: &[B]) -> Result<VllmFrame, VllmDe
     })
 }
 
+/// How a publisher writes each event inside the batch (the batch itself is always the
+/// positional array `[ts, events, data_parallel_rank]`, as every vLLM version sends it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EventEncoding {
+    /// `{"type": "BlockStored", "block_hashes": …}`: current vLLM; the only form vllm-router's
+    /// `kv_aware` policy decodes.
+    #[default]
+    TaggedMap,
+    /// `["BlockStored", block_hashes, …]`: earlier vLLM (`array_like=True` events).
+    Array,
+}
+
 /// The three parts vLLM's publisher sends for `batch`.
-pub fn encode_multipart(topic: &[u8], seq: u64, batch: &VllmEventBatch) -> [Vec<u8>; 3] {
+pub fn encode_multipart(
+    topic: &[u8],
+    seq: u64,
+    batch: &VllmEventBatch,
+    encoding: EventEncoding,
+) -> [Vec<u8>; 3] {
     [
         topic.to_vec(),
         seq.to_be_bytes().to_vec(),
-        batch.encode_array(),
+        batch.encode(encoding),
     ]
 }
 
@@ -359,9 +378,12 @@ impl VllmEventBatch {
         })
     }
 
-    /// msgpack in the array form (`array_like=True`), as vLLM's publisher sends it.
-    pub fn encode_array(&self) -> Vec<u8> {
-        let events = self.events.iter().filter_map(event_to_array).collect();
+    /// msgpack as a publisher sends it: the batch as an array, its events as `encoding` says.
+    pub fn encode(&self, encoding: EventEncoding) -> Vec<u8> {
+        let events = match encoding {
+            EventEncoding::Array => self.events.iter().filter_map(event_to_array).collect(),
+            EventEncoding::TaggedMap => self.events.iter().filter_map(event_to_map).collect(),
+        };
         let mut batch = vec![Value::F64(self.ts), Value::Array(events)];
         if let Some(rank) = self.data_parallel_rank {
             batch.push(Value::from(rank));
@@ -369,7 +391,8 @@ impl VllmEventBatch {
         write(&Value::Array(batch))
     }
 
-    /// msgpack in the map form (`{"type": …}` events), as newer vLLM versions send it.
+    /// msgpack with the batch itself a map too (`{"ts", "events", …}`), a form the decoder
+    /// accepts for robustness; no publisher is known to send it.
     pub fn encode_map(&self) -> Vec<u8> {
         let events = self.events.iter().filter_map(event_to_map).collect();
         let mut batch = vec![

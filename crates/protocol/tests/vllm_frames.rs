@@ -6,8 +6,8 @@ use kv_index::{
     BlockContent, BlockHasher, EngineBlockId, IndexConfig, KvEventKind, KvIndex, WorkerId,
 };
 use protocol::vllm::{
-    Continuity, ExternalBlockHash, VllmConvertError, VllmDecodeError, VllmEvent, VllmEventBatch,
-    VllmEventStream, decode_multipart, encode_multipart,
+    Continuity, EventEncoding, ExternalBlockHash, VllmConvertError, VllmDecodeError, VllmEvent,
+    VllmEventBatch, VllmEventStream, decode_multipart, encode_multipart,
 };
 use rmpv::Value;
 
@@ -445,7 +445,7 @@ fn our_encoder_writes_what_vllm_writes_and_decodes_back() {
         events: vec![vllm_event],
         data_parallel_rank: Some(0),
     };
-    let parts = encode_multipart(b"", 7, &batch);
+    let parts = encode_multipart(b"", 7, &batch, EventEncoding::Array);
     // Exactly the hand-built array form.
     let expected = bytes(&Value::Array(vec![
         Value::F64(3.0),
@@ -466,6 +466,23 @@ fn our_encoder_writes_what_vllm_writes_and_decodes_back() {
     let decoded = decode_multipart(&parts).unwrap();
     assert_eq!(decoded.batch, batch);
     assert_eq!(VllmEventBatch::decode(&batch.encode_map()).unwrap(), batch);
+    // The tagged-map form (current vLLM, what vllm-router reads): the batch stays an array,
+    // each event becomes a map named by its `type`.
+    let tagged = encode_multipart(b"", 7, &batch, EventEncoding::TaggedMap);
+    let value = rmpv::decode::read_value(&mut tagged[2].as_slice()).unwrap();
+    let first = &value.as_array().unwrap()[1].as_array().unwrap()[0];
+    let field = |name: &str| {
+        first
+            .as_map()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(name))
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(field("type"), Some(s("BlockStored")));
+    assert_eq!(field("token_ids"), Some(ints(0..8)));
+    assert_eq!(field("block_size"), Some(Value::from(BS)));
+    assert_eq!(decode_multipart(&tagged).unwrap().batch, batch);
     // Converted back, the blocks keep their ids and tokens.
     let mut stream = VllmEventStream::new(WorkerId(2), BS);
     let back = stream.accept(&decoded).unwrap();
