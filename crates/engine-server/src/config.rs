@@ -1,6 +1,7 @@
 //! What an engine server runs: the engine's settings plus serving, text and publishing options.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use engine::{EngineConfig, HardwareProfile};
 use kv_index::WorkerId;
@@ -72,6 +73,9 @@ pub struct EngineServerConfig {
     /// How each event is written on that socket: tagged maps (current vLLM, what vllm-router
     /// decodes) or arrays (earlier vLLM). kvroute's gateway reads both.
     pub zmq_event_encoding: EventEncoding,
+    /// The model's tokenizer and chat template (`--tokenizer`, `--chat-template`); `None`
+    /// serves the built-in cl100k tokenizer with Llama-3's template.
+    pub text: Option<Arc<text::Preprocessor>>,
     /// The `Hostname` label of the simulated DCGM metrics.
     pub hostname: String,
 }
@@ -99,6 +103,7 @@ impl EngineServerConfig {
             nats: None,
             zmq_pub: None,
             zmq_event_encoding: EventEncoding::default(),
+            text: None,
             hostname: std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".to_string()),
         }
     }

@@ -31,7 +31,7 @@ pub struct AppState {
     pub info: WorkerCard,
     pub commands: mpsc::Sender<Command>,
     pub next_id: AtomicU64,
-    pub assets: &'static TextAssets,
+    pub assets: Arc<TextAssets>,
     pub reply_length: ReplyLength,
     pub seed: u64,
     pub body_limit: usize,
@@ -102,11 +102,9 @@ impl TakePrompt for CompletionRequest {
     fn take_prompt(&mut self, state: &AppState) -> Result<Vec<u32>, ApiError> {
         match std::mem::replace(&mut self.prompt, Prompt::Tokens(Vec::new())) {
             Prompt::Tokens(tokens) => Ok(tokens),
-            Prompt::Text(text) => Ok(state.assets.tokenizer.encode(&text)),
+            Prompt::Text(text) => Ok(state.assets.encode(&text)),
             Prompt::TokenBatch(mut batch) if batch.len() == 1 => Ok(batch.remove(0)),
-            Prompt::TextBatch(batch) if batch.len() == 1 => {
-                Ok(state.assets.tokenizer.encode(&batch[0]))
-            }
+            Prompt::TextBatch(batch) if batch.len() == 1 => Ok(state.assets.encode(&batch[0])),
             _ => Err(ApiError::invalid_param(
                 "prompt",
                 "this server takes one prompt per request",
@@ -204,7 +202,7 @@ async fn serve(
     let room = context - prompt.len() as u32;
     let request_seed = params.seed.unwrap_or(0).rotate_left(17);
     let reply = plan_reply(
-        state.assets,
+        &state.assets,
         &prompt,
         &LengthRequest {
             max_tokens,
@@ -521,7 +519,7 @@ async fn tokenize(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
             check_model(&state.info.model, model)?;
         }
         let tokens = match (request.prompt, request.messages) {
-            (Some(prompt), None) => state.assets.tokenizer.encode(&prompt),
+            (Some(prompt), None) => state.assets.encode(&prompt),
             (None, Some(messages)) => chat_prompt(&state, &messages)?,
             _ => {
                 return Err(ApiError::invalid_request(

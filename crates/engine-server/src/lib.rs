@@ -127,7 +127,13 @@ impl EngineServer {
         // The publishers forward the engine's events as they are, tokens included.
         engine_config.kv_event_tokens = true;
         let engine = Engine::new(engine_config, config.worker_id)?;
-        let assets = replies::TextAssets::get().map_err(ServerError::Text)?;
+        let assets = Arc::new(
+            match &config.text {
+                None => replies::TextAssets::builtin(),
+                Some(preprocessor) => replies::TextAssets::with_preprocessor(preprocessor.clone()),
+            }
+            .map_err(ServerError::Text)?,
+        );
         let bind_error = |source| ServerError::Bind {
             addr: config.listen,
             source,

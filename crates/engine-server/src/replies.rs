@@ -8,55 +8,98 @@ use std::sync::{Arc, OnceLock};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use text::{ChatTokens, ReplyGenerator, Tokenizer};
+use text::{ChatTokens, Preprocessor, ReplyGenerator, Tokenizer};
 
 use crate::config::ReplyLength;
 
-/// The tokenizer and the reply generator: the process's shared [`text::Assets`] (built once,
-/// tens of milliseconds), and the passages' headings.
-pub struct TextAssets {
-    pub tokenizer: Arc<Tokenizer>,
+/// The process's shared [`text::Assets`] (built once, tens of milliseconds) and the passages'
+/// headings: the reply generator and what it writes with.
+struct Builtin {
     shared: Arc<text::Assets>,
     /// `# Title` of each shipped passage, in the reply generator's order.
-    pub headings: Vec<String>,
+    headings: Vec<String>,
 }
 
-static ASSETS: OnceLock<Result<TextAssets, String>> = OnceLock::new();
+static BUILTIN: OnceLock<Result<Builtin, String>> = OnceLock::new();
+
+fn builtin() -> Result<&'static Builtin, String> {
+    BUILTIN
+        .get_or_init(|| {
+            let shared = text::Assets::builtin()
+                .map_err(|e| format!("building the reply generator: {e}"))?;
+            let headings = shared
+                .corpus()
+                .passages()
+                .iter()
+                .map(|p| format!("# {}", p.title()))
+                .collect();
+            Ok(Builtin { shared, headings })
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// What one server reads and writes text with: the serving tokenizer (the built-in one, or the
+/// model's `--tokenizer`) and chat template, and the reply generator.
+pub struct TextAssets {
+    /// The serving tokenizer: prompts are encoded, replies emitted and decoded with it.
+    pub tokenizer: Arc<Tokenizer>,
+    /// A model's own tokenizer and template; `None` serves the built-in ones.
+    custom: Option<Arc<Preprocessor>>,
+    builtin: &'static Builtin,
+}
 
 impl TextAssets {
-    pub fn get() -> Result<&'static TextAssets, String> {
-        ASSETS
-            .get_or_init(|| {
-                let shared = text::Assets::builtin()
-                    .map_err(|e| format!("building the reply generator: {e}"))?;
-                let headings = shared
-                    .corpus()
-                    .passages()
-                    .iter()
-                    .map(|p| format!("# {}", p.title()))
-                    .collect();
-                Ok(TextAssets {
-                    tokenizer: shared.tokenizer().clone(),
-                    shared,
-                    headings,
-                })
-            })
-            .as_ref()
-            .map_err(Clone::clone)
+    /// The built-in tokenizer (cl100k with Llama-3's specials) and Llama-3 template.
+    pub fn builtin() -> Result<TextAssets, String> {
+        let builtin = builtin()?;
+        Ok(TextAssets {
+            tokenizer: builtin.shared.tokenizer().clone(),
+            custom: None,
+            builtin,
+        })
+    }
+
+    /// A model's tokenizer and chat template; replies are the generator's text, re-encoded
+    /// with this tokenizer.
+    pub fn with_preprocessor(preprocessor: Arc<Preprocessor>) -> Result<TextAssets, String> {
+        Ok(TextAssets {
+            tokenizer: preprocessor.tokenizer().clone(),
+            custom: Some(preprocessor),
+            builtin: builtin()?,
+        })
     }
 
     pub fn replies(&self) -> &ReplyGenerator {
-        self.shared.replies()
+        self.builtin.shared.replies()
     }
 
-    /// The prompt ids of a chat, as the Llama-3 template renders and the tokenizer encodes it.
+    fn headings(&self) -> &[String] {
+        &self.builtin.headings
+    }
+
+    /// The prompt ids of a chat, as the template renders it and the tokenizer encodes it.
     pub fn chat_prompt(&self, messages: &[text::ChatMessage]) -> Result<Vec<u32>, String> {
+        if let Some(custom) = &self.custom {
+            return custom
+                .chat(messages, false)
+                .map(|prepared| prepared.tokens)
+                .map_err(|e| e.to_string());
+        }
         let mut chat = ChatTokens::new(self.tokenizer.clone()).map_err(|e| e.to_string())?;
         for message in messages {
             chat.push(message);
         }
         chat.push_generation_prompt();
         Ok(chat.into_ids())
+    }
+
+    /// A plain prompt's ids.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        match &self.custom {
+            Some(custom) => custom.text(text),
+            None => self.tokenizer.encode(text),
+        }
     }
 }
 
@@ -114,7 +157,10 @@ pub fn plan_reply(
         (natural.min(cap), natural > cap)
     };
     let passage = passage_of(assets, prompt);
-    let ids = generate(assets, passage, count as usize, &mut rng)?;
+    let ids = match &assets.custom {
+        None => generate(assets, passage, count as usize, &mut rng)?,
+        Some(_) => generate_in(assets, passage, count as usize, &mut rng)?,
+    };
     let text = assets.tokenizer.decode(&ids).map_err(|e| e.to_string())?;
     let mut text_end = Vec::with_capacity(ids.len());
     let mut end = 0usize;
@@ -142,7 +188,7 @@ fn passage_of(assets: &TextAssets, prompt: &[u32]) -> usize {
     let head = &prompt[..prompt.len().min(256)];
     let text = assets.tokenizer.decode_lossy(head);
     if let Some(found) = assets
-        .headings
+        .headings()
         .iter()
         .position(|heading| text.contains(heading.as_str()))
         .filter(|&i| i < assets.replies().passages())
@@ -199,6 +245,35 @@ fn generate(
     Ok(ids.into())
 }
 
+/// `count` ids of the serving tokenizer: the generator's text (written with the built-in
+/// tokenizer), re-encoded. A tokenizer with longer tokens needs more text; the generator is
+/// asked again until there is enough (a bounded number of times: each piece adds at least a
+/// token), and the excess is cut.
+fn generate_in(
+    assets: &TextAssets,
+    passage: usize,
+    count: usize,
+    rng: &mut ChaCha8Rng,
+) -> Result<Arc<[u32]>, String> {
+    let builtin = assets.builtin.shared.tokenizer();
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    for _ in 0..64 {
+        if ids.len() >= count {
+            break;
+        }
+        let missing = count - ids.len();
+        let piece = generate(assets, passage, missing.max(16), rng)?;
+        if !text.is_empty() {
+            text.push(' ');
+        }
+        text.push_str(&builtin.decode_lossy(&piece));
+        ids = assets.tokenizer.encode_ordinary(&text);
+    }
+    ids.truncate(count);
+    Ok(ids.into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,7 +281,7 @@ mod tests {
 
     #[test]
     fn a_conversation_about_a_shipped_passage_gets_replies_about_it() {
-        let assets = TextAssets::get().unwrap();
+        let assets = &TextAssets::builtin().unwrap();
         let corpus = Corpus::builtin();
         for (index, passage) in corpus.passages().iter().enumerate() {
             let prompt = assets

@@ -2,11 +2,13 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use engine::{EngineConfig, HardwareProfile};
 use engine_server::{EngineServer, EngineServerConfig, EventEncoding, NatsConfig, ReplyLength};
 use kv_index::WorkerId;
+use text::{ChatTemplate, Preprocessor};
 
 /// `--zmq-event-encoding`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -54,6 +56,16 @@ pub struct EngineArgs {
     /// policy reads) or `array` (earlier vLLM). kvroute's gateway reads both.
     #[arg(long, value_enum, default_value_t = ZmqEventEncoding::Map)]
     zmq_event_encoding: ZmqEventEncoding,
+    /// The model's tokenizer, as vLLM takes it: a Hugging Face `tokenizer.json`, or a model
+    /// folder holding one (its `tokenizer_config.json`, when present, gives the chat
+    /// template). Prompts sent as text are encoded with it and replies are its tokens, so a
+    /// router that tokenizes with the model's tokenizer sees the engine's blocks. Default: the
+    /// built-in cl100k tokenizer with Llama-3's template.
+    #[arg(long, value_name = "PATH")]
+    tokenizer: Option<PathBuf>,
+    /// A Jinja chat template file, instead of the tokenizer's (or the built-in Llama-3 one).
+    #[arg(long, value_name = "PATH")]
+    chat_template: Option<PathBuf>,
     /// The URL gateways should use to reach this worker (announced over NATS); default
     /// http://HOST:PORT.
     #[arg(long)]
@@ -149,7 +161,59 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
     if let Some(hostname) = &args.hostname {
         config.hostname = hostname.clone();
     }
+    config.text = serving_text(args.tokenizer.as_deref(), args.chat_template.as_deref())?;
     Ok(config)
+}
+
+/// `--tokenizer` and `--chat-template`, loaded; `None` when neither is given.
+fn serving_text(
+    tokenizer: Option<&std::path::Path>,
+    chat_template: Option<&std::path::Path>,
+) -> Result<Option<Arc<Preprocessor>>> {
+    if tokenizer.is_none() && chat_template.is_none() {
+        return Ok(None);
+    }
+    let (json, tokenizer_config) = match tokenizer {
+        Some(folder) if folder.is_dir() => {
+            let json = folder.join("tokenizer.json");
+            if !json.is_file() {
+                bail!(
+                    "--tokenizer {}: the folder has no tokenizer.json",
+                    folder.display()
+                );
+            }
+            let config = folder.join("tokenizer_config.json");
+            (Some(json), config.is_file().then_some(config))
+        }
+        Some(file) => (Some(file.to_path_buf()), None),
+        None => (None, None),
+    };
+    // A tokenizer_config.json without a chat template still names the BOS/EOS strings a
+    // --chat-template may use; without one, the built-in template stands.
+    let has_template = tokenizer_config.as_deref().is_some_and(|path| {
+        std::fs::read_to_string(path).is_ok_and(|text| text.contains("\"chat_template\""))
+    });
+    let preprocessor = gateway::preprocess::load(
+        json.as_deref(),
+        tokenizer_config.as_deref().filter(|_| has_template),
+    )?;
+    let Some(template_path) = chat_template else {
+        return Ok(Some(Arc::new(preprocessor)));
+    };
+    let source = std::fs::read_to_string(template_path)
+        .with_context(|| format!("reading --chat-template {}", template_path.display()))?;
+    let config_json = match tokenizer_config.as_deref() {
+        Some(path) => Some(
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let template = ChatTemplate::from_source_and_config(source, config_json.as_deref())
+        .with_context(|| format!("--chat-template {}", template_path.display()))?;
+    Ok(Some(Arc::new(Preprocessor::new(
+        preprocessor.tokenizer().clone(),
+        template,
+    ))))
 }
 
 pub fn run(args: EngineArgs) -> Result<()> {

@@ -106,16 +106,21 @@ impl ChatTemplate {
                 .to_owned(),
             _ => return Err(TemplateError::MissingTemplate),
         };
-        let token = |key: &str| match config.get(key) {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(obj @ serde_json::Value::Object(_)) => obj
-                .get("content")
-                .and_then(|c| c.as_str())
-                .unwrap_or_default()
-                .to_owned(),
-            _ => String::new(),
+        let (bos, eos) = special_tokens(&config);
+        Self::compile(template, bos, eos)
+    }
+
+    /// A template from its Jinja source (vLLM's `--chat-template`), with the BOS/EOS strings
+    /// of a Hugging Face `tokenizer_config.json` when one is given.
+    pub fn from_source_and_config(
+        source: impl Into<String>,
+        tokenizer_config: Option<&str>,
+    ) -> Result<Self, TemplateError> {
+        let (bos, eos) = match tokenizer_config {
+            Some(json) => special_tokens(&serde_json::from_str(json)?),
+            None => (String::new(), String::new()),
         };
-        Self::compile(template, token("bos_token"), token("eos_token"))
+        Self::compile(source.into(), bos, eos)
     }
 
     /// A template from its Jinja source, with the BOS/EOS strings it may refer to.
@@ -185,6 +190,20 @@ impl ChatTemplate {
 /// `raise_exception(msg)`: how Hugging Face templates reject a conversation they cannot format.
 fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `bos_token` and `eos_token` of a `tokenizer_config.json` (strings or `{"content": ...}`).
+fn special_tokens(config: &serde_json::Value) -> (String, String) {
+    let token = |key: &str| match config.get(key) {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(obj @ serde_json::Value::Object(_)) => obj
+            .get("content")
+            .and_then(|c| c.as_str())
+            .unwrap_or_default()
+            .to_owned(),
+        _ => String::new(),
+    };
+    (token("bos_token"), token("eos_token"))
 }
 
 #[cfg(test)]
