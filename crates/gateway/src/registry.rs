@@ -83,11 +83,36 @@ pub fn describe(spec: &WorkerSpec, card: &WorkerCard, router_block_size: usize) 
     // and does not publish over NATS (which the gateway reads for every worker at once).
     w.zmq = spec.zmq.clone().or_else(|| {
         card.zmq_endpoint
-            .clone()
+            .as_deref()
             .filter(|_| card.nats_kv_subject.is_none())
+            .map(|endpoint| reachable_endpoint(endpoint, &spec.url))
     });
     w.token_ids = card.returns_token_ids;
     w
+}
+
+/// A worker's announced ZMQ endpoint as this gateway can connect to it: a wildcard bind
+/// address (`tcp://0.0.0.0:5557`, `tcp://*:5557`) is on the host the worker's URL names.
+fn reachable_endpoint(endpoint: &str, worker_url: &str) -> String {
+    let host = worker_url
+        .split_once("://")
+        .map_or(worker_url, |(_, rest)| rest)
+        .split(['/', '?'])
+        .next()
+        .unwrap_or_default();
+    // The URL's host without its port (an IPv6 host keeps its brackets).
+    let host = match host.rsplit_once(':') {
+        Some((name, port)) if port.chars().all(|c| c.is_ascii_digit()) => name,
+        _ => host,
+    };
+    for wildcard in ["tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"] {
+        if let Some(port) = endpoint.strip_prefix(wildcard) {
+            if !host.is_empty() {
+                return format!("tcp://{host}:{port}");
+            }
+        }
+    }
+    endpoint.to_string()
 }
 
 /// Outcome of probing a worker's `/info`.
@@ -348,6 +373,38 @@ pub(crate) async fn run_discovery(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_wildcard_zmq_endpoint_is_reached_on_the_workers_host() {
+        for (endpoint, url, expected) in [
+            (
+                "tcp://0.0.0.0:5557",
+                "http://10.0.0.5:8000",
+                "tcp://10.0.0.5:5557",
+            ),
+            (
+                "tcp://*:5557",
+                "http://engine-0.engine:8000/",
+                "tcp://engine-0.engine:5557",
+            ),
+            (
+                "tcp://[::]:5557",
+                "http://[fd00::1]:8000",
+                "tcp://[fd00::1]:5557",
+            ),
+            (
+                "tcp://127.0.0.1:5557",
+                "http://10.0.0.5:8000",
+                "tcp://127.0.0.1:5557",
+            ),
+        ] {
+            assert_eq!(
+                super::reachable_endpoint(endpoint, url),
+                expected,
+                "{endpoint} at {url}"
+            );
+        }
+    }
+
     use super::*;
     use router::WorkerTiming;
 

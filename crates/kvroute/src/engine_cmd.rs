@@ -34,9 +34,11 @@ pub struct EngineArgs {
     /// Run the simulated GPU this many times faster than real time (tests, demos).
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
-    /// This worker's id in KV events and registrations (unique per fleet).
-    #[arg(long, default_value_t = 0)]
-    worker_id: u64,
+    /// This worker's id in KV events and registrations (unique per fleet). Default: derived
+    /// from the host name, address and port (and the process, with --port 0), so engines
+    /// started alike on one machine, or as pods of one set, differ without a flag.
+    #[arg(long)]
+    worker_id: Option<u64>,
     /// The model name to serve (requests must name it).
     #[arg(long, default_value = "llama-3.1-70b-instruct")]
     model: String,
@@ -50,8 +52,10 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 10_000)]
     lease_ms: u64,
     /// Publish KV events in vLLM's ZMQ format on this endpoint, e.g. tcp://127.0.0.1:5557.
-    #[arg(long)]
-    zmq_pub: Option<String>,
+    /// `auto` (the default) binds a free port on --host and announces it in /info, where
+    /// gateways subscribe by themselves; `off` publishes none.
+    #[arg(long, default_value = "auto")]
+    zmq_pub: String,
     /// How events are written on --zmq-pub: `map` (current vLLM; what vllm-router's kv_aware
     /// policy reads) or `array` (earlier vLLM). kvroute's gateway reads both.
     #[arg(long, value_enum, default_value_t = ZmqEventEncoding::Map)]
@@ -139,7 +143,7 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
     config.listen = SocketAddr::new(args.host, args.port);
     config.advertise_url = args.advertise_url.clone();
     config.engine = engine;
-    config.worker_id = WorkerId(args.worker_id);
+    config.worker_id = WorkerId(args.worker_id.unwrap_or_else(|| derived_worker_id(args)));
     config.model = args.model.clone();
     config.speedup = args.speedup;
     config.seed = args.seed;
@@ -153,7 +157,16 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
         namespace: args.namespace.clone(),
         lease_ms: args.lease_ms,
     });
-    config.zmq_pub = args.zmq_pub.clone();
+    config.zmq_pub = match args.zmq_pub.as_str() {
+        "off" => None,
+        "auto" => Some(format!("tcp://{}:0", zmq_host(args.host))),
+        endpoint if endpoint.starts_with("tcp://") || endpoint.starts_with("ipc://") => {
+            Some(endpoint.to_string())
+        }
+        other => {
+            bail!("--zmq-pub must be auto, off or a ZMQ endpoint (tcp://HOST:PORT), got `{other}`")
+        }
+    };
     config.zmq_event_encoding = match args.zmq_event_encoding {
         ZmqEventEncoding::Map => EventEncoding::TaggedMap,
         ZmqEventEncoding::Array => EventEncoding::Array,
@@ -163,6 +176,33 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
     }
     config.text = serving_text(args.tokenizer.as_deref(), args.chat_template.as_deref())?;
     Ok(config)
+}
+
+/// An id for an engine started without `--worker-id`: stable for one host name, address and
+/// port (a restarted pod keeps it), distinct between engines on one machine, 31 bits so logs
+/// stay readable.
+fn derived_worker_id(args: &EngineArgs) -> u64 {
+    let hostname = args
+        .hostname
+        .clone()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_default();
+    // Port 0 is any free port: the process tells such engines apart.
+    let process = if args.port == 0 {
+        std::process::id()
+    } else {
+        0
+    };
+    let key = format!("{hostname}|{}|{}|{process}", args.host, args.port);
+    xxhash_rust::xxh3::xxh3_64(key.as_bytes()) >> 33
+}
+
+/// ZMQ's spelling of the listen address (IPv6 in brackets).
+fn zmq_host(host: IpAddr) -> String {
+    match host {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => format!("[{v6}]"),
+    }
 }
 
 /// `--tokenizer` and `--chat-template`, loaded; `None` when neither is given.

@@ -181,6 +181,8 @@ pub fn run(args: GatewayArgs) -> Result<()> {
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let mode = config.router.policy;
+        let nats = config.nats_url.clone();
+        let approximate = matches!(config.router.kv_source, KvSource::Approximate { .. });
         let mut gateway = Gateway::bind(config).await?;
         let workers = gateway.dispatcher().workers();
         let routable = workers.iter().filter(|w| w.2).count();
@@ -191,6 +193,29 @@ pub fn run(args: GatewayArgs) -> Result<()> {
             routable,
             gateway.url()
         );
+        // Where each worker's cache view comes from: a KV-aware policy without events for a
+        // worker routes as if its cache were empty, so say so rather than route blind quietly.
+        for (info, _, _) in &workers {
+            let view = match (&info.zmq, &nats) {
+                _ if approximate => "the router's own predictions (--no-kv-events)".to_string(),
+                (Some(endpoint), _) => format!("KV events over ZMQ from {endpoint}"),
+                (None, Some(nats)) => format!("KV events over NATS ({nats})"),
+                (None, None) => {
+                    eprintln!(
+                        "kvroute gateway: warning: worker {} ({}) announces no KV events, so \
+                         the router sees none of its cache; start kvroute engines with \
+                         --zmq-pub auto (the default), give a vLLM worker \
+                         `,zmq=tcp://HOST:PORT`, use --nats, or route with --no-kv-events",
+                        info.id.0, info.url
+                    );
+                    continue;
+                }
+            };
+            println!(
+                "kvroute gateway: worker {} ({}): cache view from {view}",
+                info.id.0, info.url
+            );
+        }
         tokio::select! {
             _ = shutdown_signal() => {}
             _ = gateway.stopped() => {}
