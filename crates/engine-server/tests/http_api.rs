@@ -30,8 +30,7 @@ fn endless_stream(prompt: &str) -> Value {
 
 #[tokio::test]
 async fn chat_honours_max_tokens_with_ignore_eos_and_reports_usage() {
-    let server = start(config(1_000.0)).await;
-    let base = server.url();
+    let (_server, base) = start(config(1_000.0)).await;
     let response = post_ok(
         &base,
         "/v1/chat/completions",
@@ -74,8 +73,7 @@ async fn natural_length_follows_the_distribution_and_max_tokens_caps_it() {
         mean: 60,
         spread: 0.5,
     };
-    let server = start(cfg).await;
-    let base = server.url();
+    let (_server, base) = start(cfg).await;
     let mut lengths = Vec::new();
     for i in 0..6 {
         let body = post_json(
@@ -107,8 +105,7 @@ async fn natural_length_follows_the_distribution_and_max_tokens_caps_it() {
 
 #[tokio::test]
 async fn streaming_relays_every_token_then_usage_then_done() {
-    let server = start(config(200.0)).await;
-    let base = server.url();
+    let (_server, base) = start(config(200.0)).await;
     let request = json!({"model": MODEL, "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9], "max_tokens": 40,
                          "ignore_eos": true, "return_token_ids": true});
     let full = post_json(&base, "/v1/completions", &request).await;
@@ -156,9 +153,9 @@ async fn streaming_relays_every_token_then_usage_then_done() {
 
 #[tokio::test]
 async fn chat_stream_puts_role_on_the_first_token() {
-    let server = start(config(500.0)).await;
+    let (_server, base) = start(config(500.0)).await;
     let response = post(
-        &server.url(),
+        &base,
         "/v1/chat/completions",
         &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
                 "ignore_eos": true, "stream": true}),
@@ -183,8 +180,7 @@ async fn chat_stream_puts_role_on_the_first_token() {
 /// prompt and reply (as text, re-tokenized by the template), and the engine cached both.
 #[tokio::test]
 async fn second_turn_hits_the_cache_for_the_first_turns_prompt_and_reply() {
-    let server = start(config(1_000.0)).await;
-    let base = server.url();
+    let (server, base) = start(config(1_000.0)).await;
     let block = u64::from(server.info().block_size.unwrap());
     let system = "You are a helpful assistant. Answer in detail about distributed systems.";
     let mut messages = vec![
@@ -227,8 +223,7 @@ async fn second_turn_hits_the_cache_for_the_first_turns_prompt_and_reply() {
 
 #[tokio::test]
 async fn client_disconnect_cancels_the_engine_request() {
-    let server = start(config(1.0)).await;
-    let base = server.url();
+    let (_server, base) = start(config(1.0)).await;
     let response = post_ok(
         &base,
         "/v1/completions",
@@ -256,8 +251,8 @@ async fn client_disconnect_cancels_the_engine_request() {
     wait_for_metric(
         &base,
         "vllm:num_requests_running",
+        1.0,
         Duration::from_secs(5),
-        |running| running == 1.0,
     )
     .await;
     let gave_up = gave_up.await.unwrap();
@@ -271,8 +266,8 @@ async fn assert_cancelled(base: &str) {
     wait_for_metric(
         base,
         "vllm:num_requests_running",
+        0.0,
         Duration::from_secs(10),
-        |running| running == 0.0,
     )
     .await;
     assert_eq!(metric(base, "vllm:request_success_total").await, Some(0.0));
@@ -280,8 +275,7 @@ async fn assert_cancelled(base: &str) {
 
 #[tokio::test]
 async fn models_health_info_and_metrics() {
-    let server = start(config(1_000.0)).await;
-    let base = server.url();
+    let (server, base) = start(config(1_000.0)).await;
     let models: Value = get_json(&format!("{base}/v1/models")).await;
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], MODEL);
@@ -351,8 +345,7 @@ async fn every_error_status() {
     cfg.body_limit_bytes = 4_096;
     cfg.engine.max_num_seqs = 1;
     cfg.engine.max_waiting = 1;
-    let server = start(cfg).await;
-    let base = server.url();
+    let (server, base) = start(cfg).await;
 
     let cases = [
         ErrorCase {
@@ -443,8 +436,8 @@ async fn every_error_status() {
     wait_for_metric(
         &base,
         "vllm:num_requests_waiting",
+        1.0,
         Duration::from_secs(5),
-        |w| w == 1.0,
     )
     .await;
     let (status, error) = error_of(post(&base, "/v1/completions", &long).await).await;
@@ -458,8 +451,7 @@ async fn every_error_status() {
 
 #[tokio::test]
 async fn shutdown_ends_open_streams_with_an_error_event() {
-    let server = start(config(1.0)).await;
-    let base = server.url();
+    let (server, base) = start(config(1.0)).await;
     let response = post_ok(&base, "/v1/completions", &endless_stream("story")).await;
     let reader = tokio::spawn(read_sse(response));
     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -80,8 +80,7 @@ async fn nats_events_rebuild_the_engines_cache_and_registration_has_a_lease() {
         namespace: "kvtest".into(),
         lease_ms: 300,
     });
-    let server = start(cfg).await;
-    let base = server.url();
+    let (server, base) = start(cfg).await;
     assert_eq!(
         server.info().nats_kv_subject.as_deref(),
         Some("kvroute.kvtest.kv.7")
@@ -169,7 +168,7 @@ async fn zmq_frames_in_vllm_format_rebuild_the_engines_cache() {
     let mut cfg = config(500.0);
     cfg.worker_id = WorkerId(3);
     cfg.zmq_pub = Some("tcp://127.0.0.1:0".into());
-    let server = start(cfg).await;
+    let (server, base) = start(cfg).await;
     let endpoint = server.info().zmq_endpoint.clone().unwrap();
     assert!(endpoint.starts_with("tcp://127.0.0.1:") && !endpoint.ends_with(":0"));
 
@@ -178,7 +177,6 @@ async fn zmq_frames_in_vllm_format_rebuild_the_engines_cache() {
     sub.subscribe("").await.unwrap();
     // PUB drops messages until the subscription has reached it: warm up with short requests
     // until a frame arrives.
-    let base = server.url();
     let mut first = None;
     for attempt in 0..50u32 {
         let prompt: Vec<u32> = (0..40).map(|t| t + attempt * 1000).collect();

@@ -24,10 +24,13 @@ pub fn config(speedup: f64) -> EngineServerConfig {
     config
 }
 
-pub async fn start(config: EngineServerConfig) -> EngineServerHandle {
-    EngineServer::bind(config)
+/// Starts a server; returns it and its base URL.
+pub async fn start(config: EngineServerConfig) -> (EngineServerHandle, String) {
+    let server = EngineServer::bind(config)
         .await
-        .expect("engine server starts")
+        .expect("engine server starts");
+    let base = server.url();
+    (server, base)
 }
 
 pub fn client() -> reqwest::Client {
@@ -94,22 +97,17 @@ pub async fn read_sse(response: reqwest::Response) -> Vec<serde_json::Value> {
     events
 }
 
-/// Polls `/metrics` until `name`'s value satisfies `ok`, or panics after `timeout`.
-pub async fn wait_for_metric(
-    base: &str,
-    name: &str,
-    timeout: Duration,
-    ok: impl Fn(f64) -> bool,
-) -> f64 {
+/// Polls `/metrics` until `name` reads `value`, or panics after `timeout`.
+pub async fn wait_for_metric(base: &str, name: &str, value: f64, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
-        let value = metric(base, name).await;
-        if value.is_some_and(&ok) {
-            return value.unwrap();
+        let now = metric(base, name).await;
+        if now == Some(value) {
+            return;
         }
         assert!(
             Instant::now() < deadline,
-            "metric {name} stayed at {value:?} for {timeout:?}"
+            "metric {name} stayed at {now:?} for {timeout:?}, not {value}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
