@@ -124,14 +124,22 @@ struct Active {
     submitted_at: Nanos,
 }
 
+/// The engine task's connections to the rest of the server.
+pub struct Links {
+    /// Submissions and cancellations from the HTTP handlers.
+    pub commands: mpsc::Receiver<Command>,
+    pub shutdown: watch::Receiver<bool>,
+    /// KV event batches for the publishers (dropped, and counted, when they fall behind).
+    pub kv_out: mpsc::Sender<Vec<KvEvent>>,
+    pub metrics: Arc<ServerMetrics>,
+    /// The latest engine state, for `/metrics` and `/health`.
+    pub snapshot: Arc<Mutex<Snapshot>>,
+}
+
 pub struct Driver {
     engine: Engine,
     clock: Clock,
-    commands: mpsc::Receiver<Command>,
-    shutdown: watch::Receiver<bool>,
-    kv_out: mpsc::Sender<Vec<KvEvent>>,
-    metrics: Arc<ServerMetrics>,
-    snapshot: Arc<Mutex<Snapshot>>,
+    links: Links,
     active: FxHashMap<RequestId, Active>,
     /// Requests not yet admitted, in submission order (the engine admits first-come
     /// first-served, so the admitted ones are a prefix).
@@ -147,24 +155,11 @@ pub struct Driver {
 const STEPS_PER_YIELD: u32 = 64;
 
 impl Driver {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        engine: Engine,
-        clock: Clock,
-        commands: mpsc::Receiver<Command>,
-        shutdown: watch::Receiver<bool>,
-        kv_out: mpsc::Sender<Vec<KvEvent>>,
-        metrics: Arc<ServerMetrics>,
-        snapshot: Arc<Mutex<Snapshot>>,
-    ) -> Driver {
+    pub fn new(engine: Engine, clock: Clock, links: Links) -> Driver {
         Driver {
             engine,
             clock,
-            commands,
-            shutdown,
-            kv_out,
-            metrics,
-            snapshot,
+            links,
             active: FxHashMap::default(),
             unscheduled: std::collections::VecDeque::new(),
             leaving: Vec::new(),
@@ -197,12 +192,12 @@ impl Driver {
             let deadline = self.engine.poll_timeout().map(|t| self.clock.wall(t));
             tokio::select! {
                 biased;
-                changed = self.shutdown.changed() => {
-                    if changed.is_err() || *self.shutdown.borrow() {
+                changed = self.links.shutdown.changed() => {
+                    if changed.is_err() || *self.links.shutdown.borrow() {
                         break;
                     }
                 }
-                command = self.commands.recv() => match command {
+                command = self.links.commands.recv() => match command {
                     Some(command) => {
                         self.handle(command);
                         self.drain_commands();
@@ -216,7 +211,7 @@ impl Driver {
     }
 
     fn drain_commands(&mut self) {
-        while let Ok(command) = self.commands.try_recv() {
+        while let Ok(command) = self.links.commands.try_recv() {
             self.handle(command);
         }
     }
@@ -270,7 +265,7 @@ impl Driver {
             match event {
                 EngineEvent::FirstToken { id, at } => {
                     if let Some(active) = self.active.get(&id) {
-                        self.metrics.observe_ttft(Clock::model_secs(
+                        self.links.metrics.observe_ttft(Clock::model_secs(
                             at.saturating_sub(active.submitted_at),
                         ));
                     }
@@ -295,7 +290,7 @@ impl Driver {
                     ..
                 } => {
                     if let Some(active) = self.active.get(&id) {
-                        self.metrics.observe_finished(
+                        self.links.metrics.observe_finished(
                             prompt_tokens,
                             output_tokens,
                             Clock::model_secs(at.saturating_sub(active.submitted_at)),
@@ -325,7 +320,7 @@ impl Driver {
                 ),
                 EngineEvent::Cancelled { id, .. } => self.finish(id, RequestState::Cancelled),
                 EngineEvent::Rejected { id, reason } => {
-                    self.metrics.rejected.inc();
+                    self.links.metrics.rejected.inc();
                     self.finish(id, RequestState::Rejected(reason));
                 }
                 EngineEvent::Kv(event) => self.kv_batch.push(event),
@@ -334,8 +329,8 @@ impl Driver {
         self.note_admissions();
         if !self.kv_batch.is_empty() {
             let batch = std::mem::take(&mut self.kv_batch);
-            if self.kv_out.try_send(batch).is_err() {
-                self.metrics.kv_batches_dropped.inc();
+            if self.links.kv_out.try_send(batch).is_err() {
+                self.links.metrics.kv_batches_dropped.inc();
             }
         }
         for id in std::mem::take(&mut self.leaving) {
@@ -364,7 +359,7 @@ impl Driver {
                 Some(true) => break,
                 Some(false) => {
                     if let Some(active) = self.active.get(&id) {
-                        self.metrics.observe_queue_time(Clock::model_secs(
+                        self.links.metrics.observe_queue_time(Clock::model_secs(
                             self.now.saturating_sub(active.submitted_at),
                         ));
                     }
@@ -380,8 +375,8 @@ impl Driver {
 
     fn publish_snapshot(&mut self) {
         let metrics = self.engine.metrics();
-        self.metrics.update_engine(&metrics);
-        if let Ok(mut snapshot) = self.snapshot.lock() {
+        self.links.metrics.update_engine(&metrics);
+        if let Ok(mut snapshot) = self.links.snapshot.lock() {
             snapshot.metrics = metrics;
             snapshot.at = self.now;
         }

@@ -195,15 +195,14 @@ impl EngineServer {
         let (command_tx, command_rx) = mpsc::channel(config.command_queue.max(1));
         let (kv_tx, kv_rx) = mpsc::channel(config.kv_event_queue.max(1));
 
-        let driver = driver::Driver::new(
-            engine,
-            clock,
-            command_rx,
-            shutdown_rx.clone(),
-            kv_tx,
-            metrics.clone(),
-            snapshot.clone(),
-        );
+        let links = driver::Links {
+            commands: command_rx,
+            shutdown: shutdown_rx.clone(),
+            kv_out: kv_tx,
+            metrics: metrics.clone(),
+            snapshot: snapshot.clone(),
+        };
+        let driver = driver::Driver::new(engine, clock, links);
         let driver = tokio::spawn(driver.run());
         let publisher = tokio::spawn(publish::run_kv_publisher(
             kv_rx,

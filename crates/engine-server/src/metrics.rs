@@ -22,7 +22,9 @@ use std::sync::atomic::AtomicU64;
 
 use engine::EngineMetrics;
 use nanotime::Nanos;
+use prometheus_client::encoding::EncodeMetric;
 use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::TypedMetric;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -32,25 +34,24 @@ use prometheus_client::registry::Registry;
 type Labels = Vec<(String, String)>;
 type FloatGauge = Gauge<f64, AtomicU64>;
 
-/// Every metric of one server.
+/// Every metric of one server. Each family has one series (the server's labels never change),
+/// so the server keeps that series' handle and updates it without a label lookup.
 pub struct ServerMetrics {
     registry: Registry,
-    labels: Labels,
-    gpu_labels: Labels,
-    running: Family<Labels, Gauge>,
-    waiting: Family<Labels, Gauge>,
-    cache_usage: Family<Labels, FloatGauge>,
-    prefix_queries: Family<Labels, Counter>,
-    prefix_hits: Family<Labels, Counter>,
-    prompt_tokens: Family<Labels, Counter>,
-    generation_tokens: Family<Labels, Counter>,
-    success: Family<Labels, Counter>,
-    ttft: HistogramFamily,
-    e2e: HistogramFamily,
-    queue_time: HistogramFamily,
-    gpu_util: Family<Labels, FloatGauge>,
-    fb_used: Family<Labels, FloatGauge>,
-    fb_free: Family<Labels, FloatGauge>,
+    running: Gauge,
+    waiting: Gauge,
+    cache_usage: FloatGauge,
+    prefix_queries: Counter,
+    prefix_hits: Counter,
+    prompt_tokens: Counter,
+    generation_tokens: Counter,
+    success: Counter,
+    ttft: Histogram,
+    e2e: Histogram,
+    queue_time: Histogram,
+    gpu_util: FloatGauge,
+    fb_used: FloatGauge,
+    fb_free: FloatGauge,
     /// Requests the engine refused (queue full, too long…).
     pub rejected: Counter,
     /// KV event batches dropped because the publishers fell behind.
@@ -61,15 +62,48 @@ pub struct ServerMetrics {
     last: Mutex<EngineMetrics>,
 }
 
-type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
-
 /// 1 ms to ~131 s, doubling.
 fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 18))
 }
 
-fn histogram_family() -> HistogramFamily {
-    Family::new_with_constructor(latency_histogram)
+/// Registers `family` as `name` with the one series `labels`, and returns that series. The
+/// series exists from the start (at 0), as vLLM's do, so rates and absent-series alerts behave.
+fn register_series<M>(
+    registry: &mut Registry,
+    labels: &Labels,
+    name: &str,
+    help: &str,
+    family: Family<Labels, M>,
+) -> M
+where
+    M: EncodeMetric + TypedMetric + Clone + Send + Sync + std::fmt::Debug + 'static,
+{
+    // A clone shares the series' value: updates through it show in the family.
+    let series = family.get_or_create(labels).clone();
+    registry.register(name, help, family);
+    series
+}
+
+/// [`register_series`] of a gauge or counter.
+fn series<M>(registry: &mut Registry, labels: &Labels, name: &str, help: &str) -> M
+where
+    M: EncodeMetric + TypedMetric + Clone + Default + Send + Sync + std::fmt::Debug + 'static,
+{
+    register_series(registry, labels, name, help, Family::default())
+}
+
+/// [`register_series`] of a latency histogram.
+fn latency_series(registry: &mut Registry, labels: &Labels, name: &str, help: &str) -> Histogram {
+    let family = Family::new_with_constructor(latency_histogram as fn() -> Histogram);
+    register_series(registry, labels, name, help, family)
+}
+
+/// Registers an unlabelled counter and returns it.
+fn counter(registry: &mut Registry, name: &str, help: &str) -> Counter {
+    let counter = Counter::default();
+    registry.register(name, help, counter.clone());
+    counter
 }
 
 impl ServerMetrics {
@@ -81,147 +115,112 @@ impl ServerMetrics {
             ("Hostname".to_string(), hostname.to_string()),
             ("modelName".to_string(), gpu_model.to_string()),
         ];
-        let m = ServerMetrics {
-            registry: Registry::default(),
-            labels,
-            gpu_labels,
-            running: Family::default(),
-            waiting: Family::default(),
-            cache_usage: Family::default(),
-            prefix_queries: Family::default(),
-            prefix_hits: Family::default(),
-            prompt_tokens: Family::default(),
-            generation_tokens: Family::default(),
-            success: Family::default(),
-            ttft: histogram_family(),
-            e2e: histogram_family(),
-            queue_time: histogram_family(),
-            gpu_util: Family::default(),
-            fb_used: Family::default(),
-            fb_free: Family::default(),
-            rejected: Counter::default(),
-            kv_batches_dropped: Counter::default(),
+        let r = &mut registry;
+        ServerMetrics {
+            running: series(
+                r,
+                &labels,
+                "vllm:num_requests_running",
+                "Requests in the running batch",
+            ),
+            waiting: series(
+                r,
+                &labels,
+                "vllm:num_requests_waiting",
+                "Requests waiting for admission",
+            ),
+            cache_usage: series(
+                r,
+                &labels,
+                "vllm:gpu_cache_usage_perc",
+                "Fraction of KV cache blocks in use (0-1)",
+            ),
+            prefix_queries: series(
+                r,
+                &labels,
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+            ),
+            prefix_hits: series(
+                r,
+                &labels,
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+            ),
+            prompt_tokens: series(
+                r,
+                &labels,
+                "vllm:prompt_tokens",
+                "Prompt tokens of finished requests",
+            ),
+            generation_tokens: series(
+                r,
+                &labels,
+                "vllm:generation_tokens",
+                "Output tokens generated",
+            ),
+            success: series(r, &labels, "vllm:request_success", "Requests finished"),
+            ttft: latency_series(
+                r,
+                &labels,
+                "vllm:time_to_first_token_seconds",
+                "Time to first token (modelled seconds)",
+            ),
+            e2e: latency_series(
+                r,
+                &labels,
+                "vllm:e2e_request_latency_seconds",
+                "Request latency from submission to last token (modelled seconds)",
+            ),
+            queue_time: latency_series(
+                r,
+                &labels,
+                "trtllm_request_queue_time_seconds",
+                "Time from submission to first scheduling in the engine (modelled seconds)",
+            ),
+            gpu_util: series(
+                r,
+                &gpu_labels,
+                "DCGM_FI_DEV_GPU_UTIL",
+                "Simulated GPU utilisation (percent)",
+            ),
+            fb_used: series(
+                r,
+                &gpu_labels,
+                "DCGM_FI_DEV_FB_USED",
+                "Simulated GPU framebuffer memory used (MiB)",
+            ),
+            fb_free: series(
+                r,
+                &gpu_labels,
+                "DCGM_FI_DEV_FB_FREE",
+                "Simulated GPU framebuffer memory free (MiB)",
+            ),
+            rejected: counter(
+                r,
+                "kvroute_engine_rejected_requests",
+                "Requests the engine refused",
+            ),
+            kv_batches_dropped: counter(
+                r,
+                "kvroute_engine_kv_batches_dropped",
+                "KV event batches dropped because publishers fell behind",
+            ),
+            // Last: the fields above register their metrics in it.
+            registry,
             util_sample: Mutex::new(None),
             last: Mutex::new(EngineMetrics::default()),
-        };
-        registry.register(
-            "vllm:num_requests_running",
-            "Requests in the running batch",
-            m.running.clone(),
-        );
-        registry.register(
-            "vllm:num_requests_waiting",
-            "Requests waiting for admission",
-            m.waiting.clone(),
-        );
-        registry.register(
-            "vllm:gpu_cache_usage_perc",
-            "Fraction of KV cache blocks in use (0-1)",
-            m.cache_usage.clone(),
-        );
-        registry.register(
-            "vllm:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
-            m.prefix_queries.clone(),
-        );
-        registry.register(
-            "vllm:prefix_cache_hits",
-            "Prompt tokens found in the prefix cache",
-            m.prefix_hits.clone(),
-        );
-        registry.register(
-            "vllm:prompt_tokens",
-            "Prompt tokens of finished requests",
-            m.prompt_tokens.clone(),
-        );
-        registry.register(
-            "vllm:generation_tokens",
-            "Output tokens generated",
-            m.generation_tokens.clone(),
-        );
-        registry.register(
-            "vllm:request_success",
-            "Requests finished",
-            m.success.clone(),
-        );
-        registry.register(
-            "vllm:time_to_first_token_seconds",
-            "Time to first token (modelled seconds)",
-            m.ttft.clone(),
-        );
-        registry.register(
-            "vllm:e2e_request_latency_seconds",
-            "Request latency from submission to last token (modelled seconds)",
-            m.e2e.clone(),
-        );
-        registry.register(
-            "trtllm_request_queue_time_seconds",
-            "Time from submission to first scheduling in the engine (modelled seconds)",
-            m.queue_time.clone(),
-        );
-        registry.register(
-            "DCGM_FI_DEV_GPU_UTIL",
-            "Simulated GPU utilisation (percent)",
-            m.gpu_util.clone(),
-        );
-        registry.register(
-            "DCGM_FI_DEV_FB_USED",
-            "Simulated GPU framebuffer memory used (MiB)",
-            m.fb_used.clone(),
-        );
-        registry.register(
-            "DCGM_FI_DEV_FB_FREE",
-            "Simulated GPU framebuffer memory free (MiB)",
-            m.fb_free.clone(),
-        );
-        registry.register(
-            "kvroute_engine_rejected_requests",
-            "Requests the engine refused",
-            m.rejected.clone(),
-        );
-        registry.register(
-            "kvroute_engine_kv_batches_dropped",
-            "KV event batches dropped because publishers fell behind",
-            m.kv_batches_dropped.clone(),
-        );
-        // Every series exists from the start (at 0), as vLLM's do, so rates and absent-series
-        // alerts behave.
-        for family in [
-            &m.prefix_queries,
-            &m.prefix_hits,
-            &m.prompt_tokens,
-            &m.generation_tokens,
-            &m.success,
-        ] {
-            let _ = family.get_or_create(&m.labels);
         }
-        for family in [&m.ttft, &m.e2e, &m.queue_time] {
-            let _ = family.get_or_create(&m.labels);
-        }
-        let _ = m.running.get_or_create(&m.labels);
-        let _ = m.waiting.get_or_create(&m.labels);
-        let _ = m.cache_usage.get_or_create(&m.labels);
-        let _ = m.gpu_util.get_or_create(&m.gpu_labels);
-        let _ = m.fb_used.get_or_create(&m.gpu_labels);
-        let _ = m.fb_free.get_or_create(&m.gpu_labels);
-        ServerMetrics { registry, ..m }
     }
 
     /// Refreshes gauges and counters from the engine's cumulative snapshot.
     pub fn update_engine(&self, metrics: &EngineMetrics) {
-        self.running
-            .get_or_create(&self.labels)
-            .set(i64::from(metrics.running));
-        self.waiting
-            .get_or_create(&self.labels)
-            .set(i64::from(metrics.waiting));
-        self.cache_usage
-            .get_or_create(&self.labels)
-            .set(metrics.kv_usage);
+        self.running.set(i64::from(metrics.running));
+        self.waiting.set(i64::from(metrics.waiting));
+        self.cache_usage.set(metrics.kv_usage);
         self.fb_used
-            .get_or_create(&self.gpu_labels)
             .set(metrics.memory_used_bytes as f64 / (1u64 << 20) as f64);
-        self.fb_free.get_or_create(&self.gpu_labels).set(
+        self.fb_free.set(
             metrics
                 .gpu_memory_bytes
                 .saturating_sub(metrics.memory_used_bytes) as f64
@@ -230,10 +229,8 @@ impl ServerMetrics {
         let Ok(mut last) = self.last.lock() else {
             return;
         };
-        let add = |counter: &Family<Labels, Counter>, now: u64, before: u64| {
-            counter
-                .get_or_create(&self.labels)
-                .inc_by(now.saturating_sub(before));
+        let add = |counter: &Counter, now: u64, before: u64| {
+            counter.inc_by(now.saturating_sub(before));
         };
         add(
             &self.prefix_queries,
@@ -254,19 +251,17 @@ impl ServerMetrics {
     }
 
     pub fn observe_ttft(&self, seconds: f64) {
-        self.ttft.get_or_create(&self.labels).observe(seconds);
+        self.ttft.observe(seconds);
     }
 
     pub fn observe_queue_time(&self, seconds: f64) {
-        self.queue_time.get_or_create(&self.labels).observe(seconds);
+        self.queue_time.observe(seconds);
     }
 
     pub fn observe_finished(&self, prompt_tokens: u32, _output_tokens: u32, e2e_seconds: f64) {
-        self.prompt_tokens
-            .get_or_create(&self.labels)
-            .inc_by(u64::from(prompt_tokens));
-        self.success.get_or_create(&self.labels).inc();
-        self.e2e.get_or_create(&self.labels).observe(e2e_seconds);
+        self.prompt_tokens.inc_by(u64::from(prompt_tokens));
+        self.success.inc();
+        self.e2e.observe(e2e_seconds);
     }
 
     /// Updates the simulated GPU utilisation from the busy time between the previous sample
@@ -289,7 +284,7 @@ impl ServerMetrics {
             *sample = Some((now, busy, util));
             util
         };
-        self.gpu_util.get_or_create(&self.gpu_labels).set(util);
+        self.gpu_util.set(util);
     }
 
     /// The Prometheus text exposition.

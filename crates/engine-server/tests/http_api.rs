@@ -6,18 +6,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::{MODEL, client, config, metric, read_sse, start, wait_for_metric};
+use common::{
+    MODEL, client, config, get_json, get_text, metric, post, post_json, post_ok, read_sse, start,
+    wait_for_metric,
+};
 use futures::StreamExt;
 use serde_json::{Value, json};
-
-async fn post(base: &str, path: &str, body: Value) -> reqwest::Response {
-    client()
-        .post(format!("{base}{path}"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-}
 
 async fn error_of(response: reqwest::Response) -> (u16, Value) {
     let status = response.status().as_u16();
@@ -27,18 +21,22 @@ async fn error_of(response: reqwest::Response) -> (u16, Value) {
     (status, body["error"].clone())
 }
 
+/// A streamed completion of 5,000 tokens: minutes of generation at real-time speed, so it is
+/// still running whenever the test looks.
+fn endless_stream(prompt: &str) -> Value {
+    json!({"model": MODEL, "prompt": prompt, "max_tokens": 5000, "ignore_eos": true,
+           "stream": true})
+}
+
 #[tokio::test]
 async fn chat_honours_max_tokens_with_ignore_eos_and_reports_usage() {
-    let server = start(config(1_000.0)).await;
-    let base = server.url();
-    let response = post(
+    let (_server, base) = start(config(1_000.0)).await;
+    let response = post_ok(
         &base,
         "/v1/chat/completions",
-        json!({"model": MODEL, "messages": [{"role": "user", "content": "What is prefix caching?"}],
-               "max_tokens": 57, "ignore_eos": true}),
-    )
-    .await;
-    assert_eq!(response.status(), 200);
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "What is prefix caching?"}],
+                "max_tokens": 57, "ignore_eos": true}),
+    ).await;
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["choices"][0]["message"]["role"], "assistant");
@@ -51,23 +49,16 @@ async fn chat_honours_max_tokens_with_ignore_eos_and_reports_usage() {
     );
 
     // The reply is exactly 57 tokens of our tokenizer.
-    let tokens: Value = post(&base, "/tokenize", json!({"prompt": text}))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let tokens = post_json(&base, "/tokenize", &json!({"prompt": text})).await;
     assert_eq!(tokens["count"], 57);
 
     // The prompt is the Llama-3 template's tokens.
-    let prompt: Value = post(
+    let prompt = post_json(
         &base,
         "/tokenize",
-        json!({"messages": [{"role": "user", "content": "What is prefix caching?"}]}),
+        &json!({"messages": [{"role": "user", "content": "What is prefix caching?"}]}),
     )
-    .await
-    .json()
-    .await
-    .unwrap();
+    .await;
     assert_eq!(body["usage"]["prompt_tokens"], prompt["count"]);
     assert_eq!(
         body["usage"]["total_tokens"],
@@ -82,19 +73,15 @@ async fn natural_length_follows_the_distribution_and_max_tokens_caps_it() {
         mean: 60,
         spread: 0.5,
     };
-    let server = start(cfg).await;
-    let base = server.url();
+    let (_server, base) = start(cfg).await;
     let mut lengths = Vec::new();
     for i in 0..6 {
-        let body: Value = post(
+        let body = post_json(
             &base,
             "/v1/completions",
-            json!({"model": MODEL, "prompt": format!("question number {i}"), "max_tokens": 1000}),
+            &json!({"model": MODEL, "prompt": format!("question number {i}"), "max_tokens": 1000}),
         )
-        .await
-        .json()
-        .await
-        .unwrap();
+        .await;
         assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
         lengths.push(body["usage"]["completion_tokens"].as_u64().unwrap());
     }
@@ -106,35 +93,26 @@ async fn natural_length_follows_the_distribution_and_max_tokens_caps_it() {
         lengths.iter().any(|&n| n != lengths[0]),
         "lengths vary: {lengths:?}"
     );
-    let capped: Value = post(
+    let capped = post_json(
         &base,
         "/v1/completions",
-        json!({"model": MODEL, "prompt": "question number 0", "max_tokens": 5}),
+        &json!({"model": MODEL, "prompt": "question number 0", "max_tokens": 5}),
     )
-    .await
-    .json()
-    .await
-    .unwrap();
+    .await;
     assert_eq!(capped["choices"][0]["finish_reason"], "length");
     assert_eq!(capped["usage"]["completion_tokens"], 5);
 }
 
 #[tokio::test]
 async fn streaming_relays_every_token_then_usage_then_done() {
-    let server = start(config(200.0)).await;
-    let base = server.url();
+    let (_server, base) = start(config(200.0)).await;
     let request = json!({"model": MODEL, "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9], "max_tokens": 40,
                          "ignore_eos": true, "return_token_ids": true});
-    let full: Value = post(&base, "/v1/completions", request.clone())
-        .await
-        .json()
-        .await
-        .unwrap();
+    let full = post_json(&base, "/v1/completions", &request).await;
     let mut streamed = request.clone();
     streamed["stream"] = json!(true);
     streamed["stream_options"] = json!({"include_usage": true});
-    let response = post(&base, "/v1/completions", streamed).await;
-    assert_eq!(response.status(), 200);
+    let response = post_ok(&base, "/v1/completions", &streamed).await;
     assert_eq!(
         response.headers()["content-type"].to_str().unwrap(),
         "text/event-stream"
@@ -175,12 +153,12 @@ async fn streaming_relays_every_token_then_usage_then_done() {
 
 #[tokio::test]
 async fn chat_stream_puts_role_on_the_first_token() {
-    let server = start(config(500.0)).await;
+    let (_server, base) = start(config(500.0)).await;
     let response = post(
-        &server.url(),
+        &base,
         "/v1/chat/completions",
-        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-               "ignore_eos": true, "stream": true}),
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                "ignore_eos": true, "stream": true}),
     )
     .await;
     let events = read_sse(response).await;
@@ -202,23 +180,19 @@ async fn chat_stream_puts_role_on_the_first_token() {
 /// prompt and reply (as text, re-tokenized by the template), and the engine cached both.
 #[tokio::test]
 async fn second_turn_hits_the_cache_for_the_first_turns_prompt_and_reply() {
-    let server = start(config(1_000.0)).await;
-    let base = server.url();
+    let (server, base) = start(config(1_000.0)).await;
     let block = u64::from(server.info().block_size.unwrap());
     let system = "You are a helpful assistant. Answer in detail about distributed systems.";
     let mut messages = vec![
         json!({"role": "system", "content": system}),
         json!({"role": "user", "content": "Explain how a KV cache aware router works."}),
     ];
-    let first: Value = post(
+    let first = post_json(
         &base,
         "/v1/chat/completions",
-        json!({"model": MODEL, "messages": messages, "max_tokens": 300}),
+        &json!({"model": MODEL, "messages": messages, "max_tokens": 300}),
     )
-    .await
-    .json()
-    .await
-    .unwrap();
+    .await;
     let p1 = first["usage"]["prompt_tokens"].as_u64().unwrap();
     let r1 = first["usage"]["completion_tokens"].as_u64().unwrap();
     assert!(r1 > 100, "a real reply: {r1} tokens");
@@ -228,8 +202,8 @@ async fn second_turn_hits_the_cache_for_the_first_turns_prompt_and_reply() {
     let response = post(
         &base,
         "/v1/chat/completions",
-        json!({"model": MODEL, "messages": messages, "max_tokens": 50,
-               "stream": true, "stream_options": {"include_usage": true}}),
+        &json!({"model": MODEL, "messages": messages, "max_tokens": 50,
+                "stream": true, "stream_options": {"include_usage": true}}),
     )
     .await;
     let events = read_sse(response).await;
@@ -249,30 +223,19 @@ async fn second_turn_hits_the_cache_for_the_first_turns_prompt_and_reply() {
 
 #[tokio::test]
 async fn client_disconnect_cancels_the_engine_request() {
-    let server = start(config(1.0)).await;
-    let base = server.url();
-    let response = post(
+    let (_server, base) = start(config(1.0)).await;
+    let response = post_ok(
         &base,
         "/v1/completions",
-        json!({"model": MODEL, "prompt": "tell me a long story", "max_tokens": 5000,
-               "ignore_eos": true, "stream": true}),
+        &endless_stream("tell me a long story"),
     )
     .await;
-    assert_eq!(response.status(), 200);
     let mut stream = response.bytes_stream();
     let first = stream.next().await.unwrap().unwrap();
     assert!(first.starts_with(b"data: "));
     assert_eq!(metric(&base, "vllm:num_requests_running").await, Some(1.0));
     drop(stream);
-    wait_for_metric(
-        &base,
-        "vllm:num_requests_running",
-        Duration::from_secs(10),
-        |running| running == 0.0,
-    )
-    .await;
-    // Cancelled, not finished: the 5,000 tokens were never all generated.
-    assert_eq!(metric(&base, "vllm:request_success_total").await, Some(0.0));
+    assert_cancelled(&base).await;
 
     // A non-streaming client that gives up cancels too.
     let gave_up = tokio::spawn(
@@ -288,46 +251,37 @@ async fn client_disconnect_cancels_the_engine_request() {
     wait_for_metric(
         &base,
         "vllm:num_requests_running",
+        1.0,
         Duration::from_secs(5),
-        |running| running == 1.0,
     )
     .await;
     let gave_up = gave_up.await.unwrap();
     assert!(gave_up.unwrap_err().is_timeout());
+    assert_cancelled(&base).await;
+}
+
+/// Waits for the engine to run nothing, then checks that nothing finished: the long requests
+/// were cancelled, their 5,000 tokens never all generated.
+async fn assert_cancelled(base: &str) {
     wait_for_metric(
-        &base,
+        base,
         "vllm:num_requests_running",
+        0.0,
         Duration::from_secs(10),
-        |running| running == 0.0,
     )
     .await;
-    assert_eq!(metric(&base, "vllm:request_success_total").await, Some(0.0));
+    assert_eq!(metric(base, "vllm:request_success_total").await, Some(0.0));
 }
 
 #[tokio::test]
 async fn models_health_info_and_metrics() {
-    let server = start(config(1_000.0)).await;
-    let base = server.url();
-    let models: Value = client()
-        .get(format!("{base}/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (server, base) = start(config(1_000.0)).await;
+    let models: Value = get_json(&format!("{base}/v1/models")).await;
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], MODEL);
     let health = client().get(format!("{base}/health")).send().await.unwrap();
     assert_eq!(health.status(), 200);
-    let info: protocol::WorkerCard = client()
-        .get(format!("{base}/info"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info: protocol::WorkerCard = get_json(&format!("{base}/info")).await;
     assert_eq!(&info, server.info());
     assert_eq!(info.block_size, Some(32));
     assert_eq!(info.limits.max_num_seqs, Some(64));
@@ -341,17 +295,10 @@ async fn models_health_info_and_metrics() {
     post(
         &base,
         "/v1/completions",
-        json!({"model": MODEL, "prompt": (0..100).collect::<Vec<u32>>(), "max_tokens": 3}),
+        &json!({"model": MODEL, "prompt": (0..100).collect::<Vec<u32>>(), "max_tokens": 3}),
     )
     .await;
-    let text = client()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = get_text(&format!("{base}/metrics")).await;
     for name in [
         "vllm:num_requests_running{",
         "vllm:num_requests_waiting{",
@@ -376,115 +323,124 @@ async fn models_health_info_and_metrics() {
     assert!(metric(&base, "DCGM_FI_DEV_FB_USED").await.unwrap() > 60_000.0);
 }
 
+/// How an error case reaches the server.
+enum Call {
+    /// A body that is not JSON, sent as JSON.
+    Raw(&'static str, &'static str),
+    Post(&'static str, Value),
+    Get(&'static str),
+}
+
+/// One refused request: the status, and fields of the error object it must carry.
+struct ErrorCase {
+    name: &'static str,
+    call: Call,
+    status: u16,
+    fields: &'static [(&'static str, &'static str)],
+}
+
 #[tokio::test]
 async fn every_error_status() {
     let mut cfg = config(1.0);
     cfg.body_limit_bytes = 4_096;
     cfg.engine.max_num_seqs = 1;
     cfg.engine.max_waiting = 1;
-    let server = start(cfg).await;
-    let base = server.url();
+    let (server, base) = start(cfg).await;
 
-    // Malformed JSON: 400.
-    let response = client()
-        .post(format!("{base}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body("{\"model\": ")
-        .send()
-        .await
-        .unwrap();
-    let (status, error) = error_of(response).await;
-    assert_eq!(
-        (status, error["type"].as_str()),
-        (400, Some("invalid_request_error"))
-    );
-
-    // Wrong field type: 400.
-    let (status, _) = error_of(
-        post(
-            &base,
-            "/v1/completions",
-            json!({"model": MODEL, "prompt": [-3]}),
-        )
-        .await,
-    )
-    .await;
-    assert_eq!(status, 400);
-
-    // Unknown model: 404.
-    let (status, error) = error_of(
-        post(
-            &base,
-            "/v1/chat/completions",
-            json!({"model": "gpt-nope", "messages": [{"role": "user", "content": "hi"}]}),
-        )
-        .await,
-    )
-    .await;
-    assert_eq!(
-        (status, error["code"].as_str()),
-        (404, Some("model_not_found"))
-    );
-
-    // Prompt + max_tokens over the 131,072-token context: 400 context_length_exceeded.
-    let (status, error) = error_of(
-        post(
-            &base,
-            "/v1/completions",
-            json!({"model": MODEL, "prompt": "hello", "max_tokens": 131_072}),
-        )
-        .await,
-    )
-    .await;
-    assert_eq!(
-        (status, error["code"].as_str(), error["param"].as_str()),
-        (400, Some("context_length_exceeded"), Some("prompt"))
-    );
-
-    // Body over the 4 KiB limit: 413.
-    let big = json!({"model": MODEL, "prompt": "x".repeat(10_000)});
-    let (status, _) = error_of(post(&base, "/v1/completions", big).await).await;
-    assert_eq!(status, 413);
-
-    // n > 1: 400.
-    let (status, error) = error_of(
-        post(
-            &base,
-            "/v1/completions",
-            json!({"model": MODEL, "prompt": "a", "n": 2}),
-        )
-        .await,
-    )
-    .await;
-    assert_eq!((status, error["param"].as_str()), (400, Some("n")));
-
-    // Unknown path: 404 in the same shape.
-    let (status, _) = error_of(
-        client()
-            .get(format!("{base}/v2/nothing"))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(status, 404);
+    let cases = [
+        ErrorCase {
+            name: "malformed JSON",
+            call: Call::Raw("/v1/chat/completions", "{\"model\": "),
+            status: 400,
+            fields: &[("type", "invalid_request_error")],
+        },
+        ErrorCase {
+            name: "wrong field type",
+            call: Call::Post("/v1/completions", json!({"model": MODEL, "prompt": [-3]})),
+            status: 400,
+            fields: &[],
+        },
+        ErrorCase {
+            name: "unknown model",
+            call: Call::Post(
+                "/v1/chat/completions",
+                json!({"model": "gpt-nope", "messages": [{"role": "user", "content": "hi"}]}),
+            ),
+            status: 404,
+            fields: &[("code", "model_not_found")],
+        },
+        ErrorCase {
+            name: "prompt + max_tokens over the 131,072-token context",
+            call: Call::Post(
+                "/v1/completions",
+                json!({"model": MODEL, "prompt": "hello", "max_tokens": 131_072}),
+            ),
+            status: 400,
+            fields: &[("code", "context_length_exceeded"), ("param", "prompt")],
+        },
+        ErrorCase {
+            name: "body over the 4 KiB limit",
+            call: Call::Post(
+                "/v1/completions",
+                json!({"model": MODEL, "prompt": "x".repeat(10_000)}),
+            ),
+            status: 413,
+            fields: &[],
+        },
+        ErrorCase {
+            name: "n > 1",
+            call: Call::Post(
+                "/v1/completions",
+                json!({"model": MODEL, "prompt": "a", "n": 2}),
+            ),
+            status: 400,
+            fields: &[("param", "n")],
+        },
+        ErrorCase {
+            name: "unknown path, in the same shape",
+            call: Call::Get("/v2/nothing"),
+            status: 404,
+            fields: &[],
+        },
+    ];
+    for case in cases {
+        let response = match &case.call {
+            Call::Raw(path, body) => client()
+                .post(format!("{base}{path}"))
+                .header("content-type", "application/json")
+                .body(*body)
+                .send()
+                .await
+                .expect("request sent"),
+            Call::Post(path, body) => post(&base, path, body).await,
+            Call::Get(path) => client()
+                .get(format!("{base}{path}"))
+                .send()
+                .await
+                .expect("request sent"),
+        };
+        let (status, error) = error_of(response).await;
+        assert_eq!(status, case.status, "{}: {error}", case.name);
+        for (field, want) in case.fields {
+            assert_eq!(error[field], *want, "{}: {field} of {error}", case.name);
+        }
+    }
 
     // Engine queue full: one running (max_num_seqs 1), one waiting (max_waiting 1), the
     // third is refused with 429. Streams return their headers once admitted.
-    let long = json!({"model": MODEL, "prompt": "long", "max_tokens": 4000, "ignore_eos": true,
-                      "stream": true});
-    let running = post(&base, "/v1/completions", long.clone()).await;
+    let long = endless_stream("long");
+    let running = post(&base, "/v1/completions", &long).await;
     assert_eq!(running.status(), 200);
-    let waiting = post(&base, "/v1/completions", long.clone()).await;
+    let waiting = post(&base, "/v1/completions", &long).await;
     assert_eq!(waiting.status(), 200);
     wait_for_metric(
         &base,
         "vllm:num_requests_waiting",
+        1.0,
         Duration::from_secs(5),
-        |w| w == 1.0,
     )
     .await;
-    let (status, error) = error_of(post(&base, "/v1/completions", long).await).await;
+    let (status, error) = error_of(post(&base, "/v1/completions", &long).await).await;
     assert_eq!(
         (status, error["type"].as_str()),
         (429, Some("rate_limit_error"))
@@ -495,16 +451,8 @@ async fn every_error_status() {
 
 #[tokio::test]
 async fn shutdown_ends_open_streams_with_an_error_event() {
-    let server = start(config(1.0)).await;
-    let base = server.url();
-    let response = post(
-        &base,
-        "/v1/completions",
-        json!({"model": MODEL, "prompt": "story", "max_tokens": 5000, "ignore_eos": true,
-               "stream": true}),
-    )
-    .await;
-    assert_eq!(response.status(), 200);
+    let (server, base) = start(config(1.0)).await;
+    let response = post_ok(&base, "/v1/completions", &endless_stream("story")).await;
     let reader = tokio::spawn(read_sse(response));
     tokio::time::sleep(Duration::from_millis(100)).await;
     tokio::time::timeout(Duration::from_secs(10), server.shutdown())

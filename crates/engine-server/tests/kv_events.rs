@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{MODEL, NatsServer, client, config, start};
+use common::{MODEL, NatsServer, config, post, post_json, start};
 use futures::StreamExt;
 use kv_index::{BlockHasher, IndexConfig, KvIndex, WorkerId};
 use protocol::vllm::{VllmEventStream, decode_multipart};
@@ -14,49 +14,54 @@ use protocol::{KvEventBatch, Subjects, WorkerMessage};
 use serde_json::{Value, json};
 use zeromq::{Socket, SocketRecv};
 
-/// Sends one chat turn and returns (prompt ids, reply ids).
-async fn chat_turn(base: &str, question: &str) -> (Vec<u32>, Vec<u32>) {
-    let messages = json!([
-        {"role": "system", "content": "You are a concise assistant for infrastructure engineers."},
-        {"role": "user", "content": question}
-    ]);
-    let prompt: Value = client()
-        .post(format!("{base}/tokenize"))
-        .json(&json!({"messages": messages}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let response: Value = client()
-        .post(format!("{base}/v1/chat/completions"))
-        .json(
-            &json!({"model": MODEL, "messages": messages, "max_tokens": 120,
-                      "ignore_eos": true, "return_token_ids": true}),
-        )
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let ids = |v: &Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect()
-    };
-    (
-        ids(&prompt["tokens"]),
-        ids(&response["choices"][0]["token_ids"]),
-    )
+/// What one chat turn must leave in an index rebuilt from a worker's KV events.
+struct Expected {
+    worker: WorkerId,
+    hasher: BlockHasher,
+    /// The turn's prompt and reply tokens.
+    sequence: Vec<u32>,
+    /// Blocks the engine computed for them: all but the last output token, whole blocks.
+    blocks: u32,
 }
 
-/// Blocks the engine computed for prompt + reply: all but the last output token, whole blocks.
-fn cached_blocks(prompt: &[u32], reply: &[u32], block: usize) -> u32 {
-    ((prompt.len() + reply.len() - 1) / block) as u32
+impl Expected {
+    /// Sends one chat turn to `worker` (32-token blocks).
+    async fn after_turn(base: &str, worker: WorkerId, question: &str) -> Expected {
+        let messages = json!([
+            {"role": "system", "content": "You are a concise assistant for infrastructure engineers."},
+            {"role": "user", "content": question}
+        ]);
+        let prompt = post_json(base, "/tokenize", &json!({"messages": messages})).await;
+        let response = post_json(
+            base,
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": messages, "max_tokens": 120,
+                    "ignore_eos": true, "return_token_ids": true}),
+        )
+        .await;
+        let ids = |v: &Value| -> Vec<u32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let mut sequence = ids(&prompt["tokens"]);
+        sequence.extend(ids(&response["choices"][0]["token_ids"]));
+        Expected {
+            worker,
+            hasher: BlockHasher::new(32).unwrap(),
+            blocks: ((sequence.len() - 1) / 32) as u32,
+            sequence,
+        }
+    }
+
+    /// Blocks of the turn that `index` holds for the worker.
+    fn cached(&self, index: &KvIndex) -> u32 {
+        index
+            .find_matches_for_tokens(&self.hasher, &self.sequence)
+            .get(self.worker)
+    }
 }
 
 #[tokio::test]
@@ -75,8 +80,7 @@ async fn nats_events_rebuild_the_engines_cache_and_registration_has_a_lease() {
         namespace: "kvtest".into(),
         lease_ms: 300,
     });
-    let server = start(cfg).await;
-    let base = server.url();
+    let (server, base) = start(cfg).await;
     assert_eq!(
         server.info().nats_kv_subject.as_deref(),
         Some("kvroute.kvtest.kv.7")
@@ -109,17 +113,15 @@ async fn nats_events_rebuild_the_engines_cache_and_registration_has_a_lease() {
         );
     }
 
-    let (prompt, reply) = chat_turn(&base, "How do KV events keep a router's index fresh?").await;
-    let expected = cached_blocks(&prompt, &reply, 32);
-    let sequence: Vec<u32> = prompt.iter().chain(&reply).copied().collect();
-    let hasher = BlockHasher::new(32).unwrap();
+    let expected = Expected::after_turn(
+        &base,
+        WorkerId(7),
+        "How do KV events keep a router's index fresh?",
+    )
+    .await;
     let mut index = KvIndex::new(IndexConfig::default());
     let mut next_seq = 0;
-    while index
-        .find_matches_for_tokens(&hasher, &sequence)
-        .get(WorkerId(7))
-        < expected
-    {
+    while expected.cached(&index) < expected.blocks {
         let message = tokio::time::timeout(Duration::from_secs(5), kv.next())
             .await
             .expect("KV events arrive")
@@ -142,12 +144,7 @@ async fn nats_events_rebuild_the_engines_cache_and_registration_has_a_lease() {
             index.apply(&event).unwrap();
         }
     }
-    assert_eq!(
-        index
-            .find_matches_for_tokens(&hasher, &sequence)
-            .get(WorkerId(7)),
-        expected
-    );
+    assert_eq!(expected.cached(&index), expected.blocks);
 
     // A clean shutdown says goodbye.
     server.shutdown().await;
@@ -171,7 +168,7 @@ async fn zmq_frames_in_vllm_format_rebuild_the_engines_cache() {
     let mut cfg = config(500.0);
     cfg.worker_id = WorkerId(3);
     cfg.zmq_pub = Some("tcp://127.0.0.1:0".into());
-    let server = start(cfg).await;
+    let (server, base) = start(cfg).await;
     let endpoint = server.info().zmq_endpoint.clone().unwrap();
     assert!(endpoint.starts_with("tcp://127.0.0.1:") && !endpoint.ends_with(":0"));
 
@@ -180,16 +177,15 @@ async fn zmq_frames_in_vllm_format_rebuild_the_engines_cache() {
     sub.subscribe("").await.unwrap();
     // PUB drops messages until the subscription has reached it: warm up with short requests
     // until a frame arrives.
-    let base = server.url();
     let mut first = None;
     for attempt in 0..50u32 {
         let prompt: Vec<u32> = (0..40).map(|t| t + attempt * 1000).collect();
-        client()
-            .post(format!("{base}/v1/completions"))
-            .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": true}))
-            .send()
-            .await
-            .unwrap();
+        post(
+            &base,
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": true}),
+        )
+        .await;
         if let Ok(message) = tokio::time::timeout(Duration::from_millis(200), sub.recv()).await {
             first = Some(message.unwrap());
             break;
@@ -197,7 +193,6 @@ async fn zmq_frames_in_vllm_format_rebuild_the_engines_cache() {
     }
     let first = first.expect("the subscription reaches the publisher");
 
-    let hasher = BlockHasher::new(32).unwrap();
     let mut index = KvIndex::new(IndexConfig::default());
     let mut stream = VllmEventStream::new(WorkerId(3), 32);
     let mut next_seq = None;
@@ -222,25 +217,15 @@ async fn zmq_frames_in_vllm_format_rebuild_the_engines_cache() {
     };
     apply(first, &mut index);
 
-    let (prompt, reply) = chat_turn(&base, "What does a ZMQ KV event carry?").await;
-    let expected = cached_blocks(&prompt, &reply, 32);
-    let sequence: Vec<u32> = prompt.iter().chain(&reply).copied().collect();
-    while index
-        .find_matches_for_tokens(&hasher, &sequence)
-        .get(WorkerId(3))
-        < expected
-    {
+    let expected =
+        Expected::after_turn(&base, WorkerId(3), "What does a ZMQ KV event carry?").await;
+    while expected.cached(&index) < expected.blocks {
         let message = tokio::time::timeout(Duration::from_secs(5), sub.recv())
             .await
             .expect("ZMQ frames arrive")
             .unwrap();
         apply(message, &mut index);
     }
-    assert_eq!(
-        index
-            .find_matches_for_tokens(&hasher, &sequence)
-            .get(WorkerId(3)),
-        expected
-    );
+    assert_eq!(expected.cached(&index), expected.blocks);
     server.shutdown().await;
 }

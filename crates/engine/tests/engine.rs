@@ -1,6 +1,6 @@
 mod common;
 
-use common::{Action, engine, req, req_tokens, run, text};
+use common::{Action, burst, engine, req, req_tokens, run, text};
 use engine::{
     EngineConfig, EngineEvent, HardwareProfile, KvLink, RejectReason, RequestId, Role,
     SpecDecodeConfig, StepShape,
@@ -269,14 +269,7 @@ fn preemption_recomputes_and_still_finishes() {
     let mut e = engine(cfg);
     // Three requests of 10 blocks of prompt each, each growing by 300 tokens (~10 blocks):
     // they cannot all stay; the newest is preempted and recomputed.
-    let actions = (0..3)
-        .map(|i| {
-            (
-                Nanos::ZERO,
-                Action::Submit(req(i, text(i as u32, 320), 300)),
-            )
-        })
-        .collect();
+    let actions = burst(3, 320, 300);
     let r = run(&mut e, actions, true);
     let f = r.finished();
     assert_eq!(f.len(), 3);
@@ -300,14 +293,7 @@ fn speculative_decoding_tokens_per_step_match_the_formula() {
     cfg.spec_decode = Some(SpecDecodeConfig::draft_model(5, 0.6));
     cfg.seed = 9;
     let mut e = engine(cfg.clone());
-    let actions = (0..32)
-        .map(|i| {
-            (
-                Nanos::ZERO,
-                Action::Submit(req(i, text(i as u32, 200), 2_000)),
-            )
-        })
-        .collect();
+    let actions = burst(32, 200, 2_000);
     let r = run(&mut e, actions, true);
     assert_eq!(r.finished().len(), 32);
     let m = e.metrics();
@@ -324,14 +310,7 @@ fn speculative_decoding_tokens_per_step_match_the_formula() {
     let mut plain = cfg;
     plain.spec_decode = None;
     let mut p = engine(plain);
-    let actions = (0..32)
-        .map(|i| {
-            (
-                Nanos::ZERO,
-                Action::Submit(req(i, text(i as u32, 200), 2_000)),
-            )
-        })
-        .collect();
+    let actions = burst(32, 200, 2_000);
     let rp = run(&mut p, actions, true);
     let last = |r: &common::Run| r.finished().iter().map(|x| x.1).max().unwrap();
     assert!(last(&r) < last(&rp));

@@ -48,6 +48,10 @@ use gateway::{Gateway, GatewayConfig, WorkerSpec};
 use kv_index::WorkerId;
 use serde_json::json;
 
+#[path = "common/thread_cpu.rs"]
+mod thread_cpu;
+use thread_cpu::thread_cpu_seconds;
+
 const MODEL: &str = "llama-3.1-70b-instruct";
 
 #[derive(Debug, Clone)]
@@ -203,31 +207,6 @@ impl GatewayRuntime {
             runtime.shutdown_background();
         }
     }
-}
-
-/// CPU seconds used so far by this process's threads named `name`.
-fn thread_cpu_seconds(name: &str) -> f64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return f64::NAN;
-    };
-    let ticks_per_second = 100.0;
-    let mut total = 0.0;
-    for task in tasks.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim() != name {
-            continue;
-        }
-        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-        // Fields after the parenthesised command: state is field 3, utime 14, stime 15.
-        let Some(rest) = stat.rsplit_once(") ").map(|(_, r)| r) else {
-            continue;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let utime: f64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0);
-        let stime: f64 = fields.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
-        total += (utime + stime) / ticks_per_second;
-    }
-    total
 }
 
 async fn gateway(workers: Vec<WorkerSpec>, mode: &str) -> Gateway {
@@ -549,12 +528,12 @@ async fn ttft_benchmark(args: &Args, pre: &Preprocessor) {
     };
     // The gateway's CPU over the measured part of the run.
     tokio::time::sleep(Duration::from_secs_f64(args.warmup)).await;
-    let cpu_from = thread_cpu_seconds("gw");
+    let cpu_from = thread_cpu_seconds(|name| name == "gw");
     let overhead_from = gw.buckets("kvroute_gateway_overhead_seconds");
     let added_from = gw.buckets("kvroute_gateway_added_ttft_seconds");
     let direct = collect(direct).await;
     let through = collect(through).await;
-    let cpu = thread_cpu_seconds("gw") - cpu_from;
+    let cpu = thread_cpu_seconds(|name| name == "gw") - cpu_from;
     let overhead_to = gw.buckets("kvroute_gateway_overhead_seconds");
     let added_to = gw.buckets("kvroute_gateway_added_ttft_seconds");
     let wall = start.elapsed().as_secs_f64();
@@ -685,7 +664,7 @@ async fn throughput_benchmark(args: &Args, pre: &Preprocessor) {
             rate / base
         );
         if side == "gateway" {
-            let cpu = thread_cpu_seconds("gw");
+            let cpu = thread_cpu_seconds(|name| name == "gw");
             println!(
                 "gateway CPU: {:.2} s in total, {:.3} µs per relayed token",
                 cpu,

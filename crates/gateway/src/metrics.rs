@@ -224,26 +224,6 @@ impl std::fmt::Debug for RouterCollector {
     }
 }
 
-fn counter(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    value: u64,
-) -> Result<(), std::fmt::Error> {
-    let metric = ConstCounter::new(value);
-    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
-}
-
-fn gauge(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    value: i64,
-) -> Result<(), std::fmt::Error> {
-    let metric = ConstGauge::new(value);
-    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
-}
-
 fn sat(v: impl TryInto<i64>) -> i64 {
     v.try_into().unwrap_or(i64::MAX)
 }
@@ -261,67 +241,66 @@ impl Collector for RouterCollector {
             )?;
             metric.encode(family.encode_family(&[("policy", s.policy)])?)?;
         }
-        let e = &mut encoder;
-        counter(
-            e,
-            "kvroute_router_refused",
-            "Routing attempts refused (no worker, limits)",
-            s.counters.refused,
-        )?;
-        counter(
-            e,
-            "kvroute_router_overlap_blocks",
-            "Sum over routed requests of the chosen worker's cached prefix, in blocks",
-            s.counters.overlap_blocks,
-        )?;
-        counter(
-            e,
-            "kvroute_router_prompt_blocks",
-            "Sum over routed requests of their full prompt blocks",
-            s.counters.prompt_blocks,
-        )?;
-        counter(
-            e,
-            "kvroute_router_orphaned_requests",
-            "In-flight requests dropped from accounting because their worker left",
-            s.counters.orphaned,
-        )?;
-        gauge(
-            e,
-            "kvroute_router_index_blocks",
-            "(worker, block) entries in the prefix index",
-            sat(s.index_entries),
-        )?;
-        gauge(
-            e,
-            "kvroute_router_index_distinct_blocks",
-            "Distinct blocks in the prefix index",
-            sat(s.index_distinct_blocks),
-        )?;
-        counter(
-            e,
-            "kvroute_router_kv_events_applied",
-            "KV events applied to the index in sequence",
-            s.index.events_applied,
-        )?;
-        counter(
-            e,
-            "kvroute_router_kv_event_gaps",
-            "KV events refused because their sequence number skipped ahead (lost events)",
-            s.index.gaps,
-        )?;
-        counter(
-            e,
-            "kvroute_router_kv_events_stale",
-            "KV events ignored as duplicates or late",
-            s.index.stale_events,
-        )?;
-        counter(
-            e,
-            "kvroute_router_index_evicted_blocks",
-            "Index entries evicted by its memory bound",
-            s.index.blocks_evicted,
-        )?;
+        for (name, help, value) in [
+            (
+                "kvroute_router_refused",
+                "Routing attempts refused (no worker, limits)",
+                s.counters.refused,
+            ),
+            (
+                "kvroute_router_overlap_blocks",
+                "Sum over routed requests of the chosen worker's cached prefix, in blocks",
+                s.counters.overlap_blocks,
+            ),
+            (
+                "kvroute_router_prompt_blocks",
+                "Sum over routed requests of their full prompt blocks",
+                s.counters.prompt_blocks,
+            ),
+            (
+                "kvroute_router_orphaned_requests",
+                "In-flight requests dropped from accounting because their worker left",
+                s.counters.orphaned,
+            ),
+            (
+                "kvroute_router_kv_events_applied",
+                "KV events applied to the index in sequence",
+                s.index.events_applied,
+            ),
+            (
+                "kvroute_router_kv_event_gaps",
+                "KV events refused because their sequence number skipped ahead (lost events)",
+                s.index.gaps,
+            ),
+            (
+                "kvroute_router_kv_events_stale",
+                "KV events ignored as duplicates or late",
+                s.index.stale_events,
+            ),
+            (
+                "kvroute_router_index_evicted_blocks",
+                "Index entries evicted by its memory bound",
+                s.index.blocks_evicted,
+            ),
+        ] {
+            let metric = ConstCounter::new(value);
+            metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)?;
+        }
+        for (name, help, value) in [
+            (
+                "kvroute_router_index_blocks",
+                "(worker, block) entries in the prefix index",
+                sat(s.index_entries),
+            ),
+            (
+                "kvroute_router_index_distinct_blocks",
+                "Distinct blocks in the prefix index",
+                sat(s.index_distinct_blocks),
+            ),
+        ] {
+            let metric = ConstGauge::new(value);
+            metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)?;
+        }
         for (name, help, values) in [
             (
                 "kvroute_router_kv_events_received",
@@ -550,6 +529,13 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 mod tests {
     use super::*;
 
+    /// Every one of `lines` appears in the exposition `text`.
+    fn assert_exposes(text: &str, lines: &[&str]) {
+        for line in lines {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
+    }
+
     #[test]
     fn histogram_counts_by_bucket_and_exposes_cumulative_buckets() {
         const BOUNDS: &[f64] = &[1.0, 2.0];
@@ -567,14 +553,15 @@ mod tests {
         registry.register("h", "test", h.clone());
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
-        for line in [
-            "h_bucket{le=\"1.0\"} 2",
-            "h_bucket{le=\"2.0\"} 5",
-            "h_bucket{le=\"+Inf\"} 6",
-            "h_count 6",
-        ] {
-            assert!(text.contains(line), "missing {line} in\n{text}");
-        }
+        assert_exposes(
+            &text,
+            &[
+                "h_bucket{le=\"1.0\"} 2",
+                "h_bucket{le=\"2.0\"} 5",
+                "h_bucket{le=\"+Inf\"} 6",
+                "h_count 6",
+            ],
+        );
     }
 
     #[test]
@@ -596,22 +583,23 @@ mod tests {
         m.cached_tokens.observe(64.0);
         m.output_tokens_total.inc_by(10);
         let text = m.encode();
-        for needle in [
-            "dynamo_frontend_requests_total{model=\"llama\",endpoint=\"chat_completions\",request_type=\"stream\",status=\"success\"} 1",
-            "dynamo_frontend_cached_tokens_sum{model=\"llama\"} 64.0",
-            "dynamo_frontend_input_sequence_tokens_sum{model=\"llama\"} 0.0",
-            "dynamo_frontend_output_tokens_total{model=\"llama\"} 10",
-            "dynamo_frontend_queued_requests{model=\"llama\"} 0",
-            "dynamo_frontend_inflight_requests{model=\"llama\"} 0",
-            "dynamo_frontend_time_to_first_token_seconds_bucket{model=\"llama\",le=\"0.001\"} 0",
-            "dynamo_frontend_request_duration_seconds_count{model=\"llama\"} 0",
-            "dynamo_frontend_inter_token_latency_seconds_count{model=\"llama\"} 0",
-            "dynamo_frontend_output_sequence_tokens_count{model=\"llama\"} 0",
-            "dynamo_component_inflight_requests{worker_id=\"3\",worker=\"http://w:1\",dynamo_component=\"backend\",dynamo_endpoint=\"generate\"} 2",
-            "kvroute_router_decisions_total{policy=\"kv\"} 0",
-            "kvroute_router_kv_resyncs_total{source=\"zmq\"} 0",
-        ] {
-            assert!(text.contains(needle), "missing {needle} in\n{text}");
-        }
+        assert_exposes(
+            &text,
+            &[
+                "dynamo_frontend_requests_total{model=\"llama\",endpoint=\"chat_completions\",request_type=\"stream\",status=\"success\"} 1",
+                "dynamo_frontend_cached_tokens_sum{model=\"llama\"} 64.0",
+                "dynamo_frontend_input_sequence_tokens_sum{model=\"llama\"} 0.0",
+                "dynamo_frontend_output_tokens_total{model=\"llama\"} 10",
+                "dynamo_frontend_queued_requests{model=\"llama\"} 0",
+                "dynamo_frontend_inflight_requests{model=\"llama\"} 0",
+                "dynamo_frontend_time_to_first_token_seconds_bucket{model=\"llama\",le=\"0.001\"} 0",
+                "dynamo_frontend_request_duration_seconds_count{model=\"llama\"} 0",
+                "dynamo_frontend_inter_token_latency_seconds_count{model=\"llama\"} 0",
+                "dynamo_frontend_output_sequence_tokens_count{model=\"llama\"} 0",
+                "dynamo_component_inflight_requests{worker_id=\"3\",worker=\"http://w:1\",dynamo_component=\"backend\",dynamo_endpoint=\"generate\"} 2",
+                "kvroute_router_decisions_total{policy=\"kv\"} 0",
+                "kvroute_router_kv_resyncs_total{source=\"zmq\"} 0",
+            ],
+        );
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use common::fake_worker::{FakeWorker, Script, dead_port};
 use common::*;
+use engine_server::EngineServerConfig;
 use gateway::{GatewayConfig, PromptFormat, WorkerSpec};
 use serde_json::{Value, json};
 
@@ -30,6 +31,15 @@ async fn raw_post(url: &str, path: &str, body: impl Into<reqwest::Body>) -> (u16
         .unwrap();
     let status = response.status().as_u16();
     (status, response.json().await.unwrap())
+}
+
+/// Sends a chat `request` through a gateway of its own, started from `config`, and returns the
+/// answer's status and body.
+async fn chat_through(config: GatewayConfig, request: &Value) -> (u16, Value) {
+    let gw = gateway(config).await;
+    let (status, _, body) = post_json(&gw.url(), "/v1/chat/completions", request).await;
+    gw.shutdown().await;
+    (status, body)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,20 +132,14 @@ async fn every_client_error_has_its_status_and_openai_json() {
         metrics.contains("dynamo_frontend_requests_total{model=\"llama-3.1-70b-instruct\",endpoint=\"chat_completions\",request_type=\"unary\",status=\"error\"}"),
         "{metrics}"
     );
-    gw.shutdown().await;
-    engine.shutdown().await;
+    shut_down(gw, vec![engine]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_healthy_worker_is_503() {
     // No worker at all.
     let gw = gateway(gateway_config(&[])).await;
-    let (status, _, body) = post_json(
-        &gw.url(),
-        "/v1/chat/completions",
-        &chat(&[("user", "hi")], 4, false),
-    )
-    .await;
+    let (status, _, body) = short_chat_json(&gw.url()).await;
     assert_error(status, &body, 503, "service_unavailable_error");
     let health = reqwest::get(format!("{}/health", gw.url())).await.unwrap();
     assert_eq!(health.status().as_u16(), 503);
@@ -150,12 +154,7 @@ async fn no_healthy_worker_is_503() {
     .await;
     assert_eq!(gw.dispatcher().workers().len(), 1);
     assert!(gw.dispatcher().routable_workers().is_empty());
-    let s = post_stream(
-        &gw.url(),
-        "/v1/chat/completions",
-        &chat(&[("user", "hi")], 4, true),
-    )
-    .await;
+    let s = short_chat_stream(&gw.url()).await;
     assert_eq!(s.status, 503);
     gw.shutdown().await;
 }
@@ -163,10 +162,7 @@ async fn no_healthy_worker_is_503() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_frontend_queue_is_429_and_a_long_wait_is_503() {
     // One worker slot, one queue place; the worker streams slowly enough to hold its slot.
-    let mut config = engine_server::EngineServerConfig::new();
-    config.speedup = 2.0;
-    config.model = MODEL.into();
-    let slow = engine_server::EngineServer::bind(config).await.unwrap();
+    let slow = slow_engine(2.0).await;
     let gw = gateway(GatewayConfig {
         frontend: gateway::FrontendConfig {
             max_in_flight_per_worker: std::num::NonZeroU32::new(1),
@@ -229,8 +225,7 @@ async fn a_full_frontend_queue_is_429_and_a_long_wait_is_503() {
             .contains("dynamo_frontend_queued_requests{model=\"llama-3.1-70b-instruct\"} 0")
     );
     first.abort();
-    gw.shutdown().await;
-    slow.shutdown().await;
+    shut_down(gw, vec![slow]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -264,8 +259,7 @@ async fn queued_requests_all_complete_as_slots_free() {
         assert_eq!(s.status, 200);
         assert!(s.done && s.error().is_none(), "{s:?}");
     }
-    gw.shutdown().await;
-    engine.shutdown().await;
+    shut_down(gw, vec![engine]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -416,8 +410,7 @@ async fn chat_stream_chunks_are_openai_chunks_with_done_last_and_usage_when_aske
     ] {
         assert!(text.contains(name), "missing {name}:\n{text}");
     }
-    gw.shutdown().await;
-    engine.shutdown().await;
+    shut_down(gw, vec![engine]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -428,17 +421,10 @@ async fn workers_get_token_ids_and_unknown_fields_or_text_when_configured() {
         .parse()
         .unwrap();
     text_spec.prompt = PromptFormat::Text;
-    let gw = gateway(GatewayConfig {
-        workers: vec![
-            format!("{},id=1", tokens_worker.url()).parse().unwrap(),
-            text_spec,
-        ],
-        router: router::RouterConfig {
-            policy: router::PolicyKind::RoundRobin,
-            ..Default::default()
-        },
-        ..gateway_config(&[])
-    })
+    let gw = gateway(round_robin(vec![
+        format!("{},id=1", tokens_worker.url()).parse().unwrap(),
+        text_spec,
+    ]))
     .await;
     let mut request = chat(&[("system", "Be brief."), ("user", "Hi")], 3, false);
     request["response_format"] = json!({"type": "json_object"});
@@ -476,16 +462,17 @@ async fn workers_get_token_ids_and_unknown_fields_or_text_when_configured() {
     );
     // A worker's own error is relayed with its status.
     let failing = FakeWorker::start(Script::Fail { status: 400 }).await;
-    let gw2 = gateway(GatewayConfig {
-        workers: vec![WorkerSpec::new(failing.url())],
-        ..gateway_config(&[])
-    })
+    let (status, body) = chat_through(
+        GatewayConfig {
+            workers: vec![WorkerSpec::new(failing.url())],
+            ..gateway_config(&[])
+        },
+        &request,
+    )
     .await;
-    let (status, _, body) = post_json(&gw2.url(), "/v1/chat/completions", &request).await;
     assert_eq!(status, 400, "{body}");
     assert_eq!(body["error"]["code"], "scripted");
     gw.shutdown().await;
-    gw2.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -493,17 +480,12 @@ async fn a_worker_dying_mid_stream_gives_a_clean_error_and_leaves_the_routing_se
     let crashing = FakeWorker::start(Script::CrashAfter { tokens: 3 }).await;
     let healthy = FakeWorker::start(Script::Complete { tokens: 4 }).await;
     let gw = gateway(GatewayConfig {
-        workers: vec![
-            format!("{},id=1", crashing.url()).parse().unwrap(),
-            format!("{},id=2", healthy.url()).parse().unwrap(),
-        ],
-        router: router::RouterConfig {
-            policy: router::PolicyKind::RoundRobin,
-            ..Default::default()
-        },
         // Health checks would hide the request-triggered removal; keep them out of the way.
         health_interval: Duration::from_secs(3600),
-        ..gateway_config(&[])
+        ..round_robin(vec![
+            format!("{},id=1", crashing.url()).parse().unwrap(),
+            format!("{},id=2", healthy.url()).parse().unwrap(),
+        ])
     })
     .await;
     assert_eq!(gw.dispatcher().routable_workers().len(), 2);
@@ -531,32 +513,20 @@ async fn a_worker_dying_mid_stream_gives_a_clean_error_and_leaves_the_routing_se
     );
     // The next requests go to the healthy worker.
     for _ in 0..2 {
-        let s = post_stream(
-            &gw.url(),
-            "/v1/chat/completions",
-            &chat(&[("user", "hi")], 4, true),
-        )
-        .await;
+        let s = short_chat_stream(&gw.url()).await;
         assert_eq!(s.worker, Some(2));
         assert!(s.error().is_none() && s.done);
     }
     // Non-streaming: the error JSON, 502.
-    let gw_crash_only = gateway(GatewayConfig {
+    let crash_only = GatewayConfig {
         workers: vec![format!("{},id=1", crashing.url()).parse().unwrap()],
         health_interval: Duration::from_secs(3600),
         ..gateway_config(&[])
-    })
-    .await;
-    let (status, _, body) = post_json(
-        &gw_crash_only.url(),
-        "/v1/chat/completions",
-        &chat(&[("user", "hi")], 4, false),
-    )
-    .await;
+    };
+    let (status, body) = chat_through(crash_only, &chat(&[("user", "hi")], 4, false)).await;
     assert_eq!(status, 502, "{body}");
     assert_eq!(body["error"]["code"], "worker_failed");
     gw.shutdown().await;
-    gw_crash_only.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -576,12 +546,7 @@ async fn an_unreachable_worker_is_skipped_and_health_checks_bring_workers_back()
         gw.dispatcher().routable_workers(),
         vec![kv_index::WorkerId(1)]
     );
-    let s = post_stream(
-        &gw.url(),
-        "/v1/chat/completions",
-        &chat(&[("user", "hi")], 4, true),
-    )
-    .await;
+    let s = short_chat_stream(&gw.url()).await;
     assert_eq!(s.worker, Some(1));
     // The engine stops: the health check takes it out; 503 follows.
     let engine_url = engine.url();
@@ -592,44 +557,29 @@ async fn an_unreachable_worker_is_skipped_and_health_checks_bring_workers_back()
         || gw.dispatcher().routable_workers().is_empty(),
     )
     .await;
-    let (status, _, _) = post_json(
-        &gw.url(),
-        "/v1/chat/completions",
-        &chat(&[("user", "hi")], 4, false),
-    )
-    .await;
+    let (status, _, _) = short_chat_json(&gw.url()).await;
     assert_eq!(status, 503);
     // A worker comes back on the same address: routable again.
     let port: u16 = engine_url.rsplit(':').next().unwrap().parse().unwrap();
-    let mut config = engine_server::EngineServerConfig::new();
-    config.listen = ([127, 0, 0, 1], port).into();
-    config.worker_id = kv_index::WorkerId(1);
-    config.model = MODEL.into();
-    config.speedup = 200.0;
-    let revived = engine_server::EngineServer::bind(config).await.unwrap();
+    let revived = start_engine(EngineServerConfig {
+        listen: ([127, 0, 0, 1], port).into(),
+        ..engine_config(1)
+    })
+    .await;
     wait_for(
         "the health check to bring it back",
         Duration::from_secs(5),
         || gw.dispatcher().routable_workers() == vec![kv_index::WorkerId(1)],
     )
     .await;
-    let s = post_stream(
-        &gw.url(),
-        "/v1/chat/completions",
-        &chat(&[("user", "hi")], 4, true),
-    )
-    .await;
+    let s = short_chat_stream(&gw.url()).await;
     assert!(s.done && s.error().is_none());
-    gw.shutdown().await;
-    revived.shutdown().await;
+    shut_down(gw, vec![revived]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_cancels_the_worker_request() {
-    let mut config = engine_server::EngineServerConfig::new();
-    config.speedup = 5.0;
-    config.model = MODEL.into();
-    let engine = engine_server::EngineServer::bind(config).await.unwrap();
+    let engine = slow_engine(5.0).await;
     let gw = gateway(gateway_config(&[&engine])).await;
     let running = || async {
         let text = reqwest::get(format!("{}/metrics", engine.url()))
@@ -682,6 +632,5 @@ async fn a_client_that_disconnects_cancels_the_worker_request() {
         metrics.contains("dynamo_frontend_inflight_requests{model=\"llama-3.1-70b-instruct\"} 0"),
         "{metrics}"
     );
-    gw.shutdown().await;
-    engine.shutdown().await;
+    shut_down(gw, vec![engine]).await;
 }

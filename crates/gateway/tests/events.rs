@@ -101,16 +101,39 @@ fn batch_map(events: Vec<Value>) -> Vec<u8> {
     out
 }
 
-async fn send(socket: &mut zeromq::PubSocket, seq: u64, payload: Vec<u8>) {
-    let parts = vec![
-        Bytes::from_static(b"kv-events"),
-        Bytes::copy_from_slice(&seq.to_be_bytes()),
-        Bytes::from(payload),
-    ];
-    socket
-        .send(ZmqMessage::try_from(parts).unwrap())
-        .await
-        .unwrap();
+/// A vLLM worker's KV event publisher: numbers its batches as vLLM does.
+struct VllmPublisher {
+    socket: zeromq::PubSocket,
+    seq: u64,
+}
+
+impl VllmPublisher {
+    /// Sends one batch as a (topic, seq, payload) frame, under the next sequence number.
+    async fn send(&mut self, payload: Vec<u8>) {
+        let parts = vec![
+            Bytes::from_static(b"kv-events"),
+            Bytes::copy_from_slice(&self.seq.to_be_bytes()),
+            Bytes::from(payload),
+        ];
+        self.socket
+            .send(ZmqMessage::try_from(parts).unwrap())
+            .await
+            .unwrap();
+        self.seq += 1;
+    }
+
+    /// A batch lost on the way: its sequence number is never received.
+    fn lose_one(&mut self) {
+        self.seq += 1;
+    }
+}
+
+/// Waits until the gateway's index holds `blocks` blocks of `worker`.
+async fn wait_for_blocks(gw: &Gateway, worker: WorkerId, blocks: usize, what: &str) {
+    wait_for(what, Duration::from_secs(5), || {
+        gw.dispatcher().cached_blocks(worker) == blocks
+    })
+    .await;
 }
 
 fn tokens(range: std::ops::Range<u32>) -> Vec<u32> {
@@ -119,12 +142,8 @@ fn tokens(range: std::ops::Range<u32>) -> Vec<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() {
-    let mut publisher = zeromq::PubSocket::new();
-    let endpoint = publisher
-        .bind("tcp://127.0.0.1:0")
-        .await
-        .unwrap()
-        .to_string();
+    let mut socket = zeromq::PubSocket::new();
+    let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
     // A vLLM worker the gateway cannot reach over HTTP (not needed here): its events flow
     // all the same.
     let http = dead_port().await;
@@ -139,39 +158,24 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
     })
     .await;
 
+    let mut publisher = VllmPublisher { socket, seq: 0 };
     // ZMQ's slow joiner: send harmless frames until the subscription is live.
-    let mut seq = 0;
     let received = "kvroute_router_kv_events_received_total{source=\"zmq\"} ";
     while metric(&gw, received) == 0.0 {
-        send(&mut publisher, seq, batch_array(vec![removed_map(&[999])])).await;
-        seq += 1;
+        publisher.send(batch_array(vec![removed_map(&[999])])).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
     // Array encoding: two blocks of tokens 0..8 with vLLM's own ids 101, 102.
-    send(
-        &mut publisher,
-        seq,
-        batch_array(vec![stored_array(&[101, 102], None, 0..8)]),
-    )
-    .await;
-    seq += 1;
-    wait_for("the array-encoded batch", Duration::from_secs(5), || {
-        gw.dispatcher().cached_blocks(worker) == 2
-    })
-    .await;
+    publisher
+        .send(batch_array(vec![stored_array(&[101, 102], None, 0..8)]))
+        .await;
+    wait_for_blocks(&gw, worker, 2, "the array-encoded batch").await;
     // Map encoding: a child block, chained by vLLM's parent id.
-    send(
-        &mut publisher,
-        seq,
-        batch_map(vec![stored_map(&[103], Some(102), 8..12)]),
-    )
-    .await;
-    seq += 1;
-    wait_for("the map-encoded batch", Duration::from_secs(5), || {
-        gw.dispatcher().cached_blocks(worker) == 3
-    })
-    .await;
+    publisher
+        .send(batch_map(vec![stored_map(&[103], Some(102), 8..12)]))
+        .await;
+    wait_for_blocks(&gw, worker, 3, "the map-encoded batch").await;
     // The index hashed the tokens itself: the prompt 0..14 matches 3 leading blocks there.
     let key = gw.dispatcher().key(&tokens(0..14));
     assert_eq!(gw.dispatcher().overlaps(&key).get(worker), 3);
@@ -182,52 +186,37 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
 
     // Batch seq+1 is lost: the next one reveals the gap. The worker's blocks are cleared
     // (they may no longer be true), counted, and the new batch is applied on a clean slate.
-    seq += 1;
-    send(
-        &mut publisher,
-        seq,
-        batch_array(vec![stored_array(&[201], None, 100..104)]),
-    )
-    .await;
-    seq += 1;
+    publisher.lose_one();
+    publisher
+        .send(batch_array(vec![stored_array(&[201], None, 100..104)]))
+        .await;
     wait_for("the resync", Duration::from_secs(5), || {
         metric(&gw, "kvroute_router_kv_resyncs_total{source=\"zmq\"} ") == 1.0
     })
     .await;
-    wait_for("the post-gap state", Duration::from_secs(5), || {
-        gw.dispatcher().cached_blocks(worker) == 1
-    })
-    .await;
+    wait_for_blocks(&gw, worker, 1, "the post-gap state").await;
     assert_eq!(gw.dispatcher().overlaps(&key).get(worker), 0);
     let other = gw.dispatcher().key(&tokens(100..104));
     assert_eq!(gw.dispatcher().overlaps(&other).get(worker), 1);
 
     // Removal (map form) and a clear.
-    send(&mut publisher, seq, batch_map(vec![removed_map(&[201])])).await;
-    seq += 1;
-    wait_for("the removal", Duration::from_secs(5), || {
-        gw.dispatcher().cached_blocks(worker) == 0
-    })
-    .await;
-    send(
-        &mut publisher,
-        seq,
-        batch_array(vec![stored_array(&[301], None, 0..4)]),
-    )
-    .await;
-    seq += 1;
-    send(
-        &mut publisher,
-        seq,
-        batch_array(vec![Value::Array(vec!["AllBlocksCleared".into()])]),
-    )
-    .await;
+    publisher.send(batch_map(vec![removed_map(&[201])])).await;
+    wait_for_blocks(&gw, worker, 0, "the removal").await;
+    publisher
+        .send(batch_array(vec![stored_array(&[301], None, 0..4)]))
+        .await;
+    publisher
+        .send(batch_array(vec![Value::Array(vec![
+            "AllBlocksCleared".into(),
+        ])]))
+        .await;
     wait_for("the clear", Duration::from_secs(5), || {
         metric(&gw, received) >= 7.0 && gw.dispatcher().cached_blocks(worker) == 0
     })
     .await;
     // Garbage is counted and clears the worker rather than being half-applied.
     publisher
+        .socket
         .send(ZmqMessage::try_from(vec![Bytes::from_static(b"kv-events")]).unwrap())
         .await
         .unwrap();
@@ -279,16 +268,10 @@ async fn nats_batches_feed_the_index_and_gaps_and_restarts_clear_the_worker() {
         1,
     )
     .await;
-    wait_for("two stored prompts", Duration::from_secs(5), || {
-        gw.dispatcher().cached_blocks(worker) == 4
-    })
-    .await;
+    wait_for_blocks(&gw, worker, 4, "two stored prompts").await;
     // seq 2 is lost: seq 3 reveals the gap → the worker is cleared, then seq 3 applies.
     publish(vec![stored(worker, 3, &tokens(200..204))], 1).await;
-    wait_for("the resync", Duration::from_secs(5), || {
-        gw.dispatcher().cached_blocks(worker) == 1
-    })
-    .await;
+    wait_for_blocks(&gw, worker, 1, "the resync").await;
     let resyncs = "kvroute_router_kv_resyncs_total{source=\"nats\"} ";
     assert_eq!(metric(&gw, resyncs), 1.0);
     assert_eq!(
@@ -299,10 +282,7 @@ async fn nats_batches_feed_the_index_and_gaps_and_restarts_clear_the_worker() {
     );
     // In order again: applied.
     publish(vec![stored(worker, 4, &tokens(0..8))], 1).await;
-    wait_for("in-order events", Duration::from_secs(5), || {
-        gw.dispatcher().cached_blocks(worker) == 3
-    })
-    .await;
+    wait_for_blocks(&gw, worker, 3, "in-order events").await;
     // A new instance (the worker restarted, seq from 0): the old blocks go.
     publish(vec![stored(worker, 0, &tokens(300..304))], 2).await;
     wait_for("the restart", Duration::from_secs(5), || {

@@ -15,24 +15,12 @@ use router::PolicyKind;
 /// Returns (worker, prompt tokens, cached tokens) per turn.
 async fn conversation(gw: &gateway::Gateway, index: usize, turns: usize) -> Vec<(u64, u64, u64)> {
     let system = passage(index, 1200);
-    let mut history: Vec<(String, String)> = vec![("system".into(), system)];
+    let mut history = vec![("system", system)];
     let mut out = Vec::new();
     let preprocessor = gateway::preprocess::Preprocessor::builtin();
     for turn in 0..turns {
-        history.push((
-            "user".into(),
-            format!("Question {turn} about passage {index}?"),
-        ));
-        let messages: Vec<(&str, &str)> = history
-            .iter()
-            .map(|(r, c)| (r.as_str(), c.as_str()))
-            .collect();
-        let s = post_stream(
-            &gw.url(),
-            "/v1/chat/completions",
-            &chat(&messages, 24, true),
-        )
-        .await;
+        history.push(("user", format!("Question {turn} about passage {index}?")));
+        let s = stream_chat(&gw.url(), &history, 24).await;
         assert_eq!(s.status, 200, "{s:?}");
         assert!(s.done, "stream ended without [DONE]: {s:?}");
         assert!(s.error().is_none(), "{s:?}");
@@ -46,9 +34,9 @@ async fn conversation(gw: &gateway::Gateway, index: usize, turns: usize) -> Vec<
         let reply = s.text();
         // The engine published the prompt's blocks; wait until the index has them all, as a
         // client's think time would.
-        let chat_messages: Vec<text::ChatMessage> = messages
+        let chat_messages: Vec<text::ChatMessage> = history
             .iter()
-            .map(|(r, c)| text::ChatMessage::new(*r, *c))
+            .map(|(r, c)| text::ChatMessage::new(*r, c.as_str()))
             .collect();
         let tokens = preprocessor.chat(&chat_messages, false).unwrap().tokens;
         assert_eq!(
@@ -61,7 +49,7 @@ async fn conversation(gw: &gateway::Gateway, index: usize, turns: usize) -> Vec<
             gw.dispatcher().overlaps(&key).get(WorkerId(worker)) == key.num_blocks()
         })
         .await;
-        history.push(("assistant".into(), reply));
+        history.push(("assistant", reply));
     }
     out
 }
@@ -71,10 +59,7 @@ async fn cluster(
     namespace: &str,
     mode: PolicyKind,
 ) -> (Vec<engine_server::EngineServerHandle>, gateway::Gateway) {
-    let mut engines = Vec::new();
-    for id in 1..=3 {
-        engines.push(engine(id, Some((&nats.url(), namespace))).await);
-    }
+    let engines = engines(1..=3, Some((&nats.url(), namespace))).await;
     let refs: Vec<_> = engines.iter().collect();
     let mut config = gateway_config(&refs);
     config.router.policy = mode;
@@ -136,10 +121,7 @@ async fn next_turns_go_to_the_worker_that_cached_the_last(mode: PolicyKind) {
         .parse()
         .unwrap();
     assert!(cached_sum > 8.0 * 1000.0, "{cached_sum}");
-    gw.shutdown().await;
-    for e in engines {
-        e.shutdown().await;
-    }
+    shut_down(gw, engines).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,20 +135,14 @@ async fn round_robin_spreads_the_turns_of_a_conversation() {
     for &(_, prompt, cached) in &turns[1..] {
         assert!(cached < prompt / 4, "{turns:?}");
     }
-    gw.shutdown().await;
-    for e in engines {
-        e.shutdown().await;
-    }
+    shut_down(gw, engines).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
     let nats = NatsServer::start();
     let namespace = "dyn";
-    let mut engines = Vec::new();
-    for id in 11..=13 {
-        engines.push(engine(id, Some((&nats.url(), namespace))).await);
-    }
+    let mut engines = engines(11..=13, Some((&nats.url(), namespace))).await;
     let gw = gateway(GatewayConfig {
         nats_url: Some(nats.url()),
         namespace: namespace.into(),
@@ -235,19 +211,13 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
     })
     .await;
     assert_eq!(gw.dispatcher().routable_workers().len(), 2);
-    gw.shutdown().await;
-    for e in engines {
-        e.shutdown().await;
-    }
+    shut_down(gw, engines).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approximate_mode_keeps_conversations_on_their_worker_without_events() {
     // No NATS, no ZMQ: the router predicts caches from its own decisions.
-    let mut engines = Vec::new();
-    for id in 1..=3 {
-        engines.push(engine(id, None).await);
-    }
+    let engines = engines(1..=3, None).await;
     let refs: Vec<_> = engines.iter().collect();
     let mut config = gateway_config(&refs);
     config.router.kv_source = router::KvSource::Approximate {
@@ -260,23 +230,11 @@ async fn approximate_mode_keeps_conversations_on_their_worker_without_events() {
             ("system", system.clone()),
             ("user", "First question?".to_string()),
         ];
-        let messages: Vec<(&str, &str)> = history.iter().map(|(r, t)| (*r, t.as_str())).collect();
-        let first = post_stream(
-            &gw.url(),
-            "/v1/chat/completions",
-            &chat(&messages, 16, true),
-        )
-        .await;
+        let first = stream_chat(&gw.url(), &history, 16).await;
         assert!(first.done && first.error().is_none(), "{first:?}");
         history.push(("assistant", first.text()));
         history.push(("user", "Second question?".to_string()));
-        let messages: Vec<(&str, &str)> = history.iter().map(|(r, t)| (*r, t.as_str())).collect();
-        let second = post_stream(
-            &gw.url(),
-            "/v1/chat/completions",
-            &chat(&messages, 16, true),
-        )
-        .await;
+        let second = stream_chat(&gw.url(), &history, 16).await;
         assert_eq!(second.worker, first.worker, "conversation {c}");
         // The engine really had it cached.
         let prompt = first.usage().unwrap()["prompt_tokens"].as_u64().unwrap();
@@ -295,8 +253,5 @@ async fn approximate_mode_keeps_conversations_on_their_worker_without_events() {
         !metrics.contains("kvroute_router_index_blocks 0\n"),
         "{metrics}"
     );
-    gw.shutdown().await;
-    for e in engines {
-        e.shutdown().await;
-    }
+    shut_down(gw, engines).await;
 }

@@ -477,32 +477,25 @@ fn print_run(results: &BenchResults, totals: &sim::RunTotals) {
 }
 
 pub fn print_latencies(r: &Row) {
-    println!(
-        "  TTFT  p50 {:>9} ms   p95 {:>9} ms",
-        opt(r.metrics.ttft_ms.p50, 1),
-        opt(r.metrics.ttft_ms.p95, 1)
-    );
-    println!(
-        "  TPOT  p50 {:>9} ms   p95 {:>9} ms",
-        opt(r.metrics.tpot_ms.p50, 1),
-        opt(r.metrics.tpot_ms.p95, 1)
-    );
-    println!(
-        "  ITL   p50 {:>9} ms   p95 {:>9} ms",
-        opt(r.metrics.itl_ms.p50, 1),
-        opt(r.metrics.itl_ms.p95, 1)
-    );
-    println!(
-        "  E2E   p50 {:>9} s    p95 {:>9} s",
-        opt(r.metrics.e2e_s.p50, 2),
-        opt(r.metrics.e2e_s.p95, 2)
-    );
+    let m = &r.metrics;
+    for (name, unit, p, decimals) in [
+        ("TTFT", "ms", &m.ttft_ms, 1),
+        ("TPOT", "ms", &m.tpot_ms, 1),
+        ("ITL", "ms", &m.itl_ms, 1),
+        ("E2E", "s", &m.e2e_s, 2),
+    ] {
+        println!(
+            "  {name:<4}  p50 {:>9} {unit:<2}   p95 {:>9} {unit}",
+            opt(p.p50, decimals),
+            opt(p.p95, decimals)
+        );
+    }
     println!(
         "  output tokens/s {:.1}   requests/s {:.2}   KV hit rate {}   oracle {}   errors {}",
-        r.metrics.output_tokens_per_s,
-        r.metrics.requests_per_s,
-        opt(r.metrics.kv_hit_rate.map(|h| h * 100.0), 1) + "%",
-        opt(r.metrics.oracle_hit_rate.map(|h| h * 100.0), 1) + "%",
-        r.metrics.errors
+        m.output_tokens_per_s,
+        m.requests_per_s,
+        opt(m.kv_hit_rate.map(|h| h * 100.0), 1) + "%",
+        opt(m.oracle_hit_rate.map(|h| h * 100.0), 1) + "%",
+        m.errors
     );
 }

@@ -1,22 +1,17 @@
 //! The `kvroute` binary as a user runs it.
 
 use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-fn kvroute() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvroute"))
-}
+mod common;
+
+use common::{failure, kvroute, stdout_of};
 
 #[test]
 fn hash_prints_the_pinned_test_vectors() {
     let tokens: Vec<String> = (0..70).map(|t| t.to_string()).collect();
-    let out = kvroute().arg("hash").args(&tokens).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
+    let tokens: Vec<&str> = tokens.iter().map(String::as_str).collect();
+    let stdout = stdout_of(&[&["hash"], &tokens[..]].concat());
     // The crate docs' test vectors for tokens 0..63, block size 32.
     assert!(stdout.contains("0x7949379a13dba8d2"), "{stdout}");
     assert!(stdout.contains("0xa6316d8655c998ff"), "{stdout}");
@@ -50,31 +45,15 @@ fn hash_reads_stdin_and_writes_json() {
 
 #[test]
 fn hash_rejects_bad_input_with_a_clear_error() {
-    let out = kvroute().args(["hash", "12", "x7"]).output().unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8(out.stderr).unwrap();
+    let stderr = failure(&["hash", "12", "x7"]);
     assert!(stderr.contains("`x7` is not a token id"), "{stderr}");
-    let out = kvroute()
-        .args(["hash", "--block-size", "0", "1"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8(out.stderr)
-            .unwrap()
-            .contains("--block-size")
-    );
+    let stderr = failure(&["hash", "--block-size", "0", "1"]);
+    assert!(stderr.contains("--block-size"), "{stderr}");
 }
 
 #[test]
 fn profiles_lists_every_builtin_with_its_capacity() {
-    let out = kvroute().arg("profiles").output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stdout = stdout_of(&["profiles"]);
     for name in ["h200-llama70b-fp8", "h100-llama8b", "dynamo-mocker"] {
         assert!(stdout.contains(name), "{name} missing:\n{stdout}");
     }
@@ -86,38 +65,17 @@ fn profiles_lists_every_builtin_with_its_capacity() {
 
 #[test]
 fn a_shown_profile_edited_into_a_file_checks_out() {
-    let out = kvroute()
-        .args(["profiles", "show", "h100-llama8b"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let toml = String::from_utf8(out.stdout)
-        .unwrap()
+    let toml = stdout_of(&["profiles", "show", "h100-llama8b"])
         .replace("name = \"h100-llama8b\"", "name = \"my-gpu\"");
     let dir = std::env::temp_dir().join(format!("kvroute-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("my-gpu.toml");
     std::fs::write(&path, toml).unwrap();
-    let out = kvroute()
-        .args(["profiles", "check"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(String::from_utf8(out.stdout).unwrap().contains("my-gpu"));
+    let path_arg = path.to_str().expect("a UTF-8 temporary path");
+    assert!(stdout_of(&["profiles", "check", path_arg]).contains("my-gpu"));
 
     std::fs::write(&path, "name = \"broken\"\ngpu_memory_bytes = \"lots\"\n").unwrap();
-    let out = kvroute()
-        .args(["profiles", "check"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8(out.stderr).unwrap();
+    let stderr = failure(&["profiles", "check", path_arg]);
     assert!(
         stderr.contains("is not a valid hardware profile"),
         "{stderr}"
@@ -127,11 +85,6 @@ fn a_shown_profile_edited_into_a_file_checks_out() {
 
 #[test]
 fn an_unknown_profile_lists_the_known_ones() {
-    let out = kvroute()
-        .args(["profiles", "show", "b300"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8(out.stderr).unwrap();
+    let stderr = failure(&["profiles", "show", "b300"]);
     assert!(stderr.contains("h200-llama70b-fp8"), "{stderr}");
 }

@@ -3,14 +3,14 @@
 //! and stops cleanly on Ctrl-C (SIGINT); bad arguments fail with a clear error.
 
 use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, ChildStdout, Stdio};
+use std::process::{ChildStdout, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 mod common;
 
-use common::{Running, kvroute};
+use common::{Running, assert_failures, get_json, get_text};
 
 /// Reads stdout lines until one contains `marker`; returns every line read.
 fn lines_until(stdout: &mut BufReader<ChildStdout>, marker: &str) -> Vec<String> {
@@ -39,6 +39,52 @@ fn dashboard_url(lines: &[String]) -> String {
         .to_owned()
 }
 
+/// `kvroute demo` on free ports, read up to its "open URL" line.
+struct Demo {
+    running: Running,
+    /// The rest of its stdout.
+    stdout: BufReader<ChildStdout>,
+    /// The lines it printed up to and with the "open" line.
+    lines: Vec<String>,
+    /// The dashboard's URL.
+    url: String,
+}
+
+impl Demo {
+    /// Starts `kvroute demo --port 0 --gateway-port 0 ARGS`.
+    fn start(args: &[&str]) -> Demo {
+        let args = [&["demo", "--port", "0", "--gateway-port", "0"], args].concat();
+        let mut running = Running::spawn(&args, Stdio::piped());
+        let mut stdout = running.take_stdout();
+        let lines = lines_until(&mut stdout, "kvroute demo: open ");
+        let url = dashboard_url(&lines);
+        Demo {
+            running,
+            stdout,
+            lines,
+            url,
+        }
+    }
+
+    /// Polls `/api/status` every 200 ms until `done` says so, for up to two minutes.
+    fn wait_for_status(&self, what: &str, done: impl Fn(&Value) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let status = get(&format!("{}/api/status", self.url));
+            if done(&status) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{what}: {status}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Ctrl-C, as a presenter stops it; the exit status within 20 s.
+    fn interrupt(&mut self) -> std::process::ExitStatus {
+        self.running.stop(libc::SIGINT, Duration::from_secs(20))
+    }
+}
+
 fn block_on<T>(work: impl Future<Output = T>) -> T {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -48,7 +94,7 @@ fn block_on<T>(work: impl Future<Output = T>) -> T {
 }
 
 fn get(url: &str) -> Value {
-    block_on(async { reqwest::get(url).await.unwrap().json().await.unwrap() })
+    block_on(get_json(url))
 }
 
 fn post(url: &str) -> u16 {
@@ -63,53 +109,24 @@ fn post(url: &str) -> u16 {
     })
 }
 
-fn sigint(child: &Child) {
-    // SAFETY: kill(2) on our own child's pid.
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
-    assert_eq!(rc, 0);
-}
-
-fn wait_exit(running: &mut Running, timeout: Duration) -> std::process::ExitStatus {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = running.0.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the demo did not stop within {timeout:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn demo_runs_the_whole_system_and_stops_on_ctrl_c() {
-    let child = kvroute()
-        .args([
-            "demo",
-            "--port",
-            "0",
-            "--gateway-port",
-            "0",
-            "--workers",
-            "2",
-        ])
-        .args(["--speedup", "50", "--concurrency", "3", "--start"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut running = Running(child);
-    let mut stdout = BufReader::new(running.0.stdout.take().unwrap());
-    let lines = lines_until(&mut stdout, "kvroute demo: open ");
+    let mut demo = Demo::start(&[
+        "--workers",
+        "2",
+        "--speedup",
+        "50",
+        "--concurrency",
+        "3",
+        "--start",
+    ]);
+    let (lines, url) = (&demo.lines, &demo.url);
     // The recorded comparison is simulated for this very cluster at start-up.
     assert!(
         lines[0].contains("simulated the recorded comparison (round_robin vs kv_load)"),
         "{lines:?}"
     );
     assert!(lines[1].contains("2 simulated h200-llama70b-fp8 workers behind the kv_load gateway"));
-    let url = dashboard_url(&lines);
 
     let baseline = get(&format!("{url}/api/baseline"));
     assert!(
@@ -119,62 +136,42 @@ fn demo_runs_the_whole_system_and_stops_on_ctrl_c() {
     assert_eq!(baseline["kv_router"], "kv_load");
     assert_eq!(baseline["levels"].as_array().unwrap().len(), 7);
 
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let status = get(&format!("{url}/api/status"));
+    demo.wait_for_status("no finished turns", |status| {
         let lane = &status["lanes"][0];
         assert_eq!(status["running"], true);
         assert_eq!(lane["router"], "kv_load");
-        if lane["metrics"]["requests"].as_u64().unwrap() >= 3
-            && lane["workers"]["list"].as_array().unwrap().len() == 2
-        {
+        let done = lane["metrics"]["requests"].as_u64().unwrap() >= 3
+            && lane["workers"]["list"].as_array().unwrap().len() == 2;
+        if done {
             assert_eq!(lane["metrics"]["errors"], 0);
-            break;
         }
-        assert!(Instant::now() < deadline, "no finished turns: {status}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    // The page is served from the binary.
-    let page = block_on(async {
-        reqwest::get(format!("{url}/"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        done
     });
+    // The page is served from the binary.
+    let page = block_on(get_text(&format!("{url}/")));
     assert!(page.contains("<script type=\"module\""), "{page}");
 
-    sigint(&running.0);
-    let status = wait_exit(&mut running, Duration::from_secs(20));
+    let status = demo.interrupt();
     assert!(status.success(), "{status:?}");
     let mut rest = String::new();
-    stdout.read_to_string(&mut rest).unwrap();
+    demo.stdout.read_to_string(&mut rest).unwrap();
     assert!(rest.contains("kvroute demo: stopped"), "{rest}");
 }
 
 #[test]
 fn compare_mode_runs_two_clusters_on_the_same_conversations() {
-    let child = kvroute()
-        .args([
-            "demo",
-            "--port",
-            "0",
-            "--gateway-port",
-            "0",
-            "--workers",
-            "1",
-        ])
-        .args(["--speedup", "50", "--concurrency", "2", "--no-baseline"])
-        .args(["--compare", "round_robin,kv"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut running = Running(child);
-    let mut stdout = BufReader::new(running.0.stdout.take().unwrap());
-    let lines = lines_until(&mut stdout, "kvroute demo: open ");
-    let url = dashboard_url(&lines);
+    let mut demo = Demo::start(&[
+        "--workers",
+        "1",
+        "--speedup",
+        "50",
+        "--concurrency",
+        "2",
+        "--no-baseline",
+        "--compare",
+        "round_robin,kv",
+    ]);
+    let url = &demo.url;
     let status = get(&format!("{url}/api/status"));
     let names: Vec<&str> = status["lanes"]
         .as_array()
@@ -186,39 +183,32 @@ fn compare_mode_runs_two_clusters_on_the_same_conversations() {
     assert_eq!(status["running"], false, "not started without --start");
     assert_eq!(status["baseline"], Value::Null);
     assert_eq!(post(&format!("{url}/api/workload/start")), 200);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let status = get(&format!("{url}/api/status"));
+    demo.wait_for_status("both lanes progress", |status| {
         let done = |i: usize| status["lanes"][i]["metrics"]["requests"].as_u64().unwrap();
-        if done(0) >= 2 && done(1) >= 2 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "both lanes progress: {status}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    sigint(&running.0);
-    assert!(wait_exit(&mut running, Duration::from_secs(20)).success());
+        done(0) >= 2 && done(1) >= 2
+    });
+    assert!(demo.interrupt().success());
 }
 
 #[test]
 fn bad_arguments_fail_with_a_clear_error() {
-    for (args, expected) in [
+    assert_failures(&[
         (
-            vec!["demo", "--compare", "kv,kv"],
+            &["demo", "--compare", "kv,kv"],
             "--compare takes two different routers",
         ),
         (
-            vec!["demo", "--workers", "0"],
+            &["demo", "--workers", "0"],
             "--workers must be between 1 and 64",
         ),
-        (vec!["demo", "--router", "best"], "router \"best\""),
-        (vec!["demo", "--think-time=-1"], "--think-time must be"),
+        (&["demo", "--router", "best"], "router \"best\""),
+        (&["demo", "--think-time=-1"], "--think-time must be"),
         (
-            vec!["loadgen", "--target", "localhost:8000"],
+            &["loadgen", "--target", "localhost:8000"],
             "--target must be an http:// or https:// URL",
         ),
         (
-            vec![
+            &[
                 "loadgen",
                 "--target",
                 "http://x",
@@ -227,10 +217,5 @@ fn bad_arguments_fail_with_a_clear_error() {
             ],
             "reading /nonexistent.json",
         ),
-    ] {
-        let output = kvroute().args(&args).output().unwrap();
-        assert!(!output.status.success(), "{args:?} should fail");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(stderr.contains(expected), "{args:?}: {stderr}");
-    }
+    ]);
 }

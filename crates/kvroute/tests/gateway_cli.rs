@@ -2,79 +2,16 @@
 //! processes behind it, one of them killed mid-stream, registration over a real nats-server,
 //! and a graceful stop on SIGTERM.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::{Server, failure, get_json, get_text, kvroute};
 use futures::StreamExt;
+mod common;
 // The gateway's tests' nats-server harness, shared rather than copied.
 #[path = "../../gateway/tests/common/nats.rs"]
 mod nats;
 use nats::NatsServer;
 use serde_json::{Value, json};
-
-fn kvroute() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvroute"))
-}
-
-/// A child process killed on drop.
-struct Proc {
-    child: Child,
-    url: String,
-}
-
-impl Proc {
-    /// Starts `kvroute ARGS` and waits for its "listening on URL" line.
-    fn start(args: &[&str]) -> Proc {
-        let mut child = kvroute()
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("kvroute runs");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some((_, url)) = line.split_once("listening on ") {
-                    let _ = tx.send(url.trim().to_string());
-                }
-            }
-        });
-        let url = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| panic!("kvroute {args:?} did not start listening"));
-        Proc { child, url }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "no exit 10 s after SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 fn chat(content: &str, max_tokens: u32) -> Value {
     json!({
@@ -105,12 +42,7 @@ async fn stream_chat(url: &str, content: &str, max_tokens: u32) -> (reqwest::Res
 }
 
 async fn health(url: &str) -> Value {
-    reqwest::get(format!("{url}/health"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get_json(&format!("{url}/health")).await
 }
 
 async fn wait_health(url: &str, routable: u64) {
@@ -123,6 +55,16 @@ async fn wait_health(url: &str, routable: u64) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// `kvroute engine` workers 1 and 2 on free ports, with `args`.
+fn engines(args: &[&str]) -> Vec<Server> {
+    (1..=2)
+        .map(|id| {
+            let id = id.to_string();
+            Server::start(&[&["engine", "--port", "0", "--worker-id", &id], args].concat())
+        })
+        .collect()
 }
 
 #[test]
@@ -155,11 +97,7 @@ fn help_lists_router_modes_defaults_and_dynamo_variables() {
 
 #[test]
 fn bad_flags_fail_with_a_message_that_says_what_to_do() {
-    let run = |args: &[&str]| {
-        let out = kvroute().arg("gateway").args(args).output().unwrap();
-        assert!(!out.status.success(), "{args:?} succeeded");
-        String::from_utf8(out.stderr).unwrap()
-    };
+    let run = |args: &[&str]| failure(&[&["gateway"], args].concat());
     let err = run(&["--router-mode", "cheapest"]);
     assert!(err.contains("round_robin") && err.contains("kv"), "{err}");
     let err = run(&["--worker", "localhost:8000"]);
@@ -183,20 +121,8 @@ fn bad_flags_fail_with_a_message_that_says_what_to_do() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_routing_set() {
-    let mut engines: Vec<Proc> = (1..=2)
-        .map(|id| {
-            Proc::start(&[
-                "engine",
-                "--port",
-                "0",
-                "--speedup",
-                "20",
-                "--worker-id",
-                &id.to_string(),
-            ])
-        })
-        .collect();
-    let mut gateway = Proc::start(&[
+    let mut engines = engines(&["--speedup", "20"]);
+    let mut gateway = Server::start(&[
         "gateway",
         "--port",
         "0",
@@ -220,7 +146,7 @@ async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_ro
         while let Some(chunk) = stream.next().await {
             body.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
             if !killed && body.matches("data: ").count() >= 3 {
-                engines[worker - 1].kill();
+                engines[worker - 1].running.kill();
                 killed = true;
             }
         }
@@ -245,43 +171,30 @@ async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_ro
             "{text}"
         );
     }
-    let metrics = reqwest::get(format!("{}/metrics", gateway.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = get_text(&format!("{}/metrics", gateway.url)).await;
     assert!(
         metrics.contains("kvroute_gateway_worker_failures_total 1"),
         "{metrics}"
     );
-    let status = gateway.terminate();
+    let status = gateway.running.stop(libc::SIGTERM, Duration::from_secs(10));
     assert!(status.success(), "gateway exit: {status:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_register_over_nats_and_a_killed_one_expires() {
     let nats = NatsServer::start();
-    let mut engines: Vec<Proc> = (1..=2)
-        .map(|id| {
-            Proc::start(&[
-                "engine",
-                "--port",
-                "0",
-                "--speedup",
-                "50",
-                "--worker-id",
-                &id.to_string(),
-                "--nats",
-                &nats.url(),
-                "--namespace",
-                "cli",
-                "--lease-ms",
-                "1000",
-            ])
-        })
-        .collect();
-    let gateway = Proc::start(&[
+    let nats_url = nats.url();
+    let mut engines = engines(&[
+        "--speedup",
+        "50",
+        "--nats",
+        &nats_url,
+        "--namespace",
+        "cli",
+        "--lease-ms",
+        "1000",
+    ]);
+    let gateway = Server::start(&[
         "gateway",
         "--port",
         "0",
@@ -294,6 +207,6 @@ async fn engines_register_over_nats_and_a_killed_one_expires() {
     let (first, _) = stream_chat(&gateway.url, "What is a KV cache?", 8).await;
     assert!(first.text().await.unwrap().ends_with("data: [DONE]\n\n"));
     // SIGKILL: no goodbye; the lease runs out.
-    engines[0].kill();
+    engines[0].running.kill();
     wait_health(&gateway.url, 1).await;
 }

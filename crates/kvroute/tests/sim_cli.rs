@@ -3,27 +3,17 @@
 //! sample, the same bytes on a second run), and clear errors.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn kvroute() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvroute"))
-}
+mod common;
+
+use common::{assert_failures, failure, kvroute, ok};
 
 /// A fresh, empty directory for one test's output.
 fn out_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvroute-sim-cli-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     dir
-}
-
-fn ok(out: Output) -> Output {
-    assert!(
-        out.status.success(),
-        "status {}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
 }
 
 /// A small bench: two levels, one sweep, short windows. Seconds of simulated time, not of
@@ -179,7 +169,7 @@ fn sim_prints_a_table_or_the_json_contract() {
 
 #[test]
 fn bad_arguments_fail_with_a_clear_error() {
-    let cases: [(&[&str], &str); 5] = [
+    assert_failures(&[
         (
             &["bench", "--routers", "round_robin,best"],
             "round_robin, random, kv",
@@ -191,13 +181,7 @@ fn bad_arguments_fail_with_a_clear_error() {
         ),
         (&["sim", "--warmup", "100", "--duration", "50"], "--warmup"),
         (&["sim", "--engine-set", "max_num_seqs"], "KEY=VALUE"),
-    ];
-    for (args, needle) in cases {
-        let out = kvroute().args(args).output().unwrap();
-        assert!(!out.status.success(), "{args:?} should fail");
-        let stderr = String::from_utf8(out.stderr).unwrap();
-        assert!(stderr.contains(needle), "{args:?}: {stderr}");
-    }
+    ]);
 }
 
 /// 4 workers, 40 simulated seconds sampled every 2 s: 20 samples.
@@ -286,14 +270,17 @@ fn sim_timeline_writes_a_row_per_worker_per_sample_and_a_chart() {
 #[test]
 fn a_zero_timeline_interval_is_refused_before_the_run() {
     let dir = out_dir("timeline-zero");
-    let out = kvroute()
-        .args(["sim", "--duration", "20", "--warmup", "5"])
-        .args(["--timeline-interval", "0", "--timeline"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8(out.stderr).unwrap();
+    let stderr = failure(&[
+        "sim",
+        "--duration",
+        "20",
+        "--warmup",
+        "5",
+        "--timeline-interval",
+        "0",
+        "--timeline",
+        dir.to_str().expect("a UTF-8 temporary directory"),
+    ]);
     assert!(
         stderr.contains("interval must be longer than zero"),
         "{stderr}"

@@ -18,6 +18,11 @@ use kv_index::WorkerId;
 use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
 use workload::Distribution;
 
+// The gateway bench's reader of per-thread CPU time, shared rather than copied.
+#[path = "../../gateway/benches/common/thread_cpu.rs"]
+mod thread_cpu;
+use thread_cpu::thread_cpu_seconds;
+
 const MODEL: &str = "llama-3.1-70b-instruct";
 
 fn setting(name: &str, default: f64) -> f64 {
@@ -25,32 +30,6 @@ fn setting(name: &str, default: f64) -> f64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-/// CPU seconds (user + system) of this process's threads whose name starts with `prefix`.
-fn thread_cpu_seconds(prefix: &str) -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let mut ticks = 0u64;
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return f64::NAN;
-    };
-    for task in tasks.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if !comm.starts_with(prefix) {
-            continue;
-        }
-        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-        // Fields after the parenthesised name: state is field 3, utime 14, stime 15.
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-            continue;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let utime: u64 = fields.get(11).and_then(|f| f.parse().ok()).unwrap_or(0);
-        let stime: u64 = fields.get(12).and_then(|f| f.parse().ok()).unwrap_or(0);
-        ticks += utime + stime;
-    }
-    ticks as f64 / ticks_per_s
 }
 
 fn main() {
@@ -124,13 +103,13 @@ fn main() {
         tokio::time::sleep(warmup).await;
         let before = (
             Instant::now(),
-            thread_cpu_seconds("loadgen"),
+            thread_cpu_seconds(|name| name.starts_with("loadgen")),
             loadgen.app().status(),
         );
         tokio::time::sleep(measure).await;
         let after = (
             Instant::now(),
-            thread_cpu_seconds("loadgen"),
+            thread_cpu_seconds(|name| name.starts_with("loadgen")),
             loadgen.app().status(),
         );
         (loadgen, before, after)

@@ -115,12 +115,7 @@ async fn instant_query(
     let url = format!("{}/api/v1/query", base.trim_end_matches('/'));
     let with_query = reqwest::Url::parse_with_params(&url, &[("query", query)])
         .map_err(|e| format!("{url}: {e}"))?;
-    let response = http
-        .get(with_query)
-        .timeout(SCRAPE_TIMEOUT)
-        .send()
-        .await
-        .map_err(|e| crate::client::error_chain(&e))?;
+    let response = scrape::get(http, with_query, SCRAPE_TIMEOUT).await?;
     let status = response.status();
     let body: serde_json::Value = response
         .json()

@@ -255,6 +255,19 @@ fn gpu_entry(gpus: &mut Vec<GpuView>, index: u32) -> &mut GpuView {
     &mut gpus[position]
 }
 
+/// GETs `url` with a timeout; a transport failure becomes its chain of error messages.
+pub async fn get(
+    client: &reqwest::Client,
+    url: impl reqwest::IntoUrl,
+    timeout: Duration,
+) -> Result<reqwest::Response, String> {
+    let request = client.get(url).timeout(timeout);
+    request
+        .send()
+        .await
+        .map_err(|e| crate::client::error_chain(&e))
+}
+
 /// GETs `url` as text, with a timeout and a bound on the body.
 pub async fn fetch_text(
     client: &reqwest::Client,
@@ -262,12 +275,7 @@ pub async fn fetch_text(
     timeout: Duration,
 ) -> Result<String, String> {
     const MAX_BODY: usize = 8 << 20;
-    let response = client
-        .get(url)
-        .timeout(timeout)
-        .send()
-        .await
-        .map_err(|e| crate::client::error_chain(&e))?;
+    let response = get(client, url, timeout).await?;
     if !response.status().is_success() {
         return Err(format!("{url}: HTTP {}", response.status()));
     }

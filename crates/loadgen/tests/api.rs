@@ -3,53 +3,35 @@
 
 use std::time::{Duration, Instant};
 
-use engine_server::EngineServerHandle;
 use futures::StreamExt;
-use gateway::Gateway;
-use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
+use loadgen::{LaneSpec, Loadgen};
 use serde_json::{Value, json};
 
 mod common;
 
-use common::{MODEL, worker_names};
+use common::{
+    Cluster, MODEL, get, loadgen_config as config, strings, wait_for_status, wait_until,
+    worker_names,
+};
 
-struct Cluster {
-    engines: Vec<EngineServerHandle>,
-    gateway: Gateway,
-}
-
+/// Workers 0.. `workers` named `worker-{id}` behind the gateway.
 async fn cluster(workers: u64, speedup: f64) -> Cluster {
-    let mut engines = Vec::new();
-    for id in 0..workers {
-        engines.push(common::engine(id, speedup, &format!("worker-{id}")).await);
-    }
-    let gateway = common::gateway(&engines).await;
-    Cluster { engines, gateway }
+    Cluster::start(0..workers, speedup, "worker-").await
 }
 
+/// [`wait_for_status`] of the first lane's metrics.
+async fn wait_for_metrics(
+    url: &str,
+    what: &str,
+    timeout: Duration,
+    check: impl Fn(&Value) -> bool,
+) {
+    wait_for_status(url, what, timeout, |s| check(&s["lanes"][0]["metrics"])).await;
+}
+
+/// A lane `name` of the `kv_load` gateway of `cluster`.
 fn lane(name: &str, cluster: &Cluster) -> LaneSpec {
-    let mut lane = LaneSpec::for_gateway(name, Some("kv_load"), &cluster.gateway.url(), MODEL);
-    lane.worker_metrics = cluster
-        .engines
-        .iter()
-        .map(|e| format!("{}/metrics", e.url()))
-        .collect();
-    lane
-}
-
-fn config(lanes: Vec<LaneSpec>, concurrency: u32, speedup: f64) -> LoadgenConfig {
-    let mut config = LoadgenConfig::new(lanes);
-    config.listen = "127.0.0.1:0".parse().unwrap();
-    config.drive.workload.concurrency = concurrency;
-    config.drive.workload.ramp_s = 0.0;
-    config.drive.time_scale = speedup;
-    config
-}
-
-async fn get(url: &str) -> (u16, Value) {
-    let response = reqwest::get(url).await.expect("GET");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
+    cluster.lane(name, Some("kv_load"))
 }
 
 async fn post(url: &str, body: Option<Value>) -> (u16, Value) {
@@ -61,14 +43,6 @@ async fn post(url: &str, body: Option<Value>) -> (u16, Value) {
     let response = request.send().await.expect("POST");
     let status = response.status().as_u16();
     (status, response.json().await.unwrap_or(Value::Null))
-}
-
-async fn wait_until(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !check().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 fn error_code(body: &Value) -> &str {
@@ -122,14 +96,11 @@ async fn the_workload_runs_measures_and_obeys_the_api() {
     assert_eq!((code, error_code(&body)), (409, "already_running"));
 
     // Turns finish: the window fills, the gateway's hit rate and the workers' GPUs show.
-    wait_until(
+    wait_for_metrics(
+        &url,
         "12 finished turns with a hit rate",
         Duration::from_secs(120),
-        async || {
-            let (_, s) = get(&format!("{url}/api/status")).await;
-            let m = &s["lanes"][0]["metrics"];
-            m["requests"].as_u64().unwrap_or(0) >= 12 && m["kv_hit_rate"].is_number()
-        },
+        |m| m["requests"].as_u64().unwrap_or(0) >= 12 && m["kv_hit_rate"].is_number(),
     )
     .await;
     let (_, status) = get(&format!("{url}/api/status")).await;
@@ -234,14 +205,9 @@ async fn the_workload_runs_measures_and_obeys_the_api() {
         (status["running"].clone(), status["concurrency"].clone()),
         (json!(true), json!(7))
     );
-    wait_until(
-        "7 open conversations",
-        Duration::from_secs(30),
-        async || {
-            let (_, s) = get(&format!("{url}/api/status")).await;
-            s["lanes"][0]["metrics"]["active_conversations"] == 7
-        },
-    )
+    wait_for_metrics(&url, "7 open conversations", Duration::from_secs(30), |m| {
+        m["active_conversations"] == 7
+    })
     .await;
 
     // Stop: requests are cancelled, open conversations end as stopped.
@@ -250,22 +216,15 @@ async fn the_workload_runs_measures_and_obeys_the_api() {
     assert_eq!(status["running"], false);
     assert_eq!(status["lanes"][0]["metrics"]["in_flight"], 0);
     let (_, list) = get(&format!("{url}/api/conversations?limit=500")).await;
-    let statuses: Vec<&str> = list["conversations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["status"].as_str().unwrap())
-        .collect();
+    let statuses = strings(&list["conversations"], "status");
     assert!(statuses.contains(&"stopped"), "{statuses:?}");
     assert!(!statuses.contains(&"active"), "{statuses:?}");
     assert!(!statuses.contains(&"error"), "{statuses:?}");
 
     // A restart counts from zero and keeps the earlier transcripts under their own ids.
-    let before: Vec<String> = list["conversations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["id"].as_str().unwrap().to_owned())
+    let before: Vec<String> = strings(&list["conversations"], "id")
+        .into_iter()
+        .map(str::to_owned)
         .collect();
     let (code, status) = post(
         &format!("{url}/api/workload/start"),
@@ -274,13 +233,11 @@ async fn the_workload_runs_measures_and_obeys_the_api() {
     .await;
     assert_eq!(code, 200);
     assert_eq!(status["lanes"][0]["metrics"]["requests"], 0);
-    wait_until(
+    wait_for_metrics(
+        &url,
         "a turn after the restart",
         Duration::from_secs(60),
-        async || {
-            let (_, s) = get(&format!("{url}/api/status")).await;
-            s["lanes"][0]["metrics"]["requests"].as_u64().unwrap_or(0) >= 1
-        },
+        |m| m["requests"].as_u64().unwrap_or(0) >= 1,
     )
     .await;
     let (_, list) = get(&format!("{url}/api/conversations?limit=500")).await;
@@ -402,8 +359,7 @@ async fn failed_turns_count_as_errors_and_a_dead_metrics_source_says_why() {
     let url = loadgen.url();
     let (code, _) = post(&format!("{url}/api/workload/start"), None).await;
     assert_eq!(code, 200);
-    wait_until("errors and a scrape", Duration::from_secs(20), async || {
-        let (_, s) = get(&format!("{url}/api/status")).await;
+    wait_for_status(&url, "errors and a scrape", Duration::from_secs(20), |s| {
         s["lanes"][0]["metrics"]["errors"].as_u64().unwrap_or(0) >= 4
             && s["lanes"][0]["workers"]["error"].is_string()
     })
@@ -504,12 +460,11 @@ async fn a_user_model_writes_the_follow_ups_and_its_failures_fall_back_to_built_
     config.autostart = true;
     let loadgen = Loadgen::bind(config).await.unwrap();
     let url = loadgen.url();
-    wait_until(
+    wait_for_metrics(
+        &url,
         "follow-ups from the user model",
         Duration::from_secs(120),
-        async || {
-            let (_, s) = get(&format!("{url}/api/status")).await;
-            let m = &s["lanes"][0]["metrics"];
+        |m| {
             m["requests"].as_u64().unwrap_or(0) >= 9
                 && m["user_model_errors"].as_u64().unwrap_or(0) >= 1
         },

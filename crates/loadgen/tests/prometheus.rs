@@ -5,12 +5,12 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
+use loadgen::{LaneSpec, Loadgen};
 use serde_json::Value;
 
 mod common;
 
-use common::{MODEL, worker_names};
+use common::{Cluster, MODEL, get, loadgen_config, worker_names};
 const SPEEDUP: f64 = 50.0;
 
 /// A Prometheus server on a free port with its own data directory, killed on drop.
@@ -67,34 +67,21 @@ impl Drop for Prometheus {
 }
 
 async fn get_status(url: &str) -> Value {
-    reqwest::get(format!("{url}/api/status"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    get(&format!("{url}/api/status")).await.1
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hit_rate_queue_and_gpus_come_from_prometheus() {
-    let mut engines = Vec::new();
-    for id in 0..2 {
-        engines.push(common::engine(id, SPEEDUP, &format!("gpu-node-{id}")).await);
-    }
-    let gateway = common::gateway(&engines).await;
-    let mut targets = vec![gateway.local_addr().to_string()];
-    targets.extend(engines.iter().map(|e| e.local_addr().to_string()));
+    let cluster = Cluster::start(0..2, SPEEDUP, "gpu-node-").await;
+    let mut targets = vec![cluster.gateway.local_addr().to_string()];
+    targets.extend(cluster.engines.iter().map(|e| e.local_addr().to_string()));
     let mut prometheus = Prometheus::start(&targets);
 
-    let mut lane = LaneSpec::for_gateway("live", None, &gateway.url(), MODEL);
+    let mut lane = LaneSpec::for_gateway("live", None, &cluster.gateway.url(), MODEL);
     // Direct scraping off: every figure below must come through Prometheus.
     lane.gateway_metrics = None;
     lane.prometheus = Some(prometheus.url.clone());
-    let mut config = LoadgenConfig::new(vec![lane]);
-    config.listen = "127.0.0.1:0".parse().unwrap();
-    config.drive.workload.concurrency = 4;
-    config.drive.workload.ramp_s = 0.0;
-    config.drive.time_scale = SPEEDUP;
+    let mut config = loadgen_config(vec![lane], 4, SPEEDUP);
     config.autostart = true;
     let loadgen = Loadgen::bind(config).await.unwrap();
     let url = loadgen.url();
@@ -144,5 +131,5 @@ async fn hit_rate_queue_and_gpus_come_from_prometheus() {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     loadgen.shutdown().await;
-    gateway.shutdown().await;
+    cluster.gateway.shutdown().await;
 }

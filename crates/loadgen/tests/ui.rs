@@ -7,12 +7,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
-use loadgen::{LaneSpec, Loadgen, LoadgenConfig};
+use loadgen::Loadgen;
 use serde_json::{Value, json};
 
 mod common;
 
-use common::MODEL;
+use common::{Cluster, get, loadgen_config, wait_until};
 const SPEEDUP: f64 = 50.0;
 
 /// A chromedriver process on a free port, killed on drop.
@@ -67,7 +67,7 @@ impl Drop for ChromeDriver {
 }
 
 async fn api(url: &str) -> Value {
-    reqwest::get(url).await.unwrap().json().await.unwrap()
+    get(url).await.1
 }
 
 /// The test id selector.
@@ -100,6 +100,16 @@ async fn classes(browser: &Client, testid: &str) -> String {
         .unwrap_or_default()
 }
 
+async fn click(browser: &Client, testid: &str) {
+    browser
+        .find(id(testid))
+        .await
+        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
+        .click()
+        .await
+        .unwrap();
+}
+
 async fn disabled(browser: &Client, testid: &str) -> bool {
     browser
         .find(id(testid))
@@ -110,14 +120,6 @@ async fn disabled(browser: &Client, testid: &str) -> bool {
         .unwrap()
         .as_deref()
         == Some("true")
-}
-
-async fn eventually(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !check().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// `web/js/format.js`'s rules.
@@ -142,21 +144,9 @@ fn slo_class(v: f64, slo: f64) -> &'static str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
-    let engines = [
-        common::engine(0, SPEEDUP, "worker-0").await,
-        common::engine(1, SPEEDUP, "worker-1").await,
-    ];
-    let gateway = common::gateway(&engines).await;
-    let mut lane = LaneSpec::for_gateway("kv_load", Some("kv_load"), &gateway.url(), MODEL);
-    lane.worker_metrics = engines
-        .iter()
-        .map(|e| format!("{}/metrics", e.url()))
-        .collect();
-    let mut config = LoadgenConfig::new(vec![lane]);
-    config.listen = "127.0.0.1:0".parse().unwrap();
-    config.drive.workload.concurrency = 60;
-    config.drive.workload.ramp_s = 0.0;
-    config.drive.time_scale = SPEEDUP;
+    let cluster = Cluster::start(0..2, SPEEDUP, "worker-").await;
+    let lane = cluster.lane("kv_load", Some("kv_load"));
+    let mut config = loadgen_config(vec![lane], 60, SPEEDUP);
     // A window of a modelled hour: after Stop the percentiles stay put while they are compared.
     config.drive.window = Duration::from_secs(3_600);
     let loadgen = Loadgen::bind(config).await.unwrap();
@@ -171,7 +161,7 @@ async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
         text(&browser, "title").await,
         "Serve More Users on the Same GPUs with KV-Aware Routing"
     );
-    eventually("the WebSocket", Duration::from_secs(10), async || {
+    wait_until("the WebSocket", Duration::from_secs(10), async || {
         text(&browser, "ws-state").await == "connected"
     })
     .await;
@@ -192,20 +182,15 @@ async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
         for (metric, key, slo) in [("ttft", "ttft_ms", 600.0), ("tpot", "tpot_ms", 60.0)] {
             let rr = &level["baseline"][key]["p95"];
             let kv = &level["kv"][key]["p95"];
-            let cell = format!("static-{c}-{metric}-rr");
-            assert_eq!(text(&browser, &cell).await, ms(rr), "{cell}");
-            assert!(
-                classes(&browser, &cell)
-                    .await
-                    .contains(slo_class(rr.as_f64().unwrap(), slo))
-            );
-            let cell = format!("static-{c}-{metric}-kv");
-            assert_eq!(text(&browser, &cell).await, ms(kv), "{cell}");
-            assert!(
-                classes(&browser, &cell)
-                    .await
-                    .contains(slo_class(kv.as_f64().unwrap(), slo))
-            );
+            for (column, value) in [("rr", rr), ("kv", kv)] {
+                let cell = format!("static-{c}-{metric}-{column}");
+                assert_eq!(text(&browser, &cell).await, ms(value), "{cell}");
+                let expected = slo_class(value.as_f64().unwrap(), slo);
+                assert!(
+                    classes(&browser, &cell).await.contains(expected),
+                    "{cell}: {expected}"
+                );
+            }
             let (rr, kv) = (rr.as_f64().unwrap(), kv.as_f64().unwrap());
             let improvement = (rr - kv) / rr * 100.0;
             let expected = if improvement > 0.0 {
@@ -221,19 +206,13 @@ async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
     }
 
     // Start from the page.
-    browser
-        .find(id("start"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    eventually("running", Duration::from_secs(10), async || {
+    click(&browser, "start").await;
+    wait_until("running", Duration::from_secs(10), async || {
         disabled(&browser, "start").await && !disabled(&browser, "stop").await
     })
     .await;
     assert_eq!(api(&format!("{url}/api/status")).await["running"], true);
-    eventually(
+    wait_until(
         "live numbers on the cards",
         Duration::from_secs(90),
         async || {
@@ -273,7 +252,7 @@ async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
         .await
         .unwrap();
     assert_eq!(text(&browser, "concurrency-value").await, "120");
-    eventually(
+    wait_until(
         "concurrency 120 applied",
         Duration::from_secs(5),
         async || api(&format!("{url}/api/status")).await["concurrency"] == 120,
@@ -282,20 +261,14 @@ async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
     let status = api(&format!("{url}/api/status")).await;
     assert_eq!(status["running"], true, "applied without stopping");
     assert_eq!(status["baseline"]["concurrency"], 120);
-    eventually("RR p95 of level 120", Duration::from_secs(5), async || {
+    wait_until("RR p95 of level 120", Duration::from_secs(5), async || {
         text(&browser, "cell-ttft-rr-p95").await == ms(&status["baseline"]["ttft_ms"]["p95"])
     })
     .await;
 
     // Stop from the page; then the live table equals the API's window, with its colours.
-    browser
-        .find(id("stop"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    eventually("stopped", Duration::from_secs(10), async || {
+    click(&browser, "stop").await;
+    wait_until("stopped", Duration::from_secs(10), async || {
         !disabled(&browser, "start").await && disabled(&browser, "stop").await
     })
     .await;
@@ -342,7 +315,7 @@ async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
     text(&browser, "conversations-table").await;
     let list = api(&format!("{url}/api/conversations")).await;
     let conversations = list["conversations"].as_array().unwrap();
-    eventually("the list", Duration::from_secs(10), async || {
+    wait_until("the list", Duration::from_secs(10), async || {
         browser
             .find_all(id("conversation-row"))
             .await
@@ -419,47 +392,35 @@ async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
                 .as_u64()
                 .unwrap_or(0)
         };
-        eventually(page, Duration::from_secs(10), async || width().await > 0).await;
+        wait_until(page, Duration::from_secs(10), async || width().await > 0).await;
     }
 
     // The server goes away: the page says so and disables both buttons.
     browser.goto(&url).await.unwrap();
-    eventually("connected again", Duration::from_secs(10), async || {
+    wait_until("connected again", Duration::from_secs(10), async || {
         text(&browser, "ws-state").await == "connected"
     })
     .await;
     loadgen.shutdown().await;
-    eventually("disconnected", Duration::from_secs(20), async || {
+    wait_until("disconnected", Duration::from_secs(20), async || {
         text(&browser, "ws-state").await == "disconnected"
     })
     .await;
     assert!(disabled(&browser, "start").await && disabled(&browser, "stop").await);
 
     browser.close().await.unwrap();
-    gateway.shutdown().await;
+    cluster.gateway.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compare_mode_shows_both_lanes_live() {
-    let a = [common::engine(0, SPEEDUP, "a-worker-0").await];
-    let b = [common::engine(1, SPEEDUP, "b-worker-0").await];
-    let (gateway_a, gateway_b) = (common::gateway(&a).await, common::gateway(&b).await);
-    let lanes = [("kv_load", &gateway_a, &a), ("round_robin", &gateway_b, &b)]
-        .into_iter()
-        .map(|(name, gateway, engines)| {
-            let mut lane = LaneSpec::for_gateway(name, Some(name), &gateway.url(), MODEL);
-            lane.worker_metrics = engines
-                .iter()
-                .map(|e| format!("{}/metrics", e.url()))
-                .collect();
-            lane
-        })
-        .collect();
-    let mut config = LoadgenConfig::new(lanes);
-    config.listen = "127.0.0.1:0".parse().unwrap();
-    config.drive.workload.concurrency = 3;
-    config.drive.workload.ramp_s = 0.0;
-    config.drive.time_scale = SPEEDUP;
+    let a = Cluster::start(0..1, SPEEDUP, "a-worker-").await;
+    let b = Cluster::start(1..2, SPEEDUP, "b-worker-").await;
+    let lanes = vec![
+        a.lane("kv_load", Some("kv_load")),
+        b.lane("round_robin", Some("round_robin")),
+    ];
+    let mut config = loadgen_config(lanes, 3, SPEEDUP);
     config.autostart = true;
     let loadgen = Loadgen::bind(config).await.unwrap();
     let url = loadgen.url();
@@ -468,7 +429,7 @@ async fn compare_mode_shows_both_lanes_live() {
     let browser = driver.browser().await;
     browser.goto(&url).await.unwrap();
     // Both columns are live, named after their lanes; the second lane's cards carry "-1".
-    eventually("both lanes' figures", Duration::from_secs(60), async || {
+    wait_until("both lanes' figures", Duration::from_secs(60), async || {
         text(&browser, "kpi-requests")
             .await
             .parse::<u64>()
@@ -495,7 +456,7 @@ async fn compare_mode_shows_both_lanes_live() {
     );
     // One worker card per lane, and one chart series per lane.
     assert_eq!(browser.find_all(id("worker-card")).await.unwrap().len(), 2);
-    eventually("two TOPS series", Duration::from_secs(10), async || {
+    wait_until("two TOPS series", Duration::from_secs(10), async || {
         browser
             .find_all(Locator::Css("[data-testid=chart-tops] path.series"))
             .await

@@ -29,14 +29,26 @@ fn s(text: &str) -> Value {
 
 /// `BlockStored` as vLLM ≤ 0.10 sends it (array_like, `lora_id` and `medium` present).
 fn stored_array(hashes: Value, parent: Value, tokens: Value) -> Value {
+    stored_array_of(hashes, parent, tokens, BS, Value::Nil, "GPU")
+}
+
+/// The same with every field chosen: block size, LoRA id and storage tier.
+fn stored_array_of(
+    hashes: Value,
+    parent: Value,
+    tokens: Value,
+    block_size: u32,
+    lora: Value,
+    medium: &str,
+) -> Value {
     Value::Array(vec![
         s("BlockStored"),
         hashes,
         parent,
         tokens,
-        Value::from(BS),
-        Value::Nil,
-        s("GPU"),
+        Value::from(block_size),
+        lora,
+        s(medium),
     ])
 }
 
@@ -332,53 +344,36 @@ fn stream_numbers_events_and_reports_gaps_and_restarts() {
             .accept(&decode_multipart(&frame(seq, payload)).unwrap())
             .unwrap()
     };
-    let a = accept(10, one_store(1));
-    assert_eq!(a.continuity, Continuity::First);
-    assert_eq!(a.events[0].seq, 0);
-    let b = accept(11, one_store(2));
-    assert_eq!(b.continuity, Continuity::InOrder);
-    assert_eq!(b.events[0].seq, 1);
-    let c = accept(14, one_store(3));
-    assert_eq!(
-        c.continuity,
+    // Frames 10 and 11 in order, 12 and 13 lost, then the publisher restarts from 0.
+    let seqs = [10, 11, 14, 0];
+    let continuities = [
+        Continuity::First,
+        Continuity::InOrder,
         Continuity::Gap {
             expected: 12,
-            got: 14
-        }
-    );
-    assert!(c.continuity.needs_clear());
-    assert_eq!(c.events[0].seq, 2);
-    let d = accept(0, one_store(4));
-    assert_eq!(
-        d.continuity,
+            got: 14,
+        },
         Continuity::Restart {
             expected: 15,
-            got: 0
-        }
-    );
-    assert!(d.continuity.needs_clear());
+            got: 0,
+        },
+    ];
+    // After a gap or a restart the index misses blocks: the worker must be cleared.
+    let clears = [false, false, true, true];
+    for (n, ((seq, continuity), clear)) in (0..).zip(seqs.into_iter().zip(continuities).zip(clears))
+    {
+        let accepted = accept(seq, one_store(n + 1));
+        assert_eq!(accepted.continuity, continuity, "frame {seq}");
+        assert_eq!(accepted.continuity.needs_clear(), clear, "frame {seq}");
+        // Events are numbered by the stream, consecutively, whatever the frames' numbers.
+        assert_eq!(accepted.events[0].seq, n as u64, "frame {seq}");
+    }
 }
 
 #[test]
 fn other_tiers_lora_and_wrong_sizes_are_skipped_or_refused() {
-    let cpu = Value::Array(vec![
-        s("BlockStored"),
-        ints([1]),
-        Value::Nil,
-        ints(0..4),
-        Value::from(BS),
-        Value::Nil,
-        s("CPU"),
-    ]);
-    let lora = Value::Array(vec![
-        s("BlockStored"),
-        ints([2]),
-        Value::Nil,
-        ints(0..4),
-        Value::from(BS),
-        Value::from(3),
-        s("GPU"),
-    ]);
+    let cpu = stored_array_of(ints([1]), Value::Nil, ints(0..4), BS, Value::Nil, "CPU");
+    let lora = stored_array_of(ints([2]), Value::Nil, ints(0..4), BS, Value::from(3), "GPU");
     let cpu_removed = Value::Array(vec![s("BlockRemoved"), ints([1]), s("CPU")]);
     let mut stream = VllmEventStream::new(WorkerId(1), BS);
     let accepted = stream
@@ -387,15 +382,7 @@ fn other_tiers_lora_and_wrong_sizes_are_skipped_or_refused() {
     assert!(accepted.events.is_empty());
     assert_eq!(accepted.skipped, 3);
 
-    let wrong_size = Value::Array(vec![
-        s("BlockStored"),
-        ints([1]),
-        Value::Nil,
-        ints(0..16),
-        Value::from(16),
-        Value::Nil,
-        s("GPU"),
-    ]);
+    let wrong_size = stored_array_of(ints([1]), Value::Nil, ints(0..16), 16, Value::Nil, "GPU");
     assert_eq!(
         stream.accept(&decode_multipart(&frame(1, array_batch(vec![wrong_size]))).unwrap()),
         Err(VllmConvertError::BlockSize {

@@ -294,68 +294,44 @@ fn duplicate_ids_and_the_in_flight_bound_are_refused() {
     assert_eq!(router.counters().refused, 2);
 }
 
+/// The default router config with its policy parameters changed by `change`.
+fn with_params(change: impl FnOnce(&mut router::PolicyParams)) -> RouterConfig {
+    let mut config = RouterConfig::default();
+    change(&mut config.params);
+    config
+}
+
 #[test]
 fn bad_configs_are_refused_with_a_reason() {
-    for bad in [
-        RouterConfig {
-            block_size: 0,
-            ..RouterConfig::default()
-        },
-        RouterConfig {
-            params: router::PolicyParams {
-                kv: router::KvCostParams {
-                    overlap_weight: -1.0,
-                    temperature: 0.0,
-                },
-                ..Default::default()
+    for (case, bad) in [
+        (
+            "block size 0",
+            RouterConfig {
+                block_size: 0,
+                ..RouterConfig::default()
             },
-            ..RouterConfig::default()
-        },
-        RouterConfig {
-            params: router::PolicyParams {
-                kv: router::KvCostParams {
-                    overlap_weight: 1.0,
-                    temperature: f64::NAN,
-                },
-                ..Default::default()
-            },
-            ..RouterConfig::default()
-        },
-        RouterConfig {
-            params: router::PolicyParams {
-                kv_load: router::KvLoadParams {
-                    stall_weight: f64::NAN,
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-            ..RouterConfig::default()
-        },
-        RouterConfig {
-            params: router::PolicyParams {
-                kv_load: router::KvLoadParams {
-                    slot_soft_limit: 1.5,
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-            ..RouterConfig::default()
-        },
+        ),
+        (
+            "negative overlap weight",
+            with_params(|p| p.kv.overlap_weight = -1.0),
+        ),
+        (
+            "NaN temperature",
+            with_params(|p| p.kv.temperature = f64::NAN),
+        ),
+        (
+            "NaN stall weight",
+            with_params(|p| p.kv_load.stall_weight = f64::NAN),
+        ),
+        (
+            "slot soft limit over 1",
+            with_params(|p| p.kv_load.slot_soft_limit = 1.5),
+        ),
     ] {
-        let err = Router::new(bad).unwrap_err();
-        assert!(!err.to_string().is_empty());
+        let err = Router::new(bad).expect_err(case);
+        assert!(!err.to_string().is_empty(), "{case}");
     }
-    let err = Router::new(RouterConfig {
-        params: router::PolicyParams {
-            kv_load: router::KvLoadParams {
-                stall_weight: -2.0,
-                ..Default::default()
-            },
-            ..Default::default()
-        },
-        ..RouterConfig::default()
-    })
-    .unwrap_err();
+    let err = Router::new(with_params(|p| p.kv_load.stall_weight = -2.0)).unwrap_err();
     assert!(
         err.to_string().contains("stall_weight") && err.to_string().contains("-2"),
         "the error names the parameter and its value: {err}"

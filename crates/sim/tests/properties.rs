@@ -3,21 +3,14 @@
 
 mod common;
 
-use common::TestChat;
-use engine::HardwareProfile;
+use common::{TestChat, WORKERS, assert_kv_hits_more, small_pool_config};
 use nanotime::Nanos;
 use router::PolicyKind;
 use sim::{Outcome, Phase, RunOutput, SimConfig, Simulation};
 
-const WORKERS: u32 = 3;
-
 fn config(policy: PolicyKind, coalesce: bool, seed: u64) -> SimConfig {
-    let mut cfg = SimConfig::new(WORKERS, HardwareProfile::h200_llama70b_fp8(), policy);
+    let mut cfg = small_pool_config(policy, seed);
     cfg.engine.coalesce_decode = coalesce;
-    // A small pool so that eviction, and therefore routing, matters.
-    cfg.engine.num_gpu_blocks_override = Some(1_500);
-    cfg.seed = seed;
-    cfg.keep_all_records = true;
     cfg
 }
 
@@ -150,17 +143,7 @@ fn kv_routing_hits_more_than_round_robin() {
     for seed in [1, 2] {
         let rr = run(PolicyKind::RoundRobin, true, seed);
         let kv = run(PolicyKind::Kv, true, seed);
-        for (a, b) in rr.phases.iter().zip(&kv.phases) {
-            let (h_rr, h_kv) = (
-                a.metrics.kv_hit_rate.unwrap(),
-                b.metrics.kv_hit_rate.unwrap(),
-            );
-            assert!(
-                h_kv > h_rr + 0.05,
-                "seed {seed}, concurrency {}: kv {h_kv:.3} vs rr {h_rr:.3}",
-                a.concurrency
-            );
-        }
+        assert_kv_hits_more(&rr.phases, &kv.phases, 0.05, &format!("seed {seed}"));
     }
 }
 

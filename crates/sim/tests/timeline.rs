@@ -3,8 +3,7 @@
 
 mod common;
 
-use common::TestChat;
-use engine::HardwareProfile;
+use common::{TestChat, WORKERS, small_pool_config};
 use kv_index::WorkerId;
 use nanotime::Nanos;
 use router::PolicyKind;
@@ -12,21 +11,13 @@ use sim::{
     Outcome, Phase, SimConfig, SimError, Simulation, Timeline, TimelineConfig, TimelineError,
 };
 
-const WORKERS: u32 = 3;
 /// Ten conversations per worker against a batch limit of eight: engines must queue.
 const CONCURRENCY: u32 = 30;
 const MAX_NUM_SEQS: u32 = 8;
 
 fn config(seed: u64) -> SimConfig {
-    let mut cfg = SimConfig::new(
-        WORKERS,
-        HardwareProfile::h200_llama70b_fp8(),
-        PolicyKind::Kv,
-    );
+    let mut cfg = small_pool_config(PolicyKind::Kv, seed);
     cfg.engine.max_num_seqs = MAX_NUM_SEQS;
-    cfg.engine.num_gpu_blocks_override = Some(1_500);
-    cfg.seed = seed;
-    cfg.keep_all_records = true;
     cfg
 }
 

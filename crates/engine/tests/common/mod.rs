@@ -149,6 +149,19 @@ pub fn engine(cfg: EngineConfig) -> Engine {
     Engine::new(cfg, WorkerId(7)).expect("valid config")
 }
 
+/// Requests 0..`n`, all submitted at time zero, each with its own prompt of `prompt_len`
+/// tokens and `out` output tokens.
+pub fn burst(n: u64, prompt_len: u32, out: u32) -> Vec<(Nanos, Action)> {
+    (0..n)
+        .map(|i| {
+            (
+                Nanos::ZERO,
+                Action::Submit(req(i, text(i as u32, prompt_len), out)),
+            )
+        })
+        .collect()
+}
+
 /// Prompt tokens unique to `tag`.
 pub fn text(tag: u32, len: u32) -> Vec<u32> {
     (0..len).map(|i| tag * 1_000_003 + i).collect()

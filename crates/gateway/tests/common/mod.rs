@@ -15,21 +15,64 @@ use serde_json::{Value, json};
 
 pub const MODEL: &str = "llama-3.1-70b-instruct";
 
-/// An engine server (seed 002's H200 worker) 200× faster than real time.
-pub async fn engine(id: u64, nats: Option<(&str, &str)>) -> EngineServerHandle {
-    let mut config = EngineServerConfig::new();
-    config.worker_id = WorkerId(id);
-    config.speedup = 200.0;
-    config.seed = id;
-    config.model = MODEL.to_string();
-    config.nats = nats.map(|(url, namespace)| NatsConfig {
-        url: url.to_string(),
-        namespace: namespace.to_string(),
-        lease_ms: 1_000,
-    });
+/// Worker `id`, an engine server (seed 002's H200 worker) serving `MODEL` 200× faster than
+/// real time.
+pub fn engine_config(id: u64) -> EngineServerConfig {
+    EngineServerConfig {
+        worker_id: WorkerId(id),
+        speedup: 200.0,
+        seed: id,
+        model: MODEL.to_string(),
+        ..EngineServerConfig::new()
+    }
+}
+
+pub async fn start_engine(config: EngineServerConfig) -> EngineServerHandle {
     EngineServer::bind(config)
         .await
         .expect("engine server starts")
+}
+
+/// Worker 0 at `speedup` instead: slow enough for a request to hold its slot a while.
+pub async fn slow_engine(speedup: f64) -> EngineServerHandle {
+    start_engine(EngineServerConfig {
+        speedup,
+        ..engine_config(0)
+    })
+    .await
+}
+
+/// Worker `id` (see [`engine_config`]), announcing itself on `nats` (url, namespace) if given.
+pub async fn engine(id: u64, nats: Option<(&str, &str)>) -> EngineServerHandle {
+    start_engine(EngineServerConfig {
+        nats: nats.map(|(url, namespace)| NatsConfig {
+            url: url.to_string(),
+            namespace: namespace.to_string(),
+            lease_ms: 1_000,
+        }),
+        ..engine_config(id)
+    })
+    .await
+}
+
+/// Workers `ids` (see [`engine`]).
+pub async fn engines(
+    ids: std::ops::RangeInclusive<u64>,
+    nats: Option<(&str, &str)>,
+) -> Vec<EngineServerHandle> {
+    let mut engines = Vec::new();
+    for id in ids {
+        engines.push(engine(id, nats).await);
+    }
+    engines
+}
+
+/// Stops the gateway, then the engines behind it.
+pub async fn shut_down(gw: Gateway, engines: Vec<EngineServerHandle>) {
+    gw.shutdown().await;
+    for engine in engines {
+        engine.shutdown().await;
+    }
 }
 
 /// A gateway config on a free port for `workers`.
@@ -41,6 +84,19 @@ pub fn gateway_config(workers: &[&EngineServerHandle]) -> GatewayConfig {
         health_interval: Duration::from_millis(200),
         probe_timeout: Duration::from_millis(500),
         ..GatewayConfig::default()
+    }
+}
+
+/// A gateway config for `workers` that routes round robin, so a test knows which worker
+/// serves which request.
+pub fn round_robin(workers: Vec<WorkerSpec>) -> GatewayConfig {
+    GatewayConfig {
+        workers,
+        router: router::RouterConfig {
+            policy: router::PolicyKind::RoundRobin,
+            ..Default::default()
+        },
+        ..gateway_config(&[])
     }
 }
 
@@ -88,7 +144,9 @@ impl Streamed {
     }
 }
 
-pub async fn post_stream(url: &str, path: &str, body: &Value) -> Streamed {
+/// POSTs `body` as JSON; returns the status, the worker the gateway says served it
+/// (`x-kvroute-worker`), and the response.
+async fn post(url: &str, path: &str, body: &Value) -> (u16, Option<u64>, reqwest::Response) {
     let response = reqwest::Client::new()
         .post(format!("{url}{path}"))
         .json(body)
@@ -101,6 +159,11 @@ pub async fn post_stream(url: &str, path: &str, body: &Value) -> Streamed {
         .get("x-kvroute-worker")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok());
+    (status, worker, response)
+}
+
+pub async fn post_stream(url: &str, path: &str, body: &Value) -> Streamed {
+    let (status, worker, response) = post(url, path, body).await;
     let text = response.text().await.expect("body read");
     if status != 200 {
         // An error before the stream started: OpenAI error JSON, not SSE.
@@ -133,18 +196,7 @@ pub async fn post_stream(url: &str, path: &str, body: &Value) -> Streamed {
 }
 
 pub async fn post_json(url: &str, path: &str, body: &Value) -> (u16, Option<u64>, Value) {
-    let response = reqwest::Client::new()
-        .post(format!("{url}{path}"))
-        .json(body)
-        .send()
-        .await
-        .expect("request sent");
-    let status = response.status().as_u16();
-    let worker = response
-        .headers()
-        .get("x-kvroute-worker")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok());
+    let (status, worker, response) = post(url, path, body).await;
     let body = response.json().await.expect("JSON body");
     (status, worker, body)
 }
@@ -170,4 +222,27 @@ pub fn chat(messages: &[(&str, &str)], max_tokens: u32, stream: bool) -> Value {
         "stream": stream,
         "stream_options": {"include_usage": true},
     })
+}
+
+/// Streams a chat of `history`'s (role, content) messages.
+pub async fn stream_chat(url: &str, history: &[(&str, String)], max_tokens: u32) -> Streamed {
+    let messages: Vec<(&str, &str)> = history.iter().map(|(r, c)| (*r, c.as_str())).collect();
+    post_stream(
+        url,
+        "/v1/chat/completions",
+        &chat(&messages, max_tokens, true),
+    )
+    .await
+}
+
+/// A short chat ("hi", 4 tokens), streamed: the request of tests about where requests go.
+pub async fn short_chat_stream(url: &str) -> Streamed {
+    let request = chat(&[("user", "hi")], 4, true);
+    post_stream(url, "/v1/chat/completions", &request).await
+}
+
+/// The same short chat, not streamed.
+pub async fn short_chat_json(url: &str) -> (u16, Option<u64>, Value) {
+    let request = chat(&[("user", "hi")], 4, false);
+    post_json(url, "/v1/chat/completions", &request).await
 }

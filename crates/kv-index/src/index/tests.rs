@@ -64,6 +64,23 @@ fn index() -> KvIndex {
     KvIndex::new(IndexConfig::default())
 }
 
+/// An index bounded to `max_blocks` entries.
+fn bounded(max_blocks: usize) -> KvIndex {
+    KvIndex::new(IndexConfig {
+        max_blocks,
+        ..IndexConfig::default()
+    })
+}
+
+/// A fresh index that has applied `events`, each of them accepted.
+fn index_after(events: &[KvEvent]) -> KvIndex {
+    let mut idx = index();
+    for event in events {
+        idx.apply(event).unwrap();
+    }
+    idx
+}
+
 #[test]
 fn empty_index_matches_nothing() {
     let idx = index();
@@ -76,11 +93,11 @@ fn empty_index_matches_nothing() {
 
 #[test]
 fn leading_prefix_scores() {
-    let mut idx = index();
-    idx.apply(&stored(1, 0, None, &[10, 11, 12], &[1, 2, 3]))
-        .unwrap();
-    idx.apply(&stored(2, 0, None, &[20, 21], &[1, 2])).unwrap();
-    idx.apply(&stored(3, 0, None, &[30], &[9])).unwrap();
+    let idx = index_after(&[
+        stored(1, 0, None, &[10, 11, 12], &[1, 2, 3]),
+        stored(2, 0, None, &[20, 21], &[1, 2]),
+        stored(3, 0, None, &[30], &[9]),
+    ]);
     assert_eq!(scores(&idx, &[1, 2, 3, 4]), vec![(1, 3), (2, 2)]);
     assert_eq!(scores(&idx, &[1, 7, 3]), vec![(1, 1), (2, 1)]);
     assert_eq!(scores(&idx, &[9, 2]), vec![(3, 1)]);
@@ -97,9 +114,10 @@ fn leading_prefix_scores() {
 
 #[test]
 fn parent_chains_across_events_and_local_hash_content() {
-    let mut idx = index();
-    idx.apply(&stored(1, 0, None, &[10], &[1])).unwrap();
-    idx.apply(&stored(1, 1, Some(10), &[11], &[2])).unwrap();
+    let mut idx = index_after(&[
+        stored(1, 0, None, &[10], &[1]),
+        stored(1, 1, Some(10), &[11], &[2]),
+    ]);
     // Content given as a local hash gives the same sequence hash as the tokens.
     let ev = KvEvent {
         worker: WorkerId(1),
@@ -119,9 +137,7 @@ fn parent_chains_across_events_and_local_hash_content() {
 
 #[test]
 fn a_hole_stops_the_match() {
-    let mut idx = index();
-    idx.apply(&stored(1, 0, None, &[10, 11, 12], &[1, 2, 3]))
-        .unwrap();
+    let mut idx = index_after(&[stored(1, 0, None, &[10, 11, 12], &[1, 2, 3])]);
     let out = idx.apply(&removed(1, 1, &[11])).unwrap();
     assert_eq!(out.removed, 1);
     assert_eq!(scores(&idx, &[1, 2, 3]), vec![(1, 1)]);
@@ -131,8 +147,7 @@ fn a_hole_stops_the_match() {
 
 #[test]
 fn unknown_parent_is_skipped_and_counted() {
-    let mut idx = index();
-    idx.apply(&stored(1, 0, None, &[10], &[1])).unwrap();
+    let mut idx = index_after(&[stored(1, 0, None, &[10], &[1])]);
     let out = idx
         .apply(&stored(1, 1, Some(99), &[11, 12], &[2, 3]))
         .unwrap();
@@ -149,8 +164,7 @@ fn unknown_parent_is_skipped_and_counted() {
 
 #[test]
 fn restore_is_idempotent_and_reuse_of_an_id_replaces() {
-    let mut idx = index();
-    idx.apply(&stored(1, 0, None, &[10, 11], &[1, 2])).unwrap();
+    let mut idx = index_after(&[stored(1, 0, None, &[10, 11], &[1, 2])]);
     let out = idx.apply(&stored(1, 1, None, &[10, 11], &[1, 2])).unwrap();
     assert_eq!((out.stored, out.refreshed), (0, 2));
     assert_eq!(idx.len(), 2);
@@ -170,9 +184,10 @@ fn restore_is_idempotent_and_reuse_of_an_id_replaces() {
 
 #[test]
 fn same_content_under_two_ids_is_held_until_both_go() {
-    let mut idx = index();
-    idx.apply(&stored(1, 0, None, &[10], &[1])).unwrap();
-    idx.apply(&stored(1, 1, None, &[11], &[1])).unwrap();
+    let mut idx = index_after(&[
+        stored(1, 0, None, &[10], &[1]),
+        stored(1, 1, None, &[11], &[1]),
+    ]);
     assert_eq!(idx.len(), 2);
     assert_eq!(idx.distinct_blocks(), 1);
     idx.apply(&removed(1, 2, &[10])).unwrap();
@@ -185,8 +200,7 @@ fn same_content_under_two_ids_is_held_until_both_go() {
 
 #[test]
 fn unknown_removal_is_counted_and_ignored() {
-    let mut idx = index();
-    idx.apply(&stored(1, 0, None, &[10], &[1])).unwrap();
+    let mut idx = index_after(&[stored(1, 0, None, &[10], &[1])]);
     let out = idx.apply(&removed(1, 1, &[10, 77])).unwrap();
     assert_eq!((out.removed, out.unknown_removals), (1, 1));
     assert_eq!(idx.counters().unknown_removals, 1);
@@ -195,9 +209,10 @@ fn unknown_removal_is_counted_and_ignored() {
 
 #[test]
 fn cleared_event_drops_the_worker_blocks_only() {
-    let mut idx = index();
-    idx.apply(&stored(1, 0, None, &[10, 11], &[1, 2])).unwrap();
-    idx.apply(&stored(2, 0, None, &[20], &[1])).unwrap();
+    let mut idx = index_after(&[
+        stored(1, 0, None, &[10, 11], &[1, 2]),
+        stored(2, 0, None, &[20], &[1]),
+    ]);
     let out = idx.apply(&cleared(1, 1)).unwrap();
     assert_eq!(out.removed, 2);
     assert_eq!(scores(&idx, &[1, 2]), vec![(2, 1)]);
@@ -218,8 +233,7 @@ fn first_event_sets_the_baseline() {
 
 #[test]
 fn gap_is_reported_and_not_applied_until_clear_worker() {
-    let mut idx = index();
-    idx.apply(&stored(1, 0, None, &[10], &[1])).unwrap();
+    let mut idx = index_after(&[stored(1, 0, None, &[10], &[1])]);
     let err = idx.apply(&stored(1, 2, Some(10), &[11], &[2])).unwrap_err();
     assert_eq!(
         err,
@@ -256,8 +270,7 @@ fn gap_is_reported_and_not_applied_until_clear_worker() {
 
 #[test]
 fn stale_and_duplicate_events_are_ignored() {
-    let mut idx = index();
-    idx.apply(&stored(1, 5, None, &[10], &[1])).unwrap();
+    let mut idx = index_after(&[stored(1, 5, None, &[10], &[1])]);
     let err = idx.apply(&removed(1, 5, &[10])).unwrap_err();
     assert_eq!(
         err,
@@ -275,9 +288,10 @@ fn stale_and_duplicate_events_are_ignored() {
 
 #[test]
 fn remove_worker_forgets_blocks_and_cursor() {
-    let mut idx = index();
-    idx.apply(&stored(1, 0, None, &[10, 11], &[1, 2])).unwrap();
-    idx.apply(&stored(2, 0, None, &[20, 21], &[1, 2])).unwrap();
+    let mut idx = index_after(&[
+        stored(1, 0, None, &[10, 11], &[1, 2]),
+        stored(2, 0, None, &[20, 21], &[1, 2]),
+    ]);
     idx.remove_worker(WorkerId(1));
     idx.remove_worker(WorkerId(7)); // unknown: no-op
     assert_eq!(scores(&idx, &[1, 2]), vec![(2, 2)]);
@@ -322,10 +336,7 @@ fn many_workers_drop_out_at_different_depths() {
 
 #[test]
 fn bound_evicts_coldest_chain_from_its_tip() {
-    let mut idx = KvIndex::new(IndexConfig {
-        max_blocks: 6,
-        ..IndexConfig::default()
-    });
+    let mut idx = bounded(6);
     // Worker 1's chain is older than worker 2's.
     idx.apply(&stored(1, 0, None, &[10, 11, 12], &[1, 2, 3]))
         .unwrap();
@@ -348,10 +359,7 @@ fn bound_evicts_coldest_chain_from_its_tip() {
 
 #[test]
 fn bound_extending_a_chain_keeps_it_warm() {
-    let mut idx = KvIndex::new(IndexConfig {
-        max_blocks: 4,
-        ..IndexConfig::default()
-    });
+    let mut idx = bounded(4);
     idx.apply(&stored(1, 0, None, &[10], &[1])).unwrap();
     idx.apply(&stored(2, 0, None, &[20], &[5])).unwrap();
     // Worker 1 extends its chain: its tip is now newer than worker 2's block.
@@ -371,10 +379,7 @@ fn bound_extending_a_chain_keeps_it_warm() {
 #[test]
 fn tiny_bounds_do_not_break() {
     for max_blocks in 0..3 {
-        let mut idx = KvIndex::new(IndexConfig {
-            max_blocks,
-            ..IndexConfig::default()
-        });
+        let mut idx = bounded(max_blocks);
         idx.apply(&stored(1, 0, None, &[10, 11, 12, 13], &[1, 2, 3, 4]))
             .unwrap();
         idx.apply(&stored(1, 1, Some(12), &[14], &[5])).unwrap();

@@ -1,19 +1,143 @@
-//! Running the `kvroute` binary from the CLI tests.
+//! Running the `kvroute` binary from the CLI tests: one-shot commands, and servers started in
+//! the background, read from their stdout and stopped by a signal.
 
 #![allow(dead_code)]
 
-use std::process::{Child, Command};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 pub fn kvroute() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kvroute"))
 }
 
-/// Kills the child if the test fails before it stops it.
+/// Checks that a finished `kvroute` succeeded, showing its stderr if not.
+pub fn ok(out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "status {}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Runs `kvroute ARGS` to a success and returns its stdout.
+pub fn stdout_of(args: &[&str]) -> String {
+    let out = ok(kvroute().args(args).output().expect("kvroute runs"));
+    String::from_utf8(out.stdout).expect("UTF-8 stdout")
+}
+
+/// Runs `kvroute ARGS`, which must fail, and returns its stderr for the test to check that it
+/// says what went wrong.
+pub fn failure(args: &[&str]) -> String {
+    let out = kvroute().args(args).output().expect("kvroute runs");
+    assert!(!out.status.success(), "{args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Each `(ARGS, message)`: `kvroute ARGS` fails, and its stderr says `message`.
+pub fn assert_failures(cases: &[(&[&str], &str)]) {
+    for (args, message) in cases {
+        let stderr = failure(args);
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+    }
+}
+
+/// GETs `url` and reads the body as text.
+pub async fn get_text(url: &str) -> String {
+    let response = reqwest::get(url).await.expect("request sent");
+    response.text().await.expect("body read")
+}
+
+/// GETs `url` and reads the body as JSON.
+pub async fn get_json(url: &str) -> serde_json::Value {
+    let response = reqwest::get(url).await.expect("request sent");
+    response.json().await.expect("JSON body")
+}
+
+/// A `kvroute` process, killed on drop if the test ends before it stops it.
 pub struct Running(pub Child);
+
+impl Running {
+    /// Starts `kvroute ARGS` with stdout piped for the test to read and stderr to `stderr`.
+    pub fn spawn(args: &[&str], stderr: Stdio) -> Running {
+        let child = kvroute()
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .expect("kvroute runs");
+        Running(child)
+    }
+
+    pub fn take_stdout(&mut self) -> BufReader<ChildStdout> {
+        BufReader::new(self.0.stdout.take().expect("stdout is piped"))
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+
+    /// Sends `signal` (`libc::SIGINT`, `libc::SIGTERM`…) and waits up to `timeout` for the exit.
+    pub fn stop(&mut self, signal: libc::c_int, timeout: Duration) -> ExitStatus {
+        // SAFETY: kill(2) on our own child's pid.
+        let rc = unsafe { libc::kill(self.0.id() as libc::pid_t, signal) };
+        assert_eq!(rc, 0, "kill({signal})");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.0.try_wait().expect("the child's status") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no exit within {timeout:?} of signal {signal}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
 
 impl Drop for Running {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        self.kill();
+    }
+}
+
+/// A `kvroute engine` or `kvroute gateway` that has printed its "… listening on URL" line.
+pub struct Server {
+    pub running: Running,
+    pub url: String,
+    /// The whole line, for what else the server says about itself.
+    pub line: String,
+}
+
+impl Server {
+    /// Starts `kvroute ARGS` and waits up to 30 s for its "listening on" line. Its stderr goes
+    /// to the test's, so a server that fails to start says why.
+    pub fn start(args: &[&str]) -> Server {
+        let mut running = Running::spawn(args, Stdio::inherit());
+        let stdout = running.take_stdout();
+        let (tx, rx) = mpsc::channel();
+        // Reads stdout to its end, so a chatty server never blocks on a full pipe.
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                if line.contains("listening on ") {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("kvroute {args:?} did not start listening"));
+        let url = line
+            .rsplit("listening on ")
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        Server { running, url, line }
     }
 }

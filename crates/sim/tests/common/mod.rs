@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use engine::{DynamoMockerTiming, EngineConfig, HardwareProfile, TimingModel};
 use nanotime::Nanos;
-use sim::{Turn, TurnKey, Workload};
+use router::PolicyKind;
+use sim::{PhaseResult, SimConfig, Turn, TurnKey, Workload};
 
 /// SplitMix64: a tiny seeded generator, enough for test traffic.
 pub struct Rng(u64);
@@ -242,4 +243,33 @@ pub fn fixed_step_engine(prefill_ms: f64, decode_ms: f64) -> EngineConfig {
     cfg.block_size = 32;
     cfg.num_gpu_blocks_override = Some(100_000);
     cfg
+}
+
+/// The workers of [`small_pool_config`].
+pub const WORKERS: u32 = 3;
+
+/// [`WORKERS`] seed 002 workers with a small pool (1,500 blocks), so that eviction, and therefore
+/// routing, matters; every request's record kept.
+pub fn small_pool_config(policy: PolicyKind, seed: u64) -> SimConfig {
+    let mut cfg = SimConfig::new(WORKERS, HardwareProfile::h200_llama70b_fp8(), policy);
+    cfg.engine.num_gpu_blocks_override = Some(1_500);
+    cfg.seed = seed;
+    cfg.keep_all_records = true;
+    cfg
+}
+
+/// In every phase, KV routing's hit rate beats round robin's by more than `margin`; `run`
+/// names the runs in the message.
+pub fn assert_kv_hits_more(rr: &[PhaseResult], kv: &[PhaseResult], margin: f64, run: &str) {
+    for (a, b) in rr.iter().zip(kv) {
+        let (h_rr, h_kv) = (
+            a.metrics.kv_hit_rate.unwrap(),
+            b.metrics.kv_hit_rate.unwrap(),
+        );
+        assert!(
+            h_kv > h_rr + margin,
+            "{run}, concurrency {}: kv {h_kv:.3} vs rr {h_rr:.3}",
+            a.concurrency
+        );
+    }
 }
