@@ -1,35 +1,11 @@
 //! `kvroute engine` as a script runs it: start on port 0, read the address from stdout, serve a
 //! request, stop cleanly on SIGTERM; bad arguments fail with a clear error.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
 mod common;
 
-use common::{Server, assert_failures};
-
-/// One HTTP/1.1 request with `Connection: close`; returns (status, body).
-fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let status = response[9..12].parse().unwrap();
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
+use common::{Server, assert_failures, http};
 
 #[test]
 fn engine_serves_and_stops_on_sigterm() {

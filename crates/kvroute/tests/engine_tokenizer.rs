@@ -3,17 +3,13 @@
 //! routers do) sees the blocks the engine caches. A small word-level `tokenizer.json` stands
 //! in for a model's.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
-use std::process::Stdio;
-use std::time::Duration;
 
 use serde_json::{Value, json};
 
 mod common;
 
-use common::{Running, kvroute};
+use common::{Server, assert_failures, post_json};
 
 const WORDS: &[&str] = &[
     "[UNK]",
@@ -68,60 +64,18 @@ fn model_folder(name: &str) -> std::path::PathBuf {
     dir
 }
 
-fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
-    let body = body.to_string();
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .expect("timeout");
-    write!(
-        stream,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read");
-    let status = response
-        .get(9..12)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let json = response
-        .split_once("\r\n\r\n")
-        .and_then(|(_, b)| serde_json::from_str(b).ok())
-        .unwrap_or(Value::Null);
-    (status, json)
-}
-
-fn start(extra: &[&str]) -> (Running, String) {
-    let child = kvroute()
-        .args([
-            "engine",
-            "--port",
-            "0",
-            "--speedup",
-            "1000",
-            "--model",
-            "tiny",
-        ])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn kvroute engine");
-    let mut running = Running(child);
-    let mut line = String::new();
-    BufReader::new(running.0.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("listening line");
-    let addr = line
-        .rsplit("http://")
-        .next()
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .trim()
-        .to_string();
-    (running, addr)
+fn start(extra: &[&str]) -> Server {
+    let mut args = vec![
+        "engine",
+        "--port",
+        "0",
+        "--speedup",
+        "1000",
+        "--model",
+        "tiny",
+    ];
+    args.extend(extra);
+    Server::start(&args)
 }
 
 fn arg(path: &Path) -> &str {
@@ -131,22 +85,23 @@ fn arg(path: &Path) -> &str {
 #[test]
 fn the_models_tokenizer_and_template_encode_prompts_and_replies() {
     let folder = model_folder("folder");
-    let (_engine, addr) = start(&["--tokenizer", arg(&folder)]);
+    let engine = start(&["--tokenizer", arg(&folder)]);
+    let addr = engine.addr();
 
-    let (status, tokens) = post(&addr, "/tokenize", &json!({"prompt": "Hello world, mars"}));
+    let (status, tokens) = post_json(addr, "/tokenize", &json!({"prompt": "Hello world, mars"}));
     assert_eq!(status, 200, "{tokens}");
     assert_eq!(tokens["tokens"], json!([1, 2, 0, 0]), "hello world , [UNK]");
 
     // The folder's template: "user hello world assistant ".
     let chat = json!({"messages": [{"role": "user", "content": "hello world"}]});
-    let (_, tokens) = post(&addr, "/tokenize", &chat);
+    let (_, tokens) = post_json(addr, "/tokenize", &chat);
     assert_eq!(tokens["tokens"], json!([3, 1, 2, 4]));
 
     let request = json!({
         "model": "tiny", "max_tokens": 12, "ignore_eos": true, "return_token_ids": true,
         "messages": [{"role": "user", "content": "hello world"}],
     });
-    let (status, reply) = post(&addr, "/v1/chat/completions", &request);
+    let (status, reply) = post_json(addr, "/v1/chat/completions", &request);
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["usage"]["prompt_tokens"], 4, "{reply}");
     assert_eq!(reply["usage"]["completion_tokens"], 12, "{reply}");
@@ -171,14 +126,15 @@ fn a_chat_template_file_overrides_the_tokenizers() {
     )
     .expect("template");
     let tokenizer = folder.join("tokenizer.json");
-    let (_engine, addr) = start(&[
+    let engine = start(&[
         "--tokenizer",
         arg(&tokenizer),
         "--chat-template",
         arg(&template),
     ]);
+    let addr = engine.addr();
     let chat = json!({"messages": [{"role": "user", "content": "hello world"}]});
-    let (status, tokens) = post(&addr, "/tokenize", &chat);
+    let (status, tokens) = post_json(addr, "/tokenize", &chat);
     assert_eq!(status, 200, "{tokens}");
     assert_eq!(tokens["tokens"], json!([1, 2]));
 }
@@ -187,24 +143,31 @@ fn a_chat_template_file_overrides_the_tokenizers() {
 fn missing_tokenizer_files_are_named() {
     let empty = std::env::temp_dir().join(format!("kvroute-no-tokenizer-{}", std::process::id()));
     std::fs::create_dir_all(&empty).expect("temp dir");
-    for (args, expected) in [
+    let empty = arg(&empty);
+    assert_failures(&[
         (
-            vec!["--tokenizer", "/nonexistent/tokenizer.json"],
+            &[
+                "engine",
+                "--port",
+                "0",
+                "--tokenizer",
+                "/nonexistent/tokenizer.json",
+            ],
             "/nonexistent/tokenizer.json",
         ),
-        (vec!["--tokenizer", arg(&empty)], "has no tokenizer.json"),
         (
-            vec!["--chat-template", "/nonexistent/t.jinja"],
+            &["engine", "--port", "0", "--tokenizer", empty],
+            "has no tokenizer.json",
+        ),
+        (
+            &[
+                "engine",
+                "--port",
+                "0",
+                "--chat-template",
+                "/nonexistent/t.jinja",
+            ],
             "/nonexistent/t.jinja",
         ),
-    ] {
-        let out = kvroute()
-            .args(["engine", "--port", "0"])
-            .args(&args)
-            .output()
-            .expect("run kvroute engine");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{args:?} started");
-        assert!(stderr.contains(expected), "{args:?}: {stderr}");
-    }
+    ]);
 }

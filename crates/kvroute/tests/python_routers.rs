@@ -6,7 +6,6 @@
 //! Needs `python3` with `sglang-router==0.3.2` and `vllm-router==0.1.17` (`.ci/run` installs
 //! them; `$KVROUTE_PYTHON` names another interpreter).
 
-use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::thread;
@@ -14,7 +13,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{Running, kvroute};
+use common::{Running, Server, http};
 
 const MODEL: &str = "llama-3.1-70b-instruct";
 
@@ -46,76 +45,39 @@ fn free_port() -> u16 {
         .expect("a free loopback port")
 }
 
-/// One HTTP/1.1 exchange with `Connection: close`: (status, body).
-fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .expect("timeout");
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("send");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read");
-    let status = response
-        .get(9..12)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
+/// One HTTP/1.1 exchange with a router on loopback: (status, body).
+fn call(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    http(&format!("127.0.0.1:{port}"), method, path, body)
 }
 
-/// A simulated engine publishing vLLM-format KV events on ZMQ.
+/// A simulated engine publishing vLLM-format KV events on ZMQ (by default, on a free port
+/// its `/info` names).
 struct Engine {
-    _process: Running,
-    port: u16,
+    server: Server,
     zmq: String,
 }
 
 fn start_engines(count: u64) -> Vec<Engine> {
-    let starting: Vec<_> = (1..=count)
+    (1..=count)
         .map(|id| {
-            let child = kvroute()
-                .args(["engine", "--port", "0", "--speedup", "50"])
-                .args(["--worker-id", &id.to_string()])
-                .args(["--zmq-pub", "tcp://127.0.0.1:0"])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .expect("spawn kvroute engine");
-            Running(child)
-        })
-        .collect();
-    starting
-        .into_iter()
-        .map(|mut process| {
-            let mut stdout = BufReader::new(process.0.stdout.take().expect("stdout"));
-            let mut line = String::new();
-            stdout.read_line(&mut line).expect("listening line");
-            let port = line
-                .rsplit(':')
-                .next()
-                .and_then(|p| p.trim().parse().ok())
-                .unwrap_or_else(|| panic!("no port in {line:?}"));
-            line.clear();
-            stdout.read_line(&mut line).expect("ZMQ line");
-            let zmq = line
-                .split_whitespace()
-                .find(|w| w.starts_with("tcp://"))
-                .unwrap_or_else(|| panic!("no ZMQ endpoint in {line:?}"))
+            let id = id.to_string();
+            let server = Server::start(&[
+                "engine",
+                "--port",
+                "0",
+                "--speedup",
+                "50",
+                "--worker-id",
+                &id,
+            ]);
+            let (status, card) = http(server.addr(), "GET", "/info", "");
+            assert_eq!(status, 200, "{card}");
+            let card: serde_json::Value = serde_json::from_str(&card).expect("JSON card");
+            let zmq = card["zmq_endpoint"]
+                .as_str()
+                .unwrap_or_else(|| panic!("no ZMQ endpoint in {card}"))
                 .to_string();
-            Engine {
-                _process: process,
-                port,
-                zmq,
-            }
+            Engine { server, zmq }
         })
         .collect()
 }
@@ -143,7 +105,7 @@ fn start_router(module: &str, args: &[String], port: u16) -> Running {
     let mut last = String::from("not listening");
     while Instant::now() < deadline {
         if TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_ok() {
-            let (status, body) = http(port, "GET", "/v1/models", "");
+            let (status, body) = call(port, "GET", "/v1/models", "");
             if status == 200 && body.contains(MODEL) {
                 return router;
             }
@@ -177,10 +139,7 @@ fn listen_args(port: u16) -> Vec<String> {
 }
 
 fn worker_urls(engines: &[Engine]) -> Vec<String> {
-    engines
-        .iter()
-        .map(|e| format!("http://127.0.0.1:{}", e.port))
-        .collect()
+    engines.iter().map(|e| e.server.url.clone()).collect()
 }
 
 fn cached_tokens(body: &str) -> u64 {
@@ -208,7 +167,7 @@ fn converse(port: u16, topic: &str, turns: usize) -> Vec<u64> {
         let request = serde_json::json!({
             "model": MODEL, "messages": messages, "max_tokens": 24, "ignore_eos": true,
         });
-        let (status, body) = http(port, "POST", "/v1/chat/completions", &request.to_string());
+        let (status, body) = call(port, "POST", "/v1/chat/completions", &request.to_string());
         assert_eq!(status, 200, "turn {turn} of {topic}: {body}");
         cached.push(cached_tokens(&body));
         let json: serde_json::Value = serde_json::from_str(&body).expect("JSON");
@@ -251,7 +210,7 @@ fn sglang_router_fronts_kvroute_engines() {
         "model": MODEL, "stream": true, "max_tokens": 8, "ignore_eos": true,
         "messages": [{"role": "user", "content": "Say something about harbours."}],
     });
-    let (status, body) = http(port, "POST", "/v1/chat/completions", &request.to_string());
+    let (status, body) = call(port, "POST", "/v1/chat/completions", &request.to_string());
     assert_eq!(status, 200, "{body}");
     assert!(body.matches("data: {").count() >= 1, "{body}");
     assert_eq!(
@@ -273,7 +232,7 @@ fn vllm_router_kv_aware_indexes_kvroute_engine_events() {
     args.extend(["--policy", "kv_aware"].map(String::from));
     for engine in &engines {
         args.push("--kv-event-source".into());
-        args.push(format!("http://127.0.0.1:{}={}", engine.port, engine.zmq));
+        args.push(format!("{}={}", engine.server.url, engine.zmq));
     }
     args.extend(["--kv-event-block-size", "32", "--kv-event-model", MODEL].map(String::from));
     let _router = start_router("vllm_router.launch_router", &args, port);
@@ -292,11 +251,11 @@ fn vllm_router_kv_aware_indexes_kvroute_engine_events() {
             "prompt": format!("Passage {n}. {passage}"),
         })
         .to_string();
-        let (status, body) = http(port, "POST", "/v1/completions", &request);
+        let (status, body) = call(port, "POST", "/v1/completions", &request);
         assert_eq!(status, 200, "{body}");
         // The events travel asynchronously; give the router's subscriber a moment.
         thread::sleep(Duration::from_millis(300));
-        let (status, body) = http(port, "POST", "/v1/completions", &request);
+        let (status, body) = call(port, "POST", "/v1/completions", &request);
         assert_eq!(status, 200, "{body}");
         if cached_tokens(&body) >= 32 {
             hits += 1;

@@ -3,7 +3,8 @@
 
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::process::{Child, ChildStdout, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -43,6 +44,40 @@ pub fn assert_failures(cases: &[(&[&str], &str)]) {
         let stderr = failure(args);
         assert!(stderr.contains(message), "{args:?}: {stderr}");
     }
+}
+
+/// One HTTP/1.1 request to `addr` (`HOST:PORT`) with `Connection: close`, from a plain
+/// thread: (status, body). The body is read to the end, so a streamed reply comes whole.
+pub fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("read timeout");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("request sent");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response read");
+    let status = response
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"));
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// POSTs JSON to `addr` and reads a JSON answer: (status, body).
+pub fn post_json(addr: &str, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    let (status, text) = http(addr, "POST", path, &body.to_string());
+    let json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"));
+    (status, json)
 }
 
 /// GETs `url` and reads the body as text.
@@ -112,11 +147,14 @@ pub struct Server {
     pub url: String,
     /// The whole line, for what else the server says about itself.
     pub line: String,
+    /// What it prints after that line, as it comes.
+    pub lines: mpsc::Receiver<String>,
 }
 
 impl Server {
-    /// Starts `kvroute ARGS` and waits up to 30 s for its "listening on" line. Its stderr goes
-    /// to the test's, so a server that fails to start says why.
+    /// Starts `kvroute ARGS` and waits up to 120 s (a debug build's engine builds its text
+    /// assets first, slower still on a busy machine) for its "listening on" line. Its stderr
+    /// goes to the test's, so a server that fails to start says why.
     pub fn start(args: &[&str]) -> Server {
         let mut running = Running::spawn(args, Stdio::inherit());
         let stdout = running.take_stdout();
@@ -124,20 +162,34 @@ impl Server {
         // Reads stdout to its end, so a chatty server never blocks on a full pipe.
         std::thread::spawn(move || {
             for line in stdout.lines().map_while(Result::ok) {
-                if line.contains("listening on ") {
-                    let _ = tx.send(line);
-                }
+                let _ = tx.send(line);
             }
         });
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| panic!("kvroute {args:?} did not start listening"));
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let line = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) if line.contains("listening on ") => break line,
+                Ok(_) => {}
+                Err(_) => panic!("kvroute {args:?} did not start listening"),
+            }
+        };
         let url = line
             .rsplit("listening on ")
             .next()
             .unwrap_or_default()
             .trim()
             .to_string();
-        Server { running, url, line }
+        Server {
+            running,
+            url,
+            line,
+            lines: rx,
+        }
+    }
+
+    /// `HOST:PORT` of its URL.
+    pub fn addr(&self) -> &str {
+        self.url.trim_start_matches("http://")
     }
 }
