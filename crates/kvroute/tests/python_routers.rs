@@ -138,8 +138,13 @@ fn listen_args(port: u16) -> Vec<String> {
     .collect()
 }
 
-fn worker_urls(engines: &[Engine]) -> Vec<String> {
-    engines.iter().map(|e| e.server.url.clone()).collect()
+/// A router's command line: where it listens, the engines, the policy.
+fn router_args(port: u16, engines: &[Engine], policy: &str) -> Vec<String> {
+    let mut args = listen_args(port);
+    args.push("--worker-urls".into());
+    args.extend(engines.iter().map(|e| e.server.url.clone()));
+    args.extend(["--policy".to_string(), policy.to_string()]);
+    args
 }
 
 fn cached_tokens(body: &str) -> u64 {
@@ -185,10 +190,7 @@ fn sglang_router_fronts_kvroute_engines() {
     require_module("sglang_router.launch_router", "sglang-router==0.3.2");
     let engines = start_engines(3);
     let port = free_port();
-    let mut args = listen_args(port);
-    args.push("--worker-urls".into());
-    args.extend(worker_urls(&engines));
-    args.extend(["--policy", "cache_aware"].map(String::from));
+    let args = router_args(port, &engines, "cache_aware");
     let _router = start_router("sglang_router.launch_router", &args, port);
 
     // Conversations stay on the worker that holds their history: every later turn finds
@@ -226,10 +228,7 @@ fn vllm_router_kv_aware_indexes_kvroute_engine_events() {
     require_module("vllm_router.launch_router", "vllm-router==0.1.17");
     let engines = start_engines(3);
     let port = free_port();
-    let mut args = listen_args(port);
-    args.push("--worker-urls".into());
-    args.extend(worker_urls(&engines));
-    args.extend(["--policy", "kv_aware"].map(String::from));
+    let mut args = router_args(port, &engines, "kv_aware");
     for engine in &engines {
         args.push("--kv-event-source".into());
         args.push(format!("{}={}", engine.server.url, engine.zmq));
