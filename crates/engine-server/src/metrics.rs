@@ -9,6 +9,18 @@
 //!   `vllm:request_success_total`; label `model_name`.
 //! - TensorRT-LLM as seed 001's dashboard queries it: `trtllm_request_queue_time_seconds`
 //!   (histogram: submission to first scheduling).
+//! - Speculative decoding, when on (as vLLM registers them only then): vLLM's
+//!   `vllm:spec_decode_num_drafts_total` (one per decoding sequence per step),
+//!   `vllm:spec_decode_num_draft_tokens_total`, `vllm:spec_decode_num_accepted_tokens_total`
+//!   and `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0".."K-1"}`, from which
+//!   the acceptance rate (accepted / drafted) and the mean acceptance length
+//!   (1 + accepted / drafts) follow; TensorRT-LLM's `trtllm_spec_decode_num_draft_tokens_total`,
+//!   `trtllm_spec_decode_num_accepted_tokens_total`, and the gauges
+//!   `trtllm_spec_decode_acceptance_length` (tokens per speculative step, bonus included) and
+//!   `trtllm_spec_decode_draft_overhead` (share of step time spent drafting), both over the
+//!   interval since the previous update that saw drafts; and
+//!   `kvroute_engine_spec_acceptance_rate`, the per-token acceptance probability α estimated
+//!   from the per-position counts (the figure seed 003 quotes).
 //! - DCGM: `DCGM_FI_DEV_GPU_UTIL` (percent busy over the time since the previous scrape at
 //!   least a second ago), `DCGM_FI_DEV_FB_USED` (MiB: weights + KV blocks in use) and
 //!   `DCGM_FI_DEV_FB_FREE` (MiB: the rest of the GPU's memory), labels
@@ -51,6 +63,8 @@ pub struct ServerMetrics {
     gpu_util: Family<Labels, FloatGauge>,
     fb_used: Family<Labels, FloatGauge>,
     fb_free: Family<Labels, FloatGauge>,
+    /// Speculative decoding's families, when it is on.
+    spec: Option<SpecFamilies>,
     /// Requests the engine refused (queue full, too long…).
     pub rejected: Counter,
     /// KV event batches dropped because the publishers fell behind.
@@ -63,6 +77,21 @@ pub struct ServerMetrics {
 
 type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
 
+/// vLLM's and TensorRT-LLM's speculative-decoding series.
+struct SpecFamilies {
+    drafts: Family<Labels, Counter>,
+    draft_tokens: Family<Labels, Counter>,
+    accepted_tokens: Family<Labels, Counter>,
+    accepted_per_pos: Family<Labels, Counter>,
+    trt_draft_tokens: Family<Labels, Counter>,
+    trt_accepted_tokens: Family<Labels, Counter>,
+    acceptance_length: Family<Labels, FloatGauge>,
+    draft_overhead: Family<Labels, FloatGauge>,
+    acceptance_rate: Family<Labels, FloatGauge>,
+    /// `labels` plus `position="j"`, one per draft position.
+    position_labels: Vec<Labels>,
+}
+
 /// 1 ms to ~131 s, doubling.
 fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 18))
@@ -73,7 +102,13 @@ fn histogram_family() -> HistogramFamily {
 }
 
 impl ServerMetrics {
-    pub fn new(model: &str, gpu_model: &str, hostname: &str) -> ServerMetrics {
+    /// `draft_len`: speculative decoding's K when it is on (its series are registered then).
+    pub fn new(
+        model: &str,
+        gpu_model: &str,
+        hostname: &str,
+        draft_len: Option<u32>,
+    ) -> ServerMetrics {
         let mut registry = Registry::default();
         let labels = vec![("model_name".to_string(), model.to_string())];
         let gpu_labels = vec![
@@ -83,7 +118,7 @@ impl ServerMetrics {
         ];
         let m = ServerMetrics {
             registry: Registry::default(),
-            labels,
+            labels: labels.clone(),
             gpu_labels,
             running: Family::default(),
             waiting: Family::default(),
@@ -99,6 +134,24 @@ impl ServerMetrics {
             gpu_util: Family::default(),
             fb_used: Family::default(),
             fb_free: Family::default(),
+            spec: draft_len.map(|k| SpecFamilies {
+                drafts: Family::default(),
+                draft_tokens: Family::default(),
+                accepted_tokens: Family::default(),
+                accepted_per_pos: Family::default(),
+                trt_draft_tokens: Family::default(),
+                trt_accepted_tokens: Family::default(),
+                acceptance_length: Family::default(),
+                draft_overhead: Family::default(),
+                acceptance_rate: Family::default(),
+                position_labels: (0..k)
+                    .map(|j| {
+                        let mut l = labels.clone();
+                        l.push(("position".to_string(), j.to_string()));
+                        l
+                    })
+                    .collect(),
+            }),
             rejected: Counter::default(),
             kv_batches_dropped: Counter::default(),
             util_sample: Mutex::new(None),
@@ -184,6 +237,68 @@ impl ServerMetrics {
             "KV event batches dropped because publishers fell behind",
             m.kv_batches_dropped.clone(),
         );
+        if let Some(f) = &m.spec {
+            registry.register(
+                "vllm:spec_decode_num_drafts",
+                "Speculative drafts proposed (one per decoding sequence per step)",
+                f.drafts.clone(),
+            );
+            registry.register(
+                "vllm:spec_decode_num_draft_tokens",
+                "Draft tokens proposed",
+                f.draft_tokens.clone(),
+            );
+            registry.register(
+                "vllm:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted",
+                f.accepted_tokens.clone(),
+            );
+            registry.register(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Drafts whose token at this position was accepted",
+                f.accepted_per_pos.clone(),
+            );
+            registry.register(
+                "trtllm_spec_decode_num_draft_tokens",
+                "Draft tokens proposed",
+                f.trt_draft_tokens.clone(),
+            );
+            registry.register(
+                "trtllm_spec_decode_num_accepted_tokens",
+                "Draft tokens accepted",
+                f.trt_accepted_tokens.clone(),
+            );
+            registry.register(
+                "trtllm_spec_decode_acceptance_length",
+                "Tokens per speculative step, bonus token included (since the previous update)",
+                f.acceptance_length.clone(),
+            );
+            registry.register(
+                "trtllm_spec_decode_draft_overhead",
+                "Share of step time spent in draft passes (since the previous update)",
+                f.draft_overhead.clone(),
+            );
+            registry.register(
+                "kvroute_engine_spec_acceptance_rate",
+                "Per-token acceptance probability (accepted / evaluated draft positions, since the previous update)",
+                f.acceptance_rate.clone(),
+            );
+            for family in [
+                &f.drafts,
+                &f.draft_tokens,
+                &f.accepted_tokens,
+                &f.trt_draft_tokens,
+                &f.trt_accepted_tokens,
+            ] {
+                let _ = family.get_or_create(&m.labels);
+            }
+            for l in &f.position_labels {
+                let _ = f.accepted_per_pos.get_or_create(l);
+            }
+            let _ = f.acceptance_length.get_or_create(&m.labels);
+            let _ = f.draft_overhead.get_or_create(&m.labels);
+            let _ = f.acceptance_rate.get_or_create(&m.labels);
+        }
         // Every series exists from the start (at 0), as vLLM's do, so rates and absent-series
         // alerts behave.
         for family in [
@@ -250,7 +365,55 @@ impl ServerMetrics {
             metrics.tokens_generated,
             last.tokens_generated,
         );
+        if let Some(f) = &self.spec {
+            self.update_spec(f, metrics, &last);
+        }
         *last = metrics.clone();
+    }
+
+    /// Adds the speculative counters' increments since `last`; the interval gauges move only
+    /// when the interval saw drafts.
+    fn update_spec(&self, f: &SpecFamilies, now: &EngineMetrics, last: &EngineMetrics) {
+        let delta = |a: u64, b: u64| a.saturating_sub(b);
+        let drafts = delta(now.spec_drafts, last.spec_drafts);
+        let drafted = delta(now.spec_draft_tokens, last.spec_draft_tokens);
+        let accepted = delta(now.spec_accepted_tokens, last.spec_accepted_tokens);
+        f.drafts.get_or_create(&self.labels).inc_by(drafts);
+        f.draft_tokens.get_or_create(&self.labels).inc_by(drafted);
+        f.accepted_tokens
+            .get_or_create(&self.labels)
+            .inc_by(accepted);
+        f.trt_draft_tokens
+            .get_or_create(&self.labels)
+            .inc_by(drafted);
+        f.trt_accepted_tokens
+            .get_or_create(&self.labels)
+            .inc_by(accepted);
+        let mut evaluated = drafts;
+        for (j, l) in f.position_labels.iter().enumerate() {
+            let at = |m: &EngineMetrics| m.spec_accepted_per_pos.get(j).copied().unwrap_or(0);
+            let d = delta(at(now), at(last));
+            f.accepted_per_pos.get_or_create(l).inc_by(d);
+            // Position j + 1 is evaluated when position j was accepted.
+            if j + 1 < f.position_labels.len() {
+                evaluated += d;
+            }
+        }
+        if drafts > 0 {
+            f.acceptance_length
+                .get_or_create(&self.labels)
+                .set(1.0 + accepted as f64 / drafts as f64);
+            f.acceptance_rate
+                .get_or_create(&self.labels)
+                .set(accepted as f64 / evaluated.max(1) as f64);
+            let busy = now.busy_time.saturating_sub(last.busy_time).0;
+            let draft = now.spec_draft_time.saturating_sub(last.spec_draft_time).0;
+            if busy > 0 {
+                f.draft_overhead
+                    .get_or_create(&self.labels)
+                    .set((draft as f64 / busy as f64).min(1.0));
+            }
+        }
     }
 
     pub fn observe_ttft(&self, seconds: f64) {

@@ -104,6 +104,8 @@ pub struct ClusterArgs {
     /// Seed of the run (sweep seeds derive from it).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    #[command(flatten)]
+    pub spec: crate::spec_args::SpecArgs,
 }
 
 /// Sets `KEY=VALUE` pairs in a serializable value through its JSON form: `KEY` is a dotted
@@ -180,7 +182,11 @@ impl ClusterArgs {
         let profile_name = profile.name.clone();
         let mut engine = EngineConfig::from_profile(profile);
         engine.coalesce_decode = !self.step_by_step;
-        let engine: EngineConfig = patch(engine, &self.engine_set, "engine")?;
+        let mut engine: EngineConfig = patch(engine, &self.engine_set, "engine")?;
+        // `--spec-decode off` leaves a configuration set through --engine-set alone.
+        if let Some(spec) = self.spec.resolve(&engine)? {
+            engine.spec_decode = Some(spec);
+        }
         let mut base = SimConfig::new(self.workers, engine.profile.clone(), PolicyKind::Kv);
         base.engine = engine;
         let params = &mut base.router.params;
