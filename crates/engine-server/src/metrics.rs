@@ -18,7 +18,7 @@
 //!   `trtllm_spec_decode_num_accepted_tokens_total`, and the gauges
 //!   `trtllm_spec_decode_acceptance_length` (tokens per speculative step, bonus included) and
 //!   `trtllm_spec_decode_draft_overhead` (share of step time spent drafting), both over the
-//!   interval since the previous update that saw drafts; and
+//!   latest stretch of at least 64 drafts (a per-step figure would jump around); and
 //!   `kvroute_engine_spec_acceptance_rate`, the per-token acceptance probability α estimated
 //!   from the per-position counts (the figure seed 003 quotes).
 //! - DCGM: `DCGM_FI_DEV_GPU_UTIL` (percent busy over the time since the previous scrape at
@@ -90,7 +90,13 @@ struct SpecFamilies {
     acceptance_rate: Family<Labels, FloatGauge>,
     /// `labels` plus `position="j"`, one per draft position.
     position_labels: Vec<Labels>,
+    /// The counters when the gauges were last set: (drafts, accepted, evaluated positions,
+    /// busy time, draft time).
+    gauge_mark: Mutex<(u64, u64, u64, Nanos, Nanos)>,
 }
+
+/// Drafts a gauge interval covers at least.
+const GAUGE_DRAFTS: u64 = 64;
 
 /// 1 ms to ~131 s, doubling.
 fn latency_histogram() -> Histogram {
@@ -151,6 +157,7 @@ impl ServerMetrics {
                         l
                     })
                     .collect(),
+                gauge_mark: Mutex::new((0, 0, 0, Nanos::ZERO, Nanos::ZERO)),
             }),
             rejected: Counter::default(),
             kv_batches_dropped: Counter::default(),
@@ -371,14 +378,15 @@ impl ServerMetrics {
         *last = metrics.clone();
     }
 
-    /// Adds the speculative counters' increments since `last`; the interval gauges move only
-    /// when the interval saw drafts.
+    /// Adds the speculative counters' increments since `last`; moves the gauges once the
+    /// drafts since they were last set reach [`GAUGE_DRAFTS`].
     fn update_spec(&self, f: &SpecFamilies, now: &EngineMetrics, last: &EngineMetrics) {
         let delta = |a: u64, b: u64| a.saturating_sub(b);
-        let drafts = delta(now.spec_drafts, last.spec_drafts);
         let drafted = delta(now.spec_draft_tokens, last.spec_draft_tokens);
         let accepted = delta(now.spec_accepted_tokens, last.spec_accepted_tokens);
-        f.drafts.get_or_create(&self.labels).inc_by(drafts);
+        f.drafts
+            .get_or_create(&self.labels)
+            .inc_by(delta(now.spec_drafts, last.spec_drafts));
         f.draft_tokens.get_or_create(&self.labels).inc_by(drafted);
         f.accepted_tokens
             .get_or_create(&self.labels)
@@ -389,31 +397,49 @@ impl ServerMetrics {
         f.trt_accepted_tokens
             .get_or_create(&self.labels)
             .inc_by(accepted);
-        let mut evaluated = drafts;
         for (j, l) in f.position_labels.iter().enumerate() {
             let at = |m: &EngineMetrics| m.spec_accepted_per_pos.get(j).copied().unwrap_or(0);
-            let d = delta(at(now), at(last));
-            f.accepted_per_pos.get_or_create(l).inc_by(d);
-            // Position j + 1 is evaluated when position j was accepted.
-            if j + 1 < f.position_labels.len() {
-                evaluated += d;
-            }
+            f.accepted_per_pos
+                .get_or_create(l)
+                .inc_by(delta(at(now), at(last)));
         }
-        if drafts > 0 {
-            f.acceptance_length
-                .get_or_create(&self.labels)
-                .set(1.0 + accepted as f64 / drafts as f64);
-            f.acceptance_rate
-                .get_or_create(&self.labels)
-                .set(accepted as f64 / evaluated.max(1) as f64);
-            let busy = now.busy_time.saturating_sub(last.busy_time).0;
-            let draft = now.spec_draft_time.saturating_sub(last.spec_draft_time).0;
-            if busy > 0 {
-                f.draft_overhead
-                    .get_or_create(&self.labels)
-                    .set((draft as f64 / busy as f64).min(1.0));
-            }
+        // Position j + 1 is evaluated when position j was accepted.
+        let k = now.spec_accepted_per_pos.len();
+        let evaluated = now.spec_drafts
+            + now
+                .spec_accepted_per_pos
+                .iter()
+                .take(k.saturating_sub(1))
+                .sum::<u64>();
+        let Ok(mut mark) = f.gauge_mark.lock() else {
+            return;
+        };
+        let (drafts0, accepted0, evaluated0, busy0, draft0) = *mark;
+        let drafts = delta(now.spec_drafts, drafts0);
+        if drafts < GAUGE_DRAFTS {
+            return;
         }
+        let accepted = delta(now.spec_accepted_tokens, accepted0);
+        f.acceptance_length
+            .get_or_create(&self.labels)
+            .set(1.0 + accepted as f64 / drafts as f64);
+        f.acceptance_rate
+            .get_or_create(&self.labels)
+            .set(accepted as f64 / delta(evaluated, evaluated0).max(1) as f64);
+        let busy = now.busy_time.saturating_sub(busy0).0;
+        let draft = now.spec_draft_time.saturating_sub(draft0).0;
+        if busy > 0 {
+            f.draft_overhead
+                .get_or_create(&self.labels)
+                .set((draft as f64 / busy as f64).min(1.0));
+        }
+        *mark = (
+            now.spec_drafts,
+            now.spec_accepted_tokens,
+            evaluated,
+            now.busy_time,
+            now.spec_draft_time,
+        );
     }
 
     pub fn observe_ttft(&self, seconds: f64) {

@@ -33,7 +33,7 @@ pub fn parse_router(s: &str) -> Result<PolicyKind, String> {
 }
 
 /// Fleet, hardware, router and workload options shared by `sim` and `bench`.
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct ClusterArgs {
     /// Number of workers (one GPU each).
     #[arg(long, default_value_t = 3)]
@@ -280,6 +280,9 @@ pub fn run(args: SimArgs) -> Result<()> {
         );
     }
     cluster.base.keep_all_records = args.records.is_some();
+    // A single run reports TTFT by turn and decode tokens per step too (a benchmark keeps
+    // seed 002's fields unless --phases).
+    cluster.base.extended_metrics = true;
     let spec = BenchSpec {
         routers: vec![args.router],
         levels: vec![args.concurrency],
@@ -493,6 +496,18 @@ pub fn print_latencies(r: &Row) {
         opt(r.metrics.tpot_ms.p50, 1),
         opt(r.metrics.tpot_ms.p95, 1)
     );
+    for (name, split) in [
+        ("turn 1", r.metrics.ttft_turn1_ms),
+        ("turns 2+", r.metrics.ttft_later_ms),
+    ] {
+        if let Some(p) = split {
+            println!(
+                "    {name:<8} p50 {:>9} ms   p95 {:>9} ms",
+                opt(p.p50, 1),
+                opt(p.p95, 1)
+            );
+        }
+    }
     println!(
         "  ITL   p50 {:>9} ms   p95 {:>9} ms",
         opt(r.metrics.itl_ms.p50, 1),
@@ -511,4 +526,11 @@ pub fn print_latencies(r: &Row) {
         opt(r.metrics.oracle_hit_rate.map(|h| h * 100.0), 1) + "%",
         r.metrics.errors
     );
+    if let Some(a) = r.metrics.acceptance_rate {
+        println!(
+            "  speculative decoding: acceptance {:.1}%   tokens per step {}",
+            a * 100.0,
+            opt(r.metrics.tokens_per_step, 2)
+        );
+    }
 }

@@ -225,6 +225,10 @@ pub struct BenchMeta {
     pub phases: Vec<PhaseMeta>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub setups: Vec<Setup>,
+    /// The serving path's round trip added to TTFT and E2E, milliseconds (written by
+    /// `--phases`; seed 002's files leave it out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path_latency_ms: Option<f64>,
 }
 
 /// One step of seed 003's ladder.

@@ -273,6 +273,7 @@ pub fn aggregate(spec: &BenchSpec, mut results: Vec<JobResult>, profile: &str) -
             percentiles: PERCENTILES_METHOD.to_string(),
             phases: Vec::new(),
             setups: Vec::new(),
+            path_latency_ms: None,
         },
     }
 }
