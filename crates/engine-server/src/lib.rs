@@ -188,6 +188,7 @@ impl EngineServer {
             &config.model,
             &profile.gpu,
             &config.hostname,
+            config.engine.spec_decode.as_ref().map(|s| s.draft_len),
         ));
         let snapshot = Arc::new(Mutex::new(driver::Snapshot::default()));
         let clock = driver::Clock::new(config.speedup);

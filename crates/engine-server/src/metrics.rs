@@ -9,6 +9,18 @@
 //!   `vllm:request_success_total`; label `model_name`.
 //! - TensorRT-LLM as seed 001's dashboard queries it: `trtllm_request_queue_time_seconds`
 //!   (histogram: submission to first scheduling).
+//! - Speculative decoding, when on (as vLLM registers them only then): vLLM's
+//!   `vllm:spec_decode_num_drafts_total` (one per decoding sequence per step),
+//!   `vllm:spec_decode_num_draft_tokens_total`, `vllm:spec_decode_num_accepted_tokens_total`
+//!   and `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0".."K-1"}`, from which
+//!   the acceptance rate (accepted / drafted) and the mean acceptance length
+//!   (1 + accepted / drafts) follow; TensorRT-LLM's `trtllm_spec_decode_num_draft_tokens_total`,
+//!   `trtllm_spec_decode_num_accepted_tokens_total`, and the gauges
+//!   `trtllm_spec_decode_acceptance_length` (tokens per speculative step, bonus included) and
+//!   `trtllm_spec_decode_draft_overhead` (share of step time spent drafting), both over the
+//!   latest stretch of at least 64 drafts (a per-step figure would jump around); and
+//!   `kvroute_engine_spec_acceptance_rate`, the per-token acceptance probability α estimated
+//!   from the per-position counts (the figure seed 003 quotes).
 //! - DCGM: `DCGM_FI_DEV_GPU_UTIL` (percent busy over the time since the previous scrape at
 //!   least a second ago), `DCGM_FI_DEV_FB_USED` (MiB: weights + KV blocks in use) and
 //!   `DCGM_FI_DEV_FB_FREE` (MiB: the rest of the GPU's memory), labels
@@ -52,6 +64,8 @@ pub struct ServerMetrics {
     gpu_util: FloatGauge,
     fb_used: FloatGauge,
     fb_free: FloatGauge,
+    /// Speculative decoding's series, when it is on.
+    spec: Option<SpecSeries>,
     /// Requests the engine refused (queue full, too long…).
     pub rejected: Counter,
     /// KV event batches dropped because the publishers fell behind.
@@ -60,6 +74,147 @@ pub struct ServerMetrics {
     util_sample: Mutex<Option<(Nanos, Nanos, f64)>>,
     /// Counter values already added, to turn the engine's cumulative counts into increments.
     last: Mutex<EngineMetrics>,
+}
+
+/// vLLM's and TensorRT-LLM's speculative-decoding series.
+struct SpecSeries {
+    drafts: Counter,
+    draft_tokens: Counter,
+    accepted_tokens: Counter,
+    /// One per draft position (`position="0".."K-1"`).
+    accepted_per_pos: Vec<Counter>,
+    trt_draft_tokens: Counter,
+    trt_accepted_tokens: Counter,
+    acceptance_length: FloatGauge,
+    draft_overhead: FloatGauge,
+    acceptance_rate: FloatGauge,
+    /// The counters when the gauges were last set: (drafts, accepted, evaluated positions,
+    /// busy time, draft time).
+    gauge_mark: Mutex<(u64, u64, u64, Nanos, Nanos)>,
+}
+
+/// Drafts a gauge interval covers at least.
+const GAUGE_DRAFTS: u64 = 64;
+
+impl SpecSeries {
+    fn register(r: &mut Registry, labels: &Labels, draft_len: u32) -> SpecSeries {
+        let per_pos: Family<Labels, Counter> = Family::default();
+        let accepted_per_pos = (0..draft_len)
+            .map(|j| {
+                let mut l = labels.clone();
+                l.push(("position".to_string(), j.to_string()));
+                per_pos.get_or_create(&l).clone()
+            })
+            .collect();
+        r.register(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position was accepted",
+            per_pos,
+        );
+        SpecSeries {
+            drafts: series(
+                r,
+                labels,
+                "vllm:spec_decode_num_drafts",
+                "Speculative drafts proposed (one per decoding sequence per step)",
+            ),
+            draft_tokens: series(
+                r,
+                labels,
+                "vllm:spec_decode_num_draft_tokens",
+                "Draft tokens proposed",
+            ),
+            accepted_tokens: series(
+                r,
+                labels,
+                "vllm:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted",
+            ),
+            accepted_per_pos,
+            trt_draft_tokens: series(
+                r,
+                labels,
+                "trtllm_spec_decode_num_draft_tokens",
+                "Draft tokens proposed",
+            ),
+            trt_accepted_tokens: series(
+                r,
+                labels,
+                "trtllm_spec_decode_num_accepted_tokens",
+                "Draft tokens accepted",
+            ),
+            acceptance_length: series(
+                r,
+                labels,
+                "trtllm_spec_decode_acceptance_length",
+                "Tokens per speculative step, bonus token included (since the previous update)",
+            ),
+            draft_overhead: series(
+                r,
+                labels,
+                "trtllm_spec_decode_draft_overhead",
+                "Share of step time spent in draft passes (since the previous update)",
+            ),
+            acceptance_rate: series(
+                r,
+                labels,
+                "kvroute_engine_spec_acceptance_rate",
+                "Per-token acceptance probability (accepted / evaluated draft positions, since the previous update)",
+            ),
+            gauge_mark: Mutex::new((0, 0, 0, Nanos::ZERO, Nanos::ZERO)),
+        }
+    }
+
+    /// Adds the speculative counters' increments since `last`; moves the gauges once the
+    /// drafts since they were last set reach [`GAUGE_DRAFTS`].
+    fn update(&self, now: &EngineMetrics, last: &EngineMetrics) {
+        let delta = |a: u64, b: u64| a.saturating_sub(b);
+        let drafted = delta(now.spec_draft_tokens, last.spec_draft_tokens);
+        let accepted = delta(now.spec_accepted_tokens, last.spec_accepted_tokens);
+        self.drafts.inc_by(delta(now.spec_drafts, last.spec_drafts));
+        self.draft_tokens.inc_by(drafted);
+        self.accepted_tokens.inc_by(accepted);
+        self.trt_draft_tokens.inc_by(drafted);
+        self.trt_accepted_tokens.inc_by(accepted);
+        for (j, counter) in self.accepted_per_pos.iter().enumerate() {
+            let at = |m: &EngineMetrics| m.spec_accepted_per_pos.get(j).copied().unwrap_or(0);
+            counter.inc_by(delta(at(now), at(last)));
+        }
+        // Position j + 1 is evaluated when position j was accepted.
+        let k = now.spec_accepted_per_pos.len();
+        let evaluated = now.spec_drafts
+            + now
+                .spec_accepted_per_pos
+                .iter()
+                .take(k.saturating_sub(1))
+                .sum::<u64>();
+        let Ok(mut mark) = self.gauge_mark.lock() else {
+            return;
+        };
+        let (drafts0, accepted0, evaluated0, busy0, draft0) = *mark;
+        let drafts = delta(now.spec_drafts, drafts0);
+        if drafts < GAUGE_DRAFTS {
+            return;
+        }
+        let accepted = delta(now.spec_accepted_tokens, accepted0);
+        self.acceptance_length
+            .set(1.0 + accepted as f64 / drafts as f64);
+        self.acceptance_rate
+            .set(accepted as f64 / delta(evaluated, evaluated0).max(1) as f64);
+        let busy = now.busy_time.saturating_sub(busy0).0;
+        let draft = now.spec_draft_time.saturating_sub(draft0).0;
+        if busy > 0 {
+            self.draft_overhead
+                .set((draft as f64 / busy as f64).min(1.0));
+        }
+        *mark = (
+            now.spec_drafts,
+            now.spec_accepted_tokens,
+            evaluated,
+            now.busy_time,
+            now.spec_draft_time,
+        );
+    }
 }
 
 /// 1 ms to ~131 s, doubling.
@@ -107,7 +262,14 @@ fn counter(registry: &mut Registry, name: &str, help: &str) -> Counter {
 }
 
 impl ServerMetrics {
-    pub fn new(model: &str, gpu_model: &str, hostname: &str) -> ServerMetrics {
+    /// `draft_len`: speculative decoding's K when it is on (its series are registered then,
+    /// as vLLM registers them only then).
+    pub fn new(
+        model: &str,
+        gpu_model: &str,
+        hostname: &str,
+        draft_len: Option<u32>,
+    ) -> ServerMetrics {
         let mut registry = Registry::default();
         let labels = vec![("model_name".to_string(), model.to_string())];
         let gpu_labels = vec![
@@ -206,6 +368,7 @@ impl ServerMetrics {
                 "kvroute_engine_kv_batches_dropped",
                 "KV event batches dropped because publishers fell behind",
             ),
+            spec: draft_len.map(|k| SpecSeries::register(r, &labels, k)),
             // Last: the fields above register their metrics in it.
             registry,
             util_sample: Mutex::new(None),
@@ -247,6 +410,9 @@ impl ServerMetrics {
             metrics.tokens_generated,
             last.tokens_generated,
         );
+        if let Some(spec) = &self.spec {
+            spec.update(metrics, &last);
+        }
         *last = metrics.clone();
     }
 

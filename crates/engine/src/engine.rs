@@ -8,14 +8,12 @@ use kv_index::{
     WorkerId,
 };
 use nanotime::Nanos;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use rustc_hash::FxHashMap;
 use worker_limits::WorkerLimits;
 
 use crate::pool::BlockPool;
 use crate::profile::{HardwareProfile, StepShape};
-use crate::spec::sample_accepted;
+use crate::spec::{Drafter, SpecDecodeConfig, accepted_drafts};
 use crate::types::{
     EngineConfig, EngineConfigError, EngineEvent, EngineMetrics, EngineRequest, OutputSpec,
     RejectReason, RequestId, Role, pseudo_token,
@@ -60,6 +58,10 @@ struct Req {
     /// Decode-only role: the prompt's KV still has to come from a prefill worker.
     remote: bool,
     ready_at: Nanos,
+    /// Speculative decoding: this request's per-token acceptance probability (its content
+    /// class's) and the speculative steps it has taken (the acceptance draw's counter).
+    alpha: f64,
+    spec_steps: u32,
 }
 
 impl Req {
@@ -123,6 +125,8 @@ fn running_req<'a>(reqs: &'a mut [Option<Req>], it: &Item) -> Option<&'a mut Req
 struct Step {
     start: Nanos,
     end: Nanos,
+    /// Of the step, the time spent in speculative draft passes.
+    draft: Nanos,
 }
 
 /// Speed mode: a run of identical decode-only steps over the batch in `items`.
@@ -132,6 +136,10 @@ struct Stretch {
     bounds: Vec<Nanos>,
     /// Steps already applied to the requests.
     done: usize,
+    /// Speculative decoding: per step, the tokens each item produced (`items.len()` entries
+    /// per step, drawn when the stretch was planned), and each step's draft time.
+    produced: Vec<u8>,
+    draft: Vec<Nanos>,
 }
 
 #[derive(Debug, Default)]
@@ -144,8 +152,11 @@ struct Counters {
     busy: Nanos,
     decode_seq_steps: u64,
     decode_tokens: u64,
+    spec_drafts: u64,
     spec_draft: u64,
     spec_accepted: u64,
+    spec_accepted_per_pos: Vec<u64>,
+    spec_draft_time: Nanos,
     preemptions: u64,
     finished: u64,
     cancelled: u64,
@@ -160,8 +171,8 @@ pub struct Engine {
     block_size: u32,
     capacity: u32,
     weight_bytes: u64,
-    /// Speculative decoding: (draft length, acceptance rate, draft cost ratio).
-    spec: Option<(u32, f64, f64)>,
+    /// Speculative decoding, when on with at least one draft token.
+    spec: Option<Spec>,
     pool: BlockPool,
     reqs: Vec<Option<Req>>,
     free_slots: Vec<u32>,
@@ -177,15 +188,58 @@ pub struct Engine {
     hist: Vec<u32>,
     events: VecDeque<EngineEvent>,
     kv_seq: u64,
-    rng: ChaCha8Rng,
     c: Counters,
     now: Nanos,
     scratch: Vec<u32>,
     evicted: Vec<EngineBlockId>,
+    /// Speed mode with speculation: per-item state while a stretch is planned, and the
+    /// buffers of the last stretch for reuse.
+    lanes: Vec<Lane>,
+    spec_totals: Vec<u32>,
+    spare_produced: Vec<u8>,
+    spare_draft: Vec<Nanos>,
+}
+
+/// The engine's speculative-decoding settings, resolved.
+#[derive(Debug, Clone)]
+struct Spec {
+    config: SpecDecodeConfig,
+    k: u32,
+    /// Priced from its size, unless a cost ratio is configured or the timing model cannot.
+    drafter: Option<Drafter>,
+    ratio: f64,
+}
+
+/// One running sequence while a speculative stretch is planned.
+#[derive(Debug, Clone, Copy)]
+struct Lane {
+    computed: u32,
+    blocks: u32,
+    left: u32,
+    serial: u64,
+    alpha: f64,
+    steps: u32,
+    draft: u32,
 }
 
 fn blocks_for(tokens: u32, block_size: u32) -> usize {
     tokens.div_ceil(block_size) as usize
+}
+
+/// Counts `steps` speculative steps of one sequence that proposed `draft` tokens and produced
+/// `produced` (1 + accepted) each, under vLLM's and TensorRT-LLM's definitions: a draft is
+/// one sequence's proposal in one step; position `j` is accepted when `j + 1` drafts were.
+fn count_spec(c: &mut Counters, draft: u32, produced: u32, steps: u64) {
+    if draft == 0 {
+        return;
+    }
+    let accepted = produced.saturating_sub(1);
+    c.spec_drafts += steps;
+    c.spec_draft += steps * u64::from(draft);
+    c.spec_accepted += steps * u64::from(accepted);
+    for slot in c.spec_accepted_per_pos.iter_mut().take(accepted as usize) {
+        *slot += steps;
+    }
 }
 
 impl Engine {
@@ -206,16 +260,20 @@ impl Engine {
         }
         config.profile.validate()?;
         if let Some(s) = &config.spec_decode {
-            if !s.is_valid() {
-                return Err(EngineConfigError::BadSpecDecode);
+            if let Some(problem) = s.problem() {
+                return Err(EngineConfigError::BadSpecDecode(problem));
             }
         }
-        let draft_bytes = config.spec_decode.as_ref().map_or(0, |s| s.weight_bytes());
+        let drafter = config.spec_decode.as_ref().map(SpecDecodeConfig::drafter);
+        let draft_bytes = drafter.map_or(0, |d| d.weight_bytes);
+        let draft_kv = drafter.map_or(0, |d| d.kv_bytes_per_token);
         let capacity = match config.num_gpu_blocks_override {
             Some(n) => u64::from(n),
-            None => config
-                .profile
-                .kv_capacity_blocks(config.block_size, f, draft_bytes),
+            None => {
+                config
+                    .profile
+                    .kv_capacity_blocks_with(config.block_size, f, draft_bytes, draft_kv)
+            }
         };
         let capacity = u32::try_from(capacity)
             .unwrap_or(u32::MAX - 1)
@@ -225,11 +283,21 @@ impl Engine {
                 profile: config.profile.name.clone(),
             });
         }
+        let roofline = matches!(
+            config.profile.timing,
+            crate::profile::TimingModel::Roofline(_)
+        );
         let spec = config
             .spec_decode
             .as_ref()
             .filter(|s| s.draft_len > 0)
-            .map(|s| (s.draft_len, s.acceptance_rate, s.cost_ratio()));
+            .map(|s| Spec {
+                config: s.clone(),
+                k: s.draft_len,
+                drafter: (roofline && s.draft_cost_ratio.is_none()).then(|| s.drafter()),
+                ratio: s.cost_ratio(),
+            });
+        let per_pos = spec.as_ref().map_or(0, |s| s.k as usize);
         Ok(Engine {
             block_size: config.block_size,
             capacity,
@@ -250,11 +318,17 @@ impl Engine {
             hist: vec![0; config.block_size as usize],
             events: VecDeque::new(),
             kv_seq: 0,
-            rng: ChaCha8Rng::seed_from_u64(config.seed),
-            c: Counters::default(),
+            c: Counters {
+                spec_accepted_per_pos: vec![0; per_pos],
+                ..Counters::default()
+            },
             now: Nanos::ZERO,
             scratch: Vec::with_capacity(config.block_size as usize),
             evicted: Vec::new(),
+            lanes: Vec::new(),
+            spec_totals: Vec::new(),
+            spare_produced: Vec::new(),
+            spare_draft: Vec::new(),
             worker,
             cfg: config,
         })
@@ -320,6 +394,10 @@ impl Engine {
             return;
         }
         let prompt_len = req.prompt.len() as u32;
+        let alpha = self
+            .spec
+            .as_ref()
+            .map_or(0.0, |s| s.config.acceptance_for(&req.prompt));
         let output_len = match self.cfg.role {
             Role::PrefillOnly => 1,
             _ => req.output.len(),
@@ -342,6 +420,8 @@ impl Engine {
             state: State::Waiting,
             remote: self.cfg.role == Role::DecodeOnly,
             ready_at: Nanos::ZERO,
+            alpha,
+            spec_steps: 0,
         };
         self.next_serial += 1;
         let slot = match self.free_slots.pop() {
@@ -380,7 +460,7 @@ impl Engine {
         // Worst case this worker holds at once: every token plus the speculative lookahead.
         let tokens = match self.cfg.role {
             Role::PrefillOnly => p,
-            _ => p + o + u64::from(self.spec.map_or(0, |s| s.0)),
+            _ => p + o + u64::from(self.spec.as_ref().map_or(0, |s| s.k)),
         };
         let blocks = tokens.div_ceil(u64::from(self.block_size));
         if blocks > u64::from(self.capacity) {
@@ -481,8 +561,12 @@ impl Engine {
             busy_time: self.c.busy,
             decode_seq_steps: self.c.decode_seq_steps,
             decode_tokens_generated: self.c.decode_tokens,
+            spec_method: self.spec.as_ref().map(|s| s.config.method),
+            spec_drafts: self.c.spec_drafts,
             spec_draft_tokens: self.c.spec_draft,
             spec_accepted_tokens: self.c.spec_accepted,
+            spec_accepted_per_pos: self.c.spec_accepted_per_pos.clone(),
+            spec_draft_time: self.c.spec_draft_time,
             preemptions: self.c.preemptions,
             finished: self.c.finished,
             cancelled: self.c.cancelled,
@@ -708,7 +792,7 @@ impl Engine {
         let bs = self.block_size;
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut preempted = false;
-        let k = self.spec.map_or(0, |s| s.0);
+        let k = self.spec.as_ref().map_or(0, |s| s.k);
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let slot = self.running[i];
@@ -774,9 +858,14 @@ impl Engine {
         }
         let shape = self.shape();
         let dur = self.cfg.profile.step_time(&shape).max(Nanos(1));
+        let draft = self.draft_time(&shape);
         let end = t + dur;
-        self.step = Some(Step { start: t, end });
-        if self.cfg.coalesce_decode && self.spec.is_none() && !preempted && !admitted {
+        self.step = Some(Step {
+            start: t,
+            end,
+            draft,
+        });
+        if self.cfg.coalesce_decode && !preempted && !admitted {
             self.plan_stretch(end, &shape);
         }
     }
@@ -886,10 +975,19 @@ impl Engine {
                 s.prefill_attention_pairs += n * c + n * (n + 1) / 2;
             }
         }
-        if s.draft_passes > 0 {
-            s.draft_cost_ratio = self.spec.map_or(0.0, |sp| sp.2);
+        if let Some(spec) = &self.spec {
+            s.drafter = spec.drafter;
+            s.draft_cost_ratio = spec.ratio;
         }
         s
+    }
+
+    /// Of a step of this shape, the time its speculative draft passes take.
+    fn draft_time(&self, shape: &StepShape) -> Nanos {
+        if self.spec.is_none() {
+            return Nanos::ZERO;
+        }
+        Nanos::from_secs_f64(self.cfg.profile.draft_secs(shape))
     }
 
     /// Speed mode: the step just planned is decode-only, every running request is in it and
@@ -899,6 +997,10 @@ impl Engine {
     /// block every `block_size` steps (tracked by a histogram of spare slots).
     fn plan_stretch(&mut self, end0: Nanos, shape0: &StepShape) {
         if self.items.len() != self.running.len() || self.items.iter().any(|it| !it.decode) {
+            return;
+        }
+        if self.spec.is_some() {
+            self.plan_spec_stretch(end0, shape0);
             return;
         }
         let bs = self.block_size as usize;
@@ -939,10 +1041,112 @@ impl Engine {
             bounds.push(t);
         }
         if bounds.len() >= 2 {
-            self.stretch = Some(Stretch { bounds, done: 0 });
+            self.stretch = Some(Stretch {
+                bounds,
+                done: 0,
+                produced: Vec::new(),
+                draft: Vec::new(),
+            });
         } else {
             self.spare_bounds = bounds;
         }
+    }
+
+    /// Speed mode under speculative decoding: as [`Engine::plan_stretch`], but each step's
+    /// outcome differs per sequence (1 + accepted drafts), so planning is O(batch) per step:
+    /// every sequence's acceptance is drawn now (the counter-based draw step-by-step mode
+    /// makes at the step's end), its context and lookahead blocks advanced, and the step
+    /// priced. Ends at the first step where a sequence finishes, before a step whose blocks
+    /// would not fit, or at the length bound.
+    fn plan_spec_stretch(&mut self, end0: Nanos, shape0: &StepShape) {
+        let bs = self.block_size;
+        let seed = self.cfg.seed;
+        let mut lanes = std::mem::take(&mut self.lanes);
+        lanes.clear();
+        for it in &self.items {
+            let Some(r) = self.reqs[it.slot as usize].as_ref() else {
+                self.lanes = lanes;
+                return;
+            };
+            lanes.push(Lane {
+                computed: r.computed,
+                blocks: r.blocks.len() as u32,
+                left: r.output_len - r.generated,
+                serial: r.serial,
+                alpha: r.alpha,
+                steps: r.spec_steps,
+                draft: it.draft,
+            });
+        }
+        let avail = u64::from(self.pool.available());
+        let mut bounds = std::mem::take(&mut self.spare_bounds);
+        let mut produced = std::mem::take(&mut self.spare_produced);
+        let mut drafts = std::mem::take(&mut self.spare_draft);
+        bounds.clear();
+        produced.clear();
+        drafts.clear();
+        bounds.push(end0);
+        drafts.push(self.draft_time(shape0));
+        let mut shape = *shape0;
+        let mut needed = 0u64;
+        let mut t = end0;
+        loop {
+            // The outcome of the last planned step.
+            let mut finishes = false;
+            for l in lanes.iter_mut() {
+                let accepted = accepted_drafts(seed, l.serial, l.steps, l.alpha, l.draft);
+                let p = (1 + accepted).min(l.left);
+                produced.push(p as u8);
+                l.computed += p;
+                l.left -= p;
+                l.steps += 1;
+                finishes |= l.left == 0;
+            }
+            if finishes || bounds.len() >= MAX_STRETCH_STEPS {
+                break;
+            }
+            // The next step: every sequence feeds 1 + its drafts and holds their blocks.
+            let (mut new, mut context, mut held) = (0u64, 0u64, 0u64);
+            for l in lanes.iter_mut() {
+                let want = blocks_for(l.computed + 1 + l.draft, bs) as u32;
+                let grow = want.saturating_sub(l.blocks);
+                new += u64::from(grow);
+                l.blocks += grow;
+                context += u64::from(l.computed + 1 + l.draft);
+                held += u64::from(l.blocks);
+            }
+            if needed + new > avail {
+                break;
+            }
+            needed += new;
+            shape.decode_context_tokens = context;
+            shape.decode_kv_blocks = held;
+            t += self.cfg.profile.step_time(&shape).max(Nanos(1));
+            bounds.push(t);
+            drafts.push(self.draft_time(&shape));
+        }
+        self.lanes = lanes;
+        // `produced` holds one entry per lane for every planned step.
+        produced.truncate(bounds.len() * self.items.len());
+        if bounds.len() >= 2 {
+            self.stretch = Some(Stretch {
+                bounds,
+                done: 0,
+                produced,
+                draft: drafts,
+            });
+        } else {
+            self.spare_bounds = bounds;
+            self.spare_produced = produced;
+            self.spare_draft = drafts;
+        }
+    }
+
+    /// Returns a finished or cut stretch's buffers for the next one.
+    fn recycle(&mut self, st: Stretch) {
+        self.spare_bounds = st.bounds;
+        self.spare_produced = st.produced;
+        self.spare_draft = st.draft;
     }
 
     /// Completes the step (or whole stretch) ending at `te`.
@@ -951,7 +1155,7 @@ impl Engine {
             let n = st.bounds.len();
             self.materialize(n, false);
             if let Some(st) = self.stretch.take() {
-                self.spare_bounds = st.bounds;
+                self.recycle(st);
             }
             self.step = None;
             return;
@@ -961,25 +1165,25 @@ impl Engine {
         };
         self.c.steps += 1;
         self.c.busy += step.end - step.start;
-        let spec = self.spec;
+        self.c.spec_draft_time += step.draft;
+        let seed = self.cfg.seed;
         for idx in 0..self.items.len() {
             let it = self.items[idx];
             let Some(r) = running_req(&mut self.reqs, &it) else {
                 continue;
             };
             let produced = if it.decode {
-                let accepted = match spec {
-                    Some((_, alpha, _)) if it.draft > 0 => {
-                        sample_accepted(&mut self.rng, alpha, it.draft)
-                    }
-                    _ => 0,
+                let accepted = if it.draft > 0 {
+                    accepted_drafts(seed, r.serial, r.spec_steps, r.alpha, it.draft)
+                } else {
+                    0
                 };
+                r.spec_steps += 1;
                 let produce = (1 + accepted).min(r.output_len - r.generated);
                 r.computed += produce;
-                self.c.spec_draft += u64::from(it.draft);
-                self.c.spec_accepted += u64::from(produce - 1);
                 self.c.decode_seq_steps += 1;
                 self.c.decode_tokens += u64::from(produce);
+                count_spec(&mut self.c, it.draft, produce, 1);
                 produce
             } else {
                 r.computed += it.tokens;
@@ -1066,6 +1270,10 @@ impl Engine {
         let s = (upto - done) as u32;
         self.c.steps += u64::from(s);
         self.c.busy += at - from;
+        if self.spec.is_some() {
+            self.materialize_spec(done, upto, in_progress, at);
+            return;
+        }
         // All allocations first, as the steps' plans made them before any request finished:
         // a block released by a finishing request must not feed a neighbour's earlier step.
         let bs = self.block_size;
@@ -1092,6 +1300,62 @@ impl Engine {
         self.sweep_running();
     }
 
+    /// [`Engine::materialize`] under speculative decoding: each item produced the tokens its
+    /// planned draws gave. Blocks are what step-by-step mode holds after those steps: the
+    /// lookahead of the last applied step (each step allocates `computed + 1 + drafts`), or of
+    /// the step in progress.
+    fn materialize_spec(&mut self, done: usize, upto: usize, in_progress: bool, at: Nanos) {
+        let Some(st) = self.stretch.as_ref() else {
+            return;
+        };
+        let n = self.items.len();
+        let draft_time = st.draft[done..upto].iter().fold(Nanos::ZERO, |a, &d| a + d);
+        self.c.spec_draft_time += draft_time;
+        let bs = self.block_size;
+        let steps = (upto - done) as u32;
+        let mut totals = std::mem::take(&mut self.spec_totals);
+        totals.clear();
+        for idx in 0..n {
+            let it = self.items[idx];
+            let Some(st) = self.stretch.as_ref() else {
+                break;
+            };
+            let per_step = |j: usize| u32::from(st.produced.get(j * n + idx).copied().unwrap_or(1));
+            let total: u32 = (done..upto).map(per_step).sum();
+            let last = per_step(upto - 1);
+            totals.push(total);
+            let Some(r) = running_req(&mut self.reqs, &it) else {
+                continue;
+            };
+            let before_last = r.computed + total - last;
+            r.computed += total;
+            r.spec_steps += steps;
+            let lookahead = if in_progress { r.computed } else { before_last };
+            let want = blocks_for(lookahead + 1 + it.draft, bs);
+            self.grow_blocks(it.slot, want);
+        }
+        for idx in 0..n {
+            let it = self.items[idx];
+            if running_req(&mut self.reqs, &it).is_none() {
+                continue;
+            }
+            let total = totals.get(idx).copied().unwrap_or(0);
+            self.c.decode_seq_steps += u64::from(steps);
+            self.c.decode_tokens += u64::from(total);
+            if let Some(st) = self.stretch.as_ref() {
+                for j in done..upto {
+                    let p = u32::from(st.produced.get(j * n + idx).copied().unwrap_or(1));
+                    count_spec(&mut self.c, it.draft, p, 1);
+                }
+            }
+            self.register_full_blocks(it.slot);
+            self.produce(it.slot, total, at);
+        }
+        self.spec_totals = totals;
+        self.flush_evicted();
+        self.sweep_running();
+    }
+
     /// Cuts a stretch back so that the step in progress at `t` is the last one: steps ending
     /// at or before `t` are applied, the one in progress becomes an ordinary step.
     fn truncate_stretch(&mut self, t: Nanos) {
@@ -1109,12 +1373,13 @@ impl Engine {
             st.bounds[k - 1]
         };
         let end = st.bounds[k];
+        let draft = st.draft.get(k).copied().unwrap_or(Nanos::ZERO);
         self.materialize(k, true);
         if let Some(st) = self.stretch.take() {
-            self.spare_bounds = st.bounds;
+            self.recycle(st);
         }
         if !self.items.is_empty() {
-            self.step = Some(Step { start, end });
+            self.step = Some(Step { start, end, draft });
         }
     }
 

@@ -71,17 +71,23 @@
 //!
 //! A step's duration is [`HardwareProfile::step_time`] of its shape, a pure function. The
 //! roofline model: `overhead + max(GEMM FLOPs, one weight read) + prefill attention FLOPs +
-//! decode KV reads (+ draft passes)`; the `dynamo-mocker` model reproduces Dynamo 1.6.1's
-//! polynomials. Formulas and the reasons for them are in [`profile`]. Built-ins:
-//! `h200-llama70b-fp8`, `h100-llama8b`, `dynamo-mocker`; profiles load from TOML or JSON.
+//! decode KV reads + all-reduces under tensor parallelism (+ draft passes)`; the
+//! `dynamo-mocker` model reproduces Dynamo 1.6.1's polynomials. Formulas and the reasons for
+//! them are in [`profile`]. Built-ins: `h200-llama70b-fp8`, `h100-tp4-llama70b-fp8` (seed
+//! 003's replica: four H100s at TP=4), `h100-llama8b`, `dynamo-mocker`; profiles load from
+//! TOML or JSON.
 //!
 //! # Speculative decoding ([`SpecDecodeConfig`])
 //!
-//! Draft length K, acceptance rate α: the number of accepted drafts per sequence per step is
-//! sampled from the seeded RNG, giving `E[tokens/step] = (1 − α^(K+1)) / (1 − α)`. The
-//! verification pass feeds K + 1 tokens per sequence; the drafts cost `K × ratio × (plain
-//! decode step)` (draft model ≈ 0.15, EAGLE-3 ≈ 0.04). Observed acceptance rate and tokens per
-//! step are in [`EngineMetrics`].
+//! Draft length K and a per-token acceptance probability α (optionally per class of content,
+//! a request's class drawn from a hash of its prompt): the accepted drafts per sequence per
+//! step are drawn from a counter-based generator keyed by (seed, request, step), giving
+//! `E[tokens/step] = (1 − α^(K+1)) / (1 − α)`. The verification pass feeds K + 1 tokens per
+//! sequence to the target; the drafter's K passes, and its share of every prefill, are priced
+//! from its size ([`Drafter`]: an 8B draft model or an EAGLE-3 head), whose weights and KV per
+//! token come out of the pool. Profiles carry named configurations (`draft`, `eagle3`);
+//! [`EngineMetrics`] counts drafts, drafted and accepted tokens, acceptance per position and
+//! draft time, under vLLM's and TensorRT-LLM's definitions.
 //!
 //! # Roles ([`Role`])
 //!
@@ -101,8 +107,10 @@
 //! per request per stretch. A `submit`/`cancel`/KV arrival in the middle first applies the
 //! steps already ended, keeps the step in progress, and replans at its end — so finish times,
 //! token counts and the set of KV events equal one-step-at-a-time mode. KV events of a stretch
-//! are emitted when it is applied. Not combined with speculative decoding (acceptance is
-//! sampled per sequence per step), which always runs step by step.
+//! are emitted when it is applied. With speculative decoding every step's outcome differs per
+//! sequence, so planning a stretch is O(batch) per step: each sequence's acceptance is drawn
+//! at planning (the same counter-based draw step-by-step mode makes), its context and
+//! lookahead blocks advanced, the step priced.
 //!
 //! # Bounds
 //!
@@ -120,9 +128,12 @@ pub use engine::Engine;
 pub use pool::BlockPool;
 pub use profile::{
     DynamoMockerTiming, EngineDefaults, HardwareProfile, KvLink, KvTransferProfile, ProfileError,
-    RooflineTiming, StepShape, TimingModel,
+    RooflineTiming, StepShape, TensorParallel, TimingModel,
 };
-pub use spec::{SpecDecodeConfig, SpecMethod, expected_tokens_per_step};
+pub use spec::{
+    ContentAcceptance, Drafter, MAX_DRAFT_LEN, SpecDecodeConfig, SpecMethod,
+    expected_tokens_per_step,
+};
 pub use types::{
     EngineConfig, EngineConfigError, EngineEvent, EngineMetrics, EngineRequest, OutputSpec,
     RejectReason, RequestId, Role, pseudo_token,

@@ -15,9 +15,13 @@
 //! fraction of the memory left **after** weights and activations that goes to the KV cache.
 //!
 //! ```text
-//! kv_pool_bytes  = floor((gpu_memory − weights − draft_weights − activation_reserve) × fraction)
-//! capacity       = floor(kv_pool_bytes / (kv_bytes_per_token × block_size))
+//! kv_pool_bytes  = floor((G·gpu_memory − weights − draft_weights − G·activation_reserve) × fraction)
+//! capacity       = floor(kv_pool_bytes / ((kv_bytes_per_token + draft_kv_bytes_per_token) × block_size))
 //! ```
+//!
+//! `G` is the worker's GPU count (its tensor-parallel size, 1 by default): weights and KV heads
+//! are split over the GPUs, so the pool is the sum of what each GPU has left. A speculative
+//! drafter's weights and its own KV per token come out of the same memory.
 //!
 //! KV bytes per token = layers × kv_heads × head_dim × 2 (K and V) × bytes per element. For
 //! Llama-3.1-70B (80 layers, 8 KV heads, head dim 128) with an FP8 cache:
@@ -34,9 +38,31 @@
 //!                  weight_bytes / (mem_bw·weight_read_eff))           …or one weight read)
 //! t_attn_pf  = attn_flops_per_pair · prefill_attention_pairs / (peak_flops·flops_eff)
 //! t_kv_read  = kv_bytes_per_token · decode_context_tokens / (mem_bw·kv_read_eff)
-//! t_draft    = draft_passes · draft_cost_ratio · t_decode_only          (speculative decoding)
-//! step       = overhead + t_linear + t_attn_pf + t_kv_read + t_draft
+//! t_allreduce = 2·layers·(latency + 2(G−1)/G · tokens·hidden·act_bytes / bus_bw)  (G > 1)
+//! t_draft    = see below                                               (speculative decoding)
+//! step       = overhead + t_linear + t_attn_pf + t_kv_read + t_allreduce + t_draft
 //! ```
+//!
+//! With tensor parallelism over `G` GPUs (seed 003: Llama-70B at TP=4), every GPU holds 1/G of
+//! the weights and KV heads and does 1/G of the FLOPs, so `peak_flops` and the bandwidths above
+//! are multiplied by `G`; in exchange each layer ends its attention and its MLP with an
+//! all-reduce of the step's activations over NVLink (Megatron-style TP), priced with NCCL's bus
+//! bandwidth and a fixed latency per collective. At decode batch sizes the latency term
+//! dominates: 160 all-reduces per step for an 80-layer model.
+//!
+//! Speculative decoding ([`crate::SpecDecodeConfig`]) adds, priced the same way from the
+//! drafter's size ([`crate::spec::Drafter`]):
+//!
+//! ```text
+//! t_draft_pass = pass_overhead + max(2·P_d·n / F, W_d / BW_w) + kv_d·decode_context / BW_kv
+//!                + t_allreduce(layers_d, n)
+//! t_draft      = Σ over the step's draft passes (n = prefill tokens + decoding sequences on
+//!                the first pass, the decoding sequences on the K − 1 others)
+//! ```
+//!
+//! while the target's verification pass is the ordinary formula with K + 1 tokens per
+//! decoding sequence. A configured `draft_cost_ratio` replaces `t_draft` by
+//! `draft_passes · ratio · t_decode_only` (the Dynamo mocker always does this).
 //!
 //! Why a sum and not `max(prefill, decode)`: vLLM and TRT-LLM run prefill chunks and decodes in
 //! one forward pass, so the weights are read once for both (hence the `max` *inside* the linear
@@ -60,10 +86,14 @@
 //! step_ms    = prefill_ms + decode_ms
 //! ```
 
+use std::collections::BTreeMap;
+
 use nanotime::Nanos;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use worker_limits::WorkerTiming;
+
+use crate::spec::{Drafter, SpecDecodeConfig};
 
 /// How a decode worker receives KV from a prefill worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -130,6 +160,25 @@ pub enum TimingModel {
     DynamoMocker(DynamoMockerTiming),
 }
 
+/// One worker spanning several GPUs with tensor parallelism (Megatron-style: column- then
+/// row-parallel layers, an all-reduce after each layer's attention and after its MLP).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorParallel {
+    /// GPUs per worker (TP size).
+    pub size: u32,
+    /// Transformer layers of the model: two all-reduces each per forward pass.
+    pub layers: u32,
+    /// Hidden size: an all-reduce moves `tokens × hidden_size × activation_bytes` bytes.
+    pub hidden_size: u32,
+    /// Bytes per activation element (2: BF16 activations, also under FP8 weights).
+    pub activation_bytes: u32,
+    /// Fixed cost of one all-reduce (launch, synchronisation across GPUs), nanoseconds.
+    pub allreduce_latency_ns: u64,
+    /// NCCL's bus bandwidth of an all-reduce, bytes per second: a message of `b` bytes takes
+    /// `2(G−1)/G · b / bus_bw`.
+    pub allreduce_bytes_per_sec: f64,
+}
+
 /// Engine settings a profile recommends; [`crate::EngineConfig::from_profile`] applies them.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -167,6 +216,13 @@ pub struct HardwareProfile {
     /// Engine settings this profile is meant to run with (optional).
     #[serde(default)]
     pub engine_defaults: EngineDefaults,
+    /// Tensor parallelism: one worker spans `size` GPUs of this kind (`None`: one GPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_parallel: Option<TensorParallel>,
+    /// Named speculative-decoding configurations for this model (`--spec-decode NAME`):
+    /// `draft` and `eagle3` on the Llama-70B profiles.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub speculative: BTreeMap<String, SpecDecodeConfig>,
 }
 
 /// What one scheduler step computes; the input of [`HardwareProfile::step_time`].
@@ -188,7 +244,11 @@ pub struct StepShape {
     pub kv_pool_blocks: u64,
     /// Draft forward passes in this step (speculative decoding draft length K, or 0).
     pub draft_passes: u32,
-    /// Cost of one draft pass as a fraction of a plain (one token per sequence) decode step.
+    /// With a drafter, what its passes cost is priced from its size (see the module docs);
+    /// without one, each pass costs `draft_cost_ratio` of a plain decode step.
+    pub drafter: Option<Drafter>,
+    /// Cost of one draft pass as a fraction of a plain (one token per sequence) decode step,
+    /// when `drafter` is `None`.
     pub draft_cost_ratio: f64,
 }
 
@@ -241,16 +301,30 @@ pub enum ProfileError {
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
+/// The named speculative configurations of the Llama-70B profiles (seed 003's phases 3a, 3b).
+fn seed_003_speculative() -> BTreeMap<String, SpecDecodeConfig> {
+    BTreeMap::from([
+        ("draft".to_string(), SpecDecodeConfig::seed_003_draft()),
+        ("eagle3".to_string(), SpecDecodeConfig::seed_003_eagle3()),
+    ])
+}
+
 impl HardwareProfile {
     /// Names of the built-in profiles.
     pub fn builtin_names() -> &'static [&'static str] {
-        &["h200-llama70b-fp8", "h100-llama8b", "dynamo-mocker"]
+        &[
+            "h200-llama70b-fp8",
+            "h100-tp4-llama70b-fp8",
+            "h100-llama8b",
+            "dynamo-mocker",
+        ]
     }
 
     /// A built-in profile by name.
     pub fn builtin(name: &str) -> Result<HardwareProfile, ProfileError> {
         match name {
             "h200-llama70b-fp8" => Ok(Self::h200_llama70b_fp8()),
+            "h100-tp4-llama70b-fp8" => Ok(Self::h100_tp4_llama70b_fp8()),
             "h100-llama8b" => Ok(Self::h100_llama8b()),
             "dynamo-mocker" => Ok(Self::dynamo_mocker()),
             _ => Err(ProfileError::UnknownBuiltin {
@@ -297,6 +371,56 @@ impl HardwareProfile {
                 step_overhead_ns: 300_000,
             }),
             engine_defaults: EngineDefaults::default(),
+            tensor_parallel: None,
+            speculative: seed_003_speculative(),
+        }
+    }
+
+    /// Seed 003's replica: four H100 SXM 80GB of an 8-GPU NVLink node running
+    /// Llama-3.1-70B-Instruct FP8 (or 3.3, the same architecture) with tensor parallelism 4.
+    ///
+    /// - memory per GPU: 81,559 MiB; weights 70.6 GB in all (17.65 GB per GPU); 4 GiB per GPU
+    ///   for activations and the runtime;
+    /// - bandwidth 3.35 TB/s and FP8 dense 1,979 TFLOP/s per GPU;
+    /// - tensor parallelism: 80 layers × 2 all-reduces of BF16 activations (hidden 8,192) per
+    ///   pass, 8 µs each plus the bytes at 360 GB/s of NCCL bus bandwidth over NVLink 4;
+    /// - efficiencies and step overhead: the ones fitted to seed 002's H200s (the same kernels
+    ///   on the same architecture; no published measurement of this node to fit them to).
+    pub fn h100_tp4_llama70b_fp8() -> HardwareProfile {
+        HardwareProfile {
+            name: "h100-tp4-llama70b-fp8".into(),
+            gpu: "4 × NVIDIA H100 SXM 80GB (TP=4, NVLink)".into(),
+            model: "meta-llama/Llama-3.1-70B-Instruct (FP8 weights, FP8 KV cache)".into(),
+            gpu_memory_bytes: 81_559 * MIB,
+            weight_bytes: 70_600_000_000,
+            activation_reserve_bytes: 4 * GIB,
+            kv_bytes_per_token: 80 * 8 * 128 * 2,
+            max_context_tokens: 131_072,
+            kv_transfer: KvTransferProfile {
+                nvlink_bytes_per_sec: 450e9,
+                network_bytes_per_sec: 50e9,
+                latency_ns: 200_000,
+            },
+            timing: TimingModel::Roofline(RooflineTiming {
+                memory_bandwidth_bytes_per_sec: 3.35e12,
+                weight_read_efficiency: 0.94,
+                kv_read_efficiency: 0.345,
+                peak_flops: 1.979e15,
+                flops_efficiency: 0.55,
+                params: 70.6e9,
+                attention_flops_per_pair: (4 * 80 * 64 * 128) as f64,
+                step_overhead_ns: 300_000,
+            }),
+            engine_defaults: EngineDefaults::default(),
+            tensor_parallel: Some(TensorParallel {
+                size: 4,
+                layers: 80,
+                hidden_size: 8192,
+                activation_bytes: 2,
+                allreduce_latency_ns: 8_000,
+                allreduce_bytes_per_sec: 360e9,
+            }),
+            speculative: seed_003_speculative(),
         }
     }
 
@@ -331,6 +455,8 @@ impl HardwareProfile {
                 step_overhead_ns: 800_000,
             }),
             engine_defaults: EngineDefaults::default(),
+            tensor_parallel: None,
+            speculative: BTreeMap::new(),
         }
     }
 
@@ -363,6 +489,8 @@ impl HardwareProfile {
                 max_num_batched_tokens: Some(8192),
                 num_gpu_blocks: Some(16_384),
             },
+            tensor_parallel: None,
+            speculative: BTreeMap::new(),
         }
     }
 
@@ -418,6 +546,35 @@ impl HardwareProfile {
                 "must be a positive number",
             );
         }
+        if let Some(tp) = &self.tensor_parallel {
+            if !(1..=64).contains(&tp.size) {
+                return bad("tensor_parallel.size", "must be between 1 and 64");
+            }
+            if tp.layers == 0 || tp.hidden_size == 0 {
+                return bad("tensor_parallel.layers / hidden_size", "must be at least 1");
+            }
+            if !positive(tp.allreduce_bytes_per_sec) {
+                return bad(
+                    "tensor_parallel.allreduce_bytes_per_sec",
+                    "must be positive",
+                );
+            }
+            if matches!(self.timing, TimingModel::DynamoMocker(_)) && tp.size > 1 {
+                return bad(
+                    "tensor_parallel",
+                    "is not modelled by the dynamo_mocker timing (its polynomials are per worker)",
+                );
+            }
+        }
+        if self.speculative.len() > 16 {
+            return bad("speculative", "holds at most 16 named configurations");
+        }
+        if self.speculative.values().any(|c| !c.is_valid()) {
+            return bad(
+                "speculative",
+                "has a configuration that is not valid (draft_len ≤ 16, rates in [0, 1])",
+            );
+        }
         match &self.timing {
             TimingModel::Roofline(r) => {
                 if !positive(r.memory_bandwidth_bytes_per_sec) {
@@ -468,6 +625,32 @@ impl HardwareProfile {
             .saturating_mul(u64::from(block_size))
     }
 
+    /// GPUs one worker spans (its tensor-parallel size; 1 without tensor parallelism).
+    pub fn gpus(&self) -> u32 {
+        self.tensor_parallel.as_ref().map_or(1, |tp| tp.size.max(1))
+    }
+
+    /// The named speculative configuration `name` (`draft`, `eagle3`), or an error listing
+    /// the ones this profile has.
+    pub fn speculative_config(&self, name: &str) -> Result<SpecDecodeConfig, String> {
+        self.speculative.get(name).cloned().ok_or_else(|| {
+            let known: Vec<&str> = self.speculative.keys().map(String::as_str).collect();
+            if known.is_empty() {
+                format!(
+                    "profile {:?} has no speculative-decoding configurations (the Llama-70B \
+                     profiles have draft and eagle3; add a [speculative.NAME] table to a profile file)",
+                    self.name
+                )
+            } else {
+                format!(
+                    "profile {:?} has no speculative-decoding configuration {name:?}; it has: {}",
+                    self.name,
+                    known.join(", ")
+                )
+            }
+        })
+    }
+
     /// Blocks that fit in the memory left for the KV cache (TensorRT-LLM's meaning of
     /// `free_gpu_memory_fraction`, see the module docs). `extra_weight_bytes` is memory taken by
     /// anything else resident, e.g. a speculative-decoding draft model. Zero when the profile
@@ -478,15 +661,32 @@ impl HardwareProfile {
         free_gpu_memory_fraction: f64,
         extra_weight_bytes: u64,
     ) -> u64 {
-        let block_bytes = self.block_bytes(block_size);
-        if block_bytes == 0 || !free_gpu_memory_fraction.is_finite() {
+        self.kv_capacity_blocks_with(block_size, free_gpu_memory_fraction, extra_weight_bytes, 0)
+    }
+
+    /// [`HardwareProfile::kv_capacity_blocks`] when every token also keeps
+    /// `extra_kv_bytes_per_token` of a drafter's own KV in the same pool.
+    pub fn kv_capacity_blocks_with(
+        &self,
+        block_size: u32,
+        free_gpu_memory_fraction: f64,
+        extra_weight_bytes: u64,
+        extra_kv_bytes_per_token: u64,
+    ) -> u64 {
+        let block_bytes = self
+            .block_bytes(block_size)
+            .saturating_add(extra_kv_bytes_per_token.saturating_mul(u64::from(block_size)));
+        if self.kv_bytes_per_token == 0 || block_bytes == 0 || !free_gpu_memory_fraction.is_finite()
+        {
             return 0;
         }
+        let gpus = u64::from(self.gpus());
         let left = self
             .gpu_memory_bytes
+            .saturating_mul(gpus)
             .saturating_sub(self.weight_bytes)
             .saturating_sub(extra_weight_bytes)
-            .saturating_sub(self.activation_reserve_bytes);
+            .saturating_sub(self.activation_reserve_bytes.saturating_mul(gpus));
         // Below 2^53 bytes (8 PiB) this product is exact enough: the floor is what TRT-LLM does.
         let pool = (left as f64 * free_gpu_memory_fraction.clamp(0.0, 1.0)).floor() as u64;
         pool / block_bytes
@@ -535,52 +735,124 @@ impl HardwareProfile {
 
     /// [`HardwareProfile::step_time`] in seconds, unrounded.
     pub fn step_secs(&self, s: &StepShape) -> f64 {
+        self.target_secs(s) + self.draft_secs(s)
+    }
+
+    /// The part of a step that is the target model's forward pass (the verification pass
+    /// under speculative decoding), in seconds.
+    pub fn target_secs(&self, s: &StepShape) -> f64 {
         if s.prefill_tokens == 0 && s.decode_seqs == 0 {
             return 0.0;
         }
         match &self.timing {
             TimingModel::Roofline(r) => {
-                let flops = r.peak_flops * r.flops_efficiency;
+                let g = f64::from(self.gpus());
+                let flops = r.peak_flops * r.flops_efficiency * g;
                 let weights = self.weight_bytes as f64
-                    / (r.memory_bandwidth_bytes_per_sec * r.weight_read_efficiency);
-                let kv_bw = r.memory_bandwidth_bytes_per_sec * r.kv_read_efficiency;
+                    / (r.memory_bandwidth_bytes_per_sec * r.weight_read_efficiency * g);
+                let kv_bw = r.memory_bandwidth_bytes_per_sec * r.kv_read_efficiency * g;
                 let kv_read =
                     self.kv_bytes_per_token as f64 * s.decode_context_tokens as f64 / kv_bw;
-                let tokens = (s.prefill_tokens + s.decode_tokens) as f64;
-                let linear = (2.0 * r.params * tokens / flops).max(weights);
+                let tokens = s.prefill_tokens + s.decode_tokens;
+                let linear = (2.0 * r.params * tokens as f64 / flops).max(weights);
                 let attn_pf = r.attention_flops_per_pair * s.prefill_attention_pairs as f64 / flops;
-                let draft = if s.draft_passes > 0 && s.decode_seqs > 0 {
-                    // A plain decode step of the same batch: one token per sequence.
-                    let plain =
-                        (2.0 * r.params * s.decode_seqs as f64 / flops).max(weights) + kv_read;
-                    f64::from(s.draft_passes) * s.draft_cost_ratio.max(0.0) * plain
-                } else {
-                    0.0
-                };
-                r.step_overhead_ns as f64 * 1e-9 + linear + attn_pf + kv_read + draft
+                let layers = self.tensor_parallel.as_ref().map_or(0, |tp| tp.layers);
+                r.step_overhead_ns as f64 * 1e-9
+                    + linear
+                    + attn_pf
+                    + kv_read
+                    + self.allreduce_secs(layers, tokens)
             }
             TimingModel::DynamoMocker(m) => {
                 let [pa, pb, pc] = m.prefill_ms_coefficients;
-                let [da, db, dc] = m.decode_ms_coefficients;
                 let prefill_ms = if s.prefill_tokens > 0 {
                     let t = s.prefill_tokens as f64;
                     pa * t * t + pb * t + pc
                 } else {
                     0.0
                 };
-                let decode_ms = if s.decode_seqs > 0 {
-                    let p = if s.kv_pool_blocks > 0 {
-                        s.decode_kv_blocks as f64 / s.kv_pool_blocks as f64
-                    } else {
-                        0.0
-                    };
-                    let plain = (da * p * p + db * p + dc).max(m.min_decode_ms);
-                    plain * (1.0 + f64::from(s.draft_passes) * s.draft_cost_ratio.max(0.0))
+                (prefill_ms + self.mocker_decode_ms(s)).max(0.0) * 1e-3
+            }
+        }
+    }
+
+    /// The part of a step spent in a speculative drafter's passes, in seconds (0 without
+    /// drafts). See the module docs for the formula.
+    pub fn draft_secs(&self, s: &StepShape) -> f64 {
+        let drafting = s.draft_passes > 0 && s.decode_seqs > 0;
+        match (&self.timing, s.drafter) {
+            (TimingModel::Roofline(r), Some(d)) if drafting || s.prefill_tokens > 0 => {
+                let g = f64::from(self.gpus());
+                let flops = r.peak_flops * r.flops_efficiency * g;
+                let weights = d.weight_bytes as f64
+                    / (r.memory_bandwidth_bytes_per_sec * r.weight_read_efficiency * g);
+                let kv_bw = r.memory_bandwidth_bytes_per_sec * r.kv_read_efficiency * g;
+                let kv_read = d.kv_bytes_per_token as f64 * s.decode_context_tokens as f64 / kv_bw;
+                let pass = |tokens: u64, decoding: bool| {
+                    d.pass_overhead_ns as f64 * 1e-9
+                        + (2.0 * d.params * tokens as f64 / flops).max(weights)
+                        + if decoding { kv_read } else { 0.0 }
+                        + self.allreduce_secs(d.layers, tokens)
+                };
+                let seqs = if drafting { s.decode_seqs } else { 0 };
+                // The first pass also builds the drafter's KV of this step's prompt tokens.
+                let first = pass(s.prefill_tokens + seqs, drafting);
+                let rest = if drafting {
+                    f64::from(s.draft_passes - 1) * pass(seqs, true)
                 } else {
                     0.0
                 };
-                (prefill_ms + decode_ms).max(0.0) * 1e-3
+                first + rest
             }
+            (TimingModel::Roofline(r), None) if drafting => {
+                // A plain decode step of the same batch: one token per sequence.
+                let plain = self.target_secs(&StepShape {
+                    prefill_tokens: 0,
+                    prefill_attention_pairs: 0,
+                    decode_tokens: s.decode_seqs,
+                    draft_passes: 0,
+                    ..*s
+                }) - r.step_overhead_ns as f64 * 1e-9;
+                f64::from(s.draft_passes) * s.draft_cost_ratio.max(0.0) * plain.max(0.0)
+            }
+            (TimingModel::DynamoMocker(_), _) if drafting => {
+                let plain = self.mocker_decode_ms(s);
+                plain * f64::from(s.draft_passes) * s.draft_cost_ratio.max(0.0) * 1e-3
+            }
+            _ => 0.0,
+        }
+    }
+
+    /// The Dynamo mocker's decode term of a step, in milliseconds (0 without decodes).
+    fn mocker_decode_ms(&self, s: &StepShape) -> f64 {
+        let TimingModel::DynamoMocker(m) = &self.timing else {
+            return 0.0;
+        };
+        if s.decode_seqs == 0 {
+            return 0.0;
+        }
+        let [da, db, dc] = m.decode_ms_coefficients;
+        let p = if s.kv_pool_blocks > 0 {
+            s.decode_kv_blocks as f64 / s.kv_pool_blocks as f64
+        } else {
+            0.0
+        };
+        (da * p * p + db * p + dc).max(m.min_decode_ms)
+    }
+
+    /// Time of the all-reduces of one forward pass over `tokens` tokens through `layers`
+    /// layers under this profile's tensor parallelism (0 on one GPU).
+    fn allreduce_secs(&self, layers: u32, tokens: u64) -> f64 {
+        match &self.tensor_parallel {
+            Some(tp) if tp.size > 1 && tokens > 0 => {
+                let g = f64::from(tp.size);
+                let bytes =
+                    tokens as f64 * f64::from(tp.hidden_size) * f64::from(tp.activation_bytes);
+                let one = tp.allreduce_latency_ns as f64 * 1e-9
+                    + 2.0 * (g - 1.0) / g * bytes / tp.allreduce_bytes_per_sec;
+                2.0 * f64::from(layers) * one
+            }
+            _ => 0.0,
         }
     }
 }

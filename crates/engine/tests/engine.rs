@@ -293,9 +293,11 @@ fn speculative_decoding_tokens_per_step_match_the_formula() {
     cfg.spec_decode = Some(SpecDecodeConfig::draft_model(5, 0.6));
     cfg.seed = 9;
     let mut e = engine(cfg.clone());
-    let actions = burst(32, 200, 2_000);
+    // Eight sequences: small enough a batch that verifying 6 tokens each stays bound by the
+    // weight read, as at seed 003's per-replica load.
+    let actions = burst(8, 200, 4_000);
     let r = run(&mut e, actions, true);
-    assert_eq!(r.finished().len(), 32);
+    assert_eq!(r.finished().len(), 8);
     let m = e.metrics();
     let want = SpecDecodeConfig::draft_model(5, 0.6).expected_tokens_per_step();
     assert!((want - 2.38336).abs() < 1e-5);
@@ -305,12 +307,32 @@ fn speculative_decoding_tokens_per_step_match_the_formula() {
         "{}",
         m.tokens_per_step()
     );
-    assert!((m.acceptance_rate() - 0.6 * (1.0 - 0.6f64.powi(5)) / (5.0 * 0.4)).abs() < 0.03);
+    // The per-token α is recovered; vLLM's accepted / drafted is lower (a rejection also
+    // wastes the drafts behind it): Σ_{j=1..5} 0.6^j / 5.
+    assert!(
+        (m.acceptance_rate() - 0.6).abs() < 0.02,
+        "{}",
+        m.acceptance_rate()
+    );
+    assert!((m.draft_acceptance_rate() - 0.6 * (1.0 - 0.6f64.powi(5)) / (5.0 * 0.4)).abs() < 0.03);
+    assert!((m.acceptance_length() - want).abs() < 0.05);
+    assert_eq!(m.spec_accepted_per_pos.len(), 5);
+    assert_eq!(
+        m.spec_accepted_per_pos.iter().sum::<u64>(),
+        m.spec_accepted_tokens
+    );
+    assert!(m.spec_accepted_per_pos.windows(2).all(|w| w[0] >= w[1]));
+    assert_eq!(m.spec_draft_tokens, 5 * m.spec_drafts);
+    assert!(
+        m.draft_overhead() > 0.1 && m.draft_overhead() < 0.6,
+        "{}",
+        m.draft_overhead()
+    );
     // Fewer, longer steps than without speculation, and faster overall.
     let mut plain = cfg;
     plain.spec_decode = None;
     let mut p = engine(plain);
-    let actions = burst(32, 200, 2_000);
+    let actions = burst(8, 200, 4_000);
     let rp = run(&mut p, actions, true);
     let last = |r: &common::Run| r.finished().iter().map(|x| x.1).max().unwrap();
     assert!(last(&r) < last(&rp));
@@ -446,11 +468,12 @@ fn engine_config_loads_from_toml_with_seed_defaults() {
     assert_eq!(cfg.free_gpu_memory_fraction, 0.9);
     assert!(cfg.enable_prefix_caching && cfg.coalesce_decode);
     let e = engine(cfg);
-    // (85,520,809,984 − 16,060,000,000 − 2 GiB − 2 GB EAGLE head) × 0.9 / (131,072 × 32).
-    let left = 85_520_809_984u64 - 16_060_000_000 - 2_147_483_648 - 2_000_000_000;
+    // (85,520,809,984 − 16,060,000,000 − 2 GiB − 2.4 GB EAGLE head) × 0.9 /
+    // ((131,072 + 4,096 of the head's KV) × 32).
+    let left = 85_520_809_984u64 - 16_060_000_000 - 2_147_483_648 - 2_400_000_000;
     assert_eq!(
         u64::from(e.kv_capacity_blocks()),
-        (left as f64 * 0.9).floor() as u64 / 4_194_304
+        (left as f64 * 0.9).floor() as u64 / ((131_072 + 4_096) * 32)
     );
 }
 

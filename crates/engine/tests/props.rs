@@ -193,6 +193,10 @@ proptest! {
         prop_assert_eq!(ms.steps, mf.steps);
         prop_assert_eq!(ms.busy_time, mf.busy_time);
         prop_assert_eq!(ms.preemptions, mf.preemptions);
+        prop_assert_eq!(ms.spec_drafts, mf.spec_drafts);
+        prop_assert_eq!(ms.spec_accepted_tokens, mf.spec_accepted_tokens);
+        prop_assert_eq!(&ms.spec_accepted_per_pos, &mf.spec_accepted_per_pos);
+        prop_assert_eq!(ms.spec_draft_time, mf.spec_draft_time);
     }
 }
 

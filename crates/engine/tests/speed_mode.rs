@@ -2,7 +2,7 @@
 mod common;
 
 use common::{Action, Run, engine, req, run, text};
-use engine::{EngineConfig, EngineEvent, HardwareProfile, RequestId, Role};
+use engine::{EngineConfig, EngineEvent, HardwareProfile, RequestId, Role, SpecDecodeConfig};
 use nanotime::Nanos;
 
 fn scenario() -> Vec<(Nanos, Action)> {
@@ -61,6 +61,11 @@ fn assert_equivalent(rs: &Run, rf: &Run, ms: &[engine::EngineMetrics; 2]) {
     assert_eq!(s.steps, f.steps);
     assert!(s.busy_time.0.abs_diff(f.busy_time.0) <= 1_000);
     assert_eq!(s.cancelled, f.cancelled);
+    assert_eq!(s.decode_tokens_generated, f.decode_tokens_generated);
+    assert_eq!(s.spec_drafts, f.spec_drafts);
+    assert_eq!(s.spec_accepted_tokens, f.spec_accepted_tokens);
+    assert_eq!(s.spec_accepted_per_pos, f.spec_accepted_per_pos);
+    assert!(s.spec_draft_time.0.abs_diff(f.spec_draft_time.0) <= 1_000);
 }
 
 fn tokens_events(r: &Run) -> usize {
@@ -108,5 +113,47 @@ fn coalesced_decode_matches_with_kv_transfers() {
     let mut cfg = EngineConfig::seed_002();
     cfg.role = Role::DecodeOnly;
     let (rs, rf, ms) = both(cfg, scenario);
+    assert_equivalent(&rs, &rf, &ms);
+}
+
+/// Speculative decoding in speed mode: each step's acceptance is drawn when the stretch is
+/// planned, and is the same draw step-by-step mode makes at the step's end.
+#[test]
+fn coalesced_decode_matches_with_speculative_decoding() {
+    for spec in [
+        SpecDecodeConfig::seed_003_draft(),
+        SpecDecodeConfig::seed_003_eagle3(),
+    ] {
+        for profile in [
+            HardwareProfile::h200_llama70b_fp8(),
+            HardwareProfile::h100_tp4_llama70b_fp8(),
+        ] {
+            let mut cfg = EngineConfig::from_profile(profile);
+            cfg.spec_decode = Some(spec.clone());
+            cfg.seed = 11;
+            let (rs, rf, ms) = both(cfg, scenario);
+            assert_equivalent(&rs, &rf, &ms);
+            assert!(ms[0].spec_drafts > 1_000);
+            assert!(
+                tokens_events(&rf) * 3 < tokens_events(&rs),
+                "{} vs {}",
+                tokens_events(&rf),
+                tokens_events(&rs)
+            );
+        }
+    }
+}
+
+/// Speculation under memory pressure: the lookahead blocks of every step run the pool dry,
+/// so stretches end early and preemptions happen.
+#[test]
+fn coalesced_speculative_decode_matches_under_memory_pressure() {
+    let mut cfg = EngineConfig::seed_002();
+    cfg.num_gpu_blocks_override = Some(400);
+    cfg.max_num_seqs = 8;
+    cfg.spec_decode = Some(SpecDecodeConfig::seed_003_eagle3());
+    cfg.seed = 5;
+    let (rs, rf, ms) = both(cfg, scenario);
+    assert!(ms[0].preemptions > 0 || !rs.removed().is_empty());
     assert_equivalent(&rs, &rf, &ms);
 }

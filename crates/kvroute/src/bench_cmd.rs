@@ -9,23 +9,43 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use report::BenchResults;
 use router::PolicyKind;
-use sim::bench::{BenchSpec, JobResult};
+use sim::bench::{BenchJob, BenchSpec, JobResult};
 use sim::chat::{ChatJobError, run_chat_job};
+use sim::ladder::{LadderPart, LadderPhase, LadderSetup};
 
-use crate::sim_cmd::{ClusterArgs, parse_router, progress_bar, router_names};
+use crate::sim_cmd::{Cluster, ClusterArgs, parse_router, progress_bar, router_names};
+
+/// Seed 002's concurrency levels, `kvroute bench`'s default.
+const SEED_002_LEVELS: [u32; 7] = [60, 80, 100, 120, 140, 160, 180];
+/// `--phases`' default levels: from a quiet booth to beyond the batch limit of two replicas.
+const PHASE_LEVELS: [u32; 5] = [20, 40, 60, 90, 120];
+/// `--phases`' default sweeps: four phases on two setups are eight benchmarks.
+const PHASE_SWEEPS: u32 = 2;
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// Concurrency levels, in the order each sweep visits them.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "60,80,100,120,140,160,180"
-    )]
-    pub levels: Vec<u32>,
-    /// Independent sweeps per router (different seeds), averaged.
-    #[arg(long, default_value_t = 6)]
-    pub sweeps: u32,
+    /// Concurrency levels, in the order each sweep visits them (default: seed 002's
+    /// 60,80,…,180; with --phases 20,40,60,90,120).
+    #[arg(long, value_delimiter = ',')]
+    pub levels: Option<Vec<u32>>,
+    /// Independent sweeps per router (different seeds), averaged (default 6; with --phases 2).
+    #[arg(long)]
+    pub sweeps: Option<u32>,
+    /// Seed 003's phase ladder instead of a router comparison: baseline (round-robin) → kv
+    /// (KV-aware routing) → draft (+ Llama-3.1-8B draft model) → eagle3 (+ EAGLE-3 heads), on
+    /// each --setups; one report with TTFT turn 1 vs turns 2+, ITL, TOPS, acceptance, tokens
+    /// per step and SLOs per phase. Give a list to run some phases only. --routers, --workers
+    /// and --profile do not apply: the setups and phases fix them.
+    #[arg(long, value_delimiter = ',', num_args = 0.., value_name = "PHASES",
+          default_missing_values = sim::ladder::PHASES)]
+    pub phases: Option<Vec<String>>,
+    /// With --phases: the hardware setups (h100x8-tp4: seed 003's 8×H100 node as two TP=4
+    /// replicas; h200x3: seed 002's three H200s).
+    #[arg(long, value_delimiter = ',', default_value = "h100x8-tp4,h200x3")]
+    pub setups: Vec<String>,
+    /// With --phases: the KV-aware router of phases kv, draft and eagle3.
+    #[arg(long, default_value_t = PolicyKind::DEFAULT, value_parser = parse_router)]
+    pub kv_router: PolicyKind,
     /// Simulated seconds of warmup at each level.
     #[arg(long, default_value_t = 60.0)]
     pub warmup: f64,
@@ -63,7 +83,52 @@ pub struct BenchArgs {
     pub cluster: ClusterArgs,
 }
 
+impl BenchArgs {
+    fn levels(&self) -> Vec<u32> {
+        let default: &[u32] = if self.phases.is_some() {
+            &PHASE_LEVELS
+        } else {
+            &SEED_002_LEVELS
+        };
+        self.levels.clone().unwrap_or_else(|| default.to_vec())
+    }
+
+    fn sweeps(&self) -> u32 {
+        let default = if self.phases.is_some() {
+            PHASE_SWEEPS
+        } else {
+            6
+        };
+        self.sweeps.unwrap_or(default)
+    }
+
+    /// The benchmark of `routers` on `cluster`.
+    fn spec(&self, routers: Vec<PolicyKind>, cluster: &Cluster) -> Result<BenchSpec> {
+        let secs = |s: f64, flag: &str| -> Result<nanotime::Nanos> {
+            if !(s.is_finite() && s >= 0.0) {
+                bail!("{flag} must be a number of seconds ≥ 0, got {s}");
+            }
+            Ok(nanotime::Nanos::from_secs_f64(s))
+        };
+        Ok(BenchSpec {
+            routers,
+            levels: self.levels(),
+            sweeps: self.sweeps(),
+            warmup: secs(self.warmup, "--warmup")?,
+            window: secs(self.window, "--window")?,
+            snapshots: self.snapshots,
+            lookback: Some(secs(self.lookback, "--lookback")?),
+            seed: self.cluster.seed,
+            continuous: !self.cold,
+            base: cluster.base.clone(),
+        })
+    }
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
+    if args.phases.is_some() {
+        return run_phases(&args);
+    }
     let started = Instant::now();
     let (results, spec, threads) = simulate(&args, true)?;
     let wall = started.elapsed().as_secs_f64();
@@ -93,53 +158,53 @@ pub fn run(args: BenchArgs) -> Result<()> {
 /// aggregates them: `results.json`'s content.
 /// Also says on how many threads.
 pub fn simulate(args: &BenchArgs, progress: bool) -> Result<(BenchResults, BenchSpec, usize)> {
-    if args.levels.is_empty() || args.routers.is_empty() || args.sweeps == 0 {
+    if args.levels().is_empty() || args.routers.is_empty() || args.sweeps() == 0 {
         bail!("--levels, --routers and --sweeps need at least one value each");
     }
     let cluster = args.cluster.build()?;
-    let secs = |s: f64, flag: &str| -> Result<nanotime::Nanos> {
-        if !(s.is_finite() && s >= 0.0) {
-            bail!("{flag} must be a number of seconds ≥ 0, got {s}");
-        }
-        Ok(nanotime::Nanos::from_secs_f64(s))
-    };
-    let spec = BenchSpec {
-        routers: args.routers.clone(),
-        levels: args.levels.clone(),
-        sweeps: args.sweeps,
-        warmup: secs(args.warmup, "--warmup")?,
-        window: secs(args.window, "--window")?,
-        snapshots: args.snapshots,
-        lookback: Some(secs(args.lookback, "--lookback")?),
-        seed: args.cluster.seed,
-        continuous: !args.cold,
-        base: cluster.base.clone(),
-    };
-    let jobs = spec.jobs();
-    let threads = args
-        .jobs
+    let spec = args.spec(args.routers.clone(), &cluster)?;
+    let (mut grouped, threads) = run_parallel(&[(&spec, &cluster)], args.jobs, progress)?;
+    let results = grouped.pop().unwrap_or_default();
+    let results = sim::bench::aggregate(&spec, results, &cluster.profile_name);
+    Ok((results, spec, threads))
+}
+
+/// Runs every job of every benchmark on threads (with a progress bar when `progress`) and
+/// returns each benchmark's results in job order, and how many threads ran them.
+fn run_parallel(
+    benches: &[(&BenchSpec, &Cluster)],
+    jobs: Option<usize>,
+    progress: bool,
+) -> Result<(Vec<Vec<JobResult>>, usize)> {
+    let tasks: Vec<(usize, BenchJob)> = benches
+        .iter()
+        .enumerate()
+        .flat_map(|(b, (spec, _))| spec.jobs().into_iter().map(move |job| (b, job)))
+        .collect();
+    let threads = jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-        .clamp(1, jobs.len().max(1));
-    let phases_total: usize = jobs.iter().map(|j| j.levels.len()).sum();
+        .clamp(1, tasks.len().max(1));
+    let phases_total: usize = tasks.iter().map(|(_, j)| j.levels.len()).sum();
     let bar = progress
         .then(|| progress_bar(phases_total as u64, "levels"))
         .flatten();
 
-    // Independent runs on threads; each result goes back to its job's slot, so the output
+    // Independent runs on threads; each result goes back to its task's slot, so the output
     // never depends on which thread ran what.
     let next = AtomicUsize::new(0);
     let slots: Mutex<Vec<Option<Result<JobResult, ChatJobError>>>> =
-        Mutex::new((0..jobs.len()).map(|_| None).collect());
+        Mutex::new((0..tasks.len()).map(|_| None).collect());
     std::thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(job) = jobs.get(i) else {
+                    let Some((b, job)) = tasks.get(i) else {
                         break;
                     };
+                    let (spec, cluster) = benches[*b];
                     let result = run_chat_job(
-                        &spec,
+                        spec,
                         job,
                         &cluster.workload,
                         Arc::clone(&cluster.assets),
@@ -162,18 +227,188 @@ pub fn simulate(args: &BenchArgs, progress: bool) -> Result<(BenchResults, Bench
     let slots = slots
         .into_inner()
         .map_err(|_| anyhow::anyhow!("a simulation thread panicked"))?;
-    let mut results = Vec::with_capacity(jobs.len());
-    for (job, slot) in jobs.iter().zip(slots) {
+    let mut grouped: Vec<Vec<JobResult>> = benches.iter().map(|_| Vec::new()).collect();
+    for ((b, job), slot) in tasks.iter().zip(slots) {
         let result = slot.context("a simulation thread stopped early")?;
-        results.push(result.with_context(|| {
+        grouped[*b].push(result.with_context(|| {
             format!(
                 "run of {} (sweep {}, levels {:?})",
                 job.router, job.sweep, job.levels
             )
         })?);
     }
-    let results = sim::bench::aggregate(&spec, results, &cluster.profile_name);
-    Ok((results, spec, threads))
+    Ok((grouped, threads))
+}
+
+/// `--phases`: seed 003's ladder on each setup, one results.json and report.
+fn run_phases(args: &BenchArgs) -> Result<()> {
+    let started = Instant::now();
+    if args.compare_seed002 {
+        bail!(
+            "--compare-seed002 compares routers with seed 002's tables; it does not apply to --phases"
+        );
+    }
+    let wanted = args.phases.clone().unwrap_or_default();
+    for name in &wanted {
+        if !sim::ladder::PHASES.contains(&name.as_str()) {
+            bail!(
+                "--phases: unknown phase {name:?}; the ladder's phases are {}",
+                sim::ladder::PHASES.join(", ")
+            );
+        }
+    }
+    let ladder: Vec<LadderPhase> = sim::ladder::ladder(args.kv_router)
+        .into_iter()
+        .filter(|p| wanted.is_empty() || wanted.iter().any(|w| w == p.name))
+        .collect();
+    let mut setups: Vec<LadderSetup> = Vec::new();
+    for name in &args.setups {
+        let setup = sim::ladder::setup(name.trim()).with_context(|| {
+            let known: Vec<&str> = sim::ladder::setups().iter().map(|s| s.name).collect();
+            format!(
+                "--setups: unknown setup {name:?}; known: {}",
+                known.join(", ")
+            )
+        })?;
+        setups.push(setup);
+    }
+    if setups.is_empty() || args.levels().is_empty() || args.sweeps() == 0 {
+        bail!("--setups, --levels and --sweeps need at least one value each");
+    }
+    // One cluster per setup; one benchmark per (setup, phase).
+    let mut clusters = Vec::new();
+    for setup in &setups {
+        let mut cluster = args.cluster.clone();
+        cluster.workers = setup.workers;
+        cluster.profile = setup.profile.to_string();
+        cluster.profile_file = None;
+        cluster.spec.spec_decode = "off".into();
+        cluster.spec.draft_len = None;
+        cluster.spec.acceptance_rate = None;
+        let mut built = cluster.build()?;
+        built.base.extended_metrics = true;
+        clusters.push(built);
+    }
+    let mut benches = Vec::new();
+    for (setup, cluster) in setups.iter().zip(&clusters) {
+        for phase in &ladder {
+            let mut spec = args.spec(vec![phase.router], cluster)?;
+            spec.base.router.policy = phase.router;
+            if let Some(name) = phase.spec_decode {
+                // The ladder names the configuration; --draft-len and --acceptance-rate still
+                // override it.
+                let mut flags = args.cluster.spec.clone();
+                flags.spec_decode = name.to_string();
+                spec.base.engine.spec_decode = flags.resolve(&spec.base.engine)?;
+            } else {
+                spec.base.engine.spec_decode = None;
+            }
+            benches.push((setup.clone(), phase.clone(), spec));
+        }
+    }
+    let refs: Vec<(&BenchSpec, &Cluster)> = benches
+        .iter()
+        .map(|(setup, _, spec)| {
+            let i = setups.iter().position(|s| s == setup).unwrap_or(0);
+            (spec, &clusters[i])
+        })
+        .collect();
+    let (grouped, threads) = run_parallel(&refs, args.jobs, true)?;
+    let simulated: f64 = benches
+        .iter()
+        .map(|(_, _, spec)| spec.simulated().as_secs_f64())
+        .sum();
+    let runs: usize = benches.iter().map(|(_, _, s)| s.jobs().len()).sum();
+    let parts: Vec<LadderPart> = benches
+        .into_iter()
+        .zip(grouped)
+        .map(|((setup, phase, spec), results)| {
+            let results = sim::bench::aggregate(&spec, results, setup.profile);
+            LadderPart {
+                setup,
+                phase,
+                spec,
+                results,
+            }
+        })
+        .collect();
+    let mut results = sim::ladder::merge(parts).context("no phase to run")?;
+    results.bench.path_latency_ms = Some(args.cluster.path_latency_ms);
+    if let Some(dir) = &args.out {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        let write = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
+        };
+        write(
+            "results.json",
+            &(serde_json::to_string_pretty(&results)? + "\n"),
+        )?;
+        let plots = report::ladder::plots(&results);
+        let names: Vec<String> = plots.iter().map(|p| p.0.clone()).collect();
+        for (name, svg) in &plots {
+            write(name, svg)?;
+        }
+        write("report.md", &report::ladder::markdown(&results, &names))?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        print_ladder(&results);
+    }
+    let wall = started.elapsed().as_secs_f64();
+    eprintln!(
+        "bench --phases: {runs} runs on {threads} thread(s), {simulated:.0} simulated s in \
+         {wall:.1} s wall ({:.0}× real time)",
+        simulated / wall.max(1e-9)
+    );
+    Ok(())
+}
+
+fn print_ladder(results: &BenchResults) {
+    let o = |v: Option<f64>, d: usize| v.map_or("–".to_string(), |x| format!("{x:.d$}"));
+    for setup in &results.bench.setups {
+        println!("{}: {}", setup.name, setup.description);
+        println!(
+            "  {:>5}  {:<9} {:>9} {:>9}  {:>8} {:>8}  {:>7} {:>7}  {:>7}  {:>6} {:>6}",
+            "conc",
+            "phase",
+            "TTFT t1",
+            "t2+ p50",
+            "ITL p50",
+            "p95 ms",
+            "TPOT95",
+            "TOPS",
+            "KV hit",
+            "accept",
+            "tok/st"
+        );
+        for &level in &results.bench.levels {
+            for phase in &results.bench.phases {
+                let Some(r) = report::ladder::rows(results, &setup.name, &phase.name)
+                    .into_iter()
+                    .find(|r| r.concurrency == level)
+                else {
+                    continue;
+                };
+                let m = &r.metrics;
+                println!(
+                    "  {:>5}  {:<9} {:>9} {:>9}  {:>8} {:>8}  {:>7} {:>7.0}  {:>6}%  {:>5}% {:>6}",
+                    level,
+                    phase.name,
+                    o(m.ttft_turn1_ms.and_then(|p| p.p50), 0),
+                    o(m.ttft_later_ms.and_then(|p| p.p50), 0),
+                    o(m.itl_ms.p50, 1),
+                    o(m.itl_ms.p95, 1),
+                    o(m.tpot_ms.p95, 1),
+                    m.output_tokens_per_s,
+                    o(m.kv_hit_rate.map(|h| h * 100.0), 1),
+                    o(m.acceptance_rate.map(|a| a * 100.0), 1),
+                    o(m.tokens_per_step, 2),
+                );
+            }
+        }
+    }
 }
 
 fn write_out(dir: &Path, results: &BenchResults, with_seed: bool) -> Result<()> {

@@ -101,6 +101,8 @@ pub struct EngineArgs {
     /// The `Hostname` label of the simulated DCGM metrics (default: $HOSTNAME).
     #[arg(long)]
     hostname: Option<String>,
+    #[command(flatten)]
+    spec: crate::spec_args::SpecArgs,
 }
 
 fn load_profile(args: &EngineArgs) -> Result<HardwareProfile> {
@@ -139,6 +141,7 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
         engine.num_gpu_blocks_override = Some(blocks);
     }
     engine.max_waiting = args.max_waiting;
+    args.spec.apply(&mut engine)?;
     let mut config = EngineServerConfig::new();
     config.listen = SocketAddr::new(args.host, args.port);
     config.advertise_url = args.advertise_url.clone();
@@ -258,6 +261,15 @@ fn serving_text(
 
 pub fn run(args: EngineArgs) -> Result<()> {
     let config = config(&args)?;
+    let spec = config.engine.spec_decode.as_ref().map(|s| {
+        format!(
+            "kvroute engine: speculative decoding {} (K = {}, mean acceptance {:.0}%, {:.2} tokens per step expected)",
+            s.method.name(),
+            s.draft_len,
+            s.mean_acceptance_rate() * 100.0,
+            s.mean_tokens_per_step()
+        )
+    });
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let server = EngineServer::bind(config).await?;
@@ -271,6 +283,9 @@ pub fn run(args: EngineArgs) -> Result<()> {
             info.block_size.unwrap_or_default(),
             server.url()
         );
+        if let Some(line) = &spec {
+            println!("{line}");
+        }
         if let Some(endpoint) = &info.zmq_endpoint {
             println!("kvroute engine: vLLM-format KV events on {endpoint}");
         }

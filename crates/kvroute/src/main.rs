@@ -21,6 +21,7 @@ mod engine_cmd;
 mod gateway_cmd;
 mod profiles;
 mod sim_cmd;
+mod spec_args;
 
 /// KV-cache-aware routing for LLM fleets.
 #[derive(Debug, Parser)]

@@ -9,7 +9,7 @@ use anyhow::{Context, Result, bail};
 use engine::{EngineConfig, HardwareProfile};
 use indicatif::{ProgressBar, ProgressStyle};
 use nanotime::Nanos;
-use report::{BenchResults, Row};
+use report::{BenchResults, Percentiles, Row};
 use router::{KvSource, PolicyKind};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -33,7 +33,7 @@ pub fn parse_router(s: &str) -> Result<PolicyKind, String> {
 }
 
 /// Fleet, hardware, router and workload options shared by `sim` and `bench`.
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct ClusterArgs {
     /// Number of workers (one GPU each).
     #[arg(long, default_value_t = 3)]
@@ -104,6 +104,8 @@ pub struct ClusterArgs {
     /// Seed of the run (sweep seeds derive from it).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    #[command(flatten)]
+    pub spec: crate::spec_args::SpecArgs,
 }
 
 /// Sets `KEY=VALUE` pairs in a serializable value through its JSON form: `KEY` is a dotted
@@ -180,7 +182,11 @@ impl ClusterArgs {
         let profile_name = profile.name.clone();
         let mut engine = EngineConfig::from_profile(profile);
         engine.coalesce_decode = !self.step_by_step;
-        let engine: EngineConfig = patch(engine, &self.engine_set, "engine")?;
+        let mut engine: EngineConfig = patch(engine, &self.engine_set, "engine")?;
+        // `--spec-decode off` leaves a configuration set through --engine-set alone.
+        if let Some(spec) = self.spec.resolve(&engine)? {
+            engine.spec_decode = Some(spec);
+        }
         let mut base = SimConfig::new(self.workers, engine.profile.clone(), PolicyKind::Kv);
         base.engine = engine;
         let params = &mut base.router.params;
@@ -274,6 +280,9 @@ pub fn run(args: SimArgs) -> Result<()> {
         );
     }
     cluster.base.keep_all_records = args.records.is_some();
+    // A single run reports TTFT by turn and decode tokens per step too (a benchmark keeps
+    // seed 002's fields unless --phases).
+    cluster.base.extended_metrics = true;
     let spec = BenchSpec {
         routers: vec![args.router],
         levels: vec![args.concurrency],
@@ -478,18 +487,27 @@ fn print_run(results: &BenchResults, totals: &sim::RunTotals) {
 
 pub fn print_latencies(r: &Row) {
     let m = &r.metrics;
-    for (name, unit, p, decimals) in [
-        ("TTFT", "ms", &m.ttft_ms, 1),
-        ("TPOT", "ms", &m.tpot_ms, 1),
-        ("ITL", "ms", &m.itl_ms, 1),
-        ("E2E", "s", &m.e2e_s, 2),
-    ] {
+    let line = |name: &str, unit: &str, p: &Percentiles, decimals: usize| {
         println!(
             "  {name:<4}  p50 {:>9} {unit:<2}   p95 {:>9} {unit}",
             opt(p.p50, decimals),
             opt(p.p95, decimals)
         );
+    };
+    line("TTFT", "ms", &m.ttft_ms, 1);
+    line("TPOT", "ms", &m.tpot_ms, 1);
+    // Seed 003's main observation: KV routing lowers TTFT on turns 2+, not on turn 1.
+    for (name, split) in [("turn 1", m.ttft_turn1_ms), ("turns 2+", m.ttft_later_ms)] {
+        if let Some(p) = split {
+            println!(
+                "    {name:<8} p50 {:>9} ms   p95 {:>9} ms",
+                opt(p.p50, 1),
+                opt(p.p95, 1)
+            );
+        }
     }
+    line("ITL", "ms", &m.itl_ms, 1);
+    line("E2E", "s", &m.e2e_s, 2);
     println!(
         "  output tokens/s {:.1}   requests/s {:.2}   KV hit rate {}   oracle {}   errors {}",
         m.output_tokens_per_s,
@@ -498,4 +516,11 @@ pub fn print_latencies(r: &Row) {
         opt(m.oracle_hit_rate.map(|h| h * 100.0), 1) + "%",
         m.errors
     );
+    if let Some(a) = m.acceptance_rate {
+        println!(
+            "  speculative decoding: acceptance {:.1}%   tokens per step {}",
+            a * 100.0,
+            opt(m.tokens_per_step, 2)
+        );
+    }
 }

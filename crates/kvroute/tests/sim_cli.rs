@@ -174,6 +174,26 @@ fn bad_arguments_fail_with_a_clear_error() {
             &["bench", "--routers", "round_robin,best"],
             "round_robin, random, kv",
         ),
+        (
+            &["bench", "--phases", "baseline,medusa"],
+            "the ladder's phases are baseline, kv, draft, eagle3",
+        ),
+        (
+            &["bench", "--phases", "--setups", "tpu"],
+            "known: h100x8-tp4, h200x3",
+        ),
+        (
+            &["bench", "--phases", "--compare-seed002"],
+            "does not apply to --phases",
+        ),
+        (
+            &["sim", "--spec-decode", "medusa"],
+            "has no speculative-decoding configuration \"medusa\"; it has: draft, eagle3",
+        ),
+        (
+            &["sim", "--spec-decode", "eagle3", "--draft-len", "40"],
+            "--draft-len must be between 1 and 16",
+        ),
         (&["sim", "--profile", "tpu-v9"], "h200-llama70b-fp8"),
         (
             &["sim", "--profile-set", "timing.warp_factor=9"],
@@ -286,5 +306,69 @@ fn a_zero_timeline_interval_is_refused_before_the_run() {
         "{stderr}"
     );
     assert!(!dir.join("timeline.csv").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `bench --phases` on a short ladder: one results.json whose rows carry phase, setup,
+/// acceptance and tokens per step beside today's fields; the report and per-setup plots; the
+/// expected shape (KV routing lowers turn-2+ TTFT, speculation lowers ITL, EAGLE-3 more).
+#[test]
+fn bench_phases_writes_one_report_of_the_ladder() {
+    let dir = out_dir("phases");
+    let out = ok(kvroute()
+        .args([
+            "bench",
+            "--phases",
+            "--setups",
+            "h100x8-tp4",
+            "--levels",
+            "16",
+            "--sweeps",
+            "1",
+            "--warmup",
+            "30",
+            "--window",
+            "60",
+            "--lookback",
+            "30",
+            "--out",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap());
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.contains("h100x8-tp4"), "{stdout}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    let rows = json["summary"].as_array().unwrap();
+    let phases: Vec<&str> = rows.iter().map(|r| r["phase"].as_str().unwrap()).collect();
+    assert_eq!(phases, ["baseline", "kv", "draft", "eagle3"]);
+    let get = |phase: &str, field: &str| {
+        let row = rows.iter().find(|r| r["phase"] == phase).unwrap();
+        assert_eq!(row["setup"], "h100x8-tp4");
+        row[field].clone()
+    };
+    let p50 = |phase: &str, field: &str| get(phase, field)["p50"].as_f64().unwrap();
+    assert!(p50("kv", "ttft_later_ms") < p50("baseline", "ttft_later_ms"));
+    assert!(p50("draft", "itl_ms") < p50("kv", "itl_ms"));
+    assert!(p50("eagle3", "itl_ms") < p50("draft", "itl_ms"));
+    assert!(get("kv", "acceptance_rate").is_null());
+    assert_eq!(get("kv", "tokens_per_step").as_f64(), Some(1.0));
+    let draft = get("draft", "acceptance_rate").as_f64().unwrap();
+    let eagle = get("eagle3", "acceptance_rate").as_f64().unwrap();
+    assert!((0.55..0.70).contains(&draft) && (0.70..0.85).contains(&eagle));
+    assert!(get("eagle3", "tokens_per_step").as_f64().unwrap() > 3.0);
+    assert_eq!(json["bench"]["setups"][0]["gpus_per_worker"], 4);
+    assert_eq!(json["bench"]["phases"][2]["spec_decode"], "draft");
+    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    for needle in [
+        "TTFT turn 1 p50 / p95",
+        "TTFT turns 2+",
+        "### SLOs",
+        "h100x8-tp4_itl_p50.svg",
+    ] {
+        assert!(report.contains(needle), "{needle} missing from report.md");
+    }
+    assert!(dir.join("h100x8-tp4_ttft_later_p50.svg").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }

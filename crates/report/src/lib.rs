@@ -10,6 +10,7 @@
 //!   ([`BenchResults`], [`Row`], [`BenchMeta`]), Serialize + Deserialize;
 //! - [`markdown`](mod@markdown) and [`plots`](mod@plots): `report.md` and the plots, beside
 //!   seed 002's published numbers ([`seed002`]);
+//! - [`ladder`]: the report and plots of seed 003's phase ladder (`kvroute bench --phases`);
 //! - [`svg`]: hand-written, deterministic line charts (also the simulator's timeline).
 //!
 //! # Invariant
@@ -17,6 +18,7 @@
 //! Pure: no I/O, no clock. Functions return text (`String`) and the caller writes the
 //! files, so the same results give the same bytes.
 
+pub mod ladder;
 pub mod markdown;
 pub mod percentiles;
 pub mod plots;
@@ -27,5 +29,7 @@ pub mod svg;
 pub use markdown::{compare_seed_002, highest_slo_level, markdown};
 pub use percentiles::Percentiles;
 pub use plots::plots;
-pub use results::{Balance, BenchMeta, BenchResults, Metrics, PERCENTILES_METHOD, Row, WorkerRow};
+pub use results::{
+    Balance, BenchMeta, BenchResults, Metrics, PERCENTILES_METHOD, PhaseMeta, Row, Setup, WorkerRow,
+};
 pub use seed002::{SLO_TPOT_P95_MS, SLO_TTFT_P95_MS};

@@ -36,6 +36,20 @@ pub struct Metrics {
     pub mean_prompt_tokens: Option<f64>,
     /// Mean output tokens of finished requests.
     pub mean_output_tokens: Option<f64>,
+    /// TTFT of first turns (nothing of the conversation can be cached yet), and of turns 2+
+    /// (their history can be): seed 003's main observation. Written by `kvroute bench
+    /// --phases` and `kvroute sim`; absent from the files seed 002's bench writes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_turn1_ms: Option<Percentiles>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_later_ms: Option<Percentiles>,
+    /// Speculative decoding: the per-token acceptance probability observed over the
+    /// measurement period (accepted draft tokens / draft positions evaluated), 0..1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acceptance_rate: Option<f64>,
+    /// Output tokens per decode step per sequence (1.0 without speculative decoding).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_step: Option<f64>,
 }
 
 impl Metrics {
@@ -57,6 +71,10 @@ impl Metrics {
             requests: avg(|m| m.requests),
             mean_prompt_tokens: avg_some(|m| m.mean_prompt_tokens),
             mean_output_tokens: avg_some(|m| m.mean_output_tokens),
+            ttft_turn1_ms: mean_of(all.iter().map(|m| m.ttft_turn1_ms.as_ref())),
+            ttft_later_ms: mean_of(all.iter().map(|m| m.ttft_later_ms.as_ref())),
+            acceptance_rate: avg_some(|m| m.acceptance_rate),
+            tokens_per_step: avg_some(|m| m.tokens_per_step),
         }
     }
 
@@ -76,8 +94,23 @@ impl Metrics {
             requests: round(self.requests, 3),
             mean_prompt_tokens: round_opt(self.mean_prompt_tokens, 1),
             mean_output_tokens: round_opt(self.mean_output_tokens, 1),
+            ttft_turn1_ms: self.ttft_turn1_ms.map(|p| p.rounded(3)),
+            ttft_later_ms: self.ttft_later_ms.map(|p| p.rounded(3)),
+            acceptance_rate: round_opt(self.acceptance_rate, 5),
+            tokens_per_step: round_opt(self.tokens_per_step, 4),
         }
     }
+}
+
+/// The mean of the present percentile pairs (`None` when none is: the field was not
+/// measured in any window).
+fn mean_of<'a>(all: impl Iterator<Item = Option<&'a Percentiles>> + Clone) -> Option<Percentiles> {
+    let present = all.flatten();
+    present
+        .clone()
+        .next()
+        .is_some()
+        .then(|| Percentiles::mean(present))
 }
 
 /// How evenly a run spread its load.
@@ -133,6 +166,12 @@ pub struct WorkerRow {
 /// (`runs`, with `seed`) or averaged over the sweeps (`summary`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Row {
+    /// `kvroute bench --phases`: the step of seed 003's ladder (`baseline`, `kv`, `draft`,
+    /// `eagle3`) and the hardware it ran on (a [`Setup`] name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub setup: Option<String>,
     pub router: String,
     pub workers: u32,
     pub concurrency: u32,
@@ -180,6 +219,42 @@ pub struct BenchMeta {
     pub oracle_horizon_s: Option<f64>,
     /// How the percentiles were computed ([`PERCENTILES_METHOD`]).
     pub percentiles: String,
+    /// `kvroute bench --phases`: the ladder's phases and the hardware setups, in order (the
+    /// fields above then describe the first setup).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<PhaseMeta>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub setups: Vec<Setup>,
+    /// The serving path's round trip added to TTFT and E2E, milliseconds (written by
+    /// `--phases`; seed 002's files leave it out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path_latency_ms: Option<f64>,
+}
+
+/// One step of seed 003's ladder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PhaseMeta {
+    /// `baseline`, `kv`, `draft`, `eagle3`.
+    pub name: String,
+    /// The router of this phase.
+    pub router: String,
+    /// Speculative decoding (`off`, `draft`, `eagle3`).
+    pub spec_decode: String,
+    /// For people: what changes at this step.
+    pub description: String,
+}
+
+/// One hardware setup of a phase ladder: a fleet of identical workers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Setup {
+    /// Short name, the rows' `setup` (`h100x8-tp4`).
+    pub name: String,
+    /// For people (`one 8×H100 node: 2 replicas of Llama-70B FP8 at TP=4`).
+    pub description: String,
+    pub profile: String,
+    pub workers: u32,
+    /// GPUs per worker.
+    pub gpus_per_worker: u32,
 }
 
 impl BenchResults {

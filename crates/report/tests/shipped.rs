@@ -68,3 +68,31 @@ fn report_and_plots_render_to_the_shipped_files() {
     assert!(markdown == shipped("report.md"), "report.md differs");
     assert!(markdown.contains(&report::compare_seed_002(&results)));
 }
+
+fn shipped_phases(name: &str) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../docs/phases")
+        .join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The shipped phase ladder (`kvroute bench --phases --out docs/phases`) likewise: its
+/// results.json round-trips, report.md and the plots are a pure function of it.
+#[test]
+fn the_phase_ladder_renders_to_the_shipped_files() {
+    let text = shipped_phases("results.json");
+    let results: BenchResults = serde_json::from_str(&text).expect("phases results.json reads");
+    assert_eq!(serde_json::to_string_pretty(&results).unwrap() + "\n", text);
+    assert!(
+        results
+            .summary
+            .iter()
+            .all(|r| r.phase.is_some() && r.setup.is_some())
+    );
+    let plots = report::ladder::plots(&results);
+    for (name, svg) in &plots {
+        assert!(*svg == shipped_phases(name), "docs/phases/{name} differs");
+    }
+    let names: Vec<String> = plots.into_iter().map(|(name, _)| name).collect();
+    assert!(report::ladder::markdown(&results, &names) == shipped_phases("report.md"));
+}

@@ -177,6 +177,8 @@ fn row(
     per_worker: Vec<WorkerRow>,
 ) -> Row {
     Row {
+        phase: None,
+        setup: None,
         router: router.name().to_string(),
         workers,
         concurrency,
@@ -269,6 +271,9 @@ pub fn aggregate(spec: &BenchSpec, mut results: Vec<JobResult>, profile: &str) -
             kv_event_delay_ms: spec.base.router.kv_event_delay.as_millis_f64(),
             oracle_horizon_s: spec.base.oracle_horizon.map(Nanos::as_secs_f64),
             percentiles: PERCENTILES_METHOD.to_string(),
+            phases: Vec::new(),
+            setups: Vec::new(),
+            path_latency_ms: None,
         },
     }
 }

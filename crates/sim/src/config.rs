@@ -56,6 +56,10 @@ pub struct SimConfig {
     /// Keep every request's record in [`crate::RunOutput::records`] (metrics never need
     /// them: windows keep only their samples).
     pub keep_all_records: bool,
+    /// Also measure TTFT by turn (turn 1 vs turns 2+) and decode tokens per step (seed 003's
+    /// figures). Off, the metrics are exactly seed 002's, so its results files stay as they
+    /// are; acceptance and tokens per step are measured whenever speculative decoding is on.
+    pub extended_metrics: bool,
 }
 
 impl SimConfig {
@@ -75,6 +79,7 @@ impl SimConfig {
             oracle: true,
             oracle_horizon: None,
             keep_all_records: false,
+            extended_metrics: false,
         }
     }
 }

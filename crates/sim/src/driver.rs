@@ -181,6 +181,14 @@ pub struct WorkerStats {
     pub preemptions: u64,
     /// Requests it held, averaged over the period.
     pub mean_in_flight: f64,
+    /// Decoding: sequence-steps, the tokens they produced; speculative decoding: drafts,
+    /// accepted draft tokens, and draft positions the target evaluated (each draft's first,
+    /// and each one after an accepted position).
+    pub decode_seq_steps: u64,
+    pub decode_tokens: u64,
+    pub spec_drafts: u64,
+    pub spec_accepted: u64,
+    pub spec_evaluated: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -189,6 +197,32 @@ struct EngineMark {
     prefill: u64,
     output: u64,
     preemptions: u64,
+    decode_seq_steps: u64,
+    decode_tokens: u64,
+    spec_drafts: u64,
+    spec_accepted: u64,
+    spec_evaluated: u64,
+}
+
+impl EngineMark {
+    fn of(m: &engine::EngineMetrics) -> EngineMark {
+        let k = m.spec_accepted_per_pos.len();
+        EngineMark {
+            busy: m.busy_time,
+            prefill: m.prefill_tokens_computed,
+            output: m.tokens_generated,
+            preemptions: m.preemptions,
+            decode_seq_steps: m.decode_seq_steps,
+            decode_tokens: m.decode_tokens_generated,
+            spec_drafts: m.spec_drafts,
+            spec_accepted: m.spec_accepted_tokens,
+            spec_evaluated: m.spec_drafts
+                + m.spec_accepted_per_pos
+                    .iter()
+                    .take(k.saturating_sub(1))
+                    .sum::<u64>(),
+        }
+    }
 }
 
 /// One phase's results.
@@ -349,7 +383,11 @@ impl<W: Workload> Simulation<W> {
             phase_starts.push(t);
             schedule.push((t, Action::PhaseStart(k)));
             schedule.push((t + p.warmup, Action::MeasureStart(k)));
-            windows.extend(p.windows(t).into_iter().map(|(a, b)| WindowAcc::new(a, b)));
+            windows.extend(p.windows(t).into_iter().map(|(a, b)| {
+                let mut w = WindowAcc::new(a, b);
+                w.split_turns = cfg.extended_metrics;
+                w
+            }));
             t += p.duration();
             schedule.push((t, Action::MeasureEnd(k)));
         }
@@ -530,12 +568,25 @@ impl<W: Workload> Simulation<W> {
                 .into_iter()
                 .map(|w| w.metrics(self.cfg.oracle))
                 .collect();
+            let workers = std::mem::take(&mut self.worker_stats[k]);
+            let mut metrics = Metrics::mean(&snapshots);
+            let spec = self.cfg.engine.spec_decode.is_some();
+            if spec || self.cfg.extended_metrics {
+                let sum = |f: fn(&WorkerStats) -> u64| workers.iter().map(f).sum::<u64>();
+                let ratio = |a: u64, b: u64| (b > 0).then(|| a as f64 / b as f64);
+                metrics.tokens_per_step =
+                    ratio(sum(|w| w.decode_tokens), sum(|w| w.decode_seq_steps));
+                if spec {
+                    metrics.acceptance_rate =
+                        ratio(sum(|w| w.spec_accepted), sum(|w| w.spec_evaluated));
+                }
+            }
             phases.push(PhaseResult {
                 concurrency: p.concurrency,
                 windows_s,
-                metrics: Metrics::mean(&snapshots),
+                metrics,
                 snapshots,
-                workers: std::mem::take(&mut self.worker_stats[k]),
+                workers,
             });
         }
         let mut totals = self.totals.clone();
@@ -608,13 +659,7 @@ impl<W: Workload> Simulation<W> {
                 Action::MeasureStart(k) => {
                     self.measuring = Some(k);
                     for (i, e) in self.engines.iter().enumerate() {
-                        let m = e.metrics();
-                        self.marks[i] = EngineMark {
-                            busy: m.busy_time,
-                            prefill: m.prefill_tokens_computed,
-                            output: m.tokens_generated,
-                            preemptions: m.preemptions,
-                        };
+                        self.marks[i] = EngineMark::of(&e.metrics());
                     }
                     self.in_flight_area.fill((0, at));
                     self.worker_stats[k] = (0..self.engines.len())
@@ -628,14 +673,19 @@ impl<W: Workload> Simulation<W> {
                 Action::MeasureEnd(k) => {
                     let span = self.phases[k].window.as_secs_f64();
                     for (i, e) in self.engines.iter().enumerate() {
-                        let m = e.metrics();
+                        let now = EngineMark::of(&e.metrics());
                         let mark = self.marks[i];
                         let s = &mut self.worker_stats[k][i];
                         s.utilisation =
-                            ((m.busy_time.saturating_sub(mark.busy)).as_secs_f64() / span).min(1.0);
-                        s.prefill_tokens = m.prefill_tokens_computed - mark.prefill;
-                        s.output_tokens = m.tokens_generated - mark.output;
-                        s.preemptions = m.preemptions - mark.preemptions;
+                            ((now.busy.saturating_sub(mark.busy)).as_secs_f64() / span).min(1.0);
+                        s.prefill_tokens = now.prefill - mark.prefill;
+                        s.output_tokens = now.output - mark.output;
+                        s.preemptions = now.preemptions - mark.preemptions;
+                        s.decode_seq_steps = now.decode_seq_steps - mark.decode_seq_steps;
+                        s.decode_tokens = now.decode_tokens - mark.decode_tokens;
+                        s.spec_drafts = now.spec_drafts - mark.spec_drafts;
+                        s.spec_accepted = now.spec_accepted - mark.spec_accepted;
+                        s.spec_evaluated = now.spec_evaluated - mark.spec_evaluated;
                         let (area, last) = self.in_flight_area[i];
                         let area =
                             area + u128::from(self.worker_in_flight[i]) * u128::from((at - last).0);

@@ -57,7 +57,9 @@
 //! 3. [`timeline`]: per-worker samples and their charts;
 //! 4. `driver`: the event loop ([`Simulation`]), over 1–3;
 //! 5. [`bench`](mod@bench): sweeps as jobs, aggregated into results rows;
-//! 6. [`chat`]: the seed's chat workload run as bench jobs.
+//! 6. [`chat`]: the seed's chat workload run as bench jobs;
+//! 7. [`ladder`]: seed 003's phase ladder (baseline → KV routing → draft model → EAGLE-3) as
+//!    a set of benchmarks, merged into one results file.
 //!
 //! # Invariant and bounds
 //!
@@ -115,6 +117,7 @@ pub mod bench;
 pub mod chat;
 mod config;
 mod driver;
+pub mod ladder;
 pub mod metrics;
 pub mod oracle;
 pub mod timeline;

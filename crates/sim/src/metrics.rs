@@ -16,6 +16,9 @@
 //!   (`Finished` events) for requests finished inside the window. The oracle's rate is over
 //!   the same requests.
 //! - **Errors** = turns that failed inside the window (engine rejection, full frontend).
+//! - With extended metrics ([`crate::SimConfig::extended_metrics`]): **TTFT of turn 1**
+//!   and **of turns 2+**, the same TTFT split by the turn's place in its conversation (seed
+//!   003: KV-aware routing can only help turns whose history exists).
 //!
 //! Which requests a window `(from, to]` covers: TTFT — requests whose first token arrived in
 //! it; TPOT, ITL, E2E, RPS, hit rates — requests that finished in it (when the client
@@ -100,7 +103,11 @@ impl RequestRecord {
 pub struct WindowAcc {
     pub from: Nanos,
     pub to: Nanos,
+    /// Keep TTFT split by turn too.
+    pub split_turns: bool,
     ttft_ms: Vec<f64>,
+    ttft_turn1_ms: Vec<f64>,
+    ttft_later_ms: Vec<f64>,
     tpot_ms: Vec<f64>,
     itl_ms: Vec<f64>,
     e2e_s: Vec<f64>,
@@ -130,7 +137,15 @@ impl WindowAcc {
     /// Counts a request that ended (finished or failed), under the rules in the module docs.
     pub fn add(&mut self, r: &RequestRecord) {
         if let Some(t) = r.first_token_at.filter(|&t| self.inside(t)) {
-            self.ttft_ms.push((t - r.issued_at).as_millis_f64());
+            let ms = (t - r.issued_at).as_millis_f64();
+            self.ttft_ms.push(ms);
+            if self.split_turns {
+                if r.turn == 0 {
+                    self.ttft_turn1_ms.push(ms);
+                } else {
+                    self.ttft_later_ms.push(ms);
+                }
+            }
         }
         if !self.inside(r.ended_at) {
             return;
@@ -181,6 +196,15 @@ impl WindowAcc {
             requests: self.finished as f64,
             mean_prompt_tokens: ratio(self.prompt, self.finished),
             mean_output_tokens: ratio(self.output, self.finished),
+            ttft_turn1_ms: self
+                .split_turns
+                .then(|| Percentiles::of(&mut self.ttft_turn1_ms)),
+            ttft_later_ms: self
+                .split_turns
+                .then(|| Percentiles::of(&mut self.ttft_later_ms)),
+            // Engine counters, filled per phase by the driver.
+            acceptance_rate: None,
+            tokens_per_step: None,
         }
     }
 }

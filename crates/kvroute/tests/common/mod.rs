@@ -188,6 +188,19 @@ impl Server {
         }
     }
 
+    /// Waits up to 10 s for a line it prints after listening that contains `needle`.
+    pub fn line_with(&self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(_) => {}
+                Err(_) => panic!("{} printed no line with {needle:?}", self.url),
+            }
+        }
+    }
+
     /// `HOST:PORT` of its URL.
     pub fn addr(&self) -> &str {
         self.url.trim_start_matches("http://")
