@@ -17,8 +17,7 @@ async fn get(base: &str, path: &str) -> Value {
 async fn router_probes_name_the_model_blocks_and_event_sources() {
     let mut settings = config(100.0);
     settings.zmq_pub = Some("tcp://127.0.0.1:0".into());
-    let server = start(settings).await;
-    let base = format!("http://{}", server.local_addr());
+    let (server, base) = start(settings).await;
     let card = get(&base, "/info").await;
     let zmq = card["zmq_endpoint"]
         .as_str()
@@ -94,8 +93,7 @@ async fn router_probes_name_the_model_blocks_and_event_sources() {
 
 #[tokio::test]
 async fn without_zmq_events_no_source_is_listed() {
-    let server = start(config(100.0)).await;
-    let base = format!("http://{}", server.local_addr());
+    let (server, base) = start(config(100.0)).await;
     assert_eq!(get(&base, "/kv_event_sources").await, json!({}));
     assert_eq!(
         get(&base, "/server_info").await["kv_events_endpoint"],
