@@ -212,6 +212,24 @@ fn bad_arguments_fail_with_a_clear_error() {
             "--workers must be between 1 and 64",
         ),
         (vec!["demo", "--router", "best"], "router \"best\""),
+        (
+            vec!["demo", "--phase", "medusa"],
+            "the ladder's phases are baseline, kv, draft, eagle3",
+        ),
+        (
+            vec![
+                "demo",
+                "--profile",
+                "h100-llama8b",
+                "--spec-decode",
+                "eagle3",
+            ],
+            "has no speculative-decoding configurations",
+        ),
+        (
+            vec!["demo", "--phase-reference", "/nonexistent-phases.json"],
+            "reading /nonexistent-phases.json",
+        ),
         (vec!["demo", "--think-time=-1"], "--think-time must be"),
         (
             vec!["loadgen", "--target", "localhost:8000"],
@@ -233,4 +251,61 @@ fn bad_arguments_fail_with_a_clear_error() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
+}
+
+/// `demo --phase eagle3`: KV-aware routing and EAGLE-3 workers; the dashboard's status
+/// carries the workers' acceptance and tokens per step, and the shipped ladder's reference
+/// lines for this cluster (3 × H200).
+#[test]
+fn demo_starts_at_a_phase_with_speculative_workers_and_reference_lines() {
+    let child = kvroute()
+        .args([
+            "demo",
+            "--port",
+            "0",
+            "--gateway-port",
+            "0",
+            "--workers",
+            "3",
+        ])
+        .args([
+            "--speedup",
+            "50",
+            "--concurrency",
+            "4",
+            "--start",
+            "--no-baseline",
+        ])
+        .args(["--phase", "eagle3"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut running = Running(child);
+    let mut stdout = BufReader::new(running.0.stdout.take().unwrap());
+    let lines = lines_until(&mut stdout, "kvroute demo: open ");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("(speculative decoding: eagle3) behind the kv_load gateway")),
+        "{lines:?}"
+    );
+    let url = dashboard_url(&lines);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let status = get(&format!("{url}/api/status"));
+        assert_eq!(status["references"]["setup"], "h200x3", "{status}");
+        let m = &status["lanes"][0]["metrics"];
+        if let (Some(a), Some(t)) = (m["acceptance_rate"].as_f64(), m["tokens_per_step"].as_f64()) {
+            assert!((0.5..1.0).contains(&a) && (1.5..6.0).contains(&t), "{m}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no acceptance reported: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    sigint(&running.0);
+    assert!(wait_exit(&mut running, Duration::from_secs(20)).success());
 }
