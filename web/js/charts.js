@@ -26,6 +26,10 @@ export const METRICS = {
   kv: (m) => (typeof m?.kv_hit_rate === 'number' ? m.kv_hit_rate * 100 : null),
   ttft50: (m) => m?.ttft_ms?.p50 ?? null,
   inflight: (m) => m?.in_flight ?? null,
+  itl50: (m) => m?.itl_ms?.p50 ?? null,
+  itl95: (m) => m?.itl_ms?.p95 ?? null,
+  ttft1: (m) => m?.ttft_turn1_ms?.p50 ?? null,
+  ttft2: (m) => m?.ttft_later_ms?.p50 ?? null,
 };
 
 function finiteOrNull(v) {
@@ -63,6 +67,10 @@ export class HistoryStore {
           kv: finiteOrNull(p.kv_hit_rate) === null ? null : p.kv_hit_rate * 100,
           ttft50: finiteOrNull(p.ttft_p50_ms),
           inflight: finiteOrNull(p.in_flight),
+          itl50: finiteOrNull(p.itl_p50_ms),
+          itl95: finiteOrNull(p.itl_p95_ms),
+          ttft1: finiteOrNull(p.ttft_turn1_p50_ms),
+          ttft2: finiteOrNull(p.ttft_later_p50_ms),
         }))
         .sort((a, b) => a.t - b.t);
       const last = seeded.length ? seeded[seeded.length - 1].t : -Infinity;
@@ -89,6 +97,10 @@ export class HistoryStore {
         kv: finiteOrNull(METRICS.kv(m)),
         ttft50: finiteOrNull(METRICS.ttft50(m)),
         inflight: finiteOrNull(METRICS.inflight(m)),
+        itl50: finiteOrNull(METRICS.itl50(m)),
+        itl95: finiteOrNull(METRICS.itl95(m)),
+        ttft1: finiteOrNull(METRICS.ttft1(m)),
+        ttft2: finiteOrNull(METRICS.ttft2(m)),
       });
       this.lanes.set(lane.name, points);
       added = true;
@@ -125,6 +137,24 @@ export class HistoryStore {
     return [start, end];
   }
 
+  /**
+   * Two metrics per lane (a solid and a dashed line of the lane's colour), e.g. ITL p50 and
+   * p95; `labels` name them in the legend.
+   */
+  seriesPair(keys, labels) {
+    const out = [];
+    this.laneNames().forEach((name, i) => {
+      const color = LANE_COLORS[i % LANE_COLORS.length];
+      keys.forEach((key, k) => out.push({
+        name: this.laneNames().length > 1 ? `${name} ${labels[k]}` : labels[k],
+        color,
+        dashed: k === 1,
+        points: (this.lanes.get(name) || []).map((p) => [p.t, p[key]]),
+      }));
+    });
+    return out;
+  }
+
   /** One series per lane for a metric key of a stored point. */
   series(key) {
     return this.laneNames().map((name, i) => ({
@@ -155,7 +185,9 @@ const HEIGHT = 250;
 
 /**
  * One chart. Options: `unit` (axis title), `slo` (a function returning the SLO in the chart's
- * unit, or null), `fixedMax` (a fixed y maximum, e.g. 100 for a percent).
+ * unit, or null), `fixedMax` (a fixed y maximum, e.g. 100 for a percent), `references` (a
+ * function returning horizontal reference lines `[{label, value}]`: what recorded phases of
+ * the ladder measured, seed 003's booth lines).
  */
 export class TimeSeriesChart {
   constructor(svgElement, options) {
@@ -179,6 +211,8 @@ export class TimeSeriesChart {
     const plotH = height - MARGIN.top - MARGIN.bottom;
     const { unit } = this.options;
     const slo = this.options.slo ? this.options.slo() : null;
+    const references = (this.options.references ? this.options.references() : [])
+      .filter((r) => typeof r.value === 'number' && Number.isFinite(r.value) && r.value > 0);
 
     const children = [];
     const hasData = range && series.some((s) => s.points.some(([, v]) => v !== null));
@@ -191,6 +225,7 @@ export class TimeSeriesChart {
       let dataMax = 0;
       for (const s of series) for (const [, v] of s.points) if (v !== null) dataMax = Math.max(dataMax, v);
       if (typeof slo === 'number') dataMax = Math.max(dataMax, slo * 1.25);
+      for (const r of references) dataMax = Math.max(dataMax, r.value * 1.1);
       if (dataMax <= 0) dataMax = 10;
       yStep = niceStep(dataMax, 4);
       yMax = Math.ceil(dataMax / yStep) * yStep;
@@ -229,6 +264,18 @@ export class TimeSeriesChart {
       children.push(svg('text', { class: 'slo-label', x: MARGIN.left + 6, y: ys - 5, text: `SLO ${Math.round(slo * 1000) / 1000} ${unit}` }));
     }
 
+    // Reference lines: dotted, labelled at the right end (labels of lines close together
+    // are pushed apart so both stay readable).
+    let lastLabelY = Infinity;
+    for (const r of references.slice().sort((a, b) => a.value - b.value)) {
+      if (r.value >= yMax) continue;
+      const yr = y(r.value);
+      children.push(svg('line', { class: 'ref-line', 'data-ref': r.label, x1: MARGIN.left, x2: MARGIN.left + plotW, y1: yr, y2: yr }));
+      const ly = Math.min(yr - 3, lastLabelY - 12);
+      lastLabelY = ly;
+      children.push(svg('text', { class: 'ref-label', x: MARGIN.left + plotW - 4, y: ly, 'text-anchor': 'end', text: `${r.label} ${Math.round(r.value * 10) / 10}` }));
+    }
+
     // Series: a path per lane, broken where a value is missing; a lone point is drawn as a dot
     // (a zero-length segment with a round cap).
     // A silence longer than GAP_MS (the workload was stopped, the link was down) breaks the line
@@ -252,7 +299,7 @@ export class TimeSeriesChart {
         run++;
       }
       if (run === 1) d += ' l0.01 0';
-      children.push(svg('path', { class: 'series', d: d.trim() || 'M0 0', stroke: s.color, 'data-lane': s.name }));
+      children.push(svg('path', { class: `series${s.dashed ? ' dashed' : ''}`, d: d.trim() || 'M0 0', stroke: s.color, 'data-lane': s.name }));
     }
 
     // Legend, top right.
@@ -260,7 +307,7 @@ export class TimeSeriesChart {
     for (const s of series.slice().reverse()) {
       const w = 22 + s.name.length * 7.5;
       lx -= w;
-      children.push(svg('line', { class: 'legend-swatch', x1: lx, x2: lx + 14, y1: 12, y2: 12, stroke: s.color }));
+      children.push(svg('line', { class: `legend-swatch${s.dashed ? ' dashed' : ''}`, x1: lx, x2: lx + 14, y1: 12, y2: 12, stroke: s.color }));
       children.push(svg('text', { class: 'legend-label', x: lx + 18, y: 16, text: s.name }));
     }
 

@@ -33,6 +33,17 @@ const KPIS = [
   { key: 'queued', label: 'Queued', value: (m) => fmt.integer(m.queued), live: true },
   { key: 'errors', label: 'Errors', value: (m) => fmt.integer(m.errors), live: false },
 ];
+// Shown only when the workers report speculative decoding (seed 003's engine metrics).
+const SPEC_KPIS = [
+  { key: 'acceptance', label: 'Acceptance Rate', value: (m) => fmt.acceptance(m.acceptance_rate), live: true },
+  { key: 'tokens-per-step', label: 'Tokens per Step', value: (m) => fmt.perStep(m.tokens_per_step), live: true },
+];
+
+/** Whether any lane's workers report speculative decoding. */
+function reportsSpec(status) {
+  return (status?.lanes || []).some((l) => typeof l.metrics?.acceptance_rate === 'number'
+    || typeof l.metrics?.tokens_per_step === 'number');
+}
 
 const $ = (id) => document.getElementById(id);
 
@@ -69,8 +80,19 @@ export class Dashboard {
       kv: new TimeSeriesChart($('chart-kv-hit'), { unit: '%', fixedMax: 100 }),
       ttft50: new TimeSeriesChart($('chart-ttft-p50'), { unit: 'ms', slo: slo('ttft_p95_ms') }),
       inflight: new TimeSeriesChart($('chart-inflight'), { unit: 'requests' }),
+      // Reference lines: what each recorded phase of seed 003's ladder measured at this
+      // concurrency (ITL p50; TTFT p50 of turns 2+, the figure KV routing changes).
+      itl: new TimeSeriesChart($('chart-itl'), { unit: 'ms', references: () => this.references('itl_p50_ms') }),
+      ttftTurns: new TimeSeriesChart($('chart-ttft-turns'), { unit: 'ms', references: () => this.references('ttft_later_p50_ms') }),
     };
     this.renderKpis(null);
+  }
+
+  /** The recorded phases' values of `field` at the current level, as reference lines. */
+  references(field) {
+    const refs = this.status?.references;
+    if (!refs) return [];
+    return (refs.phases || []).map((p) => ({ label: p.phase, value: p[field] }));
   }
 
   setVisible(visible) {
@@ -136,11 +158,18 @@ export class Dashboard {
     this.highlightStaticRow();
     this.history.setOrder((status.lanes || []).map((l) => l.name));
     // Redraw on a new point, and when the SLO lines move (the first status brings them).
-    const sloKey = `${slo.ttft_p95_ms}|${slo.tpot_p95_ms}`;
+    const refs = status.references;
+    const sloKey = `${slo.ttft_p95_ms}|${slo.tpot_p95_ms}|${refs ? `${refs.setup}@${refs.concurrency}` : ''}`;
     const appended = this.history.append(status);
     if (appended || sloKey !== this.chartSloKey) {
       this.chartSloKey = sloKey;
       this.renderCharts();
+    }
+    const note = $('reference-note');
+    note.hidden = !refs;
+    if (refs) {
+      setText(note, `Dotted lines: seed 003's phases (${(refs.phases || []).map((p) => p.phase).join(', ')}) `
+        + `as recorded at concurrency ${refs.concurrency} on ${refs.setup} — ${refs.source}.`);
     }
   }
 
@@ -158,6 +187,8 @@ export class Dashboard {
     this.charts.kv.render(this.history.series('kv'), range);
     this.charts.ttft50.render(this.history.series('ttft50'), range);
     this.charts.inflight.render(this.history.series('inflight'), range);
+    this.charts.itl.render(this.history.seriesPair(['itl50', 'itl95'], ['p50', 'p95']), range);
+    this.charts.ttftTurns.render(this.history.seriesPair(['ttft1', 'ttft2'], ['turn 1', 'turns 2+']), range);
   }
 
   // ---- section 1: live table ----
@@ -232,7 +263,9 @@ export class Dashboard {
   renderKpis(status) {
     const lanes = status?.lanes?.length ? status.lanes : [null];
     const compare = isCompare(status);
-    const layoutKey = compare ? lanes.map((l, i) => laneLabel(l, i)).join('|') : 'single';
+    // The acceptance and tokens-per-step cards appear once the workers report them.
+    const kpis = reportsSpec(status) ? KPIS.concat(SPEC_KPIS) : KPIS;
+    const layoutKey = `${compare ? lanes.map((l, i) => laneLabel(l, i)).join('|') : 'single'}|${kpis.length}`;
     if (this.kpiLayout !== layoutKey) {
       this.kpiLayout = layoutKey;
       this.kpiCells = [];
@@ -241,7 +274,7 @@ export class Dashboard {
         this.kpiCells.push(cells);
         return el('div', { class: 'kpi-row' },
           compare ? el('div', { class: 'kpi-lane', text: laneLabel(lane, i) }) : null,
-          el('div', { class: 'kpi-cards' }, KPIS.map((k) => {
+          el('div', { class: 'kpi-cards' }, kpis.map((k) => {
             const value = el('div', { class: 'kpi-value', testid: `kpi-${k.key}${i === 0 ? '' : `-${i}`}`, text: fmt.DASH });
             cells[k.key] = value;
             return el('div', { class: `kpi-card kpi-${k.key}` }, el('div', { class: 'kpi-label', text: k.label }), value);
@@ -254,7 +287,7 @@ export class Dashboard {
       const running = !!status?.running;
       // Totals since start stay meaningful after Stop; window rates do not.
       const started = running || (m.requests || 0) > 0 || (m.errors || 0) > 0;
-      for (const k of KPIS) {
+      for (const k of kpis) {
         const cell = this.kpiCells[i][k.key];
         const show = lane && (k.live ? running : started);
         setText(cell, show ? k.value(m) : fmt.DASH);

@@ -9,6 +9,8 @@
 //   integer(v)      integer: 1234 -> "1234" (Requests, Errors, Queued, Tokens)
 //   kvHit(rate)     rate 0..1 as a percent with one decimal and "%": 0.9734 -> "97.3%"
 //   percent(v)      a value already in percent, integer with "%": 63.4 -> "63%" (GPU boxes)
+//   acceptance(rate) rate 0..1 as a percent with one decimal: 0.775 -> "77.5%" (as kvHit)
+//   perStep(v)      two decimals: 3.456 -> "3.46" (tokens per step)
 //   improvement(rr, kv)  (rr - kv) / rr in percent, one decimal, "+" when positive:
 //                   (655, 446) -> "+31.9%", (50, 55) -> "-10.0%", equal -> "0.0%"
 // Rounding is JavaScript's Math.round / toFixed: half rounds up for positive values (2.5 -> "3").
@@ -48,6 +50,14 @@ export function integer(v) {
 
 export function kvHit(rate) {
   return isNumber(rate) ? `${(rate * 100).toFixed(1)}%` : DASH;
+}
+
+export function acceptance(rate) {
+  return kvHit(rate);
+}
+
+export function perStep(v) {
+  return isNumber(v) ? v.toFixed(2) : DASH;
 }
 
 export function percent(v) {

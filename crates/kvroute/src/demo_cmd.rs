@@ -10,7 +10,9 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use engine_server::{EngineServer, EngineServerHandle};
 use gateway::Gateway;
-use loadgen::{Baseline, DriveConfig, LaneSpec, Loadgen, LoadgenConfig, UserSimulator};
+use loadgen::{
+    Baseline, DriveConfig, LaneSpec, Loadgen, LoadgenConfig, PhaseReference, UserSimulator,
+};
 use router::PolicyKind;
 use workload::{Distribution, WorkloadConfig};
 
@@ -57,6 +59,21 @@ pub struct DriveArgs {
     /// Hide the RR columns and the static table.
     #[arg(long)]
     no_baseline: bool,
+    /// Reference lines for the ITL and TTFT charts: a results.json written by `kvroute bench
+    /// --phases` (seed 003's ladder). Default: `demo` uses the shipped ladder
+    /// (docs/phases/) when its setup matches the demo's workers and profile; `loadgen` none.
+    #[arg(
+        long,
+        value_name = "RESULTS_JSON",
+        conflicts_with = "no_phase_reference"
+    )]
+    phase_reference: Option<PathBuf>,
+    /// With --phase-reference: the setup to draw (default: the file's first).
+    #[arg(long, value_name = "SETUP", requires = "phase_reference")]
+    phase_setup: Option<String>,
+    /// No reference lines.
+    #[arg(long)]
+    no_phase_reference: bool,
     /// Seconds before a turn that has not finished counts as an error.
     #[arg(long, default_value_t = 600.0)]
     request_timeout: f64,
@@ -130,6 +147,25 @@ impl DriveArgs {
             time_scale,
             ..DriveConfig::default()
         })
+    }
+
+    /// The reference lines from --phase-reference, else `default`.
+    fn phase_reference(
+        &self,
+        default: impl FnOnce() -> Option<PhaseReference>,
+    ) -> Result<Option<PhaseReference>> {
+        if self.no_phase_reference {
+            return Ok(None);
+        }
+        let Some(path) = &self.phase_reference else {
+            return Ok(default());
+        };
+        let json =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let source = path.display().to_string();
+        PhaseReference::from_results_json(&json, &source, self.phase_setup.as_deref())
+            .map(Some)
+            .with_context(|| format!("--phase-reference {source}"))
     }
 
     fn baseline(&self) -> Result<Option<Baseline>> {
@@ -241,8 +277,46 @@ pub struct DemoArgs {
     /// Prometheus's port with --prometheus (0: any free port).
     #[arg(long, default_value_t = 9090, requires = "prometheus")]
     prometheus_port: u16,
+    /// Speculative decoding on the simulated workers: off, or a configuration the profile
+    /// names (draft: Llama-3.1-8B draft model; eagle3: EAGLE-3 heads).
+    #[arg(long, default_value = "off", value_name = "off|draft|eagle3")]
+    spec_decode: String,
+    /// Start at a step of seed 003's ladder: baseline (round-robin), kv (--router), draft or
+    /// eagle3 (--router + speculative decoding). Sets --router and --spec-decode.
+    #[arg(
+        long,
+        value_name = "baseline|kv|draft|eagle3",
+        conflicts_with = "compare"
+    )]
+    phase: Option<String>,
     #[command(flatten)]
     drive: DriveArgs,
+}
+
+impl DemoArgs {
+    /// The gateway's router and the workers' speculative decoding, after --phase.
+    fn router_and_spec(&self) -> Result<(String, String)> {
+        let Some(phase) = &self.phase else {
+            return Ok((self.router.clone(), self.spec_decode.clone()));
+        };
+        let kv_router = self
+            .router
+            .parse::<PolicyKind>()
+            .map_err(|e| anyhow::anyhow!("router {:?}: {e}", self.router))?;
+        let step = sim::ladder::ladder(kv_router)
+            .into_iter()
+            .find(|p| p.name == phase)
+            .with_context(|| {
+                format!(
+                    "--phase: unknown phase {phase:?}; the ladder's phases are {}",
+                    sim::ladder::PHASES.join(", ")
+                )
+            })?;
+        Ok((
+            step.router.name().to_string(),
+            step.spec_decode.unwrap_or("off").to_string(),
+        ))
+    }
 }
 
 /// `kvroute engine`'s flags, parsed from a list: the demo starts its engines exactly as the
@@ -277,6 +351,7 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
         listen: SocketAddr::new(args.host, args.port),
         drive: args.drive.drive(args.speedup)?,
         baseline: args.drive.baseline()?,
+        phase_reference: args.drive.phase_reference(|| None)?,
         autostart: args.drive.start,
         ..LoadgenConfig::new(vec![lane])
     };
@@ -294,7 +369,7 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
 
 /// Round-robin and the demo's routers on the demo's cluster, simulated by `kvroute bench` at
 /// the slider's levels with the seed's workload, the KV column being the demo's router.
-fn simulated_baseline(args: &DemoArgs, routers: &[String]) -> Result<Baseline> {
+fn simulated_baseline(args: &DemoArgs, routers: &[String], spec: &str) -> Result<Baseline> {
     let started = std::time::Instant::now();
     let mut list = vec!["round_robin".to_owned()];
     list.extend(routers.iter().filter(|r| *r != "round_robin").cloned());
@@ -309,13 +384,15 @@ fn simulated_baseline(args: &DemoArgs, routers: &[String]) -> Result<Baseline> {
         format!("--profile={}", args.profile),
         "--path-latency-ms=0".to_owned(),
         "--no-oracle".to_owned(),
+        // The same engines as the live cluster's, speculative decoding included.
+        format!("--spec-decode={spec}"),
     ])
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     let (results, _, _) = bench_cmd::simulate(&flags.args, false)?;
     let json = serde_json::to_string(&results)?;
     let source = format!(
         "simulated at start-up: kvroute bench --routers {} --workers {} --profile {} \
-         --path-latency-ms 0 --sweeps 2 (seed 002's workload)",
+         --spec-decode {spec} --path-latency-ms 0 --sweeps 2 (seed 002's workload)",
         list.join(","),
         args.workers,
         args.profile
@@ -344,7 +421,12 @@ struct Cluster {
     gateway: Gateway,
 }
 
-async fn start_cluster(args: &DemoArgs, router: &str, gateway_port: u16) -> Result<Cluster> {
+async fn start_cluster(
+    args: &DemoArgs,
+    router: &str,
+    spec: &str,
+    gateway_port: u16,
+) -> Result<Cluster> {
     let mut engines = Vec::new();
     for w in 0..args.workers {
         // Each cluster has its own gateway, so both number their workers from 0: the
@@ -361,6 +443,7 @@ async fn start_cluster(args: &DemoArgs, router: &str, gateway_port: u16) -> Resu
             format!("--seed={w}"),
             "--zmq-pub=tcp://127.0.0.1:0".to_owned(),
             format!("--hostname={hostname}"),
+            format!("--spec-decode={spec}"),
         ])
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         let config = engine_cmd::config(&flags.args)?;
@@ -391,6 +474,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
     if args.workers == 0 || args.workers > 64 {
         bail!("--workers must be between 1 and 64, got {}", args.workers);
     }
+    let (router, spec) = args.router_and_spec()?;
     let routers: Vec<String> = match &args.compare {
         Some(list) => {
             let routers: Vec<String> = list.split(',').map(|r| r.trim().to_owned()).collect();
@@ -399,8 +483,18 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             }
             routers
         }
-        None => vec![args.router.clone()],
+        None => vec![router],
     };
+    // A bad --spec-decode fails here, before anything starts.
+    {
+        let profile = engine::HardwareProfile::builtin(&args.profile)?;
+        let flags = crate::spec_args::SpecArgs {
+            spec_decode: spec.clone(),
+            draft_len: None,
+            acceptance_rate: None,
+        };
+        flags.resolve(&engine::EngineConfig::from_profile(profile))?;
+    }
     for router in &routers {
         router
             .parse::<PolicyKind>()
@@ -413,13 +507,16 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         if args.drive.baseline.is_some() || args.drive.no_baseline || args.target.is_some() {
             args.drive.baseline()?
         } else {
-            Some(simulated_baseline(&args, &routers)?)
+            Some(simulated_baseline(&args, &routers, &spec)?)
         };
     // Chosen before the load generator starts, which must know Prometheus's URL.
     let prometheus_port = match args.prometheus {
         true => Some(demo_prometheus::choose_port(args.prometheus_port)?),
         false => None,
     };
+    let phase_reference = args
+        .drive
+        .phase_reference(|| PhaseReference::shipped_for(&args.profile, args.workers))?;
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let mut clusters = Vec::new();
@@ -440,7 +537,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                         .checked_add(i as u16)
                         .context("--gateway-port is too high for two gateways")?,
                 };
-                let cluster = start_cluster(&args, router, port).await?;
+                let cluster = start_cluster(&args, router, &spec, port).await?;
                 let mut lane = LaneSpec::for_gateway(
                     router,
                     Some(router),
@@ -454,9 +551,14 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                     .collect();
                 lane.prometheus = prometheus_port.map(|port| format!("http://127.0.0.1:{port}"));
                 println!(
-                    "kvroute demo: {} simulated {} workers behind the {} gateway on {}",
+                    "kvroute demo: {} simulated {} workers{} behind the {} gateway on {}",
                     cluster.engines.len(),
                     args.profile,
+                    if spec == "off" {
+                        String::new()
+                    } else {
+                        format!(" (speculative decoding: {spec})")
+                    },
                     cluster.router,
                     cluster.gateway.url()
                 );
@@ -468,6 +570,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             listen: SocketAddr::new(args.host, args.port),
             drive,
             baseline,
+            phase_reference,
             autostart: args.drive.start,
             ..LoadgenConfig::new(lanes)
         };

@@ -202,6 +202,24 @@ fn bad_arguments_fail_with_a_clear_error() {
             "--workers must be between 1 and 64",
         ),
         (&["demo", "--router", "best"], "router \"best\""),
+        (
+            &["demo", "--phase", "medusa"],
+            "the ladder's phases are baseline, kv, draft, eagle3",
+        ),
+        (
+            &[
+                "demo",
+                "--profile",
+                "h100-llama8b",
+                "--spec-decode",
+                "eagle3",
+            ],
+            "has no speculative-decoding configurations",
+        ),
+        (
+            &["demo", "--phase-reference", "/nonexistent-phases.json"],
+            "reading /nonexistent-phases.json",
+        ),
         (&["demo", "--think-time=-1"], "--think-time must be"),
         (
             &["loadgen", "--target", "localhost:8000"],
@@ -218,4 +236,42 @@ fn bad_arguments_fail_with_a_clear_error() {
             "reading /nonexistent.json",
         ),
     ]);
+}
+
+/// `demo --phase eagle3`: KV-aware routing and EAGLE-3 workers; the dashboard's status
+/// carries the workers' acceptance and tokens per step, and the shipped ladder's reference
+/// lines for this cluster (3 × H200).
+#[test]
+fn demo_starts_at_a_phase_with_speculative_workers_and_reference_lines() {
+    let mut demo = Demo::start(&[
+        "--workers",
+        "3",
+        "--speedup",
+        "50",
+        "--concurrency",
+        "4",
+        "--start",
+        "--no-baseline",
+        "--phase",
+        "eagle3",
+    ]);
+    assert!(
+        demo.lines
+            .iter()
+            .any(|l| l.contains("(speculative decoding: eagle3) behind the kv_load gateway")),
+        "{:?}",
+        demo.lines
+    );
+    demo.wait_for_status("acceptance reported", |status| {
+        assert_eq!(status["references"]["setup"], "h200x3", "{status}");
+        let m = &status["lanes"][0]["metrics"];
+        match (m["acceptance_rate"].as_f64(), m["tokens_per_step"].as_f64()) {
+            (Some(a), Some(t)) => {
+                assert!((0.5..1.0).contains(&a) && (1.5..6.0).contains(&t), "{m}");
+                true
+            }
+            _ => false,
+        }
+    });
+    assert!(demo.interrupt().success());
 }

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use workload::{Assets, ChatWorkload, TextContent, TextTurn, TurnKey, WorkloadConfig};
 
 use crate::client::{self, TurnError, TurnResult};
-use crate::scrape::{GatewayHistory, WorkersView};
+use crate::scrape::{GatewayHistory, SpecHistory, WorkersView};
 use crate::store::{ConversationRecord, ConversationStatus, Store, TurnRecord, TurnState};
 use crate::window::{TurnSample, Window};
 
@@ -132,6 +132,9 @@ pub struct LaneState {
     pub workers: WorkersView,
     /// From Prometheus, when the lane reads it: (hit rate, queued).
     pub prometheus_figures: Option<(Option<f64>, Option<f64>)>,
+    /// The workers' speculative-decoding counters over the window (none when they report
+    /// none).
+    pub spec: SpecHistory,
     pub time_scale: f64,
 }
 
@@ -192,6 +195,7 @@ impl Lane {
             gateway_error: None,
             workers: WorkersView::default(),
             prometheus_figures: None,
+            spec: SpecHistory::new(config.window, 1_024),
             time_scale: config.time_scale,
         }));
         let (commands, receiver) = mpsc::channel(64);
@@ -340,6 +344,7 @@ impl Driver {
                                     s.in_flight = 0;
                                     s.active_conversations = w.active_conversations();
                                     s.gateway.clear();
+                                    s.spec.clear();
                                     drop(s);
                                     workload = Some(w);
                                     let _ = reply.send(Ok(()));
@@ -583,6 +588,7 @@ impl Driver {
                     itl_s: result.itl.map(|d| d.as_secs_f64() * scale),
                     e2e_s: result.e2e.as_secs_f64() * scale,
                     output_tokens: result.output_tokens,
+                    first_turn: id.turn == 0,
                 };
                 s.window.push(sample);
                 let t = &mut s.totals;

@@ -46,6 +46,7 @@ mod baseline;
 mod client;
 mod lane;
 mod poll;
+mod reference;
 mod scrape;
 mod server;
 mod store;
@@ -62,6 +63,9 @@ use workload::Assets;
 pub use baseline::{Baseline, BaselineError, BaselineLevel, BaselineRow};
 pub use client::{TurnError, TurnResult};
 pub use lane::{DriveConfig, LaneSpec, UserSimulator};
+pub use reference::{
+    PhaseLevel, PhaseLine, PhaseReference, ReferenceError, ReferenceStatus, SHIPPED_PHASES,
+};
 pub use scrape::{Sample, parse_text};
 pub use server::{ApiError, App, LaneMetrics, LaneStatus, Status};
 
@@ -128,6 +132,8 @@ pub struct LoadgenConfig {
     pub drive: DriveConfig,
     /// The RR columns and static table; `None` hides them.
     pub baseline: Option<Baseline>,
+    /// Reference lines of seed 003's phase ladder on the ITL and TTFT charts (`None`: none).
+    pub phase_reference: Option<PhaseReference>,
     pub slider: Slider,
     pub slo: Slo,
     /// Start the workload at once instead of waiting for Start.
@@ -142,6 +148,7 @@ impl LoadgenConfig {
             lanes,
             drive: DriveConfig::default(),
             baseline: Baseline::shipped().ok(),
+            phase_reference: None,
             slider: Slider::default(),
             slo: Slo::default(),
             autostart: false,
@@ -248,7 +255,7 @@ impl Loadgen {
                 excerpt
             })
             .collect();
-        let app = Arc::new(App::new(
+        let mut app = App::new(
             lanes,
             config.baseline.clone(),
             config.slider,
@@ -256,7 +263,9 @@ impl Loadgen {
             config.drive.window.as_secs_f64(),
             concurrency,
             system_excerpts,
-        ));
+        );
+        app.references = config.phase_reference.clone();
+        let app = Arc::new(app);
         app.publish(false);
         tokio::spawn(server::status_loop(app.clone(), shutdown.clone()));
         let router = server::router(app.clone());

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::lane::{LaneSpec, LaneState, lock};
-use crate::scrape::{self, GatewayPoint, WorkersView};
+use crate::scrape::{self, GatewayPoint, SpecPoint, WorkersView};
 
 pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(2);
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -37,9 +37,13 @@ pub async fn scrape_loop(
             Some(url) => Some(scrape::fetch_text(&http, url, SCRAPE_TIMEOUT).await),
             None => None,
         };
-        let workers = scrape_workers(&spec, &http).await;
+        let (workers, spec_counters) = scrape_workers(&spec, &http).await;
         let mut s = lock(&state);
         let now_s = s.now_s();
+        if let (true, Some(mut point)) = (s.running, spec_counters) {
+            point.at_s = now_s;
+            s.spec.push(point);
+        }
         match gateway {
             Some(Ok(text)) => match GatewayPoint::from_samples(now_s, &scrape::parse_text(&text)) {
                 Some(point) if s.running => {
@@ -59,13 +63,19 @@ pub async fn scrape_loop(
     }
 }
 
-async fn scrape_workers(spec: &LaneSpec, http: &reqwest::Client) -> WorkersView {
+/// The workers' GPU view, and their speculative-decoding counters summed (when every worker
+/// answered and reports them: a partial sum would look like a counter reset).
+async fn scrape_workers(
+    spec: &LaneSpec,
+    http: &reqwest::Client,
+) -> (WorkersView, Option<SpecPoint>) {
     if spec.worker_metrics.is_empty() {
-        return WorkersView {
+        let view = WorkersView {
             available: false,
             error: Some("no worker metrics endpoints configured (--worker-metrics)".into()),
             ..WorkersView::default()
         };
+        return (view, None);
     }
     let fetches = spec
         .worker_metrics
@@ -77,14 +87,20 @@ async fn scrape_workers(spec: &LaneSpec, http: &reqwest::Client) -> WorkersView 
         ..WorkersView::default()
     };
     let mut errors = Vec::new();
+    let mut counters: Option<Option<SpecPoint>> = None;
     for (i, body) in bodies.into_iter().enumerate() {
         match body {
             Ok(text) => {
-                let (worker, gpu, model) =
-                    scrape::worker_view(&format!("worker-{i}"), &scrape::parse_text(&text));
+                let samples = scrape::parse_text(&text);
+                let (worker, gpu, model) = scrape::worker_view(&format!("worker-{i}"), &samples);
                 view.gpu = view.gpu.or(gpu);
                 view.model = view.model.or(model);
                 view.list.push(worker);
+                let point = SpecPoint::from_samples(0.0, &samples);
+                counters = Some(match counters {
+                    None => point,
+                    Some(sum) => sum.zip(point).map(|(a, b)| a.add(b)),
+                });
             }
             Err(err) => errors.push(err),
         }
@@ -92,8 +108,9 @@ async fn scrape_workers(spec: &LaneSpec, http: &reqwest::Client) -> WorkersView 
     if !errors.is_empty() {
         view.available = !view.list.is_empty();
         view.error = Some(errors.join("; "));
+        counters = None;
     }
-    view
+    (view, counters.flatten())
 }
 
 /// Seed 001's queries: the KV hit rate as its Grafana panel computes it, the frontend queue.

@@ -168,6 +168,123 @@ impl GatewayHistory {
     }
 }
 
+/// The workers' speculative-decoding counters at one moment, summed over the workers
+/// (vLLM's `vllm:spec_decode_*` series, which `kvroute engine --spec-decode` exports too).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpecPoint {
+    pub at_s: f64,
+    pub drafts: f64,
+    pub accepted: f64,
+    /// Draft positions the target evaluated: every draft's first, and position j + 1 of the
+    /// drafts whose position j was accepted.
+    pub evaluated: f64,
+}
+
+impl SpecPoint {
+    /// `None` when no worker reports speculative decoding.
+    pub fn from_samples(at_s: f64, samples: &[Sample]) -> Option<SpecPoint> {
+        let drafts = sum(samples, "vllm:spec_decode_num_drafts_total")?;
+        let accepted = sum(samples, "vllm:spec_decode_num_accepted_tokens_total")?;
+        // Positions 0..K−1 with K the highest position reported: the last position's
+        // acceptance evaluates nothing after it.
+        let per_pos: Vec<(u32, f64)> = samples
+            .iter()
+            .filter(|s| s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+            .filter_map(|s| Some((s.label("position")?.parse().ok()?, s.value)))
+            .collect();
+        let last = per_pos.iter().map(|(p, _)| *p).max().unwrap_or(0);
+        let evaluated = drafts
+            + per_pos
+                .iter()
+                .filter(|(p, _)| *p < last)
+                .map(|(_, v)| v)
+                .sum::<f64>();
+        Some(SpecPoint {
+            at_s,
+            drafts,
+            accepted,
+            evaluated,
+        })
+    }
+
+    /// Two workers' counters together.
+    pub fn add(self, other: SpecPoint) -> SpecPoint {
+        SpecPoint {
+            at_s: self.at_s,
+            drafts: self.drafts + other.drafts,
+            accepted: self.accepted + other.accepted,
+            evaluated: self.evaluated + other.evaluated,
+        }
+    }
+}
+
+/// Workers' speculative counters over the last window, as [`GatewayHistory`] keeps the
+/// gateway's: acceptance and tokens per step are ratios of the increases. Bounded to
+/// `max_points`.
+#[derive(Debug)]
+pub struct SpecHistory {
+    points: VecDeque<SpecPoint>,
+    max_points: usize,
+    span_s: f64,
+}
+
+impl SpecHistory {
+    pub fn new(span: Duration, max_points: usize) -> SpecHistory {
+        SpecHistory {
+            points: VecDeque::new(),
+            max_points: max_points.max(2),
+            span_s: span.as_secs_f64(),
+        }
+    }
+
+    pub fn push(&mut self, point: SpecPoint) {
+        // A counter that went down means a worker restarted: start over.
+        if self
+            .points
+            .back()
+            .is_some_and(|last| point.drafts < last.drafts || point.accepted < last.accepted)
+        {
+            self.points.clear();
+        }
+        self.points.push_back(point);
+        while self.points.len() > self.max_points
+            || (self.points.len() > 2
+                && self
+                    .points
+                    .get(1)
+                    .is_some_and(|p| p.at_s <= point.at_s - self.span_s))
+        {
+            self.points.pop_front();
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.points.clear();
+    }
+
+    fn delta(&self) -> Option<(f64, f64, f64)> {
+        let (first, last) = (self.points.front()?, self.points.back()?);
+        let drafts = last.drafts - first.drafts;
+        (drafts > 0.0).then_some((
+            drafts,
+            last.accepted - first.accepted,
+            last.evaluated - first.evaluated,
+        ))
+    }
+
+    /// Per-token acceptance probability α over the window: accepted / evaluated positions.
+    pub fn acceptance_rate(&self) -> Option<f64> {
+        let (_, accepted, evaluated) = self.delta()?;
+        (evaluated > 0.0).then(|| (accepted / evaluated).clamp(0.0, 1.0))
+    }
+
+    /// Tokens per speculative step, bonus token included: 1 + accepted / drafts.
+    pub fn tokens_per_step(&self) -> Option<f64> {
+        let (drafts, accepted, _) = self.delta()?;
+        Some(1.0 + accepted / drafts)
+    }
+}
+
 /// One GPU of a worker.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct GpuView {
@@ -343,6 +460,32 @@ mod tests {
         // A restarted gateway (counters back to zero) starts over.
         h.push(point(101.0, 5.0, 10.0));
         assert_eq!(h.hit_rate(), None);
+    }
+
+    #[test]
+    fn speculative_counters_give_acceptance_and_tokens_per_step() {
+        let text = |drafts: u32, accepted: u32, pos: [u32; 3]| {
+            format!(
+                "vllm:spec_decode_num_drafts_total{{model_name=\"m\"}} {drafts}\n\
+                 vllm:spec_decode_num_accepted_tokens_total{{model_name=\"m\"}} {accepted}\n\
+                 vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name=\"m\",position=\"0\"}} {}\n\
+                 vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name=\"m\",position=\"1\"}} {}\n\
+                 vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name=\"m\",position=\"2\"}} {}\n",
+                pos[0], pos[1], pos[2]
+            )
+        };
+        assert_eq!(SpecPoint::from_samples(0.0, &parse_text("x 1\n")), None);
+        let mut h = SpecHistory::new(Duration::from_secs(60), 100);
+        h.push(SpecPoint::from_samples(0.0, &parse_text(&text(0, 0, [0, 0, 0]))).unwrap());
+        assert_eq!(h.acceptance_rate(), None);
+        // 100 drafts of K = 3: 80 accepted position 0, 60 position 1, 40 position 2.
+        let p = SpecPoint::from_samples(10.0, &parse_text(&text(100, 180, [80, 60, 40]))).unwrap();
+        assert_eq!(p.evaluated, 240.0);
+        h.push(p);
+        assert_eq!(h.acceptance_rate(), Some(0.75));
+        assert_eq!(h.tokens_per_step(), Some(2.8));
+        // Two workers add up.
+        assert_eq!(p.add(p).drafts, 200.0);
     }
 
     #[test]

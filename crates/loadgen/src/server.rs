@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::baseline::{Baseline, BaselineRow};
 use crate::lane::{Lane, Totals, lock, unix_ms};
+use crate::reference::{PhaseReference, ReferenceStatus};
 use crate::store::{ConversationRecord, ConversationStatus, TurnRecord};
 use crate::{MAX_CONCURRENCY, Slider, Slo};
 
@@ -35,6 +36,8 @@ const HISTORY_POINTS: usize = 450;
 pub struct App {
     pub lanes: Vec<Lane>,
     pub baseline: Option<Baseline>,
+    /// Seed 003's phase ladder, for the charts' reference lines.
+    pub references: Option<PhaseReference>,
     pub slider: Slider,
     pub slo: Slo,
     pub window_s: f64,
@@ -62,6 +65,7 @@ impl App {
         App {
             lanes,
             baseline,
+            references: None,
             slider,
             slo,
             window_s,
@@ -94,6 +98,7 @@ impl App {
                 .as_ref()
                 .and_then(|b| b.row_near(concurrency))
                 .cloned(),
+            references: self.references.as_ref().and_then(|r| r.status(concurrency)),
             lanes,
         }
     }
@@ -108,14 +113,19 @@ impl App {
                 if points.len() == HISTORY_POINTS {
                     points.pop_front();
                 }
+                let m = &lane.metrics;
                 points.push_back(HistoryPoint {
                     time_ms: status.time_ms,
-                    ttft_p50_ms: lane.metrics.ttft_ms.and_then(|q| q.p50),
-                    ttft_p95_ms: lane.metrics.ttft_ms.and_then(|q| q.p95),
-                    tpot_p95_ms: lane.metrics.tpot_ms.and_then(|q| q.p95),
-                    tops: lane.metrics.tops,
-                    kv_hit_rate: lane.metrics.kv_hit_rate,
-                    in_flight: lane.metrics.in_flight,
+                    ttft_p50_ms: m.ttft_ms.and_then(|q| q.p50),
+                    ttft_p95_ms: m.ttft_ms.and_then(|q| q.p95),
+                    tpot_p95_ms: m.tpot_ms.and_then(|q| q.p95),
+                    tops: m.tops,
+                    kv_hit_rate: m.kv_hit_rate,
+                    in_flight: m.in_flight,
+                    itl_p50_ms: m.itl_ms.and_then(|q| q.p50),
+                    itl_p95_ms: m.itl_ms.and_then(|q| q.p95),
+                    ttft_turn1_p50_ms: m.ttft_turn1_ms.and_then(|q| q.p50),
+                    ttft_later_p50_ms: m.ttft_later_ms.and_then(|q| q.p50),
                 });
             }
         }
@@ -200,6 +210,8 @@ pub struct Status {
     pub started_at_ms: Option<u64>,
     pub lanes: Vec<LaneStatus>,
     pub baseline: Option<BaselineRow>,
+    /// Seed 003's phases at the level nearest the concurrency: the charts' reference lines.
+    pub references: Option<ReferenceStatus>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -214,9 +226,16 @@ pub struct LaneStatus {
 #[derive(Clone, Debug, Serialize)]
 pub struct LaneMetrics {
     pub ttft_ms: Option<Percentiles>,
+    /// TTFT of conversations' first turns, and of turns 2+.
+    pub ttft_turn1_ms: Option<Percentiles>,
+    pub ttft_later_ms: Option<Percentiles>,
     pub tpot_ms: Option<Percentiles>,
     pub itl_ms: Option<Percentiles>,
     pub e2e_s: Option<Percentiles>,
+    /// Speculative decoding, when the workers report it (vLLM's counters over the window):
+    /// the per-token acceptance probability and tokens per step (bonus token included).
+    pub acceptance_rate: Option<f64>,
+    pub tokens_per_step: Option<f64>,
     pub rps: Option<f64>,
     pub tops: Option<f64>,
     pub requests: u64,
@@ -247,9 +266,13 @@ fn lane_status(lane: &Lane) -> LaneStatus {
         target: lane.spec.target.clone(),
         metrics: LaneMetrics {
             ttft_ms: ms(w.ttft_s),
+            ttft_turn1_ms: ms(w.ttft_turn1_s),
+            ttft_later_ms: ms(w.ttft_later_s),
             tpot_ms: ms(w.tpot_s),
             itl_ms: ms(w.itl_s),
             e2e_s: w.e2e_s,
+            acceptance_rate: running.then(|| s.spec.acceptance_rate()).flatten(),
+            tokens_per_step: running.then(|| s.spec.tokens_per_step()).flatten(),
             rps: w.rps,
             tops: w.tops,
             requests: s.totals.requests,
@@ -290,6 +313,10 @@ struct HistoryPoint {
     tops: Option<f64>,
     kv_hit_rate: Option<f64>,
     in_flight: u64,
+    itl_p50_ms: Option<f64>,
+    itl_p95_ms: Option<f64>,
+    ttft_turn1_p50_ms: Option<f64>,
+    ttft_later_p50_ms: Option<f64>,
 }
 
 /// An API error: `protocol::ApiError` (OpenAI's error JSON with its status), answered by axum.

@@ -19,12 +19,18 @@ pub struct TurnSample {
     /// Send to the end of the stream.
     pub e2e_s: f64,
     pub output_tokens: u64,
+    /// The conversation's first turn (nothing of it can be cached yet; seed 003 splits TTFT
+    /// by turn 1 vs turns 2+).
+    pub first_turn: bool,
 }
 
 /// The window's figures; a metric is `None` when no turn in the window measured it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct WindowStats {
     pub ttft_s: Option<Percentiles>,
+    /// TTFT of first turns, and of turns 2+.
+    pub ttft_turn1_s: Option<Percentiles>,
+    pub ttft_later_s: Option<Percentiles>,
     pub tpot_s: Option<Percentiles>,
     pub itl_s: Option<Percentiles>,
     pub e2e_s: Option<Percentiles>,
@@ -91,6 +97,16 @@ impl Window {
         let tokens: u64 = self.samples.iter().map(|s| s.output_tokens).sum();
         WindowStats {
             ttft_s: quantiles(self.samples.iter().map(|s| Some(s.ttft_s))),
+            ttft_turn1_s: quantiles(
+                self.samples
+                    .iter()
+                    .map(|s| s.first_turn.then_some(s.ttft_s)),
+            ),
+            ttft_later_s: quantiles(
+                self.samples
+                    .iter()
+                    .map(|s| (!s.first_turn).then_some(s.ttft_s)),
+            ),
             tpot_s: quantiles(self.samples.iter().map(|s| s.tpot_s)),
             itl_s: quantiles(self.samples.iter().map(|s| s.itl_s)),
             e2e_s: quantiles(self.samples.iter().map(|s| Some(s.e2e_s))),
@@ -120,7 +136,25 @@ mod tests {
             itl_s: None,
             e2e_s: ttft_s * 2.0,
             output_tokens: 100,
+            // Every other turn opens its conversation.
+            first_turn: (at_s as u64) % 2 == 0,
         }
+    }
+
+    #[test]
+    fn ttft_splits_by_turn() {
+        let mut w = Window::new(Duration::from_secs(60), 1_000);
+        w.reset(0.0);
+        for i in 0..10 {
+            // First turns slow (1 s), later ones fast (0.1 s).
+            let mut s = sample(f64::from(i), if i % 2 == 0 { 1.0 } else { 0.1 });
+            s.first_turn = i % 2 == 0;
+            w.push(s);
+        }
+        let s = w.stats(10.0);
+        assert_eq!(s.ttft_turn1_s.unwrap().p95, Some(1.0));
+        assert_eq!(s.ttft_later_s.unwrap().p95, Some(0.1));
+        assert_eq!(s.ttft_s.unwrap().p95, Some(1.0));
     }
 
     #[test]

@@ -7,12 +7,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
-use loadgen::Loadgen;
+use loadgen::{LaneSpec, Loadgen, LoadgenConfig, PhaseReference};
 use serde_json::{Value, json};
 
 mod common;
 
-use common::{Cluster, get, loadgen_config, wait_until};
+use common::{Cluster, MODEL, get, loadgen_config, wait_until};
 const SPEEDUP: f64 = 50.0;
 
 /// A chromedriver process on a free port, killed on drop.
@@ -465,6 +465,140 @@ async fn compare_mode_shows_both_lanes_live() {
             == 2
     })
     .await;
+    browser.close().await.unwrap();
+    loadgen.shutdown().await;
+}
+
+/// Seed 003's booth dashboard: with EAGLE-3 workers, the acceptance and tokens-per-step cards
+/// appear (only once the workers report them), the ITL chart draws p50 and p95, the TTFT
+/// chart splits turn 1 from turns 2+, and both carry the recorded phases' reference lines
+/// from a `bench --phases` results.json (the shipped one, 3 × H200).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_booth_dashboard_shows_speculation_and_the_phases_reference_lines() {
+    let engines = [
+        common::engine_with_spec(0, SPEEDUP, "worker-0", Some("eagle3")).await,
+        common::engine_with_spec(1, SPEEDUP, "worker-1", Some("eagle3")).await,
+    ];
+    let gateway = common::gateway(&engines).await;
+    let mut lane = LaneSpec::for_gateway("kv_load", Some("kv_load"), &gateway.url(), MODEL);
+    lane.worker_metrics = engines
+        .iter()
+        .map(|e| format!("{}/metrics", e.url()))
+        .collect();
+    let mut config = LoadgenConfig::new(vec![lane]);
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    config.drive.workload.concurrency = 20;
+    config.drive.workload.ramp_s = 0.0;
+    config.drive.time_scale = SPEEDUP;
+    config.phase_reference = PhaseReference::shipped_for("h200-llama70b-fp8", 3);
+    assert!(config.phase_reference.is_some());
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+
+    let driver = ChromeDriver::start();
+    let browser = driver.browser().await;
+    browser.goto(&url).await.unwrap();
+    wait_until("the WebSocket", Duration::from_secs(10), async || {
+        text(&browser, "ws-state").await == "connected"
+    })
+    .await;
+    // Stopped: the workers have reported nothing yet, so there are no speculation cards.
+    assert!(browser.find(id("kpi-acceptance")).await.is_err());
+    // The reference lines are there from the start: the recorded phases at concurrency 20.
+    let status = api(&format!("{url}/api/status")).await;
+    assert_eq!(status["references"]["setup"], "h200x3");
+    assert_eq!(status["references"]["concurrency"], 20);
+    let refs = browser
+        .find_all(Locator::Css("[data-testid=chart-itl] line.ref-line"))
+        .await
+        .unwrap();
+    let mut names = Vec::new();
+    for line in &refs {
+        names.push(line.attr("data-ref").await.unwrap().unwrap_or_default());
+    }
+    assert_eq!(names.len(), 4, "{names:?}");
+    for phase in ["baseline", "kv", "draft", "eagle3"] {
+        assert!(names.iter().any(|n| n == phase), "{phase} in {names:?}");
+    }
+    assert_eq!(
+        browser
+            .find_all(Locator::Css("[data-testid=chart-ttft-turns] line.ref-line"))
+            .await
+            .unwrap()
+            .len(),
+        4
+    );
+    assert!(text(&browser, "reference-note").await.contains("h200x3"));
+
+    browser
+        .find(id("start"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_until(
+        "the speculation cards",
+        Duration::from_secs(90),
+        async || {
+            let acceptance = text(&browser, "kpi-acceptance").await;
+            let per_step = text(&browser, "kpi-tokens-per-step").await;
+            acceptance.ends_with('%') && per_step.parse::<f64>().is_ok()
+        },
+    )
+    .await;
+    let acceptance: f64 = text(&browser, "kpi-acceptance")
+        .await
+        .trim_end_matches('%')
+        .parse()
+        .unwrap();
+    let per_step: f64 = text(&browser, "kpi-tokens-per-step").await.parse().unwrap();
+    // EAGLE-3's classes: α 0.85 and 0.70; K = 5.
+    assert!((60.0..95.0).contains(&acceptance), "{acceptance}");
+    assert!((2.0..6.0).contains(&per_step), "{per_step}");
+    let lane = &api(&format!("{url}/api/status")).await["lanes"][0]["metrics"];
+    assert!(lane["acceptance_rate"].as_f64().is_some(), "{lane}");
+    // ITL p50 and p95, TTFT of turn 1 and of turns 2+: a solid and a dashed line each, drawn
+    // once turns 2+ have finished.
+    wait_until(
+        "turns 2+ on the chart",
+        Duration::from_secs(90),
+        async || {
+            api(&format!("{url}/api/status")).await["lanes"][0]["metrics"]["ttft_later_ms"]["p50"]
+                .is_number()
+        },
+    )
+    .await;
+    for chart in ["chart-itl", "chart-ttft-turns"] {
+        let paths = browser
+            .find_all(Locator::Css(Box::leak(
+                format!("[data-testid={chart}] path.series").into_boxed_str(),
+            )))
+            .await
+            .unwrap();
+        assert_eq!(paths.len(), 2, "{chart}");
+        let dashed = paths[1].attr("class").await.unwrap().unwrap_or_default();
+        assert!(dashed.contains("dashed"), "{chart}: {dashed}");
+    }
+    wait_until("a drawn ITL line", Duration::from_secs(30), async || {
+        let d = browser
+            .find(Locator::Css("[data-testid=chart-itl] path.series"))
+            .await
+            .unwrap()
+            .attr("d")
+            .await
+            .unwrap()
+            .unwrap_or_default();
+        d.contains('L')
+    })
+    .await;
+    browser
+        .find(id("stop"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
     browser.close().await.unwrap();
     loadgen.shutdown().await;
 }

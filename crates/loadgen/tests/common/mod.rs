@@ -16,7 +16,25 @@ pub const MODEL: &str = "llama-3.1-70b-instruct";
 /// Seed 002's H200 worker, `speedup` times faster than real time, publishing its KV events
 /// over ZMQ and its DCGM-style metrics under `hostname`.
 pub async fn engine(id: u64, speedup: f64, hostname: &str) -> EngineServerHandle {
+    engine_with_spec(id, speedup, hostname, None).await
+}
+
+/// [`engine`] with speculative decoding: a configuration the H200 profile names (`draft`,
+/// `eagle3`).
+pub async fn engine_with_spec(
+    id: u64,
+    speedup: f64,
+    hostname: &str,
+    spec: Option<&str>,
+) -> EngineServerHandle {
     let mut config = EngineServerConfig::new();
+    config.engine.spec_decode = spec.map(|name| {
+        config
+            .engine
+            .profile
+            .speculative_config(name)
+            .expect("a named configuration")
+    });
     config.worker_id = WorkerId(id);
     config.speedup = speedup;
     config.seed = id;
