@@ -469,6 +469,26 @@ async fn compare_mode_shows_both_lanes_live() {
     loadgen.shutdown().await;
 }
 
+/// `attr` of every element matching `selector`, read in one script: the charts redraw every
+/// status message, so elements found one call earlier may be gone.
+async fn attrs(browser: &Client, selector: &str, attr: &str) -> Vec<String> {
+    let value = browser
+        .execute(
+            "return Array.from(document.querySelectorAll(arguments[0])).map((e) => e.getAttribute(arguments[1]) || '');",
+            vec![json!(selector), json!(attr)],
+        )
+        .await
+        .unwrap();
+    value
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Seed 003's booth dashboard: with EAGLE-3 workers, the acceptance and tokens-per-step cards
 /// appear (only once the workers report them), the ITL chart draws p50 and p95, the TTFT
 /// chart splits turn 1 from turns 2+, and both carry the recorded phases' reference lines
@@ -508,24 +528,24 @@ async fn the_booth_dashboard_shows_speculation_and_the_phases_reference_lines() 
     let status = api(&format!("{url}/api/status")).await;
     assert_eq!(status["references"]["setup"], "h200x3");
     assert_eq!(status["references"]["concurrency"], 20);
-    let refs = browser
-        .find_all(Locator::Css("[data-testid=chart-itl] line.ref-line"))
-        .await
-        .unwrap();
-    let mut names = Vec::new();
-    for line in &refs {
-        names.push(line.attr("data-ref").await.unwrap().unwrap_or_default());
-    }
+    let names = attrs(
+        &browser,
+        "[data-testid=chart-itl] line.ref-line",
+        "data-ref",
+    )
+    .await;
     assert_eq!(names.len(), 4, "{names:?}");
     for phase in ["baseline", "kv", "draft", "eagle3"] {
         assert!(names.iter().any(|n| n == phase), "{phase} in {names:?}");
     }
     assert_eq!(
-        browser
-            .find_all(Locator::Css("[data-testid=chart-ttft-turns] line.ref-line"))
-            .await
-            .unwrap()
-            .len(),
+        attrs(
+            &browser,
+            "[data-testid=chart-ttft-turns] line.ref-line",
+            "data-ref"
+        )
+        .await
+        .len(),
         4
     );
     assert!(text(&browser, "reference-note").await.contains("h200x3"));
@@ -570,26 +590,20 @@ async fn the_booth_dashboard_shows_speculation_and_the_phases_reference_lines() 
     )
     .await;
     for chart in ["chart-itl", "chart-ttft-turns"] {
-        let paths = browser
-            .find_all(Locator::Css(Box::leak(
-                format!("[data-testid={chart}] path.series").into_boxed_str(),
-            )))
-            .await
-            .unwrap();
-        assert_eq!(paths.len(), 2, "{chart}");
-        let dashed = paths[1].attr("class").await.unwrap().unwrap_or_default();
-        assert!(dashed.contains("dashed"), "{chart}: {dashed}");
+        let classes = attrs(
+            &browser,
+            &format!("[data-testid={chart}] path.series"),
+            "class",
+        )
+        .await;
+        assert_eq!(classes.len(), 2, "{chart}: {classes:?}");
+        assert!(classes[1].contains("dashed"), "{chart}: {classes:?}");
     }
     wait_until("a drawn ITL line", Duration::from_secs(30), async || {
-        let d = browser
-            .find(Locator::Css("[data-testid=chart-itl] path.series"))
+        attrs(&browser, "[data-testid=chart-itl] path.series", "d")
             .await
-            .unwrap()
-            .attr("d")
-            .await
-            .unwrap()
-            .unwrap_or_default();
-        d.contains('L')
+            .first()
+            .is_some_and(|d| d.contains('L'))
     })
     .await;
     browser
