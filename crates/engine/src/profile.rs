@@ -387,31 +387,19 @@ impl HardwareProfile {
     /// - efficiencies and step overhead: the ones fitted to seed 002's H200s (the same kernels
     ///   on the same architecture; no published measurement of this node to fit them to).
     pub fn h100_tp4_llama70b_fp8() -> HardwareProfile {
+        let h200 = Self::h200_llama70b_fp8();
+        let timing = match h200.timing {
+            TimingModel::Roofline(fitted) => TimingModel::Roofline(RooflineTiming {
+                memory_bandwidth_bytes_per_sec: 3.35e12,
+                ..fitted
+            }),
+            other => other,
+        };
         HardwareProfile {
             name: "h100-tp4-llama70b-fp8".into(),
             gpu: "4 × NVIDIA H100 SXM 80GB (TP=4, NVLink)".into(),
-            model: "meta-llama/Llama-3.1-70B-Instruct (FP8 weights, FP8 KV cache)".into(),
             gpu_memory_bytes: 81_559 * MIB,
-            weight_bytes: 70_600_000_000,
-            activation_reserve_bytes: 4 * GIB,
-            kv_bytes_per_token: 80 * 8 * 128 * 2,
-            max_context_tokens: 131_072,
-            kv_transfer: KvTransferProfile {
-                nvlink_bytes_per_sec: 450e9,
-                network_bytes_per_sec: 50e9,
-                latency_ns: 200_000,
-            },
-            timing: TimingModel::Roofline(RooflineTiming {
-                memory_bandwidth_bytes_per_sec: 3.35e12,
-                weight_read_efficiency: 0.94,
-                kv_read_efficiency: 0.345,
-                peak_flops: 1.979e15,
-                flops_efficiency: 0.55,
-                params: 70.6e9,
-                attention_flops_per_pair: (4 * 80 * 64 * 128) as f64,
-                step_overhead_ns: 300_000,
-            }),
-            engine_defaults: EngineDefaults::default(),
+            timing,
             tensor_parallel: Some(TensorParallel {
                 size: 4,
                 layers: 80,
@@ -420,7 +408,9 @@ impl HardwareProfile {
                 allreduce_latency_ns: 8_000,
                 allreduce_bytes_per_sec: 360e9,
             }),
-            speculative: seed_003_speculative(),
+            // The model, KV layout, transfer links and speculative configurations are the
+            // H200 replica's.
+            ..h200
         }
     }
 
