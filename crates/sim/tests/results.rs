@@ -1,7 +1,7 @@
 //! `results.json` as the simulator writes it reads back, field for field, with the `report`
 //! crate's types: the writer and every reader share one definition.
 
-use std::sync::Arc;
+mod common;
 
 use engine::HardwareProfile;
 use nanotime::Nanos;
@@ -9,8 +9,6 @@ use report::BenchResults;
 use router::PolicyKind;
 use sim::SimConfig;
 use sim::bench::{BenchSpec, aggregate};
-use sim::chat::run_chat_job;
-use workload::{Assets, WorkloadConfig};
 
 #[test]
 fn results_written_by_a_bench_read_back_identically() {
@@ -26,21 +24,7 @@ fn results_written_by_a_bench_read_back_identically() {
         continuous: true,
         base: SimConfig::new(2, HardwareProfile::h200_llama70b_fp8(), PolicyKind::Kv),
     };
-    let assets = Assets::builtin().unwrap();
-    let jobs: Vec<_> = spec
-        .jobs()
-        .iter()
-        .map(|job| {
-            run_chat_job(
-                &spec,
-                job,
-                &WorkloadConfig::default(),
-                Arc::clone(&assets),
-                |_| {},
-            )
-            .unwrap()
-        })
-        .collect();
+    let jobs = common::run_jobs(&spec);
     let results = aggregate(&spec, jobs, "h200-llama70b-fp8");
     assert_eq!(results.summary.len(), 4, "2 routers × 2 levels");
     assert_eq!(results.runs.len(), 8, "× 2 sweeps");

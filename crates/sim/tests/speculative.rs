@@ -3,16 +3,12 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::TestChat;
 use engine::HardwareProfile;
 use nanotime::Nanos;
 use router::PolicyKind;
 use sim::bench::{BenchSpec, JobResult, aggregate};
-use sim::chat::run_chat_job;
 use sim::{Phase, RunOutput, SimConfig, Simulation};
-use workload::{Assets, WorkloadConfig};
 
 fn seed_003(spec: Option<&str>) -> SimConfig {
     let profile = HardwareProfile::h100_tp4_llama70b_fp8();
@@ -35,21 +31,7 @@ fn chat(base: SimConfig) -> (BenchSpec, Vec<JobResult>) {
         continuous: true,
         base,
     };
-    let assets = Assets::builtin().unwrap();
-    let results = spec
-        .jobs()
-        .iter()
-        .map(|job| {
-            run_chat_job(
-                &spec,
-                job,
-                &WorkloadConfig::default(),
-                Arc::clone(&assets),
-                |_| {},
-            )
-            .unwrap()
-        })
-        .collect();
+    let results = common::run_jobs(&spec);
     (spec, results)
 }
 

@@ -7,7 +7,10 @@ use std::sync::Arc;
 use engine::{DynamoMockerTiming, EngineConfig, HardwareProfile, TimingModel};
 use nanotime::Nanos;
 use router::PolicyKind;
+use sim::bench::{BenchSpec, JobResult};
+use sim::chat::run_chat_job;
 use sim::{PhaseResult, SimConfig, Turn, TurnKey, Workload};
+use workload::{Assets, WorkloadConfig};
 
 /// SplitMix64: a tiny seeded generator, enough for test traffic.
 pub struct Rng(u64);
@@ -272,4 +275,23 @@ pub fn assert_kv_hits_more(rr: &[PhaseResult], kv: &[PhaseResult], margin: f64, 
             a.concurrency
         );
     }
+}
+
+/// Every job of `spec` run as `kvroute bench` runs them (the default chat workload, the
+/// built-in assets), in order.
+pub fn run_jobs(spec: &BenchSpec) -> Vec<JobResult> {
+    let assets = Assets::builtin().expect("the built-in assets");
+    spec.jobs()
+        .iter()
+        .map(|job| {
+            run_chat_job(
+                spec,
+                job,
+                &WorkloadConfig::default(),
+                Arc::clone(&assets),
+                |_| {},
+            )
+            .expect("a bench job runs")
+        })
+        .collect()
 }
