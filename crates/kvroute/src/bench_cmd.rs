@@ -335,21 +335,12 @@ fn run_phases(args: &BenchArgs) -> Result<()> {
     let mut results = sim::ladder::merge(parts).context("no phase to run")?;
     results.bench.path_latency_ms = Some(args.cluster.path_latency_ms);
     if let Some(dir) = &args.out {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-        let write = |name: &str, text: &str| {
-            let path = dir.join(name);
-            std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
-        };
-        write(
-            "results.json",
-            &(serde_json::to_string_pretty(&results)? + "\n"),
+        write_out_with(
+            dir,
+            &results,
+            report::ladder::plots(&results),
+            report::ladder::markdown,
         )?;
-        let plots = report::ladder::plots(&results);
-        let names: Vec<String> = plots.iter().map(|p| p.0.clone()).collect();
-        for (name, svg) in &plots {
-            write(name, svg)?;
-        }
-        write("report.md", &report::ladder::markdown(&results, &names))?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&results)?);
@@ -412,6 +403,22 @@ fn print_ladder(results: &BenchResults) {
 }
 
 fn write_out(dir: &Path, results: &BenchResults, with_seed: bool) -> Result<()> {
+    write_out_with(
+        dir,
+        results,
+        report::plots(results, with_seed),
+        report::markdown,
+    )
+}
+
+/// `DIR/results.json`, the plots (`(file name, SVG)`) and `DIR/report.md`, whose Markdown
+/// links the plots by name.
+fn write_out_with(
+    dir: &Path,
+    results: &BenchResults,
+    plots: Vec<(String, String)>,
+    markdown: impl Fn(&BenchResults, &[String]) -> String,
+) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let write = |name: &str, text: &str| {
         let path = dir.join(name);
@@ -421,12 +428,11 @@ fn write_out(dir: &Path, results: &BenchResults, with_seed: bool) -> Result<()> 
         "results.json",
         &(serde_json::to_string_pretty(results)? + "\n"),
     )?;
-    let plots = report::plots(results, with_seed);
     let names: Vec<String> = plots.iter().map(|p| p.0.clone()).collect();
     for (name, svg) in &plots {
         write(name, svg)?;
     }
-    write("report.md", &report::markdown(results, &names))
+    write("report.md", &markdown(results, &names))
 }
 
 fn print_summary(results: &BenchResults) {

@@ -1,15 +1,11 @@
 //! The seed's own workload (real tokenizer, real passages) through the simulator: KV routing
 //! beats round-robin on hit rate, the oracle bounds both, turns are conserved.
 
-use std::sync::Arc;
-
 use engine::HardwareProfile;
 use nanotime::Nanos;
 use router::PolicyKind;
 use sim::SimConfig;
-use sim::bench::{BenchSpec, JobResult};
-use sim::chat::run_chat_job;
-use workload::{Assets, WorkloadConfig};
+use sim::bench::BenchSpec;
 
 mod common;
 
@@ -30,27 +26,10 @@ fn spec(routers: Vec<PolicyKind>) -> BenchSpec {
     }
 }
 
-fn run(spec: &BenchSpec) -> Vec<JobResult> {
-    let assets = Assets::builtin().unwrap();
-    spec.jobs()
-        .iter()
-        .map(|job| {
-            run_chat_job(
-                spec,
-                job,
-                &WorkloadConfig::default(),
-                Arc::clone(&assets),
-                |_| {},
-            )
-            .unwrap()
-        })
-        .collect()
-}
-
 #[test]
 fn kv_routing_beats_round_robin_on_hit_rate_and_the_oracle_bounds_both() {
     let spec = spec(vec![PolicyKind::RoundRobin, PolicyKind::Kv]);
-    let results = run(&spec);
+    let results = common::run_jobs(&spec);
     let (rr, kv) = (&results[0], &results[1]);
     assert_eq!(rr.job.router, PolicyKind::RoundRobin);
     assert_kv_hits_more(&rr.phases, &kv.phases, 0.03, "seed 9");
@@ -79,8 +58,8 @@ fn kv_routing_beats_round_robin_on_hit_rate_and_the_oracle_bounds_both() {
 #[test]
 fn a_bench_job_is_a_pure_function_of_its_spec() {
     let spec = spec(vec![PolicyKind::Kv]);
-    let a = run(&spec);
-    let b = run(&spec);
+    let a = common::run_jobs(&spec);
+    let b = common::run_jobs(&spec);
     assert_eq!(a[0].phases, b[0].phases);
     assert_eq!(a[0].totals, b[0].totals);
 }
