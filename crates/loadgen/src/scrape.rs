@@ -112,40 +112,51 @@ impl GatewayPoint {
     }
 }
 
-/// Gateway scrapes of the last window, for the hit rate as Grafana computes it (the rate of
-/// cached tokens over the rate of input tokens). Bounded to `max_points`.
+/// Cumulative counters scraped over the last window, kept so that rates are ratios of the
+/// counters' increases between the oldest and newest point (as Grafana's `rate` ratios are).
+/// Bounded to `max_points`; two points are always kept, so with a clock faster than the
+/// scrapes (a sped-up cluster) the rate is over the last scrape interval.
 #[derive(Debug)]
-pub struct GatewayHistory {
-    points: VecDeque<GatewayPoint>,
+pub struct CounterWindow<P> {
+    points: VecDeque<P>,
     max_points: usize,
     span_s: f64,
 }
 
-impl GatewayHistory {
-    pub fn new(span: Duration, max_points: usize) -> GatewayHistory {
-        GatewayHistory {
+/// A scrape of cumulative counters.
+pub trait CounterPoint {
+    /// When it was scraped, in seconds.
+    fn at_s(&self) -> f64;
+    /// A counter went down since `earlier`: the process behind it restarted, and the older
+    /// points are useless.
+    fn restarted_since(&self, earlier: &Self) -> bool;
+}
+
+impl<P: CounterPoint> CounterWindow<P> {
+    pub fn new(span: Duration, max_points: usize) -> CounterWindow<P> {
+        CounterWindow {
             points: VecDeque::new(),
             max_points: max_points.max(2),
             span_s: span.as_secs_f64(),
         }
     }
 
-    pub fn push(&mut self, point: GatewayPoint) {
-        // A counter that went down means the gateway restarted: the old points are useless.
-        if self.points.back().is_some_and(|last| {
-            point.input_tokens < last.input_tokens || point.cached_tokens < last.cached_tokens
-        }) {
+    pub fn push(&mut self, point: P) {
+        if self
+            .points
+            .back()
+            .is_some_and(|last| point.restarted_since(last))
+        {
             self.points.clear();
         }
+        let at_s = point.at_s();
         self.points.push_back(point);
-        // Two points are always kept: with a clock faster than the scrapes (a sped-up
-        // cluster), the rate is then over the last scrape interval.
         while self.points.len() > self.max_points
             || (self.points.len() > 2
                 && self
                     .points
                     .get(1)
-                    .is_some_and(|p| p.at_s <= point.at_s - self.span_s))
+                    .is_some_and(|p| p.at_s() <= at_s - self.span_s))
         {
             self.points.pop_front();
         }
@@ -154,7 +165,23 @@ impl GatewayHistory {
     pub fn clear(&mut self) {
         self.points.clear();
     }
+}
 
+impl CounterPoint for GatewayPoint {
+    fn at_s(&self) -> f64 {
+        self.at_s
+    }
+
+    fn restarted_since(&self, earlier: &Self) -> bool {
+        self.input_tokens < earlier.input_tokens || self.cached_tokens < earlier.cached_tokens
+    }
+}
+
+/// Gateway scrapes of the last window, for the hit rate as Grafana computes it (the rate of
+/// cached tokens over the rate of input tokens).
+pub type GatewayHistory = CounterWindow<GatewayPoint>;
+
+impl GatewayHistory {
     /// Cached / input tokens between the oldest and newest point of the window; `None`
     /// without input in between.
     pub fn hit_rate(&self) -> Option<f64> {
@@ -218,50 +245,21 @@ impl SpecPoint {
     }
 }
 
-/// Workers' speculative counters over the last window, as [`GatewayHistory`] keeps the
-/// gateway's: acceptance and tokens per step are ratios of the increases. Bounded to
-/// `max_points`.
-#[derive(Debug)]
-pub struct SpecHistory {
-    points: VecDeque<SpecPoint>,
-    max_points: usize,
-    span_s: f64,
+impl CounterPoint for SpecPoint {
+    fn at_s(&self) -> f64 {
+        self.at_s
+    }
+
+    fn restarted_since(&self, earlier: &Self) -> bool {
+        self.drafts < earlier.drafts || self.accepted < earlier.accepted
+    }
 }
 
+/// Workers' speculative counters over the last window: acceptance and tokens per step are
+/// ratios of the increases.
+pub type SpecHistory = CounterWindow<SpecPoint>;
+
 impl SpecHistory {
-    pub fn new(span: Duration, max_points: usize) -> SpecHistory {
-        SpecHistory {
-            points: VecDeque::new(),
-            max_points: max_points.max(2),
-            span_s: span.as_secs_f64(),
-        }
-    }
-
-    pub fn push(&mut self, point: SpecPoint) {
-        // A counter that went down means a worker restarted: start over.
-        if self
-            .points
-            .back()
-            .is_some_and(|last| point.drafts < last.drafts || point.accepted < last.accepted)
-        {
-            self.points.clear();
-        }
-        self.points.push_back(point);
-        while self.points.len() > self.max_points
-            || (self.points.len() > 2
-                && self
-                    .points
-                    .get(1)
-                    .is_some_and(|p| p.at_s <= point.at_s - self.span_s))
-        {
-            self.points.pop_front();
-        }
-    }
-
-    pub fn clear(&mut self) {
-        self.points.clear();
-    }
-
     fn delta(&self) -> Option<(f64, f64, f64)> {
         let (first, last) = (self.points.front()?, self.points.back()?);
         let drafts = last.drafts - first.drafts;
