@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use engine::{EngineConfig, HardwareProfile};
 use engine_server::{EngineServer, EngineServerConfig, EventEncoding, NatsConfig, ReplyLength};
 use kv_index::WorkerId;
-use text::{ChatTemplate, Preprocessor};
+use text::{ChatTemplate, Preprocessor, TemplateError, Tokenizer};
 
 /// `--zmq-event-encoding`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -231,32 +231,30 @@ fn serving_text(
         Some(file) => (Some(file.to_path_buf()), None),
         None => (None, None),
     };
-    // A tokenizer_config.json without a chat template still names the BOS/EOS strings a
-    // --chat-template may use; without one, the built-in template stands.
-    let has_template = tokenizer_config.as_deref().is_some_and(|path| {
-        std::fs::read_to_string(path).is_ok_and(|text| text.contains("\"chat_template\""))
-    });
-    let preprocessor = gateway::preprocess::load(
-        json.as_deref(),
-        tokenizer_config.as_deref().filter(|_| has_template),
-    )?;
-    let Some(template_path) = chat_template else {
-        return Ok(Some(Arc::new(preprocessor)));
+    let read = |path: &std::path::Path| {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
     };
-    let source = std::fs::read_to_string(template_path)
-        .with_context(|| format!("reading --chat-template {}", template_path.display()))?;
-    let config_json = match tokenizer_config.as_deref() {
-        Some(path) => Some(
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+    let tokenizer = match &json {
+        Some(path) => Arc::new(
+            Tokenizer::from_hf_json(read(path)?.as_bytes())
+                .with_context(|| format!("--tokenizer {}", path.display()))?,
         ),
-        None => None,
+        None => Tokenizer::builtin(),
     };
-    let template = ChatTemplate::from_source_and_config(source, config_json.as_deref())
-        .with_context(|| format!("--chat-template {}", template_path.display()))?;
-    Ok(Some(Arc::new(Preprocessor::new(
-        preprocessor.tokenizer().clone(),
-        template,
-    ))))
+    let config = tokenizer_config.as_deref().map(read).transpose()?;
+    // --chat-template wins; else the folder's tokenizer_config.json, whose BOS/EOS strings a
+    // --chat-template may use too; a config without a template leaves the built-in one.
+    let template = match (chat_template, config.as_deref()) {
+        (Some(path), config) => read(path)
+            .and_then(|source| Ok(ChatTemplate::from_source_and_config(source, config)?))
+            .with_context(|| format!("--chat-template {}", path.display()))?,
+        (None, Some(config)) => match ChatTemplate::from_tokenizer_config(config) {
+            Err(TemplateError::MissingTemplate) => ChatTemplate::llama3(),
+            other => other.context("the --tokenizer folder's tokenizer_config.json")?,
+        },
+        (None, None) => ChatTemplate::llama3(),
+    };
+    Ok(Some(Arc::new(Preprocessor::new(tokenizer, template))))
 }
 
 pub fn run(args: EngineArgs) -> Result<()> {
