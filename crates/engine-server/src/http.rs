@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::{Bytes, BytesMut};
-use engine::{EngineRequest, OutputSpec, RejectReason, RequestId};
+use engine::{EngineRequest, Leg, OutputSpec, RejectReason, RequestId};
 use protocol::http::{check_model, json_response, read_json};
 use protocol::{
     Api, ApiError, ApiRequest, ChatCompletionRequest, ChoiceOut, CompletionRequest, FinishReason,
@@ -159,9 +159,9 @@ fn reject_error(
             ApiError::context_length_exceeded(param, prompt_tokens, max_output, u64::from(*max))
         }
         RejectReason::EmptyPrompt => ApiError::invalid_param(param, "the prompt is empty"),
-        RejectReason::NoOutput | RejectReason::TooLargeForPool { .. } => {
-            ApiError::invalid_request(reason.to_string())
-        }
+        RejectReason::NoOutput
+        | RejectReason::TooLargeForPool { .. }
+        | RejectReason::LegNotServed { .. } => ApiError::invalid_request(reason.to_string()),
         RejectReason::DuplicateId => ApiError::internal(reason.to_string()),
     }
 }
@@ -221,6 +221,7 @@ async fn serve(
             id,
             prompt: prompt.into(),
             output: OutputSpec::Tokens(reply.ids.clone()),
+            leg: Leg::ByRole,
         },
         progress: progress_tx,
     };

@@ -10,7 +10,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use engine::{Engine, EngineConfig, EngineRequest, OutputSpec, RequestId};
+use engine::{Engine, EngineConfig, EngineRequest, Leg, OutputSpec, RequestId};
 use kv_index::WorkerId;
 use nanotime::Nanos;
 
@@ -29,6 +29,7 @@ fn warm_engine(coalesce: bool) -> Engine {
             id: RequestId(i),
             prompt: prompt.into(),
             output: OutputSpec::Count(OUTPUT),
+            leg: Leg::ByRole,
         };
         e.submit(req, Nanos::ZERO);
     }

@@ -15,8 +15,8 @@ use crate::pool::BlockPool;
 use crate::profile::{HardwareProfile, StepShape};
 use crate::spec::{Drafter, SpecDecodeConfig, accepted_drafts};
 use crate::types::{
-    EngineConfig, EngineConfigError, EngineEvent, EngineMetrics, EngineRequest, OutputSpec,
-    RejectReason, RequestId, Role, pseudo_token,
+    EngineConfig, EngineConfigError, EngineEvent, EngineMetrics, EngineRequest, Leg, OutputSpec,
+    RejectReason, RequestId, pseudo_token,
 };
 
 /// Longest stretch of coalesced decode steps. A stretch that reaches it simply ends and the
@@ -55,7 +55,9 @@ struct Req {
     cached_prompt_tokens: Option<u32>,
     preemptions: u32,
     state: State,
-    /// Decode-only role: the prompt's KV still has to come from a prefill worker.
+    /// The part of the request served here (never `Leg::ByRole`).
+    leg: Leg,
+    /// Decode leg: the prompt's KV still has to come from a prefill worker.
     remote: bool,
     ready_at: Nanos,
     /// Speculative decoding: this request's per-token acceptance probability (its content
@@ -387,19 +389,22 @@ impl Engine {
     /// Submits a request at `now`. A bad request produces a `Rejected` event, never a panic.
     pub fn submit(&mut self, req: EngineRequest, now: Nanos) {
         let now = self.enter(now);
-        if let Err(reason) = self.check(&req) {
-            self.c.rejected += 1;
-            self.events
-                .push_back(EngineEvent::Rejected { id: req.id, reason });
-            return;
-        }
+        let leg = match self.check(&req) {
+            Ok(leg) => leg,
+            Err(reason) => {
+                self.c.rejected += 1;
+                self.events
+                    .push_back(EngineEvent::Rejected { id: req.id, reason });
+                return;
+            }
+        };
         let prompt_len = req.prompt.len() as u32;
         let alpha = self
             .spec
             .as_ref()
             .map_or(0.0, |s| s.config.acceptance_for(&req.prompt));
-        let output_len = match self.cfg.role {
-            Role::PrefillOnly => 1,
+        let output_len = match leg {
+            Leg::Prefill => 1,
             _ => req.output.len(),
         };
         let r = Req {
@@ -418,7 +423,8 @@ impl Engine {
             cached_prompt_tokens: None,
             preemptions: 0,
             state: State::Waiting,
-            remote: self.cfg.role == Role::DecodeOnly,
+            leg,
+            remote: leg == Leg::Decode,
             ready_at: Nanos::ZERO,
             alpha,
             spec_steps: 0,
@@ -441,7 +447,13 @@ impl Engine {
         }
     }
 
-    fn check(&self, req: &EngineRequest) -> Result<(), RejectReason> {
+    /// Checks a submission; returns the leg it runs as here.
+    fn check(&self, req: &EngineRequest) -> Result<Leg, RejectReason> {
+        let role = self.cfg.role;
+        let leg = req
+            .leg
+            .on(role)
+            .ok_or(RejectReason::LegNotServed { role, leg: req.leg })?;
         if self.by_id.contains_key(&req.id) {
             return Err(RejectReason::DuplicateId);
         }
@@ -458,8 +470,8 @@ impl Engine {
             return Err(RejectReason::ContextTooLong { tokens: p + o, max });
         }
         // Worst case this worker holds at once: every token plus the speculative lookahead.
-        let tokens = match self.cfg.role {
-            Role::PrefillOnly => p,
+        let tokens = match leg {
+            Leg::Prefill => p,
             _ => p + o + u64::from(self.spec.as_ref().map_or(0, |s| s.k)),
         };
         let blocks = tokens.div_ceil(u64::from(self.block_size));
@@ -474,7 +486,7 @@ impl Engine {
                 max: self.cfg.max_waiting,
             });
         }
-        Ok(())
+        Ok(leg)
     }
 
     /// Cancels a request wherever it is. Unknown ids (finished, never submitted) are ignored.
@@ -1200,7 +1212,6 @@ impl Engine {
 
     /// Records `count` new output tokens of `slot` at `at`; finishes the request when done.
     fn produce(&mut self, slot: u32, count: u32, at: Nanos) {
-        let role = self.cfg.role;
         let Some(r) = self.reqs[slot as usize].as_mut() else {
             return;
         };
@@ -1217,7 +1228,7 @@ impl Engine {
         if end < r.output_len {
             return;
         }
-        let ev = if role == Role::PrefillOnly {
+        let ev = if r.leg == Leg::Prefill {
             EngineEvent::PrefillDone {
                 id,
                 at,

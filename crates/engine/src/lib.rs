@@ -9,13 +9,13 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use engine::{Engine, EngineConfig, EngineEvent, EngineRequest, OutputSpec, RequestId};
+//! use engine::{Engine, EngineConfig, EngineEvent, EngineRequest, Leg, OutputSpec, RequestId};
 //! use kv_index::WorkerId;
 //! use nanotime::Nanos;
 //!
 //! let mut engine = Engine::new(EngineConfig::seed_002(), WorkerId(1)).unwrap();
 //! let prompt: Arc<[u32]> = (0..3_500).collect();
-//! engine.submit(EngineRequest { id: RequestId(1), prompt, output: OutputSpec::Count(8) }, Nanos::ZERO);
+//! engine.submit(EngineRequest { id: RequestId(1), prompt, output: OutputSpec::Count(8), leg: Leg::ByRole }, Nanos::ZERO);
 //! let mut finished_at = None;
 //! while let Some(t) = engine.poll_timeout() {      // end of the running step
 //!     engine.handle_timeout(t);                     // a real-time driver sleeps until t
@@ -135,7 +135,7 @@ pub use spec::{
     expected_tokens_per_step,
 };
 pub use types::{
-    EngineConfig, EngineConfigError, EngineEvent, EngineMetrics, EngineRequest, OutputSpec,
+    EngineConfig, EngineConfigError, EngineEvent, EngineMetrics, EngineRequest, Leg, OutputSpec,
     RejectReason, RequestId, Role, pseudo_token,
 };
 pub use worker_limits::{WorkerLimits, WorkerTiming};

@@ -57,6 +57,44 @@ pub struct EngineRequest {
     /// Prompt token ids (after the chat template).
     pub prompt: Arc<[u32]>,
     pub output: OutputSpec,
+    /// Which part of serving the request runs on this worker.
+    pub leg: Leg,
+}
+
+/// The part of a request a worker serves. Disaggregated serving splits a request into a
+/// prefill leg (on a prefill worker) and a decode leg (on a decode worker, after the KV
+/// transfer); under conditional disaggregation a decode worker serves the whole request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Leg {
+    /// What the worker's [`Role`] does: aggregated → whole, prefill-only → prefill,
+    /// decode-only → decode.
+    #[default]
+    ByRole,
+    /// Prefill and decode here.
+    Whole,
+    /// Compute the prompt, produce output index 0, emit [`EngineEvent::PrefillDone`].
+    Prefill,
+    /// Receive the prompt's KV (minus what is cached here) over the worker's link, then
+    /// decode from output index 1.
+    Decode,
+}
+
+impl Leg {
+    /// The leg this request runs as on a worker of `role`, or `None` when the role does not
+    /// serve it: a prefill worker serves only prefills; a decode worker decodes and, for
+    /// conditional disaggregation, serves whole requests; an aggregated worker serves all
+    /// three (vLLM's `kv_both`).
+    pub fn on(self, role: Role) -> Option<Leg> {
+        match (self, role) {
+            (Leg::ByRole, Role::Aggregated) => Some(Leg::Whole),
+            (Leg::ByRole, Role::PrefillOnly) => Some(Leg::Prefill),
+            (Leg::ByRole, Role::DecodeOnly) => Some(Leg::Decode),
+            (Leg::Whole | Leg::Decode, Role::PrefillOnly) => None,
+            (Leg::Prefill, Role::DecodeOnly) => None,
+            (leg, _) => Some(leg),
+        }
+    }
 }
 
 impl EngineRequest {
@@ -84,6 +122,8 @@ pub enum RejectReason {
     DuplicateId,
     #[error("the waiting queue is full ({max} requests)")]
     QueueFull { max: u32 },
+    #[error("a {role:?} worker does not serve the {leg:?} leg of a request")]
+    LegNotServed { role: Role, leg: Leg },
 }
 
 /// What the engine reports, drained in order by [`crate::Engine::poll_event`].
@@ -110,8 +150,8 @@ pub enum EngineEvent {
         output_tokens: u32,
         preemptions: u32,
     },
-    /// Prefill-only role: the prompt's KV is ready for a decode worker and the first token
-    /// (index 0) was produced. The request has left this worker.
+    /// A prefill leg ended: the prompt's KV is ready for a decode worker and the first token
+    /// (index 0) was produced. The request has left this worker; its blocks stay cached.
     PrefillDone {
         id: RequestId,
         at: Nanos,

@@ -2,8 +2,8 @@ mod common;
 
 use common::{Action, burst, engine, req, req_tokens, run, text};
 use engine::{
-    EngineConfig, EngineEvent, HardwareProfile, KvLink, RejectReason, RequestId, Role,
-    SpecDecodeConfig, StepShape,
+    EngineConfig, EngineEvent, EngineRequest, HardwareProfile, KvLink, Leg, RejectReason,
+    RequestId, Role, SpecDecodeConfig, StepShape,
 };
 use kv_index::{BlockContent, BlockHasher, KvEventKind};
 use nanotime::Nanos;
@@ -396,6 +396,102 @@ fn disaggregated_prefill_to_decode_handoff() {
     assert!(rd.stored().len() >= 125);
     // NVLink is much faster than the network for the same KV.
     assert!(profile.kv_transfer_time(4_000, KvLink::Nvlink) < transfer);
+}
+
+/// Per-request legs: a decode worker serves a whole request itself (conditional
+/// disaggregation: its prefill is computed locally, no transfer), an aggregated worker serves
+/// either leg (vLLM's `kv_both`), and a prefill worker refuses anything but a prefill.
+#[test]
+fn legs_choose_what_a_worker_does_with_each_request() {
+    let mut dcfg = h200();
+    dcfg.role = Role::DecodeOnly;
+    let mut decode = engine(dcfg);
+    let whole = EngineRequest {
+        leg: Leg::Whole,
+        ..req(1, text(1, 2_000), 10)
+    };
+    let r = run(
+        &mut decode,
+        vec![(Nanos::ZERO, Action::Submit(whole))],
+        true,
+    );
+    assert_eq!(r.token_counts(), vec![(RequestId(1), 10)]);
+    assert_eq!(decode.metrics().prefill_tokens_computed, 2_000);
+
+    let mut both = engine(h200());
+    let prefill = EngineRequest {
+        leg: Leg::Prefill,
+        ..req(2, text(2, 2_000), 10)
+    };
+    let r = run(
+        &mut both,
+        vec![(Nanos::ZERO, Action::Submit(prefill))],
+        true,
+    );
+    assert_eq!(r.token_counts(), vec![(RequestId(2), 1)]);
+    assert!(r.events.iter().any(|e| matches!(
+        e,
+        EngineEvent::PrefillDone {
+            id: RequestId(2),
+            ..
+        }
+    )));
+    let decode_leg = EngineRequest {
+        leg: Leg::Decode,
+        ..req(3, text(3, 2_000), 10)
+    };
+    let r = run(
+        &mut both,
+        vec![(Nanos::ZERO, Action::Submit(decode_leg))],
+        true,
+    );
+    assert_eq!(r.token_counts(), vec![(RequestId(3), 10)]);
+    assert_eq!(
+        both.metrics().prefill_tokens_computed,
+        2_000,
+        "no prefill for the decode leg"
+    );
+
+    let mut pcfg = h200();
+    pcfg.role = Role::PrefillOnly;
+    let mut prefill_worker = engine(pcfg);
+    for (id, leg) in [(4, Leg::Whole), (5, Leg::Decode)] {
+        let request = EngineRequest {
+            leg,
+            ..req(id, text(id as u32, 100), 10)
+        };
+        let r = run(
+            &mut prefill_worker,
+            vec![(Nanos::ZERO, Action::Submit(request))],
+            true,
+        );
+        assert!(r.events.iter().any(|e| matches!(
+            e,
+            EngineEvent::Rejected {
+                reason: RejectReason::LegNotServed { role: Role::PrefillOnly, leg: l },
+                ..
+            } if *l == leg
+        )));
+    }
+    let mut dcfg = h200();
+    dcfg.role = Role::DecodeOnly;
+    let mut decode = engine(dcfg);
+    let prefill = EngineRequest {
+        leg: Leg::Prefill,
+        ..req(6, text(6, 100), 10)
+    };
+    let r = run(
+        &mut decode,
+        vec![(Nanos::ZERO, Action::Submit(prefill))],
+        true,
+    );
+    assert!(matches!(
+        r.events[..],
+        [EngineEvent::Rejected {
+            reason: RejectReason::LegNotServed { .. },
+            ..
+        }]
+    ));
 }
 
 #[test]

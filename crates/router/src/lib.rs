@@ -22,6 +22,10 @@
 //!   simulator — a per-worker in-flight cap applied to selection, a bounded FIFO queue with a
 //!   timeout, outcomes drained as [`FrontendEvent`]s ([`FrontendConfig`] holds the one set of
 //!   defaults). Drivers submit requests here rather than calling [`Router::route`].
+//! - [`DisaggFrontend`]: disaggregated prefill/decode admission — a decode pool and a prefill
+//!   pool (one [`Frontend`] each), and the conditional-disaggregation decision: prefill on the
+//!   decode worker when little of the prompt is uncached there, on a prefill worker otherwise,
+//!   with a local fallback when no prefill worker can take it ([`Route`], [`DisaggEvent`]).
 //!
 //! ```
 //! use std::num::NonZeroU32;
@@ -88,12 +92,14 @@
 //! assert!(decision.worker == WorkerId(1) || decision.worker == WorkerId(2));
 //! ```
 
+mod disagg;
 mod frontend;
 mod kv_load;
 mod load;
 pub mod policy;
 mod router;
 
+pub use disagg::{DisaggConfig, DisaggEvent, DisaggFrontend, LocalReason, Pool, Route};
 pub use frontend::{AdmitError, Frontend, FrontendConfig, FrontendEvent};
 pub use kv_load::{KvLoad, KvLoadParamError, KvLoadParams};
 pub use load::WorkerLoad;

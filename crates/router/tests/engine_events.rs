@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use engine::{Engine, EngineConfig, EngineEvent, EngineRequest, OutputSpec};
+use engine::{Engine, EngineConfig, EngineEvent, EngineRequest, Leg, OutputSpec};
 use kv_index::WorkerId;
 use nanotime::Nanos;
 use router::{PolicyKind, RequestId, Router, RouterConfig, WorkerLimits};
@@ -87,6 +87,7 @@ fn router_overlap_equals_engine_prefix_hits_through_eviction() {
                     id: engine::RequestId(id),
                     prompt: prompt.clone(),
                     output: OutputSpec::Tokens(answer.clone()),
+                    leg: Leg::ByRole,
                 },
                 now,
             );

@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use engine::{Engine, EngineEvent, EngineRequest, OutputSpec};
+use engine::{Engine, EngineEvent, EngineRequest, Leg, OutputSpec};
 use kv_index::{IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
 use router::{Frontend, FrontendEvent, KvSource, RequestId, RouteDecision, Router, RouterConfig};
@@ -783,6 +783,7 @@ impl<W: Workload> Simulation<W> {
             id: RequestId(id),
             prompt: Arc::clone(&f.prompt),
             output: OutputSpec::Tokens(Arc::clone(&f.output)),
+            leg: Leg::ByRole,
         };
         self.add_in_flight(w);
         self.engines[w as usize].submit(req, now);

@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use engine::{Engine, EngineConfig, EngineEvent, EngineRequest, OutputSpec, RequestId};
+use engine::{Engine, EngineConfig, EngineEvent, EngineRequest, Leg, OutputSpec, RequestId};
 use kv_index::{KvEventKind, WorkerId};
 use nanotime::Nanos;
 
@@ -134,6 +134,7 @@ pub fn req(id: u64, prompt: impl IntoIterator<Item = u32>, out: u32) -> EngineRe
         id: RequestId(id),
         prompt: prompt.into_iter().collect::<Vec<_>>().into(),
         output: OutputSpec::Count(out),
+        leg: Leg::ByRole,
     }
 }
 
@@ -142,6 +143,7 @@ pub fn req_tokens(id: u64, prompt: &[u32], output: &[u32]) -> EngineRequest {
         id: RequestId(id),
         prompt: Arc::from(prompt),
         output: OutputSpec::Tokens(Arc::from(output)),
+        leg: Leg::ByRole,
     }
 }
 
