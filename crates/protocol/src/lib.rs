@@ -69,8 +69,8 @@ pub use error::{ApiError, ErrorBody, ErrorDetail};
 pub use kv_events::{KvEventBatch, KvWireError, WireBlock, WireKvEvent, WireKvKind};
 pub use openai::{
     Api, ApiRequest, ChatCompletionRequest, ChoiceOut, ChoiceView, CompletionRequest, FinishReason,
-    MessageContent, MessageView, Model, ModelList, Prompt, PromptTokensDetails, RequestMessage,
-    ResponseHead, ResponseView, SamplingParams, StreamOptions, TokenIds, Usage,
+    KvTransferParams, MessageContent, MessageView, Model, ModelList, Prompt, PromptTokensDetails,
+    RequestMessage, ResponseHead, ResponseView, SamplingParams, StreamOptions, TokenIds, Usage,
 };
 pub use sse::{SseDecoder, SseError, SseEvent};
 pub use subjects::{BadNamespace, Subjects};

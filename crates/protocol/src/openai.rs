@@ -73,6 +73,37 @@ pub struct SamplingParams {
     /// vLLM extension: return generated token ids in each choice (`token_ids`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub return_token_ids: Option<bool>,
+    /// vLLM extension for disaggregated prefill/decode (see [`KvTransferParams`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParams>,
+}
+
+/// vLLM's `kv_transfer_params`, as its disaggregated-serving proxy and Dynamo pass them: the
+/// proxy sends the prompt to a prefill worker with `do_remote_decode: true` (and
+/// `max_tokens: 1`); the prefill worker answers with the parameters a decode worker needs to
+/// pull the KV (`do_remote_prefill: true`, the remote engine, its blocks and address), which
+/// the proxy puts on the same request sent to a decode worker. Fields this project does not
+/// interpret are kept in `extra` and forwarded as they came.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvTransferParams {
+    #[serde(default)]
+    pub do_remote_decode: bool,
+    #[serde(default)]
+    pub do_remote_prefill: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_engine_id: Option<String>,
+    /// Block ids on the prefill worker: a list of integers (a list of lists for hybrid
+    /// models), kept as JSON so any engine's form passes through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_block_ids: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_port: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_size: Option<u32>,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 impl SamplingParams {
