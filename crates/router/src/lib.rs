@@ -96,6 +96,7 @@ mod disagg;
 mod frontend;
 mod kv_load;
 mod load;
+pub mod peers;
 pub mod policy;
 mod router;
 

@@ -89,14 +89,20 @@ pub enum PolicyKind {
     Kv,
     /// kvroute's load-aware KV policy ([`KvLoad`](crate::KvLoad)).
     KvLoad,
+    /// SGLang's `cache_aware`, from its documentation ([`SglangCacheAware`](crate::peers::SglangCacheAware)).
+    SglangCacheAware,
+    /// llm-d's default scorer stack, from its documentation ([`LlmdScorers`](crate::peers::LlmdScorers)).
+    LlmdDefault,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 4] = [
+    pub const ALL: [PolicyKind; 6] = [
         PolicyKind::RoundRobin,
         PolicyKind::Random,
         PolicyKind::Kv,
         PolicyKind::KvLoad,
+        PolicyKind::SglangCacheAware,
+        PolicyKind::LlmdDefault,
     ];
 
     /// The policy a router uses when none is named: kvroute's own.
@@ -108,6 +114,8 @@ impl PolicyKind {
             PolicyKind::Random => "random",
             PolicyKind::Kv => "kv",
             PolicyKind::KvLoad => "kv_load",
+            PolicyKind::SglangCacheAware => "sglang_cache_aware",
+            PolicyKind::LlmdDefault => "llmd_default",
         }
     }
 
@@ -118,6 +126,10 @@ impl PolicyKind {
             PolicyKind::Random => Box::new(Random),
             PolicyKind::Kv => Box::new(KvCost::new(params.kv)),
             PolicyKind::KvLoad => Box::new(crate::KvLoad::new(params.kv_load)),
+            PolicyKind::SglangCacheAware => {
+                Box::new(crate::peers::SglangCacheAware::new(params.sglang))
+            }
+            PolicyKind::LlmdDefault => Box::new(crate::peers::LlmdScorers::new(params.llmd)),
         }
     }
 }
@@ -129,6 +141,10 @@ pub struct PolicyParams {
     pub kv: KvCostParams,
     /// `kv_load`.
     pub kv_load: crate::KvLoadParams,
+    /// `sglang_cache_aware`.
+    pub sglang: crate::peers::SglangCacheAwareParams,
+    /// `llmd_default`.
+    pub llmd: crate::peers::LlmdWeights,
 }
 
 impl fmt::Display for PolicyKind {
@@ -165,6 +181,8 @@ impl FromStr for PolicyKind {
             "random" => Ok(PolicyKind::Random),
             "kv" => Ok(PolicyKind::Kv),
             "kv_load" | "kvload" => Ok(PolicyKind::KvLoad),
+            "sglang_cache_aware" | "cache_aware" => Ok(PolicyKind::SglangCacheAware),
+            "llmd_default" | "llmd" => Ok(PolicyKind::LlmdDefault),
             _ => Err(UnknownPolicy(s.to_string())),
         }
     }
