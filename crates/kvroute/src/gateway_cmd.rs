@@ -139,6 +139,7 @@ fn router_config(args: &GatewayArgs) -> Result<RouterConfig> {
                 &args.kv_load_set,
                 "kv-load",
             )?,
+            ..PolicyParams::default()
         },
         block_size: args.kv_block_size,
         seed: args.router_seed,
