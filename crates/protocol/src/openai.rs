@@ -60,9 +60,19 @@ pub struct SamplingParams {
     /// vLLM extension: generate exactly `max_tokens`, never stop at end-of-sequence.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// 0 to 2, as OpenAI accepts it.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "temperature"
+    )]
     pub temperature: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Above 0, at most 1.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "top_p"
+    )]
     pub top_p: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n: Option<u32>,
@@ -152,9 +162,20 @@ pub enum MessageContent {
     Parts(Vec<ContentPart>),
 }
 
+/// The roles OpenAI's chat API accepts.
+pub const CHAT_ROLES: [&str; 6] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+
 /// One message of a chat request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RequestMessage {
+    /// One of [`CHAT_ROLES`].
     pub role: String,
     /// Absent or `null` for an assistant message that only calls tools.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -190,10 +211,70 @@ impl RequestMessage {
     }
 }
 
+/// `messages`: at least one, each with a known role, and content unless it is an assistant
+/// message (which may carry only tool calls). OpenAI answers 400 to the others; so do we,
+/// naming the message.
+fn checked_messages<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Vec<RequestMessage>, D::Error> {
+    use serde::de::Error;
+    let messages = Vec::<RequestMessage>::deserialize(deserializer)?;
+    if messages.is_empty() {
+        return Err(D::Error::custom(
+            "`messages` must hold at least one message",
+        ));
+    }
+    for (i, m) in messages.iter().enumerate() {
+        if !CHAT_ROLES.contains(&m.role.as_str()) {
+            return Err(D::Error::custom(format_args!(
+                "messages[{i}].role `{}` is not one of: {}",
+                m.role,
+                CHAT_ROLES.join(", ")
+            )));
+        }
+        if m.content.is_none() && m.role != "assistant" {
+            return Err(D::Error::custom(format_args!(
+                "messages[{i}] ({} message) has no content",
+                m.role
+            )));
+        }
+    }
+    Ok(messages)
+}
+
+fn bounded_f64<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+    name: &str,
+    ok: impl Fn(f64) -> bool,
+    range: &str,
+) -> Result<Option<f64>, D::Error> {
+    use serde::de::Error;
+    match Option::<f64>::deserialize(deserializer)? {
+        Some(v) if !ok(v) => Err(D::Error::custom(format_args!(
+            "`{name}` is {v}; it must be {range}"
+        ))),
+        v => Ok(v),
+    }
+}
+
+fn temperature<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    bounded_f64(
+        d,
+        "temperature",
+        |v| (0.0..=2.0).contains(&v),
+        "between 0 and 2",
+    )
+}
+
+fn top_p<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    bounded_f64(d, "top_p", |v| v > 0.0 && v <= 1.0, "above 0 and at most 1")
+}
+
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatCompletionRequest {
     pub model: String,
+    #[serde(deserialize_with = "checked_messages")]
     pub messages: Vec<RequestMessage>,
     #[serde(flatten)]
     pub params: SamplingParams,
