@@ -936,7 +936,7 @@ mod tests {
     #[test]
     fn max_completion_tokens_wins_over_max_tokens() {
         let request: ChatCompletionRequest = serde_json::from_value(json!({
-            "model": "m", "messages": [], "max_tokens": 9, "max_completion_tokens": 3
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "max_completion_tokens": 3
         }))
         .unwrap();
         assert_eq!(request.params.max_output_tokens(), Some(3));
