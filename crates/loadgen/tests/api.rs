@@ -73,12 +73,42 @@ async fn the_workload_runs_measures_and_obeys_the_api() {
         (json!({"concurrency": -3}), "invalid_concurrency"),
         (json!({"concurrency": 1_000_000}), "invalid_concurrency"),
         (json!({"concurency": 5}), "invalid_json"),
-        (json!({}), "missing_concurrency"),
+        (json!({}), "missing_field"),
+        (json!({"mix": "A=40,B=30,D=30"}), "invalid_mix"),
+        (json!({"mix": "A=0,B=0,C=0"}), "invalid_mix"),
+        (json!({"mix": "A=-1"}), "invalid_mix"),
+        (json!({"mix": {"A": 40, "X": 1}}), "invalid_mix"),
+        (json!({"mix": 40}), "invalid_mix"),
+        (json!({"rate": 0}), "invalid_rate"),
+        (json!({"rate": -2.5}), "invalid_rate"),
+        (json!({"rate": "fast"}), "invalid_rate"),
+        (json!({"rate": 1e9}), "invalid_rate"),
     ] {
         let (code, answer) = post(&format!("{url}/api/workload/config"), Some(body.clone())).await;
         assert_eq!((code, error_code(&answer)), (400, expected), "{body}");
         assert_eq!(answer["error"]["type"], "invalid_request_error");
+        // The field is named, in `param` and in the message.
+        if let Some(field) = expected.strip_prefix("invalid_").filter(|f| *f != "json") {
+            assert_eq!(answer["error"]["param"], field, "{answer}");
+            assert!(
+                answer["error"]["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains(field)
+            );
+        }
     }
+    // Good values, while stopped: kept for the start, shown in the status.
+    let (code, status) = post(
+        &format!("{url}/api/workload/config"),
+        Some(json!({"mix": {"A": 100}, "rate": null})),
+    )
+    .await;
+    assert_eq!(code, 200, "{status}");
+    assert_eq!(
+        (status["mix"].as_str(), &status["rate"]),
+        (Some("A=100,B=0,C=0"), &Value::Null)
+    );
     let (code, answer) = get(&format!("{url}/api/conversations/0-999999")).await;
     assert_eq!((code, error_code(&answer)), (404, "not_found"));
     let (code, answer) = get(&format!("{url}/api/conversations/garbage")).await;

@@ -119,6 +119,7 @@ mod config;
 mod driver;
 pub mod ladder;
 pub mod metrics;
+pub mod mix;
 pub mod oracle;
 pub mod timeline;
 pub mod timers;

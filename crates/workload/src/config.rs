@@ -53,25 +53,20 @@ pub struct WorkloadConfig {
     pub system_prompt: String,
     /// Seed 004's workload mix: the weights of A (this chat), B (summarisation) and C
     /// (reasoning). Each new session draws its class. Default: chat only.
-    #[serde(skip_serializing_if = "is_default_mix")]
     pub mix: Mix,
     /// Open loop: new sessions arrive at this many per second, Poisson (exponential gaps from
     /// the workload's seed), instead of `concurrency` sessions open at all times. A session is
     /// a whole conversation for A (its later turns follow its replies and think times) and one
     /// request for B and C. `None` (the default): the closed loop.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub rate_rps: Option<f64>,
     /// Open loop: most sessions open at once. An arrival beyond it is refused and counted
     /// ([`crate::WorkloadStats::arrivals_dropped`]), so an arrival rate above what the system
     /// serves cannot grow memory without bound.
-    #[serde(skip_serializing_if = "is_default_max_open")]
     pub max_open: u32,
     /// B's answer length in tokens (default uniform 100–300).
-    #[serde(skip_serializing_if = "is_default_summary_tokens")]
     pub summary_tokens: Distribution,
     /// C's answer length as a multiple of the prompt's expected output length (default
     /// uniform 0.8–1.2).
-    #[serde(skip_serializing_if = "is_default_reasoning_scale")]
     pub reasoning_scale: Distribution,
 }
 
@@ -80,24 +75,6 @@ const DEFAULT_SUMMARY_TOKENS: Distribution = Distribution::Uniform {
     max: 300.0,
 };
 const DEFAULT_REASONING_SCALE: Distribution = Distribution::Uniform { min: 0.8, max: 1.2 };
-
-// Fields seed 004 added are left out of a default config's serialization, so that every file
-// written before them stays byte-identical.
-fn is_default_mix(mix: &Mix) -> bool {
-    *mix == Mix::default()
-}
-
-fn is_default_max_open(n: &u32) -> bool {
-    *n == DEFAULT_MAX_OPEN
-}
-
-fn is_default_summary_tokens(d: &Distribution) -> bool {
-    *d == DEFAULT_SUMMARY_TOKENS
-}
-
-fn is_default_reasoning_scale(d: &Distribution) -> bool {
-    *d == DEFAULT_REASONING_SCALE
-}
 
 impl Default for WorkloadConfig {
     fn default() -> Self {

@@ -354,6 +354,21 @@ impl<C: Content> ChatWorkload<C> {
         Ok(())
     }
 
+    /// The class of session `id`: [`Mix::class_of`] under the current mix, so exact for every
+    /// session when the mix has not changed since the workload started (the simulator's
+    /// runs); an open session's own class is in [`ChatWorkload::conversation`].
+    pub fn class_of(&self, id: u64) -> Class {
+        match self.conversations.get(&id) {
+            Some(c) => c.class,
+            None => self.config.mix.class_of(self.seed, id),
+        }
+    }
+
+    /// The workload's seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// The mix new sessions draw from.
     pub fn mix(&self) -> Mix {
         self.config.mix
