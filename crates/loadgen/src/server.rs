@@ -261,6 +261,10 @@ pub struct LaneStatus {
     pub target: String,
     pub metrics: LaneMetrics,
     pub workers: crate::scrape::WorkersView,
+    /// Seed 004's sessions started since the start, per workload (A, B, C), and open-loop
+    /// arrivals refused because `max_open` sessions were open.
+    pub sessions_by_class: [u64; 3],
+    pub arrivals_dropped: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -301,6 +305,8 @@ fn lane_status(lane: &Lane) -> LaneStatus {
     let w = s.window.stats(now_s);
     let running = s.running;
     LaneStatus {
+        sessions_by_class: s.sessions_by_class,
+        arrivals_dropped: s.arrivals_dropped,
         name: lane.spec.name.clone(),
         router: lane.spec.router.clone(),
         target: lane.spec.target.clone(),
