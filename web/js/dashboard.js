@@ -143,6 +143,13 @@ export class Dashboard {
       if (this.slider.value !== String(status.concurrency)) this.slider.value = String(status.concurrency);
       setText(this.sliderValue, String(status.concurrency));
     }
+    // Seed 004's workload mix and arrivals, read-only (set through the API or the flags).
+    if (typeof status.mix === 'string') {
+      const loop = typeof status.rate === 'number'
+        ? `open loop, ${status.rate} sessions/s`
+        : 'closed loop';
+      setText($('workload-shape'), `Mix ${status.mix.replaceAll(',', ' ')} · ${loop}`);
+    }
   }
 
   // ---- status ----

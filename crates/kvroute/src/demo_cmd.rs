@@ -14,7 +14,7 @@ use loadgen::{
     Baseline, DriveConfig, LaneSpec, Loadgen, LoadgenConfig, PhaseReference, UserSimulator,
 };
 use router::PolicyKind;
-use workload::{Distribution, WorkloadConfig};
+use workload::{Distribution, Mix, WorkloadConfig};
 
 use crate::demo_prometheus::{self, DemoPrometheus};
 use crate::{bench_cmd, engine_cmd, gateway_cmd};
@@ -25,6 +25,17 @@ pub struct DriveArgs {
     /// Conversations kept open at once (the dashboard's slider moves it live: 60–180).
     #[arg(long, default_value_t = 60)]
     concurrency: u32,
+    /// Seed 004's workload mix: weights of A (multi-turn chat), B (summarisation of a 4k–18k
+    /// token document) and C (reasoning, long answers), e.g. `A=40,B=30,C=30`. Default: chat
+    /// only. Changed live with `POST /api/workload/config {"mix": …}`.
+    #[arg(long, value_name = "A=N,B=N,C=N", value_parser = crate::sim_cmd::parse_mix)]
+    mix: Option<Mix>,
+    /// Open loop: new sessions (an A conversation with all its turns, or one B/C request)
+    /// arrive at this many per second (Poisson, seeded) instead of --concurrency being open
+    /// at all times. Changed live with `POST /api/workload/config {"rate": …}` (`null`: back
+    /// to the closed loop).
+    #[arg(long, value_name = "RPS", value_parser = crate::sim_cmd::parse_rate)]
+    rate: Option<f64>,
     /// Start the workload at once instead of waiting for Start in the dashboard or the API.
     #[arg(long)]
     start: bool,
@@ -136,6 +147,8 @@ impl DriveArgs {
                 concurrency: self.concurrency,
                 think_time_s,
                 ramp_s: self.ramp,
+                mix: self.mix.unwrap_or_default(),
+                rate_rps: self.rate,
                 ..WorkloadConfig::default()
             },
             seed: self.seed,

@@ -17,7 +17,7 @@ use sim::ServingPath;
 use sim::bench::{BenchSpec, JobResult};
 use sim::chat::Chat;
 use sim::{FrontendConfig, SimConfig, Simulation, Timeline, TimelineConfig};
-use workload::{Assets, WorkloadConfig};
+use workload::{Assets, MAX_RATE, Mix, WorkloadConfig};
 
 /// The router names the router crate knows, for help texts.
 pub fn router_names() -> String {
@@ -230,9 +230,20 @@ pub struct SimArgs {
     /// Routing policy.
     #[arg(long, default_value_t = PolicyKind::DEFAULT, value_parser = parse_router, help = format!("Routing policy: {}", router_names()))]
     pub router: PolicyKind,
-    /// Concurrent conversations.
+    /// Concurrent conversations (the closed loop; ignored with --rate).
     #[arg(long, default_value_t = 60)]
     pub concurrency: u32,
+    /// Seed 004's workload mix: weights of A (multi-turn chat), B (summarisation of a 4k–18k
+    /// token document) and C (reasoning, long answers), e.g. `A=40,B=30,C=30`. Each new
+    /// session draws its workload; the summary adds a row per workload. Default: chat only.
+    #[arg(long, value_name = "A=N,B=N,C=N", value_parser = parse_mix)]
+    pub mix: Option<Mix>,
+    /// Open loop: new sessions (an A conversation, with all its turns, or one B/C request)
+    /// arrive at this many per second, Poisson, instead of --concurrency being open at all
+    /// times. At most the workload's max_open (10,000) are open; further arrivals are refused
+    /// and counted.
+    #[arg(long, value_name = "RPS", value_parser = parse_rate)]
+    pub rate: Option<f64>,
     /// Simulated seconds in all (warmup included).
     #[arg(long, default_value_t = 360.0)]
     pub duration: f64,
@@ -267,9 +278,36 @@ pub struct SimArgs {
     pub cluster: ClusterArgs,
 }
 
+/// `--mix`: `A=40,B=30,C=30`.
+pub fn parse_mix(s: &str) -> Result<Mix, String> {
+    s.parse::<Mix>().map_err(|e| e.to_string())
+}
+
+/// `--rate`: sessions per second, a finite number in (0, MAX_RATE].
+pub fn parse_rate(s: &str) -> Result<f64, String> {
+    let rate: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("expected a number of sessions per second, got `{s}`"))?;
+    if !(rate.is_finite() && rate > 0.0 && rate <= MAX_RATE) {
+        return Err(format!(
+            "must be a number of sessions per second in (0, {MAX_RATE}], got {s}"
+        ));
+    }
+    Ok(rate)
+}
+
 pub fn run(args: SimArgs) -> Result<()> {
     let started = Instant::now();
     let mut cluster = args.cluster.build()?;
+    if let Some(mix) = args.mix {
+        cluster.workload.mix = mix;
+    }
+    if let Some(rate) = args.rate {
+        cluster.workload.rate_rps = Some(rate);
+    }
+    // A mix or an open loop reports per workload, from every request's record.
+    let mixed = !cluster.workload.mix.is_chat_only() || cluster.workload.rate_rps.is_some();
     let duration = seconds(args.duration, "--duration")?;
     let warmup = seconds(args.warmup, "--warmup")?;
     if warmup >= duration {
@@ -279,7 +317,7 @@ pub fn run(args: SimArgs) -> Result<()> {
             args.duration
         );
     }
-    cluster.base.keep_all_records = args.records.is_some();
+    cluster.base.keep_all_records = args.records.is_some() || mixed;
     // A single run reports TTFT by turn and decode tokens per step too (a benchmark keeps
     // seed 002's fields unless --phases).
     cluster.base.extended_metrics = true;
@@ -351,6 +389,8 @@ pub fn run(args: SimArgs) -> Result<()> {
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
+    let chat = &simulation.workload().inner().0;
+    let (mix, workload_seed, workload_stats) = (chat.mix(), chat.seed(), chat.stats());
     let out = simulation.finish();
     if let Some(path) = &args.records {
         write_records(path, &out.records)?;
@@ -369,7 +409,25 @@ pub fn run(args: SimArgs) -> Result<()> {
         phases: out.phases,
         totals: out.totals,
     };
-    let results = sim::bench::aggregate(&spec, vec![result], &cluster.profile_name);
+    let mut results = sim::bench::aggregate(&spec, vec![result], &cluster.profile_name);
+    if mixed {
+        let per_class = sim::mix::per_class(
+            &out.records,
+            warmup,
+            duration,
+            spec.base.oracle,
+            |conversation| mix.class_of(workload_seed, conversation),
+        );
+        for row in results.runs.iter_mut().chain(results.summary.iter_mut()) {
+            row.per_class = per_class.clone();
+        }
+    }
+    let open_loop = serde_json::json!({
+        "mix": mix.to_string(),
+        "rate_rps": cluster.workload.rate_rps,
+        "sessions_by_class": workload_stats.sessions_by_class,
+        "arrivals_dropped": workload_stats.arrivals_dropped,
+    });
     let wall = started.elapsed().as_secs_f64();
     if args.json {
         let doc = serde_json::json!({
@@ -379,9 +437,16 @@ pub fn run(args: SimArgs) -> Result<()> {
             "snapshots": snapshots,
             "totals": totals,
         });
+        let mut doc = doc;
+        if mixed {
+            doc["workload"] = open_loop;
+        }
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print_run(&results, &totals);
+        if mixed {
+            print_mix(&results, &cluster.workload, &workload_stats);
+        }
     }
     eprintln!(
         "sim: {:.0} simulated s in {wall:.1} s wall ({:.0}× real time)",
@@ -483,6 +548,54 @@ fn print_run(results: &BenchResults, totals: &sim::RunTotals) {
         totals.engine_steps,
         totals.kv_events
     );
+}
+
+fn print_mix(results: &BenchResults, config: &WorkloadConfig, stats: &workload::WorkloadStats) {
+    let Some(r) = results.runs.first() else {
+        return;
+    };
+    let arrivals = match config.rate_rps {
+        Some(rate) => format!(
+            "open loop, {rate} sessions/s Poisson; {} arrivals refused (over {} open)",
+            stats.arrivals_dropped, config.max_open
+        ),
+        None => format!("closed loop, {} sessions open", r.concurrency),
+    };
+    let [a, b, c] = stats.sessions_by_class;
+    println!(
+        "\nmix {} ({arrivals}); sessions started: A {a}, B {b}, C {c}",
+        config.mix
+    );
+    println!(
+        "  {:<18} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7}",
+        "workload",
+        "requests",
+        "TTFT p50",
+        "TTFT p95",
+        "ITL p50",
+        "ITL p95",
+        "E2E p95",
+        "prompt",
+        "output",
+        "KV hit"
+    );
+    for k in &r.per_class {
+        let m = &k.metrics;
+        println!(
+            "  {:<18} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>7}",
+            format!("{} {}", k.class, k.name),
+            m.requests,
+            opt(m.ttft_ms.p50, 1),
+            opt(m.ttft_ms.p95, 1),
+            opt(m.itl_ms.p50, 1),
+            opt(m.itl_ms.p95, 1),
+            opt(m.e2e_s.p95, 2),
+            opt(m.mean_prompt_tokens, 0),
+            opt(m.mean_output_tokens, 0),
+            opt(m.kv_hit_rate.map(|h| h * 100.0), 1) + "%"
+        );
+    }
+    println!("  (TTFT, ITL in ms; E2E in s; prompt and output: mean tokens per request)");
 }
 
 pub fn print_latencies(r: &Row) {

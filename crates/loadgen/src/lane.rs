@@ -16,7 +16,7 @@ use nanotime::Nanos;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
-use workload::{Assets, ChatWorkload, TextContent, TextTurn, TurnKey, WorkloadConfig};
+use workload::{Assets, ChatWorkload, Class, Mix, TextContent, TextTurn, TurnKey, WorkloadConfig};
 
 use crate::client::{self, TurnError, TurnResult};
 use crate::scrape::{GatewayHistory, SpecHistory, WorkersView};
@@ -120,6 +120,14 @@ pub struct Totals {
 pub struct LaneState {
     pub running: bool,
     pub concurrency: u32,
+    /// Seed 004's workload mix new sessions draw from.
+    pub mix: Mix,
+    /// The open loop's sessions per second (`None`: the closed loop at `concurrency`).
+    pub rate: Option<f64>,
+    /// Sessions started per workload (A, B, C) and open-loop arrivals refused (over
+    /// `max_open`), since the start.
+    pub sessions_by_class: [u64; 3],
+    pub arrivals_dropped: u64,
     /// Lane clock at start (for durations) and the wall-clock start.
     pub started: Option<(Instant, u64)>,
     pub window: Window,
@@ -158,6 +166,12 @@ enum Command {
         concurrency: u32,
         reply: oneshot::Sender<()>,
     },
+    /// Seed 004's mix and rate (`rate: Some(None)` switches to the closed loop).
+    Shape {
+        mix: Option<Mix>,
+        rate: Option<Option<f64>>,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
 }
 
 /// A running lane: its spec, its shared state and its command channel.
@@ -185,6 +199,10 @@ impl Lane {
         let state = Arc::new(Mutex::new(LaneState {
             running: false,
             concurrency: config.workload.concurrency,
+            mix: config.workload.mix,
+            rate: config.workload.rate_rps,
+            sessions_by_class: [0; 3],
+            arrivals_dropped: 0,
             started: None,
             window: Window::new(config.window, 1 << 20),
             totals: Totals::default(),
@@ -247,6 +265,20 @@ impl Lane {
         answer
             .await
             .map_err(|_| "the lane has shut down".to_owned())
+    }
+
+    /// Sets the mix and/or the rate (`Some(None)`: back to the closed loop), at once when
+    /// running and for the next start otherwise.
+    pub async fn set_shape(
+        &self,
+        mix: Option<Mix>,
+        rate: Option<Option<f64>>,
+    ) -> Result<(), String> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Command::Shape { mix, rate, reply }).await?;
+        answer
+            .await
+            .map_err(|_| "the lane has shut down".to_owned())?
     }
 
     async fn send(&self, command: Command) -> Result<(), String> {
@@ -322,8 +354,14 @@ impl Driver {
                                 let _ = reply.send(Err("the workload is already running".into()));
                                 continue;
                             }
+                            let (mix, rate) = {
+                                let s = lock(&self.state);
+                                (s.mix, s.rate)
+                            };
                             let config = WorkloadConfig {
                                 concurrency,
+                                mix,
+                                rate_rps: rate,
                                 ..self.config.workload.clone()
                             };
                             let seed = self.config.seed;
@@ -343,6 +381,8 @@ impl Driver {
                                     s.totals = Totals::default();
                                     s.in_flight = 0;
                                     s.active_conversations = w.active_conversations();
+                                    s.sessions_by_class = [0; 3];
+                                    s.arrivals_dropped = 0;
                                     s.gateway.clear();
                                     s.spec.clear();
                                     drop(s);
@@ -383,6 +423,26 @@ impl Driver {
                             drop(s);
                             let _ = reply.send(());
                         }
+                        Command::Shape { mix, rate, reply } => {
+                            let now = clock(epoch, scale);
+                            let result = match workload.as_mut() {
+                                Some(w) => mix
+                                    .map_or(Ok(()), |m| w.set_mix(m))
+                                    .and_then(|()| rate.map_or(Ok(()), |r| w.set_rate(r, now)))
+                                    .map_err(|e| e.to_string()),
+                                None => Ok(()),
+                            };
+                            if result.is_ok() {
+                                let mut s = lock(&self.state);
+                                if let Some(m) = mix {
+                                    s.mix = m;
+                                }
+                                if let Some(r) = rate {
+                                    s.rate = r;
+                                }
+                            }
+                            let _ = reply.send(result);
+                        }
                     }
                 }
                 Some(outcome) = done_rx.recv() => {
@@ -402,7 +462,11 @@ impl Driver {
                 while let Some(request) = w.poll_request() {
                     self.issue(w, request, run, &requests, &done_tx);
                 }
-                lock(&self.state).active_conversations = w.active_conversations();
+                let stats = w.stats();
+                let mut s = lock(&self.state);
+                s.active_conversations = w.active_conversations();
+                s.sessions_by_class = stats.sessions_by_class;
+                s.arrivals_dropped = stats.arrivals_dropped;
             }
         }
         requests.cancel();
@@ -425,12 +489,27 @@ impl Driver {
             };
             let number = self.base + id.conversation;
             self.next_number = self.next_number.max(number + 1);
-            let topic: Arc<str> = self
-                .assets
-                .corpus()
-                .get(info.passage)
-                .map_or("a technical passage", |p| p.title())
-                .into();
+            let tasks = || self.assets.tasks().ok();
+            let topic: Arc<str> = match info.class {
+                Class::A => self
+                    .assets
+                    .corpus()
+                    .get(info.passage)
+                    .map_or("a technical passage", |p| p.title())
+                    .into(),
+                Class::B => tasks()
+                    .and_then(|t| t.documents().documents().get(info.passage))
+                    .map_or_else(
+                        || "summarisation".into(),
+                        |d| format!("summarise: {}", d.title).into(),
+                    ),
+                Class::C => tasks()
+                    .and_then(|t| t.bank().prompts().get(info.passage))
+                    .map_or_else(
+                        || "reasoning".into(),
+                        |p| format!("reasoning: {}", p.category).into(),
+                    ),
+            };
             let now_s;
             {
                 let mut s = lock(&self.state);

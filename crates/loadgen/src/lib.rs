@@ -12,6 +12,11 @@
 //! (`loadgen_ttft_all_seconds`, `loadgen_tpot_all_seconds`, … as seed 001's Grafana reads
 //! them) and the web UI of seed 001, embedded from `web/` at build time.
 //!
+//! Seed 004's mix and rate: the workload can also mix in single-turn summarisation (B) and
+//! reasoning (C) sessions and run open-loop (sessions arriving Poisson at a rate) instead of
+//! at a constant concurrency; `--mix`, `--rate` and `POST /api/workload/config` set them, the
+//! status shows them and the sessions started per workload.
+//!
 //! Several **lanes** (targets) can be driven at once with the same seed, so they receive the
 //! same conversations: `kvroute demo --compare round_robin,kv` uses two.
 //!
@@ -23,7 +28,8 @@
 //!
 //! - One task per lane owns the workload; per-turn request tasks never block it (their ends
 //!   come back over a bounded channel, one outcome per open conversation at most).
-//! - Open conversations are bounded by the concurrency (≤ [`MAX_CONCURRENCY`]); ended ones kept
+//! - Open conversations are bounded by the concurrency (≤ [`MAX_CONCURRENCY`]), or in the open
+//!   loop by the workload's `max_open` (arrivals beyond it are refused and counted); ended ones kept
 //!   for the UI by `conversations_kept`; a reply's text by `max_reply_text`; the window by
 //!   time and by a sample cap; chart points by 15 minutes; scraped bodies by 8 MiB.
 //! - Stop cancels every request in flight; their conversations are marked `stopped`.

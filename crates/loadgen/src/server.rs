@@ -22,6 +22,7 @@ use crate::lane::{Lane, Totals, lock, unix_ms};
 use crate::reference::{PhaseReference, ReferenceStatus};
 use crate::store::{ConversationRecord, ConversationStatus, TurnRecord};
 use crate::{MAX_CONCURRENCY, Slider, Slo};
+use workload::{MAX_RATE, Mix};
 
 mod assets {
     include!(concat!(env!("OUT_DIR"), "/assets.rs"));
@@ -80,14 +81,22 @@ impl App {
     pub fn status(&self) -> Status {
         let lanes: Vec<LaneStatus> = self.lanes.iter().map(lane_status).collect();
         let first = self.lanes.first().map(|l| lock(&l.state));
-        let (running, concurrency, started_at_ms) = match &first {
-            Some(s) => (s.running, s.concurrency, s.started.map(|(_, ms)| ms)),
-            None => (false, self.initial_concurrency, None),
+        let (running, concurrency, started_at_ms, mix, rate) = match &first {
+            Some(s) => (
+                s.running,
+                s.concurrency,
+                s.started.map(|(_, ms)| ms),
+                s.mix,
+                s.rate,
+            ),
+            None => (false, self.initial_concurrency, None, Mix::default(), None),
         };
         drop(first);
         Status {
             running,
             concurrency,
+            mix: mix.to_string(),
+            rate,
             slider: self.slider,
             slo: self.slo,
             window_s: self.window_s,
@@ -176,12 +185,30 @@ impl App {
     }
 
     pub async fn set_concurrency(&self, concurrency: u32) -> Result<Status, ApiError> {
+        self.configure(WorkloadChange {
+            concurrency: Some(concurrency),
+            ..WorkloadChange::default()
+        })
+        .await
+    }
+
+    /// Applies a validated change of concurrency, mix and rate to every lane, in that order.
+    pub async fn configure(&self, change: WorkloadChange) -> Result<Status, ApiError> {
         let _serial = self.control.lock().await;
-        check_concurrency(concurrency)?;
-        for lane in &self.lanes {
-            lane.set_concurrency(concurrency)
-                .await
-                .map_err(ApiError::internal)?;
+        if let Some(concurrency) = change.concurrency {
+            check_concurrency(concurrency)?;
+            for lane in &self.lanes {
+                lane.set_concurrency(concurrency)
+                    .await
+                    .map_err(ApiError::internal)?;
+            }
+        }
+        if change.mix.is_some() || change.rate.is_some() {
+            for lane in &self.lanes {
+                lane.set_shape(change.mix, change.rate)
+                    .await
+                    .map_err(ApiError::internal)?;
+            }
         }
         Ok(self.publish(false))
     }
@@ -198,11 +225,24 @@ fn check_concurrency(concurrency: u32) -> Result<(), ApiError> {
     }
 }
 
+/// A change of the workload's shape (`POST /api/workload/config`): each field left `None`
+/// stays as it is; `rate: Some(None)` switches back to the closed loop.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WorkloadChange {
+    pub concurrency: Option<u32>,
+    pub mix: Option<Mix>,
+    pub rate: Option<Option<f64>>,
+}
+
 /// `GET /api/status`.
 #[derive(Clone, Debug, Serialize)]
 pub struct Status {
     pub running: bool,
     pub concurrency: u32,
+    /// Seed 004's workload mix, e.g. `A=40,B=30,C=30`.
+    pub mix: String,
+    /// Sessions per second of the open loop; `null` in the closed loop (at `concurrency`).
+    pub rate: Option<f64>,
     pub slider: Slider,
     pub slo: Slo,
     pub window_s: f64,
@@ -221,6 +261,10 @@ pub struct LaneStatus {
     pub target: String,
     pub metrics: LaneMetrics,
     pub workers: crate::scrape::WorkersView,
+    /// Seed 004's sessions started since the start, per workload (A, B, C), and open-loop
+    /// arrivals refused because `max_open` sessions were open.
+    pub sessions_by_class: [u64; 3],
+    pub arrivals_dropped: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -261,6 +305,8 @@ fn lane_status(lane: &Lane) -> LaneStatus {
     let w = s.window.stats(now_s);
     let running = s.running;
     LaneStatus {
+        sessions_by_class: s.sessions_by_class,
+        arrivals_dropped: s.arrivals_dropped,
         name: lane.spec.name.clone(),
         router: lane.spec.router.clone(),
         target: lane.spec.target.clone(),
@@ -383,50 +429,106 @@ async fn get_status(State(app): State<Arc<App>>) -> axum::Json<Status> {
     axum::Json(app.status())
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ConcurrencyBody {
-    concurrency: Option<i64>,
+const BODY_EXAMPLE: &str = "{\"concurrency\": 120}, {\"mix\": \"A=40,B=30,C=30\"} or {\"rate\": 5}";
+
+/// A 400 naming the field (`param` in the error JSON, and in the message).
+fn bad_field(field: &str, message: impl Into<String>) -> ApiError {
+    ApiError(protocol::ApiError::new(
+        400,
+        protocol::error::kind::INVALID_REQUEST,
+        message,
+        Some(field),
+        Some(&format!("invalid_{field}")),
+    ))
 }
 
-fn parse_concurrency(body: &Bytes, required: bool) -> Result<Option<u32>, ApiError> {
+/// The body of `/api/workload/start` and `/api/workload/config`: any of `concurrency` (1 …
+/// MAX_CONCURRENCY), `mix` (`"A=40,B=30,C=30"` or `{"A": 40, "B": 30, "C": 30}`) and `rate`
+/// (sessions per second, > 0; `null` for the closed loop). Unknown fields are refused.
+fn parse_change(body: &Bytes) -> Result<Option<WorkloadChange>, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
-        return if required {
-            Err(ApiError::bad_request(
-                "missing_body",
-                "expected a JSON body like {\"concurrency\": 120}",
-            ))
-        } else {
-            Ok(None)
-        };
+        return Ok(None);
     }
-    let parsed: ConcurrencyBody = serde_json::from_slice(body).map_err(|e| {
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::bad_request(
             "invalid_json",
-            format!("expected a JSON body like {{\"concurrency\": 120}}: {e}"),
+            format!("expected a JSON body like {BODY_EXAMPLE}: {e}"),
         )
     })?;
-    match parsed.concurrency {
-        None if required => Err(ApiError::bad_request(
-            "missing_concurrency",
-            "the body has no \"concurrency\"",
-        )),
-        None => Ok(None),
-        Some(n) => u32::try_from(n).map(Some).map_err(|_| {
-            ApiError::bad_request(
-                "invalid_concurrency",
-                format!("concurrency must be between 1 and {MAX_CONCURRENCY}, got {n}"),
-            )
-        }),
+    let serde_json::Value::Object(fields) = value else {
+        return Err(ApiError::bad_request(
+            "invalid_json",
+            format!("expected a JSON object like {BODY_EXAMPLE}"),
+        ));
+    };
+    let mut change = WorkloadChange::default();
+    for (key, value) in fields {
+        match key.as_str() {
+            "concurrency" => {
+                let n = value.as_i64().and_then(|n| u32::try_from(n).ok());
+                change.concurrency = Some(n.filter(|n| (1..=MAX_CONCURRENCY).contains(n)).ok_or_else(|| {
+                    bad_field(
+                        "concurrency",
+                        format!("concurrency must be between 1 and {MAX_CONCURRENCY}, got {value}"),
+                    )
+                })?);
+            }
+            "mix" => {
+                let mix = match &value {
+                    serde_json::Value::String(s) => s.parse::<Mix>().map_err(|e| e.to_string()),
+                    serde_json::Value::Object(_) => {
+                        serde_json::from_value::<Mix>(value.clone()).map_err(|e| e.to_string())
+                    }
+                    _ => Err(
+                        "expected \"A=40,B=30,C=30\" or {\"A\": 40, \"B\": 30, \"C\": 30}"
+                            .to_owned(),
+                    ),
+                };
+                change.mix = Some(mix.map_err(|e| bad_field("mix", format!("mix: {e}")))?);
+            }
+            "rate" => {
+                let rate = match &value {
+                    serde_json::Value::Null => None,
+                    v => Some(
+                        v.as_f64()
+                            .filter(|r| r.is_finite() && *r > 0.0 && *r <= MAX_RATE)
+                            .ok_or_else(|| {
+                                bad_field(
+                                    "rate",
+                                    format!(
+                                        "rate must be a number of sessions per second in (0, {MAX_RATE}], or null for the closed loop; got {v}"
+                                    ),
+                                )
+                            })?,
+                    ),
+                };
+                change.rate = Some(rate);
+            }
+            other => {
+                return Err(ApiError::bad_request(
+                    "invalid_json",
+                    format!("unknown field `{other}`: expected concurrency, mix or rate"),
+                ));
+            }
+        }
     }
+    Ok(Some(change))
 }
 
 async fn post_start(
     State(app): State<Arc<App>>,
     body: Bytes,
 ) -> Result<axum::Json<Status>, ApiError> {
-    let concurrency = parse_concurrency(&body, false)?;
-    app.start(concurrency).await.map(axum::Json)
+    let change = parse_change(&body)?.unwrap_or_default();
+    if change.mix.is_some() || change.rate.is_some() {
+        // Applied to the stopped lanes first: the run starts with them.
+        app.configure(WorkloadChange {
+            concurrency: None,
+            ..change
+        })
+        .await?;
+    }
+    app.start(change.concurrency).await.map(axum::Json)
 }
 
 async fn post_stop(State(app): State<Arc<App>>) -> Result<axum::Json<Status>, ApiError> {
@@ -437,8 +539,22 @@ async fn post_config(
     State(app): State<Arc<App>>,
     body: Bytes,
 ) -> Result<axum::Json<Status>, ApiError> {
-    let concurrency = parse_concurrency(&body, true)?.unwrap_or_default();
-    app.set_concurrency(concurrency).await.map(axum::Json)
+    let change = match parse_change(&body)? {
+        None => {
+            return Err(ApiError::bad_request(
+                "missing_body",
+                format!("expected a JSON body like {BODY_EXAMPLE}"),
+            ));
+        }
+        Some(c) if c == WorkloadChange::default() => {
+            return Err(ApiError::bad_request(
+                "missing_field",
+                "the body sets none of concurrency, mix and rate",
+            ));
+        }
+        Some(c) => c,
+    };
+    app.configure(change).await.map(axum::Json)
 }
 
 async fn get_baseline(State(app): State<Arc<App>>) -> Result<Response, ApiError> {

@@ -73,12 +73,42 @@ async fn the_workload_runs_measures_and_obeys_the_api() {
         (json!({"concurrency": -3}), "invalid_concurrency"),
         (json!({"concurrency": 1_000_000}), "invalid_concurrency"),
         (json!({"concurency": 5}), "invalid_json"),
-        (json!({}), "missing_concurrency"),
+        (json!({}), "missing_field"),
+        (json!({"mix": "A=40,B=30,D=30"}), "invalid_mix"),
+        (json!({"mix": "A=0,B=0,C=0"}), "invalid_mix"),
+        (json!({"mix": "A=-1"}), "invalid_mix"),
+        (json!({"mix": {"A": 40, "X": 1}}), "invalid_mix"),
+        (json!({"mix": 40}), "invalid_mix"),
+        (json!({"rate": 0}), "invalid_rate"),
+        (json!({"rate": -2.5}), "invalid_rate"),
+        (json!({"rate": "fast"}), "invalid_rate"),
+        (json!({"rate": 1e9}), "invalid_rate"),
     ] {
         let (code, answer) = post(&format!("{url}/api/workload/config"), Some(body.clone())).await;
         assert_eq!((code, error_code(&answer)), (400, expected), "{body}");
         assert_eq!(answer["error"]["type"], "invalid_request_error");
+        // The field is named, in `param` and in the message.
+        if let Some(field) = expected.strip_prefix("invalid_").filter(|f| *f != "json") {
+            assert_eq!(answer["error"]["param"], field, "{answer}");
+            assert!(
+                answer["error"]["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains(field)
+            );
+        }
     }
+    // Good values, while stopped: kept for the start, shown in the status.
+    let (code, status) = post(
+        &format!("{url}/api/workload/config"),
+        Some(json!({"mix": {"A": 100}, "rate": null})),
+    )
+    .await;
+    assert_eq!(code, 200, "{status}");
+    assert_eq!(
+        (status["mix"].as_str(), &status["rate"]),
+        (Some("A=100,B=0,C=0"), &Value::Null)
+    );
     let (code, answer) = get(&format!("{url}/api/conversations/0-999999")).await;
     assert_eq!((code, error_code(&answer)), (404, "not_found"));
     let (code, answer) = get(&format!("{url}/api/conversations/garbage")).await;
@@ -509,5 +539,67 @@ async fn a_user_model_writes_the_follow_ups_and_its_failures_fall_back_to_built_
         seen.iter().any(|a| a.len() > 500),
         "the model is shown the answer"
     );
+    loadgen.shutdown().await;
+}
+
+/// Seed 004: a mix at an open-loop rate, set through the API, runs B and C requests through
+/// the gateway; the status shows the mix, the rate and the sessions per workload; the rate
+/// goes back to the closed loop live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mix_at_a_rate_runs_and_changes_live() {
+    let speedup = 50.0;
+    let cluster = cluster(2, speedup).await;
+    let loadgen = Loadgen::bind(config(vec![lane("kv_load", &cluster)], 2, speedup))
+        .await
+        .unwrap();
+    let url = loadgen.url();
+    let (code, status) = post(
+        &format!("{url}/api/workload/start"),
+        Some(json!({"mix": "B=1,C=1", "rate": 4.0})),
+    )
+    .await;
+    assert_eq!(code, 200, "{status}");
+    assert_eq!(status["mix"], "A=0,B=1,C=1");
+    assert_eq!(status["rate"], 4.0);
+    wait_for_metrics(
+        &url,
+        "6 finished B/C requests",
+        Duration::from_secs(120),
+        |m| m["requests"].as_u64().unwrap_or(0) >= 6,
+    )
+    .await;
+    let (_, status) = get(&format!("{url}/api/status")).await;
+    let lane = &status["lanes"][0];
+    assert_eq!(lane["metrics"]["errors"], 0, "{status}");
+    let sessions = &lane["sessions_by_class"];
+    assert_eq!(sessions[0], 0, "{status}");
+    assert!(sessions[1].as_u64().unwrap() > 0 && sessions[2].as_u64().unwrap() > 0);
+    // B and C transcripts carry their own instruction and topic.
+    let (_, list) = get(&format!("{url}/api/conversations")).await;
+    let topics = strings(&list["conversations"], "topic");
+    assert!(
+        topics
+            .iter()
+            .all(|t| t.starts_with("summarise: ") || t.starts_with("reasoning: ")),
+        "{topics:?}"
+    );
+    // Live: back to the closed loop, then an invalid rate is refused while running.
+    let (code, status) = post(
+        &format!("{url}/api/workload/config"),
+        Some(json!({"rate": null, "concurrency": 2, "mix": {"A": 1}})),
+    )
+    .await;
+    assert_eq!(code, 200, "{status}");
+    assert_eq!(
+        (&status["rate"], status["concurrency"].as_u64()),
+        (&Value::Null, Some(2))
+    );
+    let (code, answer) = post(
+        &format!("{url}/api/workload/config"),
+        Some(json!({"rate": -1})),
+    )
+    .await;
+    assert_eq!((code, error_code(&answer)), (400, "invalid_rate"));
+    assert_eq!(answer["error"]["param"], "rate");
     loadgen.shutdown().await;
 }

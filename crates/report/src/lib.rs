@@ -30,6 +30,7 @@ pub use markdown::{compare_seed_002, highest_slo_level, markdown};
 pub use percentiles::Percentiles;
 pub use plots::plots;
 pub use results::{
-    Balance, BenchMeta, BenchResults, Metrics, PERCENTILES_METHOD, PhaseMeta, Row, Setup, WorkerRow,
+    Balance, BenchMeta, BenchResults, ClassRow, Metrics, PERCENTILES_METHOD, PhaseMeta, Row, Setup,
+    WorkerRow,
 };
 pub use seed002::{SLO_TPOT_P95_MS, SLO_TTFT_P95_MS};

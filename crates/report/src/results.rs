@@ -189,6 +189,23 @@ pub struct Row {
     pub balance: Balance,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub per_worker: Vec<WorkerRow>,
+    /// Seed 004's workloads A, B and C, each on its own (runs of a mix only; absent from
+    /// files written before it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub per_class: Vec<ClassRow>,
+}
+
+/// One workload's share of a run of a mix (seed 004: `A` chat, `B` summarisation, `C`
+/// reasoning): the same metrics over the same window, for its requests only. Tokens per
+/// second there count the output of its finished requests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClassRow {
+    /// `A`, `B` or `C`.
+    pub class: String,
+    /// `chat`, `summarisation` or `reasoning`.
+    pub name: String,
+    #[serde(flatten)]
+    pub metrics: Metrics,
 }
 
 /// `results.json`.

@@ -188,6 +188,7 @@ fn row(
         metrics: m.rounded(),
         balance: balance.rounded(),
         per_worker,
+        per_class: Vec::new(),
     }
 }
 

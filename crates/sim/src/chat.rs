@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use nanotime::Nanos;
-use workload::{Assets, ChatWorkload, WorkloadConfig, WorkloadError};
+use workload::{Assets, ChatWorkload, Class, WorkloadConfig, WorkloadError};
 
 use crate::bench::{BenchJob, BenchSpec, JobResult, run_job};
 use crate::driver::{SimError, derive_seed, streams};
@@ -26,6 +26,14 @@ impl Chat {
         config.concurrency = concurrency;
         let seed = derive_seed(run_seed, streams::WORKLOAD);
         ChatWorkload::new(config, assets, seed, Nanos::ZERO).map(Chat)
+    }
+}
+
+impl Chat {
+    /// The workload (A, B or C) of conversation `conversation` (a request record's): drawn
+    /// from the run's mix, which does not change during a run.
+    pub fn class_of(&self, conversation: u64) -> Class {
+        self.0.class_of(conversation)
     }
 }
 

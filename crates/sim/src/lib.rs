@@ -57,7 +57,9 @@
 //! 3. [`timeline`]: per-worker samples and their charts;
 //! 4. `driver`: the event loop ([`Simulation`]), over 1–3;
 //! 5. [`bench`](mod@bench): sweeps as jobs, aggregated into results rows;
-//! 6. [`chat`]: the seed's chat workload run as bench jobs;
+//! 6. [`chat`]: the seed's chat workload (and seed 004's mix of chat, summarisation and
+//!    reasoning, closed or open loop: `workload::WorkloadConfig::mix`, `rate_rps`) run as
+//!    bench jobs; [`mix`]: a run's metrics per workload from its records;
 //! 7. [`ladder`]: seed 003's phase ladder (baseline → KV routing → draft model → EAGLE-3) as
 //!    a set of benchmarks, merged into one results file.
 //!
@@ -66,7 +68,8 @@
 //! No I/O, no clock, no threads: time is [`Nanos`](nanotime::Nanos), randomness comes from
 //! seeds derived from [`SimConfig::seed`] ([`derive_seed`]), ties are broken by a fixed
 //! order, so a run is reproducible byte for byte. Memory is bounded by what is simulated:
-//! turns in flight (the workload's concurrency plus the frontend queue's capacity), the
+//! turns in flight (the workload's concurrency, or its `max_open` in the open loop, plus the
+//! frontend queue's capacity), the
 //! engines' pools and the router's index (sized above the fleet's KV capacity), four samples
 //! per request per snapshot window, and the oracle (unbounded by definition unless
 //! [`SimConfig::oracle_horizon`] is set). Per-request records are kept only with
@@ -119,6 +122,7 @@ mod config;
 mod driver;
 pub mod ladder;
 pub mod metrics;
+pub mod mix;
 pub mod oracle;
 pub mod timeline;
 pub mod timers;

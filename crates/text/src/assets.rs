@@ -4,6 +4,7 @@
 
 use std::sync::{Arc, OnceLock};
 
+use crate::tasks::{DocumentCorpus, REASONING_INSTRUCTION, ReasoningBank, SUMMARY_INSTRUCTION};
 use crate::{
     ChatMessage, ChatTemplate, Corpus, END_HEADER_ID, KeyTerms, Llama3Format, QuestionGenerator,
     QuestionPlan, ReplyConfig, ReplyGenerator, START_HEADER_ID, TextError, Tokenizer,
@@ -29,6 +30,101 @@ pub struct Assets {
     /// `<|start_header_id|>user<|end_header_id|>\n\n`: a user message's tokens are these, the
     /// question's, then `<|eot_id|>`.
     user_header: Vec<u32>,
+    /// Workloads B and C's corpora and prompts, built on first use.
+    tasks: OnceLock<Arc<TaskAssets>>,
+}
+
+/// Workloads B and C's corpora and their prompts, in text and in tokens: built once on first
+/// use ([`Assets::tasks`]; tokenizing the documents takes a moment), shared by the simulator and
+/// the load generator.
+pub struct TaskAssets {
+    documents: DocumentCorpus,
+    bank: ReasoningBank,
+    /// Per document: `<|begin_of_text|>` + system ([`SUMMARY_INSTRUCTION`]) + user (the
+    /// document) + the assistant header.
+    document_prompts: Vec<Arc<[u32]>>,
+    /// Per reasoning prompt: the same with [`REASONING_INSTRUCTION`].
+    reasoning_prompts: Vec<Arc<[u32]>>,
+    document_texts: Vec<Arc<str>>,
+    reasoning_texts: Vec<Arc<str>>,
+}
+
+impl std::fmt::Debug for TaskAssets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskAssets")
+            .field("documents", &self.documents.len())
+            .field("reasoning_prompts", &self.bank.len())
+            .finish()
+    }
+}
+
+impl TaskAssets {
+    fn build(assets: &Assets) -> Result<TaskAssets, TextError> {
+        let documents = DocumentCorpus::builtin(&assets.tokenizer)?;
+        let bank = ReasoningBank::builtin()?;
+        let render = |system: &str, user: &str| -> Arc<[u32]> {
+            let mut ids = vec![assets.format.bos()];
+            let format = &assets.format;
+            format.push_message(&assets.tokenizer, &ChatMessage::system(system), &mut ids);
+            format.push_message(&assets.tokenizer, &ChatMessage::user(user), &mut ids);
+            ids.extend_from_slice(format.generation_prompt());
+            ids.into()
+        };
+        Ok(TaskAssets {
+            document_prompts: documents
+                .documents()
+                .iter()
+                .map(|d| render(SUMMARY_INSTRUCTION, &d.markdown))
+                .collect(),
+            reasoning_prompts: bank
+                .prompts()
+                .iter()
+                .map(|p| render(REASONING_INSTRUCTION, &p.prompt))
+                .collect(),
+            document_texts: documents
+                .documents()
+                .iter()
+                .map(|d| Arc::from(d.markdown.as_str()))
+                .collect(),
+            reasoning_texts: bank
+                .prompts()
+                .iter()
+                .map(|p| Arc::from(p.prompt.as_str()))
+                .collect(),
+            documents,
+            bank,
+        })
+    }
+
+    pub fn documents(&self) -> &DocumentCorpus {
+        &self.documents
+    }
+
+    pub fn bank(&self) -> &ReasoningBank {
+        &self.bank
+    }
+
+    /// Document `i`'s whole prompt in token ids (template, instruction, document, assistant
+    /// header): equal to rendering [`Self::document_text`] after [`SUMMARY_INSTRUCTION`] with
+    /// the chat template and tokenizing it.
+    pub fn document_prompt(&self, i: usize) -> Option<&Arc<[u32]>> {
+        self.document_prompts.get(i)
+    }
+
+    /// Document `i` as the user message's text.
+    pub fn document_text(&self, i: usize) -> Option<&Arc<str>> {
+        self.document_texts.get(i)
+    }
+
+    /// Reasoning prompt `i`'s whole prompt in token ids (see [`Self::document_prompt`]).
+    pub fn reasoning_prompt(&self, i: usize) -> Option<&Arc<[u32]>> {
+        self.reasoning_prompts.get(i)
+    }
+
+    /// Reasoning prompt `i` as the user message's text.
+    pub fn reasoning_text(&self, i: usize) -> Option<&Arc<str>> {
+        self.reasoning_texts.get(i)
+    }
 }
 
 impl std::fmt::Debug for Assets {
@@ -74,6 +170,7 @@ impl Assets {
             questions: QuestionGenerator::new(terms, &tokenizer),
             user_header: tokenizer.encode(&format!("{START_HEADER_ID}user{END_HEADER_ID}\n\n")),
             default_prefixes: Vec::new(),
+            tasks: OnceLock::new(),
             tokenizer,
             corpus,
         };
@@ -121,6 +218,16 @@ impl Assets {
         out.extend_from_slice(&self.user_header);
         self.questions.push_tokens(question, out);
         out.push(self.format.eot());
+    }
+
+    /// Workloads B and C's documents and prompts, built on first use (two threads may both
+    /// build; the first stored wins, both are equal).
+    pub fn tasks(&self) -> Result<&Arc<TaskAssets>, TextError> {
+        if let Some(tasks) = self.tasks.get() {
+            return Ok(tasks);
+        }
+        let built = Arc::new(TaskAssets::build(self)?);
+        Ok(self.tasks.get_or_init(|| built))
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {

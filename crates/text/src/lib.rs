@@ -15,6 +15,9 @@
 //!   real model's is. [`QuestionGenerator`]: a simulated user's follow-up questions.
 //! - [`Assets`]: all of the above built once per process ([`Assets::builtin`]) and shared by
 //!   the workload (both its token and its text form), the simulator and the engine simulator.
+//! - [`tasks`]: the corpora of seed 004's workloads B (summarisation documents in three
+//!   length buckets, composed from original sections) and C (a reasoning prompt bank);
+//!   [`TaskAssets`] their prompts in text and tokens, built on first use.
 //! - [`Preprocessor`]: a server's per-request chat template + tokenization, with a bounded
 //!   cache of recently seen messages (the gateway's preprocessing).
 //!
@@ -58,10 +61,11 @@ mod corpus;
 mod preprocess;
 mod question;
 mod reply;
+pub mod tasks;
 mod template;
 mod tokenizer;
 
-pub use assets::{Assets, DEFAULT_SYSTEM_PROMPT};
+pub use assets::{Assets, DEFAULT_SYSTEM_PROMPT, TaskAssets};
 pub use chat_tokens::{ChatTokens, Llama3Format};
 pub use corpus::{Corpus, KeyTerms, Passage, Term};
 pub use preprocess::{FormatError, Prepared, Preprocessor};

@@ -3,7 +3,7 @@
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::WorkloadError;
+use crate::{Mix, WorkloadError};
 pub use text::DEFAULT_SYSTEM_PROMPT;
 
 /// Upper bound on [`WorkloadConfig::concurrency`] (and on `set_concurrency`): bounds the
@@ -13,6 +13,10 @@ pub const MAX_CONCURRENCY: u32 = 1_000_000;
 pub const MAX_TURNS: u32 = 1_000;
 /// Upper bound on a think time or the ramp, in seconds (one day).
 pub const MAX_SECONDS: f64 = 86_400.0;
+/// Upper bound on [`WorkloadConfig::rate_rps`], sessions per second.
+pub const MAX_RATE: f64 = 1_000_000.0;
+/// Default of [`WorkloadConfig::max_open`].
+pub const DEFAULT_MAX_OPEN: u32 = 10_000;
 
 /// The multi-turn chat workload of the seeds.
 ///
@@ -47,7 +51,30 @@ pub struct WorkloadConfig {
     pub passages: u32,
     /// Instruction placed before the passage in the system message.
     pub system_prompt: String,
+    /// Seed 004's workload mix: the weights of A (this chat), B (summarisation) and C
+    /// (reasoning). Each new session draws its class. Default: chat only.
+    pub mix: Mix,
+    /// Open loop: new sessions arrive at this many per second, Poisson (exponential gaps from
+    /// the workload's seed), instead of `concurrency` sessions open at all times. A session is
+    /// a whole conversation for A (its later turns follow its replies and think times) and one
+    /// request for B and C. `None` (the default): the closed loop.
+    pub rate_rps: Option<f64>,
+    /// Open loop: most sessions open at once. An arrival beyond it is refused and counted
+    /// ([`crate::WorkloadStats::arrivals_dropped`]), so an arrival rate above what the system
+    /// serves cannot grow memory without bound.
+    pub max_open: u32,
+    /// B's answer length in tokens (default uniform 100–300).
+    pub summary_tokens: Distribution,
+    /// C's answer length as a multiple of the prompt's expected output length (default
+    /// uniform 0.8–1.2).
+    pub reasoning_scale: Distribution,
 }
+
+const DEFAULT_SUMMARY_TOKENS: Distribution = Distribution::Uniform {
+    min: 100.0,
+    max: 300.0,
+};
+const DEFAULT_REASONING_SCALE: Distribution = Distribution::Uniform { min: 0.8, max: 1.2 };
 
 impl Default for WorkloadConfig {
     fn default() -> Self {
@@ -63,6 +90,11 @@ impl Default for WorkloadConfig {
             ramp_s: 30.0,
             passages: 10,
             system_prompt: DEFAULT_SYSTEM_PROMPT.to_owned(),
+            mix: Mix::default(),
+            rate_rps: None,
+            max_open: DEFAULT_MAX_OPEN,
+            summary_tokens: DEFAULT_SUMMARY_TOKENS,
+            reasoning_scale: DEFAULT_REASONING_SCALE,
         }
     }
 }
@@ -251,6 +283,27 @@ impl WorkloadConfig {
         if self.passages == 0 {
             return bad("passages must be at least 1".into());
         }
+        if let Err(e) = self.mix.validate() {
+            return bad(format!("mix: {e}"));
+        }
+        if let Some(rate) = self.rate_rps {
+            if !(rate.is_finite() && rate > 0.0 && rate <= MAX_RATE) {
+                return bad(format!(
+                    "rate_rps must be a number of sessions per second in (0, {MAX_RATE}], got {rate}"
+                ));
+            }
+        }
+        if self.max_open == 0 || self.max_open > MAX_CONCURRENCY {
+            return bad(format!("max_open must be 1..={MAX_CONCURRENCY}"));
+        }
+        self.summary_tokens.validate("summary_tokens")?;
+        if self.summary_tokens.bounds().0 < 1.0 {
+            return bad("summary_tokens: every answer needs at least 1 token (min ≥ 1)".into());
+        }
+        self.reasoning_scale.validate("reasoning_scale")?;
+        if self.reasoning_scale.bounds().0 <= 0.0 || self.reasoning_scale.bounds().1 > 4.0 {
+            return bad("reasoning_scale: draws must lie in (0, 4]".into());
+        }
         Ok(())
     }
 }
@@ -343,6 +396,13 @@ mod tests {
         );
         check(|c| c.ramp_s = -1.0, "ramp_s");
         check(|c| c.passages = 0, "passages");
+        check(|c| c.rate_rps = Some(0.0), "rate_rps");
+        check(|c| c.rate_rps = Some(f64::INFINITY), "rate_rps");
+        check(|c| c.max_open = 0, "max_open");
+        check(
+            |c| c.summary_tokens = Distribution::Constant { value: 0.0 },
+            "summary_tokens",
+        );
         assert!(WorkloadConfig::default().validate().is_ok());
     }
 }

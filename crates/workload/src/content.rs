@@ -3,14 +3,20 @@
 //! write the same plans (passage, questions, planned answers): the text form's system message
 //! and questions, rendered with the chat template and tokenized with the planned replies as
 //! answers, are exactly the token form's prompts (tested in `tests/content.rs`).
+//!
+//! Workloads B and C (one turn each) are written from [`text::TaskAssets`]: the token form's
+//! prompt is the document's or reasoning prompt's pre-rendered prompt (template, instruction,
+//! user message, assistant header: the same `Arc` for every request on it), the text form's
+//! system message is the instruction and its question the document or prompt.
 
 use std::fmt::Debug;
 use std::sync::Arc;
 
 use nanotime::Nanos;
 use text::Assets;
+use text::tasks::{REASONING_INSTRUCTION, SUMMARY_INSTRUCTION};
 
-use crate::{TurnPlan, WorkloadConfig};
+use crate::{Ask, Class, TurnPlan, WorkloadConfig};
 
 /// A turn: its conversation (numbered from 0 in order of creation) and its index there (0 =
 /// the first turn).
@@ -121,9 +127,32 @@ impl Content for TokenContent {
         key: TurnKey,
         issued_at: Nanos,
     ) -> Turn {
+        let question = match plan.ask {
+            Ask::Chat(question) => question,
+            Ask::Summarise(i) | Ask::Reason(i) => {
+                // Built when the workload was (`ChatWorkload::with_content` checks), so this
+                // lookup cannot fail; an empty prompt would be refused by any server.
+                let tasks = self.assets.tasks().ok();
+                let prompt = tasks
+                    .and_then(|t| match plan.ask {
+                        Ask::Summarise(_) => t.document_prompt(i),
+                        _ => t.reasoning_prompt(i),
+                    })
+                    .cloned()
+                    .unwrap_or_else(|| Arc::from(Vec::new()));
+                history.prompt = Some(prompt.clone());
+                history.reply = Some(plan.reply.ids.clone());
+                return Turn {
+                    key,
+                    prompt,
+                    output: plan.reply.ids,
+                    issued_at,
+                };
+            }
+        };
         let format = self.assets.format();
         let mut user = Vec::with_capacity(96);
-        self.assets.push_user_question(&plan.question, &mut user);
+        self.assets.push_user_question(&question, &mut user);
         let generation = format.generation_prompt();
         let eot = [format.eot()];
         // Slices are copied with memcpy into one buffer (an iterator chain of elements was
@@ -166,6 +195,8 @@ impl Content for TokenContent {
 #[derive(Clone, Debug)]
 pub struct TextTurn {
     pub key: TurnKey,
+    /// Which workload the turn belongs to (its conversation's class).
+    pub class: Class,
     /// The system message: instruction + passage, shared by every conversation on it.
     pub system: Arc<str>,
     /// The user's question.
@@ -218,14 +249,36 @@ impl Content for TextContent {
         key: TurnKey,
         issued_at: Nanos,
     ) -> TextTurn {
+        let tasks = || self.assets.tasks().ok();
+        let (class, system, question) = match plan.ask {
+            Ask::Chat(question) => (
+                Class::A,
+                self.systems
+                    .get(*passage)
+                    .cloned()
+                    .unwrap_or_else(|| "".into()),
+                self.assets.questions().text(&question).into(),
+            ),
+            Ask::Summarise(i) => (
+                Class::B,
+                SUMMARY_INSTRUCTION.into(),
+                tasks()
+                    .and_then(|t| t.document_text(i).cloned())
+                    .unwrap_or_else(|| "".into()),
+            ),
+            Ask::Reason(i) => (
+                Class::C,
+                REASONING_INSTRUCTION.into(),
+                tasks()
+                    .and_then(|t| t.reasoning_text(i).cloned())
+                    .unwrap_or_else(|| "".into()),
+            ),
+        };
         TextTurn {
             key,
-            system: self
-                .systems
-                .get(*passage)
-                .cloned()
-                .unwrap_or_else(|| "".into()),
-            question: self.assets.questions().text(&plan.question).into(),
+            class,
+            system,
+            question,
             planned_reply: plan.reply.ids,
             issued_at,
         }

@@ -7,6 +7,17 @@
 //! replaced at once, so the number of open conversations (the concurrency) stays constant.
 //! Everything is configurable through [`WorkloadConfig`], whose `Default` is the seed.
 //!
+//! Seed 004 adds two single-turn workloads and a mix ([`Mix`], [`Class`]): **B**
+//! summarisation (an instruction and one document of ≈ 4k, 10k or 18k tokens, a 100–300-token
+//! answer) and **C** reasoning (a short prompt from a bank of 64, a 1,000–4,000-token answer),
+//! both from [`text::TaskAssets`]; each new session draws its class from
+//! [`WorkloadConfig::mix`]. And an open loop ([`Arrivals::Open`], [`WorkloadConfig::rate_rps`]):
+//! sessions arrive Poisson at a rate instead of a constant number being open; an A
+//! conversation that arrived runs all its turns (each after the previous reply and the think
+//! time), at most [`WorkloadConfig::max_open`] sessions are open and further arrivals are
+//! refused and counted. A chat-only mix in the closed loop (the default) draws nothing new:
+//! the seeds' workload is unchanged, request for request.
+//!
 //! Three layers, so that the simulator and the load generator send the same conversations:
 //! - the **schedule** ([`ChatWorkload`]): which conversations are open, when each sends its
 //!   next turn (think time, the start ramp), how many are open ([`Arrivals`]);
@@ -54,17 +65,19 @@
 
 mod config;
 mod content;
+mod mix;
 mod schedule;
 mod script;
 pub mod trace;
 
 pub use config::{
-    DEFAULT_SYSTEM_PROMPT, Distribution, MAX_CONCURRENCY, MAX_SECONDS, MAX_TURNS, TurnRange,
-    WorkloadConfig,
+    DEFAULT_MAX_OPEN, DEFAULT_SYSTEM_PROMPT, Distribution, MAX_CONCURRENCY, MAX_RATE, MAX_SECONDS,
+    MAX_TURNS, TurnRange, WorkloadConfig,
 };
 pub use content::{Content, TextContent, TextTurn, TokenContent, TokenHistory, Turn, TurnKey};
+pub use mix::{Class, MAX_MIX_TOTAL, Mix, MixError};
 pub use schedule::{Arrivals, ChatWorkload, ConversationInfo, WorkloadStats};
-pub use script::{Script, TurnPlan};
+pub use script::{Ask, Script, TurnPlan};
 pub use text::Assets;
 pub use trace::{
     PromptSynth, SessionStep, Speed, TRACE_BLOCK_TOKENS, Trace, TraceError, TraceRecord,

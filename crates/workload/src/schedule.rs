@@ -1,15 +1,27 @@
 //! The schedule core: which conversations are open, when each sends its next turn (think
 //! time, the ramp), and how many are open at once. What a turn says comes from the
 //! conversation's [`Script`]; how it is written out (tokens or text) from a [`Content`].
+//!
+//! Sessions: a conversation of workload A, or one request of B or C, each drawn from the
+//! config's [`crate::Mix`] when it opens. Two arrival processes ([`Arrivals`]): the closed loop
+//! (`concurrency` sessions open at all times, the seeds' default) and the open loop (sessions
+//! arrive at `rate_rps` per second, Poisson; an A conversation that arrived sends its later
+//! turns after its replies and think times, as in the closed loop, so the request rate is the
+//! arrival rate times the mean turns per session; at most `max_open` sessions are open, and an
+//! arrival beyond that is refused and counted).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::sync::Arc;
 
 use nanotime::Nanos;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use text::{Assets, ChatMessage};
 
-use crate::{Content, Script, TokenContent, TurnKey, WorkloadConfig, WorkloadError};
+use crate::{
+    Class, Content, MAX_RATE, Mix, Script, TokenContent, TurnKey, WorkloadConfig, WorkloadError,
+};
 
 /// Counters since the workload started.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -29,13 +41,19 @@ pub struct WorkloadStats {
     /// Turns that could not be built (cannot happen with a validated config); their
     /// conversations were closed without replacement.
     pub issue_errors: u64,
+    /// Open loop: arrivals refused because `max_open` sessions were open.
+    pub arrivals_dropped: u64,
+    /// Sessions started, per class (A, B, C).
+    pub sessions_by_class: [u64; 3],
 }
 
 /// A conversation as seen from outside (transcripts, dashboards).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConversationInfo {
     pub id: u64,
-    /// Index of the passage in the corpus.
+    /// Its workload: A (chat), B (summarisation) or C (reasoning).
+    pub class: Class,
+    /// Index of the passage in the corpus (A), of the document (B) or of the prompt (C).
     pub passage: usize,
     /// Turns this conversation will have.
     pub turns: u32,
@@ -46,16 +64,13 @@ pub struct ConversationInfo {
     pub in_flight: bool,
 }
 
-/// How new conversations arrive.
-///
-/// Only the closed loop exists today. An open loop (conversations arriving at a rate, e.g.
-/// Poisson, in a later issue) is a second variant: the schedule then keeps a timer for the
-/// next arrival and does not replace finished conversations; scripts, renderings and drivers
-/// stay as they are.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How new sessions (conversations, or B/C requests) arrive.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Arrivals {
-    /// `concurrency` conversations are open at all times: a finished one is replaced at once.
+    /// `concurrency` sessions are open at all times: a finished one is replaced at once.
     ClosedLoop { concurrency: u32 },
+    /// Sessions arrive at `rate_rps` per second, Poisson; finished ones are not replaced.
+    Open { rate_rps: f64 },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,6 +86,7 @@ enum Phase {
 #[derive(Debug)]
 struct Conversation<H> {
     script: Script,
+    class: Class,
     /// Index of the next turn to issue (or of the turn in flight).
     next_turn: u32,
     phase: Phase,
@@ -87,7 +103,7 @@ struct Conversation<H> {
 /// [`ChatWorkload::on_turn_finished`] or [`ChatWorkload::on_turn_failed`].
 ///
 /// Bounds: the conversation table holds at most the largest concurrency set (≤
-/// [`crate::MAX_CONCURRENCY`]); the timer heap and ready queue hold at most one live entry per
+/// [`crate::MAX_CONCURRENCY`]), or `max_open` sessions in the open loop; the timer heap and ready queue hold at most one live entry per
 /// conversation plus entries of conversations removed by a shrink, which are dropped as they
 /// come up. Per turn the work is the script's draws and the content's rendering.
 #[derive(Debug)]
@@ -95,7 +111,14 @@ pub struct ChatWorkload<C: Content = TokenContent> {
     config: WorkloadConfig,
     content: C,
     seed: u64,
-    arrivals: Arrivals,
+    /// The closed loop's target (kept while the loop is open, for a switch back).
+    concurrency: u32,
+    /// `Some`: the open loop at this rate.
+    rate: Option<f64>,
+    /// The open loop's next arrival.
+    next_arrival: Option<Nanos>,
+    /// Draws the open loop's gaps: its own stream, so arrivals do not move sessions' scripts.
+    arrival_rng: ChaCha8Rng,
     conversations: BTreeMap<u64, Conversation<C::History>>,
     next_id: u64,
     timers: BinaryHeap<Reverse<(Nanos, u64, u64)>>,
@@ -161,15 +184,28 @@ impl<C: Content> ChatWorkload<C> {
                 "output_tokens: at most {max_reply} tokens per reply"
             )));
         }
+        if config.summary_tokens.bounds().1 > max_reply as f64 {
+            return Err(WorkloadError::InvalidConfig(format!(
+                "summary_tokens: at most {max_reply} tokens per reply"
+            )));
+        }
+        if !config.mix.is_chat_only() {
+            // B's and C's corpora, built once (and checked) before any turn needs them.
+            assets.tasks()?;
+        }
         let content = C::new(assets, &config);
         let target = config.concurrency;
+        let rate = config.rate_rps;
+        let mut arrival_rng = ChaCha8Rng::seed_from_u64(seed);
+        arrival_rng.set_stream(u64::MAX);
         let mut me = ChatWorkload {
             config,
             content,
             seed,
-            arrivals: Arrivals::ClosedLoop {
-                concurrency: target,
-            },
+            concurrency: target,
+            rate,
+            next_arrival: None,
+            arrival_rng,
             conversations: BTreeMap::new(),
             next_id: 0,
             timers: BinaryHeap::new(),
@@ -178,6 +214,10 @@ impl<C: Content> ChatWorkload<C> {
             now,
             stats: WorkloadStats::default(),
         };
+        if let Some(rate) = rate {
+            me.next_arrival = Some(now + me.gap(rate));
+            return Ok(me);
+        }
         let ramp = Nanos::from_secs_f64(me.config.ramp_s);
         for i in 0..u64::from(target) {
             // Evenly spaced: conversation i starts at ramp × i / n.
@@ -187,11 +227,29 @@ impl<C: Content> ChatWorkload<C> {
         Ok(me)
     }
 
-    fn open_conversation(&mut self, start: Nanos) {
+    /// An exponential gap between arrivals at `rate` per second (at least 1 ns).
+    fn gap(&mut self, rate: f64) -> Nanos {
+        let u: f64 = self.arrival_rng.random();
+        Nanos::from_secs_f64(-(1.0 - u).ln() / rate).max(Nanos(1))
+    }
+
+    /// Opens session `next_id` at `start`; false if its script could not be built.
+    fn open_conversation(&mut self, start: Nanos) -> bool {
         let id = self.next_id;
         self.next_id += 1;
-        let script = Script::new(self.seed, id, &self.config, self.config.passages as usize);
+        let class = self.config.mix.class_of(self.seed, id);
+        let script =
+            match Script::for_class(class, self.seed, id, &self.config, self.content.assets()) {
+                Ok(script) => script,
+                Err(_) => {
+                    // Unreachable: the corpora were built by `with_content` or `set_mix`.
+                    self.stats.issue_errors += 1;
+                    return false;
+                }
+            };
+        self.stats.sessions_by_class[class as usize] += 1;
         let mut conversation = Conversation {
+            class,
             history: self.content.open(script.passage()),
             script,
             next_turn: 0,
@@ -205,6 +263,7 @@ impl<C: Content> ChatWorkload<C> {
         }
         self.conversations.insert(id, conversation);
         self.stats.conversations_started += 1;
+        true
     }
 
     fn push_timer(&mut self, at: Nanos, id: u64) {
@@ -212,23 +271,32 @@ impl<C: Content> ChatWorkload<C> {
         self.timer_seq += 1;
     }
 
-    /// Opens conversations until as many are open as the arrivals ask for.
+    /// Opens conversations until as many are open as the closed loop asks for (nothing in the
+    /// open loop).
     fn refill(&mut self) {
-        let Arrivals::ClosedLoop { concurrency } = self.arrivals;
-        while (self.conversations.len() as u64) < u64::from(concurrency) {
-            self.open_conversation(self.now);
+        if self.rate.is_some() {
+            return;
+        }
+        while (self.conversations.len() as u64) < u64::from(self.concurrency) {
+            if !self.open_conversation(self.now) {
+                break;
+            }
         }
     }
 
     /// Sets the number of open conversations. Growth starts new conversations at `now`;
     /// shrinking first closes conversations that have not sent their first turn yet (newest
     /// first), then lets the rest end naturally without replacing them.
+    ///
+    /// In the open loop this only sets the target for a later switch back to the closed loop
+    /// ([`ChatWorkload::set_rate`] with `None`).
     pub fn set_concurrency(&mut self, n: u32, now: Nanos) {
         self.advance(now);
         let target = n.min(crate::MAX_CONCURRENCY);
-        self.arrivals = Arrivals::ClosedLoop {
-            concurrency: target,
-        };
+        self.concurrency = target;
+        if self.rate.is_some() {
+            return;
+        }
         let excess = self.conversations.len().saturating_sub(target as usize);
         if excess > 0 {
             let unstarted: Vec<u64> = self
@@ -248,31 +316,121 @@ impl<C: Content> ChatWorkload<C> {
         self.refill();
     }
 
-    /// The target number of open conversations.
-    pub fn concurrency(&self) -> u32 {
-        let Arrivals::ClosedLoop { concurrency } = self.arrivals;
-        concurrency
+    /// Switches to the open loop at `rate` sessions per second (`Some`), or back to the
+    /// closed loop at the last concurrency set (`None`; open sessions are kept and topped up
+    /// to it). A new rate takes effect from `now`: the next arrival is drawn afresh.
+    pub fn set_rate(&mut self, rate: Option<f64>, now: Nanos) -> Result<(), WorkloadError> {
+        if let Some(r) = rate {
+            if !(r.is_finite() && r > 0.0 && r <= MAX_RATE) {
+                return Err(WorkloadError::InvalidConfig(format!(
+                    "rate_rps must be a number of sessions per second in (0, {MAX_RATE}], got {r}"
+                )));
+            }
+        }
+        self.advance(now);
+        self.rate = rate;
+        self.config.rate_rps = rate;
+        match rate {
+            Some(r) => {
+                self.next_arrival = Some(self.now + self.gap(r));
+            }
+            None => {
+                self.next_arrival = None;
+                self.refill();
+            }
+        }
+        Ok(())
     }
 
-    /// How conversations arrive.
+    /// Sets the mix that sessions opened from now on draw their class from (open sessions
+    /// keep theirs).
+    pub fn set_mix(&mut self, mix: Mix) -> Result<(), WorkloadError> {
+        mix.validate()
+            .map_err(|e| WorkloadError::InvalidConfig(format!("mix: {e}")))?;
+        if !mix.is_chat_only() {
+            self.content.assets().tasks()?;
+        }
+        self.config.mix = mix;
+        Ok(())
+    }
+
+    /// The class of session `id`: [`Mix::class_of`] under the current mix, so exact for every
+    /// session when the mix has not changed since the workload started (the simulator's
+    /// runs); an open session's own class is in [`ChatWorkload::conversation`].
+    pub fn class_of(&self, id: u64) -> Class {
+        match self.conversations.get(&id) {
+            Some(c) => c.class,
+            None => self.config.mix.class_of(self.seed, id),
+        }
+    }
+
+    /// The workload's seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The mix new sessions draw from.
+    pub fn mix(&self) -> Mix {
+        self.config.mix
+    }
+
+    /// The open loop's rate, `None` in the closed loop.
+    pub fn rate(&self) -> Option<f64> {
+        self.rate
+    }
+
+    /// The closed loop's target number of open sessions.
+    pub fn concurrency(&self) -> u32 {
+        self.concurrency
+    }
+
+    /// How sessions arrive.
     pub fn arrivals(&self) -> Arrivals {
-        self.arrivals
+        match self.rate {
+            Some(rate_rps) => Arrivals::Open { rate_rps },
+            None => Arrivals::ClosedLoop {
+                concurrency: self.concurrency,
+            },
+        }
     }
 
     /// When [`ChatWorkload::handle_timeout`] is next needed: the earliest end of a think time
-    /// or ramp slot. `None` when every conversation waits on a turn in flight.
+    /// or ramp slot, or the open loop's next arrival. `None` when every conversation waits on
+    /// a turn in flight.
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        self.timers.peek().map(|Reverse((at, _, _))| *at)
+        let timer = self.timers.peek().map(|Reverse((at, _, _))| *at);
+        match (timer, self.next_arrival) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
-    /// Moves conversations whose wait ended by `now` to the ready queue.
+    /// Moves conversations whose wait ended by `now` to the ready queue, and opens the
+    /// sessions that arrived by `now` (in time order, a wait's end first on a tie).
     pub fn handle_timeout(&mut self, now: Nanos) {
         self.advance(now);
-        while let Some(&Reverse((at, _, id))) = self.timers.peek() {
-            if at > self.now {
-                break;
+        loop {
+            let timer = self
+                .timers
+                .peek()
+                .map(|Reverse((at, _, _))| *at)
+                .filter(|at| *at <= self.now);
+            let arrival = self.next_arrival.filter(|at| *at <= self.now);
+            match (timer, arrival) {
+                (None, None) => break,
+                (None, Some(_)) => {
+                    self.arrive();
+                    continue;
+                }
+                (Some(t), Some(a)) if a < t => {
+                    self.arrive();
+                    continue;
+                }
+                _ => {}
             }
-            self.timers.pop();
+            let Some(Reverse((at, _, id))) = self.timers.pop() else {
+                break;
+            };
             if let Some(c) = self.conversations.get_mut(&id) {
                 if c.phase == (Phase::Waiting { until: at }) {
                     c.phase = Phase::Ready { since: at };
@@ -280,6 +438,21 @@ impl<C: Content> ChatWorkload<C> {
                 }
             }
         }
+    }
+
+    /// The open loop's next arrival: a session opens then, unless `max_open` are open.
+    fn arrive(&mut self) {
+        let (Some(at), Some(rate)) = (self.next_arrival, self.rate) else {
+            self.next_arrival = None;
+            return;
+        };
+        if self.conversations.len() < self.config.max_open as usize {
+            // Opened at its arrival instant (≤ now), so its first turn is issued as of then.
+            self.open_conversation(at);
+        } else {
+            self.stats.arrivals_dropped += 1;
+        }
+        self.next_arrival = Some(at + self.gap(rate));
     }
 
     fn advance(&mut self, now: Nanos) {
@@ -401,6 +574,7 @@ impl<C: Content> ChatWorkload<C> {
         let c = self.conversations.get(&id)?;
         Some(ConversationInfo {
             id,
+            class: c.class,
             passage: c.script.passage(),
             turns: c.script.turns(),
             turns_issued: c.next_turn + u32::from(matches!(c.phase, Phase::InFlight { .. })),

@@ -5,24 +5,36 @@
 //! the same conversation in `kvroute sim` and in `kvroute demo`.
 //!
 //! Workloads B (summarisation: long documents, short answers) and C (reasoning: short
-//! prompts, long answers) are other sources of the same shape: a document pool and question
-//! templates in [`text::Assets`] (a corpus of long documents for B; no passage and short
-//! prompts for C) and their own length distributions in [`crate::WorkloadConfig`]. They yield
-//! [`TurnPlan`]s like this one, so the schedule, both renderings and every driver stay as they
-//! are.
+//! prompts, long answers) are scripts of the same shape with one turn: a document or a prompt
+//! from [`text::TaskAssets`] ([`text::Assets::tasks`]), and a reply whose length comes from
+//! [`crate::WorkloadConfig::summary_tokens`] or from the prompt's expected output length
+//! scaled by [`crate::WorkloadConfig::reasoning_scale`]. They yield [`TurnPlan`]s like chat's,
+//! so the schedule, both renderings and every driver handle them alike; the simulator and the
+//! load generator send the same B and C requests for a seed.
 
 use nanotime::Nanos;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use text::{Assets, QuestionPlan, Reply};
 
-use crate::{WorkloadConfig, WorkloadError};
+use crate::{Class, WorkloadConfig, WorkloadError};
 
-/// What one turn says, before it is written as tokens or text: the question and the planned
-/// reply (its ids fix the answer's length; its topic feeds the next question).
+/// What a turn asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ask {
+    /// A: the user's question about the conversation's passage.
+    Chat(QuestionPlan),
+    /// B: summarise document `i` of [`text::TaskAssets::documents`].
+    Summarise(usize),
+    /// C: answer reasoning prompt `i` of [`text::TaskAssets::bank`].
+    Reason(usize),
+}
+
+/// What one turn says, before it is written as tokens or text: what it asks and the planned
+/// reply (its ids fix the answer's length; for chat, its topic feeds the next question).
 #[derive(Clone, Debug)]
 pub struct TurnPlan {
-    pub question: QuestionPlan,
+    pub ask: Ask,
     pub reply: Reply,
 }
 
@@ -35,6 +47,8 @@ pub struct TurnPlan {
 #[derive(Clone, Debug)]
 pub struct Script {
     rng: ChaCha8Rng,
+    class: Class,
+    /// The passage (A), document (B) or prompt (C).
     passage: usize,
     turns: u32,
     /// The last reply's term, for the next question.
@@ -51,14 +65,46 @@ impl Script {
         let turns = config.turns.sample(&mut rng);
         Script {
             rng,
+            class: Class::A,
             passage,
             turns,
             topic: None,
         }
     }
 
+    /// Session `session` of class `class`: [`Script::new`] for A; for B and C one turn on a
+    /// document or prompt drawn uniformly from the same RNG stream.
+    pub fn for_class(
+        class: Class,
+        seed: u64,
+        session: u64,
+        config: &WorkloadConfig,
+        assets: &Assets,
+    ) -> Result<Script, WorkloadError> {
+        let items = match class {
+            Class::A => return Ok(Script::new(seed, session, config, config.passages as usize)),
+            Class::B => assets.tasks()?.documents().len(),
+            Class::C => assets.tasks()?.bank().len(),
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        rng.set_stream(session);
+        let passage = rng.random_range(0..items.max(1));
+        Ok(Script {
+            rng,
+            class,
+            passage,
+            turns: 1,
+            topic: None,
+        })
+    }
+
+    /// The passage (A), document (B) or reasoning prompt (C) index.
     pub fn passage(&self) -> usize {
         self.passage
+    }
+
+    pub fn class(&self) -> Class {
+        self.class
     }
 
     pub fn turns(&self) -> u32 {
@@ -72,6 +118,25 @@ impl Script {
         config: &WorkloadConfig,
         turn: u32,
     ) -> Result<TurnPlan, WorkloadError> {
+        match self.class {
+            Class::A => {}
+            Class::B => {
+                let tokens = config.summary_tokens.sample(&mut self.rng).round().max(1.0);
+                return self.single(assets, Ask::Summarise(self.passage), tokens as usize);
+            }
+            Class::C => {
+                let tasks = assets.tasks()?;
+                let expected = tasks
+                    .bank()
+                    .prompts()
+                    .get(self.passage)
+                    .map_or(1, |p| p.expected_output_length);
+                let scale = config.reasoning_scale.sample(&mut self.rng);
+                let tokens = (f64::from(expected) * scale).round().max(1.0) as usize;
+                let tokens = tokens.min(assets.replies().max_tokens());
+                return self.single(assets, Ask::Reason(self.passage), tokens);
+            }
+        }
         let questions = assets.questions();
         let question = if turn == 0 {
             questions.plan_first(self.passage, &mut self.rng)
@@ -83,7 +148,25 @@ impl Script {
             .replies()
             .generate(self.passage, tokens, &mut self.rng)?;
         self.topic = reply.topic;
-        Ok(TurnPlan { question, reply })
+        Ok(TurnPlan {
+            ask: Ask::Chat(question),
+            reply,
+        })
+    }
+
+    /// B's and C's one turn: the reply is readable text from the reply generator (its words
+    /// come from a chat passage; only its length matters to a server).
+    fn single(
+        &mut self,
+        assets: &Assets,
+        ask: Ask,
+        tokens: usize,
+    ) -> Result<TurnPlan, WorkloadError> {
+        let passages = assets.replies().passages().max(1);
+        let reply = assets
+            .replies()
+            .generate(self.passage % passages, tokens, &mut self.rng)?;
+        Ok(TurnPlan { ask, reply })
     }
 
     /// The user's pause before the next question.
