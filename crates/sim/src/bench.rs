@@ -179,6 +179,8 @@ fn row(
     Row {
         phase: None,
         setup: None,
+        layout: None,
+        workload: None,
         router: router.name().to_string(),
         workers,
         concurrency,
@@ -216,6 +218,7 @@ pub fn aggregate(spec: &BenchSpec, mut results: Vec<JobResult>, profile: &str) -
                             utilisation: round(w.utilisation, 4),
                             prefill_tokens: w.prefill_tokens,
                             preemptions: w.preemptions,
+                            pool: w.pool.map(str::to_string),
                         })
                         .collect();
                     runs.push(row(
@@ -274,6 +277,7 @@ pub fn aggregate(spec: &BenchSpec, mut results: Vec<JobResult>, profile: &str) -
             phases: Vec::new(),
             setups: Vec::new(),
             path_latency_ms: None,
+            disagg: None,
         },
     }
 }
