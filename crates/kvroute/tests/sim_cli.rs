@@ -395,7 +395,7 @@ fn disaggregation_flags_with_bad_values_fail_with_a_clear_error() {
                 "--decode-workers",
                 "3",
             ],
-            "cannot be used with '--workers <WORKERS>'",
+            "'--workers <WORKERS>' cannot be used with '--prefill-workers <N>'",
         ),
         (
             &["sim", "--local-prefill-max-tokens", "256"],
@@ -408,8 +408,7 @@ fn disaggregation_flags_with_bad_values_fail_with_a_clear_error() {
                 "1",
                 "--decode-workers",
                 "1",
-                "--local-prefill-max-tokens",
-                "-5",
+                "--local-prefill-max-tokens=-5",
             ],
             "invalid value '-5' for '--local-prefill-max-tokens <TOKENS>'",
         ),
@@ -448,7 +447,7 @@ fn disaggregation_flags_with_bad_values_fail_with_a_clear_error() {
             "--slo-ttft-ms must be",
         ),
         (
-            &["bench", "--disagg", "--slo-itl-ms", "-3"],
+            &["bench", "--disagg", "--slo-itl-ms=-3"],
             "--slo-itl-ms must be",
         ),
         (

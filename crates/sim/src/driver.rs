@@ -1275,10 +1275,10 @@ impl<W: Workload> Simulation<W> {
                     }
                 }
                 // A split request's decode worker hears of it at `PrefillDone`, next.
-                if !f.prefilling {
-                    if let Some(d) = self.disagg_mut() {
-                        d.on_first_token(id, at);
-                    }
+                if !f.prefilling
+                    && let Some(d) = self.disagg_mut()
+                {
+                    d.on_first_token(id, at);
                 }
             }
             EngineEvent::Tokens { id, start, end, at } => self.on_tokens(id.0, start, end, at),
