@@ -313,6 +313,10 @@ impl DisaggTotals {
 
 /// Admission and routing: the gateway's cores, one per fleet shape.
 #[derive(Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one per simulation, built once and never moved"
+)]
 enum Admission {
     /// Aggregated workers behind one [`Frontend`].
     One(Frontend),
