@@ -220,3 +220,31 @@ fn a_fleet_without_decode_workers_or_with_a_wrong_count_is_refused() {
         Err(SimError::Config(ConfigError::DisaggWorkers { .. }))
     ));
 }
+
+#[test]
+fn an_aggregated_fleet_measures_exactly_what_it_did_before() {
+    // No pools and no SLOs: no serving metrics, no pool labels, no route totals, so the
+    // results files of aggregated runs stay byte for byte what they were.
+    let mut cfg = SimConfig::new(3, HardwareProfile::h200_llama70b_fp8(), PolicyKind::KvLoad);
+    cfg.seed = 3;
+    let phases = vec![Phase {
+        concurrency: 12,
+        warmup: Nanos::from_secs(20),
+        window: Nanos::from_secs(40),
+        snapshots: 2,
+        lookback: None,
+    }];
+    let out = Simulation::new(cfg, TestChat::new(20, 2_000, 12, 3), phases)
+        .unwrap()
+        .run(|_| {})
+        .unwrap();
+    assert!(out.totals.finished > 0);
+    assert_eq!(out.totals.disagg, None);
+    assert!(out.phases[0].metrics.serving.is_none());
+    assert!(out.phases[0].workers.iter().all(|w| w.pool.is_none()));
+    let json = serde_json::to_string(&out.phases[0]).unwrap();
+    assert!(
+        !json.contains("serving") && !json.contains("pool"),
+        "{json}"
+    );
+}
