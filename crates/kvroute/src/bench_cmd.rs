@@ -13,7 +13,7 @@ use sim::bench::{BenchJob, BenchSpec, JobResult};
 use sim::chat::{ChatJobError, run_chat_job};
 use sim::ladder::{LadderPart, LadderPhase, LadderSetup};
 
-use crate::sim_cmd::{Cluster, ClusterArgs, parse_router, progress_bar, router_names};
+use crate::sim_cmd::{Cluster, ClusterArgs, LinkArg, parse_router, progress_bar, router_names};
 
 /// Seed 002's concurrency levels, `kvroute bench`'s default.
 const SEED_002_LEVELS: [u32; 7] = [60, 80, 100, 120, 140, 160, 180];
@@ -21,6 +21,12 @@ const SEED_002_LEVELS: [u32; 7] = [60, 80, 100, 120, 140, 160, 180];
 const PHASE_LEVELS: [u32; 5] = [20, 40, 60, 90, 120];
 /// `--phases`' default sweeps: four phases on two setups are eight benchmarks.
 const PHASE_SWEEPS: u32 = 2;
+/// `--disagg`'s default levels and sweeps, and its GPUs per layout.
+const DISAGG_LEVELS: [u32; 5] = [20, 40, 80, 120, 160];
+const DISAGG_SWEEPS: u32 = 2;
+const DISAGG_GPUS: u32 = 4;
+/// The workloads `--disagg` can run today.
+const DISAGG_WORKLOADS: [&str; 1] = ["chat"];
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
@@ -43,7 +49,38 @@ pub struct BenchArgs {
     /// replicas; h200x3: seed 002's three H200s).
     #[arg(long, value_delimiter = ',', default_value = "h100x8-tp4,h200x3")]
     pub setups: Vec<String>,
-    /// With --phases: the KV-aware router of phases kv, draft and eagle3.
+    /// Aggregated vs disaggregated fleets of the same GPU count (--gpus one-GPU workers: all
+    /// aggregated, then 1 prefill + the rest decode, … up to all but one prefill), each
+    /// serving --disagg-workloads at every level: TTFT and ITL p50/p95, goodput against
+    /// --slo-ttft-ms and --slo-itl-ms, throughput, routes and KV transfers. --routers and
+    /// --workers do not apply (--kv-router routes both pools).
+    #[arg(long, conflicts_with_all = ["phases", "compare_seed002", "workers"])]
+    pub disagg: bool,
+    /// With --disagg: the GPUs of every layout (2–16).
+    #[arg(long, value_name = "N", requires = "disagg",
+          value_parser = clap::value_parser!(u32).range(2..=16))]
+    pub gpus: Option<u32>,
+    /// With --disagg: the workloads, comma-separated (today: chat, seed 002's multi-turn
+    /// chat; seed 004's B and C come with the workload crate's).
+    #[arg(long, value_delimiter = ',', value_name = "NAMES", requires = "disagg")]
+    pub disagg_workloads: Option<Vec<String>>,
+    /// With --disagg: a decode worker prefills a request itself when at most this many of
+    /// its prompt tokens are uncached there (default: the router's, 512).
+    #[arg(long, value_name = "TOKENS", requires = "disagg")]
+    pub local_prefill_max_tokens: Option<u32>,
+    /// With --disagg: how KV moves from prefill to decode workers.
+    #[arg(long, value_enum, default_value = "nvlink", requires = "disagg")]
+    pub kv_link: LinkArg,
+    /// With --disagg: goodput's TTFT objective per request (seed 004's prefill scaler
+    /// threshold).
+    #[arg(long, value_name = "MS", default_value_t = report::Slo::SEED_004.ttft_ms, requires = "disagg")]
+    pub slo_ttft_ms: f64,
+    /// With --disagg: goodput's mean-ITL objective per request (seed 004's decode scaler
+    /// threshold).
+    #[arg(long, value_name = "MS", default_value_t = report::Slo::SEED_004.itl_ms, requires = "disagg")]
+    pub slo_itl_ms: f64,
+    /// With --phases: the KV-aware router of phases kv, draft and eagle3; with --disagg, the
+    /// router of both pools.
     #[arg(long, default_value_t = PolicyKind::DEFAULT, value_parser = parse_router)]
     pub kv_router: PolicyKind,
     /// Simulated seconds of warmup at each level.
@@ -87,6 +124,8 @@ impl BenchArgs {
     fn levels(&self) -> Vec<u32> {
         let default: &[u32] = if self.phases.is_some() {
             &PHASE_LEVELS
+        } else if self.disagg {
+            &DISAGG_LEVELS
         } else {
             &SEED_002_LEVELS
         };
@@ -96,6 +135,8 @@ impl BenchArgs {
     fn sweeps(&self) -> u32 {
         let default = if self.phases.is_some() {
             PHASE_SWEEPS
+        } else if self.disagg {
+            DISAGG_SWEEPS
         } else {
             6
         };
@@ -128,6 +169,9 @@ impl BenchArgs {
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.phases.is_some() {
         return run_phases(&args);
+    }
+    if args.disagg {
+        return run_disagg(&args);
     }
     let started = Instant::now();
     let (results, spec, threads) = simulate(&args, true)?;
@@ -354,6 +398,178 @@ fn run_phases(args: &BenchArgs) -> Result<()> {
         simulated / wall.max(1e-9)
     );
     Ok(())
+}
+
+/// `--disagg`: every layout of --gpus GPUs on every workload, one results.json and report.
+fn run_disagg(args: &BenchArgs) -> Result<()> {
+    let started = Instant::now();
+    let workloads = args
+        .disagg_workloads
+        .clone()
+        .unwrap_or_else(|| DISAGG_WORKLOADS.iter().map(|w| w.to_string()).collect());
+    for w in &workloads {
+        if !DISAGG_WORKLOADS.contains(&w.trim()) {
+            bail!(
+                "--disagg-workloads: unknown workload {w:?}; known: {} (seed 004's \
+                 summarisation and reasoning workloads are not in the workload crate yet)",
+                DISAGG_WORKLOADS.join(", ")
+            );
+        }
+    }
+    for (flag, v) in [
+        ("--slo-ttft-ms", args.slo_ttft_ms),
+        ("--slo-itl-ms", args.slo_itl_ms),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            bail!("{flag} must be a number of milliseconds > 0, got {v}");
+        }
+    }
+    if workloads.is_empty() || args.levels().is_empty() || args.sweeps() == 0 {
+        bail!("--disagg-workloads, --levels and --sweeps need at least one value each");
+    }
+    let slo = report::Slo {
+        ttft_ms: args.slo_ttft_ms,
+        itl_ms: args.slo_itl_ms,
+    };
+    let kv_link: engine::KvLink = args.kv_link.into();
+    let threshold = args
+        .local_prefill_max_tokens
+        .unwrap_or(router::DisaggConfig::default().local_prefill_max_tokens);
+    let layouts = sim::disagg::equal_gpu_layouts(args.gpus.unwrap_or(DISAGG_GPUS));
+    // One cluster per layout; one benchmark per (workload, layout).
+    let mut clusters = Vec::new();
+    for layout in &layouts {
+        let mut cluster = args.cluster.clone();
+        cluster.workers = layout.gpus;
+        let mut built = cluster.build()?;
+        built.base.extended_metrics = true;
+        built.base.slo = Some(slo);
+        if layout.aggregated == 0 {
+            built.base.disagg = Some(sim::DisaggSetup {
+                prefill_workers: layout.prefill,
+                decode_workers: layout.decode,
+                local_prefill_max_tokens: threshold,
+                kv_link,
+            });
+        }
+        clusters.push(built);
+    }
+    let mut benches = Vec::new();
+    for workload in &workloads {
+        for (i, layout) in layouts.iter().enumerate() {
+            let mut spec = args.spec(vec![args.kv_router], &clusters[i])?;
+            spec.base.router.policy = args.kv_router;
+            benches.push((i, layout.clone(), workload.trim().to_string(), spec));
+        }
+    }
+    let refs: Vec<(&BenchSpec, &Cluster)> = benches
+        .iter()
+        .map(|(i, _, _, spec)| (spec, &clusters[*i]))
+        .collect();
+    let (grouped, threads) = run_parallel(&refs, args.jobs, true)?;
+    let simulated: f64 = benches
+        .iter()
+        .map(|(.., spec)| spec.simulated().as_secs_f64())
+        .sum();
+    let runs: usize = benches.iter().map(|(.., s)| s.jobs().len()).sum();
+    let parts: Vec<sim::disagg::DisaggPart> = benches
+        .into_iter()
+        .zip(grouped)
+        .map(|((i, layout, workload, spec), results)| {
+            let results = sim::bench::aggregate(&spec, results, &clusters[i].profile_name);
+            sim::disagg::DisaggPart {
+                layout,
+                workload,
+                spec,
+                results,
+            }
+        })
+        .collect();
+    let meta = sim::disagg::DisaggBench {
+        slo,
+        local_prefill_max_tokens: threshold,
+        kv_link,
+    };
+    let mut results = sim::disagg::merge(parts, &meta).context("no layout to run")?;
+    results.bench.path_latency_ms = Some(args.cluster.path_latency_ms);
+    if let Some(dir) = &args.out {
+        write_out_with(
+            dir,
+            &results,
+            report::disagg::plots(&results),
+            report::disagg::markdown,
+        )?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else {
+        print_disagg(&results);
+    }
+    let wall = started.elapsed().as_secs_f64();
+    eprintln!(
+        "bench --disagg: {runs} runs on {threads} thread(s), {simulated:.0} simulated s in \
+         {wall:.1} s wall ({:.0}× real time)",
+        simulated / wall.max(1e-9)
+    );
+    Ok(())
+}
+
+fn print_disagg(results: &BenchResults) {
+    let Some(d) = &results.bench.disagg else {
+        return;
+    };
+    let o = |v: Option<f64>, dec: usize| v.map_or("–".to_string(), |x| format!("{x:.dec$}"));
+    println!(
+        "goodput: requests with TTFT ≤ {:.0} ms and mean ITL ≤ {:.0} ms, per second",
+        d.slo.ttft_ms, d.slo.itl_ms
+    );
+    for workload in &d.workloads {
+        println!("{workload}:");
+        println!(
+            "  {:>5}  {:<6} {:>8} {:>8}  {:>8} {:>8}  {:>8} {:>6}  {:>7} {:>6}  {:>13}",
+            "conc",
+            "layout",
+            "TTFT p50",
+            "p95 ms",
+            "ITL p50",
+            "p95 ms",
+            "goodput",
+            "met",
+            "TOPS",
+            "RPS",
+            "split/local"
+        );
+        for &level in &results.bench.levels {
+            for layout in &d.layouts {
+                let Some(r) = report::disagg::rows(results, workload, &layout.name)
+                    .into_iter()
+                    .find(|r| r.concurrency == level)
+                else {
+                    continue;
+                };
+                let m = &r.metrics;
+                let s = m.serving.clone().unwrap_or_default();
+                println!(
+                    "  {:>5}  {:<6} {:>8} {:>8}  {:>8} {:>8}  {:>8.2} {:>5}%  {:>7.0} {:>6.2}  {:>13}",
+                    level,
+                    layout.name,
+                    o(m.ttft_ms.p50, 0),
+                    o(m.ttft_ms.p95, 0),
+                    o(m.itl_ms.p50, 1),
+                    o(m.itl_ms.p95, 1),
+                    s.goodput_rps,
+                    o(s.goodput_share.map(|g| g * 100.0), 0),
+                    m.output_tokens_per_s,
+                    m.requests_per_s,
+                    if s.routed() > 0.0 {
+                        format!("{:.0}/{:.0}", s.split, s.routed() - s.split)
+                    } else {
+                        "–".to_string()
+                    },
+                );
+            }
+        }
+    }
 }
 
 fn print_ladder(results: &BenchResults) {

@@ -38,7 +38,21 @@ pub fn run(args: ProfilesArgs) -> Result<()> {
                 .iter()
                 .map(|name| HardwareProfile::builtin(name))
                 .collect::<Result<Vec<_>, _>>()?;
-            print_table(&profiles)
+            print_table(&profiles)?;
+            // Seed 004's disaggregated deployments, for `kvroute sim --layout NAME`.
+            println!("\nlayouts (kvroute sim --layout NAME):");
+            for l in sim::disagg::layouts() {
+                println!(
+                    "  {:<13} {}P:{}D of {}, KV over {}: {}",
+                    l.name,
+                    l.prefill_workers,
+                    l.decode_workers,
+                    l.profile,
+                    sim::disagg::link_name(l.kv_link),
+                    l.description
+                );
+            }
+            Ok(())
         }
         Action::Show { name, json } => {
             let profile = HardwareProfile::builtin(&name)?;

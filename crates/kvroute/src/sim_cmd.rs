@@ -16,7 +16,7 @@ use serde::de::DeserializeOwned;
 use sim::ServingPath;
 use sim::bench::{BenchSpec, JobResult};
 use sim::chat::Chat;
-use sim::{FrontendConfig, SimConfig, Simulation, Timeline, TimelineConfig};
+use sim::{DisaggSetup, FrontendConfig, SimConfig, Simulation, Timeline, TimelineConfig};
 use workload::{Assets, MAX_RATE, Mix, WorkloadConfig};
 
 /// The router names the router crate knows, for help texts.
@@ -267,6 +267,8 @@ pub struct SimArgs {
     /// DIR/timeline.csv and DIR/timeline.svg.
     #[arg(long, value_name = "DIR")]
     pub timeline: Option<PathBuf>,
+    #[command(flatten)]
+    pub disagg: DisaggArgs,
     /// Simulated seconds between timeline samples.
     #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]
     pub timeline_interval: f64,
@@ -297,9 +299,96 @@ pub fn parse_rate(s: &str) -> Result<f64, String> {
     Ok(rate)
 }
 
+/// A KV link by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LinkArg {
+    /// GPU to GPU inside a node.
+    Nvlink,
+    /// Between nodes.
+    Network,
+}
+
+impl From<LinkArg> for engine::KvLink {
+    fn from(l: LinkArg) -> Self {
+        match l {
+            LinkArg::Nvlink => engine::KvLink::Nvlink,
+            LinkArg::Network => engine::KvLink::Network,
+        }
+    }
+}
+
+/// `kvroute sim`'s disaggregated fleet: prefill and decode pools instead of --workers.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DisaggArgs {
+    /// Disaggregated serving: this many prefill-only workers (0 allowed: decode workers then
+    /// prefill everything), with --decode-workers, instead of --workers.
+    #[arg(long, value_name = "N", requires = "decode_workers", conflicts_with_all = ["workers", "layout"])]
+    pub prefill_workers: Option<u32>,
+    /// Disaggregated serving: this many decode-only workers (at least 1), with
+    /// --prefill-workers.
+    #[arg(long, value_name = "M", requires = "prefill_workers",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub decode_workers: Option<u32>,
+    /// A named disaggregated layout (seed004-dev: 1P:1D Llama-8B on H100 nodes, KV over the
+    /// network; seed004-prod: 2P:3D Llama-70B FP8 on one 8×H200 node, KV over NVLink); sets
+    /// the profile and both pools.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["workers", "profile", "profile_file"])]
+    pub layout: Option<String>,
+    /// Conditional disaggregation: a decode worker prefills a request itself when at most
+    /// this many of its prompt tokens are uncached there (default: the router's, 512).
+    #[arg(long, value_name = "TOKENS")]
+    pub local_prefill_max_tokens: Option<u32>,
+    /// How KV moves from prefill to decode workers (default nvlink, or the layout's).
+    #[arg(long, value_enum)]
+    pub kv_link: Option<LinkArg>,
+}
+
+impl DisaggArgs {
+    /// The fleet the flags ask for (`None`: aggregated), and the profile a layout names.
+    pub fn setup(&self) -> Result<Option<(DisaggSetup, Option<&'static str>)>> {
+        let (mut setup, profile) = match (&self.layout, self.prefill_workers, self.decode_workers) {
+            (Some(name), ..) => {
+                let layout = sim::disagg::layout(name.trim()).with_context(|| {
+                    let known: Vec<&str> = sim::disagg::layouts().iter().map(|l| l.name).collect();
+                    format!(
+                        "--layout: unknown layout {name:?}; known: {}",
+                        known.join(", ")
+                    )
+                })?;
+                (layout.setup(), Some(layout.profile))
+            }
+            (None, Some(p), Some(d)) => (DisaggSetup::new(p, d), None),
+            _ => {
+                if self.local_prefill_max_tokens.is_some() || self.kv_link.is_some() {
+                    bail!(
+                        "--local-prefill-max-tokens and --kv-link apply to a disaggregated fleet: \
+                         add --prefill-workers N --decode-workers M, or --layout"
+                    );
+                }
+                return Ok(None);
+            }
+        };
+        if let Some(t) = self.local_prefill_max_tokens {
+            setup.local_prefill_max_tokens = t;
+        }
+        if let Some(link) = self.kv_link {
+            setup.kv_link = link.into();
+        }
+        Ok(Some((setup, profile)))
+    }
+}
+
 pub fn run(args: SimArgs) -> Result<()> {
     let started = Instant::now();
-    let mut cluster = args.cluster.build()?;
+    let disagg = args.disagg.setup()?;
+    let mut cluster_args = args.cluster.clone();
+    if let Some((setup, profile)) = &disagg {
+        cluster_args.workers = setup.workers().max(1);
+        if let Some(profile) = profile {
+            cluster_args.profile = profile.to_string();
+        }
+    }
+    let mut cluster = cluster_args.build()?;
     if let Some(mix) = args.mix {
         cluster.workload.mix = mix;
     }
@@ -308,6 +397,11 @@ pub fn run(args: SimArgs) -> Result<()> {
     }
     // A mix or an open loop reports per workload, from every request's record.
     let mixed = !cluster.workload.mix.is_chat_only() || cluster.workload.rate_rps.is_some();
+    if let Some((setup, _)) = disagg {
+        cluster.base.workers = setup.workers();
+        cluster.base.disagg = Some(setup);
+        cluster.base.slo = Some(report::Slo::SEED_004);
+    }
     let duration = seconds(args.duration, "--duration")?;
     let warmup = seconds(args.warmup, "--warmup")?;
     if warmup >= duration {
@@ -398,7 +492,7 @@ pub fn run(args: SimArgs) -> Result<()> {
     if let (Some(dir), Some(timeline)) = (&args.timeline, &out.timeline) {
         let title = format!(
             "{}, {} workers, {} conversations",
-            args.router, args.cluster.workers, args.concurrency
+            args.router, cluster.base.workers, args.concurrency
         );
         write_timeline(dir, timeline, &title, args.timeline_window)?;
     }
@@ -524,19 +618,45 @@ fn print_run(results: &BenchResults, totals: &sim::RunTotals) {
     print_latencies(r);
     println!("\nper worker (measurement window):");
     println!(
-        "  {:>6}  {:>7}  {:>9}  {:>9}  {:>8}  {:>14}  {:>11}",
-        "worker", "routed", "peak", "mean", "GPU util", "prefill tokens", "preemptions"
+        "  {:>6}{}  {:>7}  {:>9}  {:>9}  {:>8}  {:>14}  {:>11}",
+        "worker",
+        if b.disagg.is_some() || r.per_worker.iter().any(|w| w.pool.is_some()) {
+            format!("  {:<7}", "pool")
+        } else {
+            String::new()
+        },
+        "routed",
+        "peak",
+        "mean",
+        "GPU util",
+        "prefill tokens",
+        "preemptions"
     );
     for w in &r.per_worker {
         println!(
-            "  {:>6}  {:>7}  {:>9}  {:>9.1}  {:>7.1}%  {:>14}  {:>11}",
+            "  {:>6}{}  {:>7}  {:>9}  {:>9.1}  {:>7.1}%  {:>14}  {:>11}",
             w.worker,
+            w.pool
+                .as_ref()
+                .map_or(String::new(), |p| format!("  {p:<7}")),
             w.routed,
             w.peak_in_flight,
             w.mean_in_flight,
             w.utilisation * 100.0,
             w.prefill_tokens,
             w.preemptions
+        );
+    }
+    if let Some(d) = &totals.disagg {
+        println!(
+            "routes (whole run): {} split, {} local (short prompt), {} local (prefill pool \
+             unavailable), {} retried locally after a prefill failure; {} KV transfers, {:.1} GB",
+            d.split,
+            d.local_short,
+            d.local_unavailable,
+            d.local_retry,
+            d.kv_transfers,
+            d.kv_transfer_bytes as f64 / 1e9
         );
     }
     println!(
@@ -629,6 +749,34 @@ pub fn print_latencies(r: &Row) {
         opt(m.oracle_hit_rate.map(|h| h * 100.0), 1) + "%",
         m.errors
     );
+    if let Some(s) = &m.serving {
+        println!(
+            "  goodput {:.2} req/s ({} of finished requests met TTFT and ITL SLOs)",
+            s.goodput_rps,
+            opt(s.goodput_share.map(|g| g * 100.0), 1) + "%"
+        );
+        if s.routed() > 0.0 {
+            println!(
+                "  routes: {:.0} split, {:.0} local short, {:.0} local (prefill unavailable), \
+                 {:.0} local retry   TTFT p50 split {} ms / local {} ms",
+                s.split,
+                s.local_short,
+                s.local_unavailable,
+                s.local_retry,
+                opt(s.ttft_split_ms.p50, 1),
+                opt(s.ttft_local_ms.p50, 1)
+            );
+            println!(
+                "  KV transfer p50 {} ms p95 {} ms, {} MB each, {:.0} MB/s   GPU util prefill {} decode {}",
+                opt(s.kv_transfer_ms.p50, 1),
+                opt(s.kv_transfer_ms.p95, 1),
+                opt(s.kv_transfer_mb, 0),
+                s.kv_transfer_mb_per_s,
+                opt(s.prefill_utilisation.map(|u| u * 100.0), 1) + "%",
+                opt(s.decode_utilisation.map(|u| u * 100.0), 1) + "%"
+            );
+        }
+    }
     if let Some(a) = m.acceptance_rate {
         println!(
             "  speculative decoding: acceptance {:.1}%   tokens per step {}",

@@ -61,6 +61,15 @@ fn profiles_lists_every_builtin_with_its_capacity() {
     assert!(stdout.contains("13022 blocks × 32 tokens"), "{stdout}");
     // Dynamo's mocker pool: 16,384 blocks of 64 tokens.
     assert!(stdout.contains("16384 blocks × 64 tokens"), "{stdout}");
+    // Seed 004's disaggregated layouts, by the names `kvroute sim --layout` takes.
+    assert!(
+        stdout.contains("seed004-dev   1P:1D of h100-llama8b, KV over network"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("seed004-prod  2P:3D of h200-llama70b-fp8, KV over nvlink"),
+        "{stdout}"
+    );
 }
 
 #[test]

@@ -372,3 +372,218 @@ fn bench_phases_writes_one_report_of_the_ladder() {
     assert!(dir.join("h100x8-tp4_ttft_later_p50.svg").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn disaggregation_flags_with_bad_values_fail_with_a_clear_error() {
+    assert_failures(&[
+        (
+            &["sim", "--prefill-workers", "two", "--decode-workers", "2"],
+            "invalid value 'two' for '--prefill-workers <N>'",
+        ),
+        (
+            &["sim", "--prefill-workers", "1", "--decode-workers", "0"],
+            "invalid value '0' for '--decode-workers <M>'",
+        ),
+        (&["sim", "--prefill-workers", "1"], "--decode-workers <M>"),
+        (
+            &[
+                "sim",
+                "--workers",
+                "4",
+                "--prefill-workers",
+                "1",
+                "--decode-workers",
+                "3",
+            ],
+            "'--workers <WORKERS>' cannot be used with '--prefill-workers <N>'",
+        ),
+        (
+            &["sim", "--local-prefill-max-tokens", "256"],
+            "add --prefill-workers N --decode-workers M, or --layout",
+        ),
+        (
+            &[
+                "sim",
+                "--prefill-workers",
+                "1",
+                "--decode-workers",
+                "1",
+                "--local-prefill-max-tokens=-5",
+            ],
+            "invalid value '-5' for '--local-prefill-max-tokens <TOKENS>'",
+        ),
+        (
+            &["sim", "--layout", "seed005-moon"],
+            "known: seed004-dev, seed004-prod",
+        ),
+        (
+            &[
+                "sim",
+                "--layout",
+                "seed004-dev",
+                "--profile",
+                "h200-llama70b-fp8",
+            ],
+            "cannot be used with",
+        ),
+        (
+            &[
+                "sim",
+                "--layout",
+                "seed004-dev",
+                "--kv-link",
+                "carrier-pigeon",
+            ],
+            "invalid value 'carrier-pigeon' for '--kv-link <KV_LINK>'",
+        ),
+        (&["bench", "--disagg", "--gpus", "1"], "1 is not in 2..=16"),
+        (&["bench", "--gpus", "4"], "--disagg"),
+        (
+            &["bench", "--disagg", "--disagg-workloads", "chat,poetry"],
+            "unknown workload \"poetry\"; known: chat",
+        ),
+        (
+            &["bench", "--disagg", "--slo-ttft-ms", "0"],
+            "--slo-ttft-ms must be",
+        ),
+        (
+            &["bench", "--disagg", "--slo-itl-ms=-3"],
+            "--slo-itl-ms must be",
+        ),
+        (
+            &["bench", "--disagg", "--local-prefill-max-tokens", "lots"],
+            "invalid value 'lots'",
+        ),
+        (
+            &["bench", "--disagg", "--kv-link", "wifi"],
+            "invalid value 'wifi'",
+        ),
+        (&["bench", "--disagg", "--phases"], "cannot be used with"),
+        (
+            &["bench", "--disagg", "--workers", "4"],
+            "cannot be used with",
+        ),
+    ]);
+}
+
+#[test]
+fn sim_with_prefill_and_decode_pools_reports_routes_and_transfers() {
+    let out = ok(kvroute()
+        .args([
+            "sim",
+            "--prefill-workers",
+            "1",
+            "--decode-workers",
+            "2",
+            "--concurrency",
+            "12",
+            "--duration",
+            "90",
+            "--warmup",
+            "30",
+            "--json",
+        ])
+        .output()
+        .unwrap());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = &v["runs"][0];
+    let pools: Vec<&str> = row["per_worker"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["pool"].as_str().unwrap())
+        .collect();
+    assert_eq!(pools, ["prefill", "decode", "decode"]);
+    let s = &row["serving"];
+    assert!(s["goodput_rps"].as_f64().unwrap() > 0.0, "{s}");
+    let d = &v["totals"]["disagg"];
+    assert!(d["split"].as_u64().unwrap() > 0, "{d}");
+    assert!(d["local_short"].as_u64().unwrap() > 0, "{d}");
+    assert!(d["kv_transfer_bytes"].as_u64().unwrap() > 0, "{d}");
+    assert_eq!(v["totals"]["failed"].as_u64(), Some(0));
+
+    // The table says the same in words.
+    let table = ok(kvroute()
+        .args([
+            "sim",
+            "--layout",
+            "seed004-dev",
+            "--concurrency",
+            "4",
+            "--duration",
+            "40",
+            "--warmup",
+            "10",
+        ])
+        .output()
+        .unwrap());
+    let text = String::from_utf8(table.stdout).unwrap();
+    assert!(
+        text.contains("h100-llama8b") && text.contains("goodput"),
+        "{text}"
+    );
+    assert!(text.contains("KV transfers"), "{text}");
+}
+
+fn small_disagg_bench(dir: &Path, jobs: &str) -> Output {
+    kvroute()
+        .args([
+            "bench",
+            "--disagg",
+            "--gpus",
+            "3",
+            "--levels",
+            "6,18",
+            "--sweeps",
+            "1",
+            "--warmup",
+            "20",
+            "--window",
+            "40",
+            "--snapshots",
+            "2",
+            "--lookback",
+            "20",
+            "--seed",
+            "3",
+            "--jobs",
+            jobs,
+            "--out",
+        ])
+        .arg(dir)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn bench_disagg_compares_layouts_of_equal_gpus_byte_identically() {
+    let (a, b) = (out_dir("disagg-a"), out_dir("disagg-b"));
+    let out = ok(small_disagg_bench(&a, "1"));
+    ok(small_disagg_bench(&b, "2"));
+    for file in ["results.json", "report.md", "chat_goodput.svg"] {
+        assert!(
+            std::fs::read(a.join(file)).unwrap() == std::fs::read(b.join(file)).unwrap(),
+            "{file} differs between runs"
+        );
+    }
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    for layout in ["3agg", "1p2d", "2p1d"] {
+        assert!(stdout.contains(layout), "{stdout}");
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(a.join("results.json")).unwrap()).unwrap();
+    let summary = v["summary"].as_array().unwrap();
+    assert_eq!(summary.len(), 3 * 2, "layouts × levels");
+    assert_eq!(v["bench"]["disagg"]["slo"]["ttft_ms"].as_f64(), Some(500.0));
+    let split: Vec<&serde_json::Value> = summary.iter().filter(|r| r["layout"] == "1p2d").collect();
+    assert!(
+        split
+            .iter()
+            .all(|r| r["serving"]["split"].as_f64().unwrap() > 0.0)
+    );
+    let report = std::fs::read_to_string(a.join("report.md")).unwrap();
+    assert!(
+        report.contains("Goodput") && report.contains("`2p1d`"),
+        "{report}"
+    );
+}

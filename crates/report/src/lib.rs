@@ -18,6 +18,7 @@
 //! Pure: no I/O, no clock. Functions return text (`String`) and the caller writes the
 //! files, so the same results give the same bytes.
 
+pub mod disagg;
 pub mod ladder;
 pub mod markdown;
 pub mod percentiles;
@@ -30,7 +31,7 @@ pub use markdown::{compare_seed_002, highest_slo_level, markdown};
 pub use percentiles::Percentiles;
 pub use plots::plots;
 pub use results::{
-    Balance, BenchMeta, BenchResults, ClassRow, Metrics, PERCENTILES_METHOD, PhaseMeta, Row, Setup,
-    WorkerRow,
+    Balance, BenchMeta, BenchResults, ClassRow, DisaggMeta, Layout, Metrics, PERCENTILES_METHOD,
+    PhaseMeta, Row, ServingMetrics, Setup, Slo, WorkerRow,
 };
 pub use seed002::{SLO_TPOT_P95_MS, SLO_TTFT_P95_MS};

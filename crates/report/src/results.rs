@@ -50,6 +50,11 @@ pub struct Metrics {
     /// Output tokens per decode step per sequence (1.0 without speculative decoding).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens_per_step: Option<f64>,
+    /// Goodput against SLOs, and with prefill/decode pools the routes, per-route TTFT and KV
+    /// transfers (`kvroute bench --disagg`, `kvroute sim --prefill-workers`); absent from
+    /// every other file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving: Option<ServingMetrics>,
 }
 
 impl Metrics {
@@ -75,6 +80,7 @@ impl Metrics {
             ttft_later_ms: mean_of(all.iter().map(|m| m.ttft_later_ms.as_ref())),
             acceptance_rate: avg_some(|m| m.acceptance_rate),
             tokens_per_step: avg_some(|m| m.tokens_per_step),
+            serving: ServingMetrics::mean(all.iter().filter_map(|m| m.serving.as_ref())),
         }
     }
 
@@ -98,7 +104,108 @@ impl Metrics {
             ttft_later_ms: self.ttft_later_ms.map(|p| p.rounded(3)),
             acceptance_rate: round_opt(self.acceptance_rate, 5),
             tokens_per_step: round_opt(self.tokens_per_step, 4),
+            serving: self.serving.as_ref().map(ServingMetrics::rounded),
         }
+    }
+}
+
+/// Service-level objectives a request is held to: its TTFT, and its mean inter-token latency.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Slo {
+    pub ttft_ms: f64,
+    pub itl_ms: f64,
+}
+
+impl Slo {
+    /// Seed 004's scaling thresholds, read as per-request objectives: TTFT 500 ms (the prefill
+    /// pool's KEDA trigger) and ITL 50 ms (the decode pool's).
+    pub const SEED_004: Slo = Slo {
+        ttft_ms: 500.0,
+        itl_ms: 50.0,
+    };
+}
+
+/// Goodput against [`Slo`]s and, with prefill/decode pools, what disaggregation did: over one
+/// window (or averaged). Counts are of requests that finished in the window; TTFT samples of
+/// requests whose first token came in it (as [`Metrics`]).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ServingMetrics {
+    /// Finished requests per second that met both SLOs (TTFT and mean ITL).
+    pub goodput_rps: f64,
+    /// Of the finished requests, the share that met both (`None` when none finished).
+    pub goodput_share: Option<f64>,
+    /// Finished requests by route: prefilled on the prefill pool and decoded on the decode
+    /// pool; prefilled on their decode worker because the uncached prompt was short; because
+    /// the prefill pool could not take them; because their prefill worker failed (a retry).
+    /// All zero on an aggregated fleet.
+    pub split: f64,
+    pub local_short: f64,
+    pub local_unavailable: f64,
+    pub local_retry: f64,
+    /// TTFT of split requests (first token from the prefill pool) and of local ones (from the
+    /// decode pool).
+    pub ttft_split_ms: Percentiles,
+    pub ttft_local_ms: Percentiles,
+    /// Per split request: the KV transfer's modelled time, and its mean size in MB (10^6 B).
+    pub kv_transfer_ms: Percentiles,
+    pub kv_transfer_mb: Option<f64>,
+    /// KV moved between pools, MB per second of window.
+    pub kv_transfer_mb_per_s: f64,
+    /// Mean GPU utilisation of each pool over the measurement period (`None`: no such pool).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_utilisation: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_utilisation: Option<f64>,
+}
+
+impl ServingMetrics {
+    /// The mean of several windows; `None` when there is none.
+    pub fn mean<'a>(all: impl Iterator<Item = &'a ServingMetrics> + Clone) -> Option<Self> {
+        let n = all.clone().count();
+        if n == 0 {
+            return None;
+        }
+        let avg = |f: fn(&ServingMetrics) -> f64| all.clone().map(f).sum::<f64>() / n as f64;
+        let avg_some = |f: fn(&ServingMetrics) -> Option<f64>| mean_some(all.clone().map(f));
+        Some(Self {
+            goodput_rps: avg(|m| m.goodput_rps),
+            goodput_share: avg_some(|m| m.goodput_share),
+            split: avg(|m| m.split),
+            local_short: avg(|m| m.local_short),
+            local_unavailable: avg(|m| m.local_unavailable),
+            local_retry: avg(|m| m.local_retry),
+            ttft_split_ms: Percentiles::mean(all.clone().map(|m| &m.ttft_split_ms)),
+            ttft_local_ms: Percentiles::mean(all.clone().map(|m| &m.ttft_local_ms)),
+            kv_transfer_ms: Percentiles::mean(all.clone().map(|m| &m.kv_transfer_ms)),
+            kv_transfer_mb: avg_some(|m| m.kv_transfer_mb),
+            kv_transfer_mb_per_s: avg(|m| m.kv_transfer_mb_per_s),
+            prefill_utilisation: avg_some(|m| m.prefill_utilisation),
+            decode_utilisation: avg_some(|m| m.decode_utilisation),
+        })
+    }
+
+    /// Rounded as the results file keeps it.
+    pub fn rounded(&self) -> Self {
+        Self {
+            goodput_rps: round(self.goodput_rps, 5),
+            goodput_share: round_opt(self.goodput_share, 5),
+            split: round(self.split, 3),
+            local_short: round(self.local_short, 3),
+            local_unavailable: round(self.local_unavailable, 3),
+            local_retry: round(self.local_retry, 3),
+            ttft_split_ms: self.ttft_split_ms.rounded(3),
+            ttft_local_ms: self.ttft_local_ms.rounded(3),
+            kv_transfer_ms: self.kv_transfer_ms.rounded(3),
+            kv_transfer_mb: round_opt(self.kv_transfer_mb, 3),
+            kv_transfer_mb_per_s: round(self.kv_transfer_mb_per_s, 3),
+            prefill_utilisation: round_opt(self.prefill_utilisation, 4),
+            decode_utilisation: round_opt(self.decode_utilisation, 4),
+        }
+    }
+
+    /// Requests that finished, by any route (zero on an aggregated fleet).
+    pub fn routed(&self) -> f64 {
+        self.split + self.local_short + self.local_unavailable + self.local_retry
     }
 }
 
@@ -160,6 +267,9 @@ pub struct WorkerRow {
     pub utilisation: f64,
     pub prefill_tokens: u64,
     pub preemptions: u64,
+    /// With prefill/decode pools: `prefill` or `decode`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
 }
 
 /// A line of `results.json` (the dashboard's contract): one router at one level, for one run
@@ -172,6 +282,12 @@ pub struct Row {
     pub phase: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub setup: Option<String>,
+    /// `kvroute bench --disagg`: the fleet's layout (a [`Layout`] name: `4agg`, `1p3d`) and
+    /// the workload it served (`chat`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<String>,
     pub router: String,
     pub workers: u32,
     pub concurrency: u32,
@@ -246,6 +362,37 @@ pub struct BenchMeta {
     /// `--phases`; seed 002's files leave it out).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path_latency_ms: Option<f64>,
+    /// `kvroute bench --disagg`: the layouts compared, the workloads and the SLOs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disagg: Option<DisaggMeta>,
+}
+
+/// What a `kvroute bench --disagg` compared.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DisaggMeta {
+    /// In report order; the first (the aggregated fleet) is the baseline.
+    pub layouts: Vec<Layout>,
+    pub workloads: Vec<String>,
+    /// The objectives of goodput.
+    pub slo: Slo,
+    /// The conditional-disaggregation threshold: uncached prompt tokens a decode worker
+    /// prefills itself.
+    pub local_prefill_max_tokens: u32,
+    /// How KV moves from the prefill pool to the decode pool (`nvlink`, `network`).
+    pub kv_link: String,
+}
+
+/// One fleet of a `kvroute bench --disagg`: aggregated workers, or prefill and decode pools.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Layout {
+    /// `4agg`, `1p3d`, …
+    pub name: String,
+    /// Aggregated workers (0 in a disaggregated layout).
+    pub aggregated: u32,
+    pub prefill: u32,
+    pub decode: u32,
+    /// GPUs in all.
+    pub gpus: u32,
 }
 
 /// One step of seed 003's ladder.

@@ -96,3 +96,31 @@ fn the_phase_ladder_renders_to_the_shipped_files() {
     let names: Vec<String> = plots.into_iter().map(|(name, _)| name).collect();
     assert!(report::ladder::markdown(&results, &names) == shipped_phases("report.md"));
 }
+
+fn shipped_disagg(name: &str) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../docs/disagg")
+        .join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The shipped disaggregation comparison (`kvroute bench --disagg --out docs/disagg`)
+/// likewise.
+#[test]
+fn the_disaggregation_bench_renders_to_the_shipped_files() {
+    let text = shipped_disagg("results.json");
+    let results: BenchResults = serde_json::from_str(&text).expect("disagg results.json reads");
+    assert_eq!(serde_json::to_string_pretty(&results).unwrap() + "\n", text);
+    assert!(
+        results
+            .summary
+            .iter()
+            .all(|r| r.layout.is_some() && r.workload.is_some() && r.metrics.serving.is_some())
+    );
+    let plots = report::disagg::plots(&results);
+    for (name, svg) in &plots {
+        assert!(*svg == shipped_disagg(name), "docs/disagg/{name} differs");
+    }
+    let names: Vec<String> = plots.into_iter().map(|(name, _)| name).collect();
+    assert!(report::disagg::markdown(&results, &names) == shipped_disagg("report.md"));
+}

@@ -179,6 +179,8 @@ fn row(
     Row {
         phase: None,
         setup: None,
+        layout: None,
+        workload: None,
         router: router.name().to_string(),
         workers,
         concurrency,
@@ -217,6 +219,7 @@ pub fn aggregate(spec: &BenchSpec, mut results: Vec<JobResult>, profile: &str) -
                             utilisation: round(w.utilisation, 4),
                             prefill_tokens: w.prefill_tokens,
                             preemptions: w.preemptions,
+                            pool: w.pool.map(str::to_string),
                         })
                         .collect();
                     runs.push(row(
@@ -275,6 +278,7 @@ pub fn aggregate(spec: &BenchSpec, mut results: Vec<JobResult>, profile: &str) -
             phases: Vec::new(),
             setups: Vec::new(),
             path_latency_ms: None,
+            disagg: None,
         },
     }
 }

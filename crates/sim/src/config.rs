@@ -1,6 +1,6 @@
 //! What a run simulates (fleet, router, frontend) and how it is measured (phases, snapshots).
 
-use engine::{EngineConfig, HardwareProfile};
+use engine::{EngineConfig, HardwareProfile, KvLink};
 use nanotime::Nanos;
 use router::{FrontendConfig, KvSource, PolicyKind, PolicyParams};
 use thiserror::Error;
@@ -60,6 +60,44 @@ pub struct SimConfig {
     /// figures). Off, the metrics are exactly seed 002's, so its results files stay as they
     /// are; acceptance and tokens per step are measured whenever speculative decoding is on.
     pub extended_metrics: bool,
+    /// Prefill and decode pools instead of aggregated workers (`None`: every worker does
+    /// both, as the seeds' fleets).
+    pub disagg: Option<DisaggSetup>,
+    /// Measure goodput against these objectives (and, with pools, the routes and KV
+    /// transfers): [`report::ServingMetrics`] in every window. `None` keeps the metrics
+    /// exactly seed 002's. Set by itself when `disagg` is.
+    pub slo: Option<report::Slo>,
+}
+
+/// A disaggregated fleet: `prefill_workers` engines of role prefill-only (ids
+/// `0..prefill_workers`), then `decode_workers` of role decode-only, behind
+/// `router::DisaggFrontend`. [`SimConfig::workers`] is their sum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DisaggSetup {
+    pub prefill_workers: u32,
+    pub decode_workers: u32,
+    /// Uncached prompt tokens up to which a decode worker prefills a request itself
+    /// (`router::DisaggConfig::local_prefill_max_tokens`).
+    pub local_prefill_max_tokens: u32,
+    /// How a decode worker receives KV from a prefill worker: NVLink inside a node, the
+    /// network between nodes.
+    pub kv_link: KvLink,
+}
+
+impl DisaggSetup {
+    /// `prefill` + `decode` workers with the router's default threshold, over NVLink.
+    pub fn new(prefill: u32, decode: u32) -> Self {
+        Self {
+            prefill_workers: prefill,
+            decode_workers: decode,
+            local_prefill_max_tokens: router::DisaggConfig::default().local_prefill_max_tokens,
+            kv_link: KvLink::Nvlink,
+        }
+    }
+
+    pub fn workers(&self) -> u32 {
+        self.prefill_workers.saturating_add(self.decode_workers)
+    }
 }
 
 impl SimConfig {
@@ -80,7 +118,18 @@ impl SimConfig {
             oracle_horizon: None,
             keep_all_records: false,
             extended_metrics: false,
+            disagg: None,
+            slo: None,
         }
+    }
+
+    /// A disaggregated fleet of `setup` on `profile` (goodput measured against seed 004's
+    /// objectives).
+    pub fn disaggregated(setup: DisaggSetup, profile: HardwareProfile, policy: PolicyKind) -> Self {
+        let mut cfg = Self::new(setup.workers(), profile, policy);
+        cfg.disagg = Some(setup);
+        cfg.slo = Some(report::Slo::SEED_004);
+        cfg
     }
 }
 
@@ -151,6 +200,19 @@ impl Phase {
 pub enum ConfigError {
     #[error("the fleet needs at least one worker")]
     NoWorkers,
+    #[error(
+        "a disaggregated fleet needs at least one decode worker (prefill workers hand every \
+         request to one)"
+    )]
+    NoDecodeWorkers,
+    #[error(
+        "workers ({workers}) must equal prefill workers ({prefill}) + decode workers ({decode})"
+    )]
+    DisaggWorkers {
+        workers: u32,
+        prefill: u32,
+        decode: u32,
+    },
     #[error("a run needs at least one phase (concurrency level)")]
     NoPhases,
     #[error("a phase needs at least one snapshot")]

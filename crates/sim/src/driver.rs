@@ -3,15 +3,20 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use engine::{Engine, EngineEvent, EngineRequest, Leg, OutputSpec};
-use kv_index::{IndexConfig, KvEvent, SequenceHash, WorkerId};
+use engine::{Engine, EngineEvent, EngineRequest, Leg, OutputSpec, Role};
+use kv_index::{BlockHasher, IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
-use router::{Frontend, FrontendEvent, KvSource, RequestId, RouteDecision, Router, RouterConfig};
+use router::{
+    DisaggConfig, DisaggEvent, DisaggFrontend, Frontend, FrontendEvent, KvSource, Pool, RequestId,
+    Route, RouteDecision, Router, RouterConfig, RoutingKey, WorkerLoad,
+};
 use serde::Serialize;
 use thiserror::Error;
 
 use crate::config::{ConfigError, Phase, SimConfig};
-use crate::metrics::{Metrics, Outcome, RequestRecord, WindowAcc, tokens_in_window};
+use crate::metrics::{
+    KvTransfer, Metrics, Outcome, RequestRecord, RouteTag, WindowAcc, tokens_in_window,
+};
 use crate::oracle::Oracle;
 use crate::timeline::{Recorder, Timeline, TimelineConfig, TimelineError, WorkerSample};
 use crate::timers::{Source, Timers};
@@ -73,6 +78,12 @@ struct InFlight {
     overlap_blocks: u32,
     /// Sequence hash of the prompt's last full block (the oracle chains the output from it).
     prompt_last_block: Option<SequenceHash>,
+    /// Disaggregated fleets: its route, its prefill worker (split routes), whether its
+    /// prefill leg is still running there, and the prompt tokens that leg found cached.
+    route: Option<RouteTag>,
+    prefill_worker: Option<u32>,
+    prefilling: bool,
+    prefill_cached: Option<u32>,
 }
 
 impl InFlight {
@@ -97,6 +108,9 @@ impl InFlight {
             token_spans: self.spans,
             preemptions: 0,
             outcome,
+            route: self.route,
+            prefill_worker: self.prefill_worker,
+            kv_transfer: None,
         }
     }
 }
@@ -169,6 +183,9 @@ enum Action {
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 pub struct WorkerStats {
     pub worker: u32,
+    /// Disaggregated fleets: `prefill` or `decode`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool: Option<&'static str>,
     /// Requests routed to it during the period.
     pub routed: u64,
     /// Most requests it held at once (routed, not finished) during the period.
@@ -263,6 +280,146 @@ pub struct RunTotals {
     pub oracle_blocks: u64,
     /// Virtual time the run covered.
     pub simulated: Nanos,
+    /// Disaggregated fleets: routes taken and KV moved over the whole run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disagg: Option<DisaggTotals>,
+}
+
+/// A disaggregated run's routes (counted when assigned; a retry counts once more as
+/// `local_retry`) and transfers.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct DisaggTotals {
+    pub split: u64,
+    pub local_short: u64,
+    pub local_unavailable: u64,
+    pub local_retry: u64,
+    /// Prefill legs that failed after assignment (their worker failed or refused them).
+    pub prefill_failures: u64,
+    /// KV transfers that reached their decode worker, and their bytes.
+    pub kv_transfers: u64,
+    pub kv_transfer_bytes: u64,
+}
+
+impl DisaggTotals {
+    fn count(&mut self, route: RouteTag) {
+        match route {
+            RouteTag::Split => self.split += 1,
+            RouteTag::LocalShort => self.local_short += 1,
+            RouteTag::LocalUnavailable => self.local_unavailable += 1,
+            RouteTag::LocalRetry => self.local_retry += 1,
+        }
+    }
+}
+
+/// Admission and routing: the gateway's cores, one per fleet shape.
+#[derive(Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one per simulation, built once and never moved"
+)]
+enum Admission {
+    /// Aggregated workers behind one [`Frontend`].
+    One(Frontend),
+    /// Prefill and decode pools behind a [`DisaggFrontend`].
+    Two(DisaggFrontend),
+}
+
+/// An outcome of either core.
+enum Admitted {
+    One(FrontendEvent),
+    Two(DisaggEvent),
+}
+
+impl Admission {
+    fn key(&self, tokens: &[u32]) -> RoutingKey {
+        match self {
+            Admission::One(f) => f.router().key(tokens),
+            Admission::Two(d) => d.key(tokens),
+        }
+    }
+
+    fn submit(&mut self, id: RequestId, key: RoutingKey, now: Nanos) {
+        match self {
+            Admission::One(f) => f.submit(id, key, now),
+            Admission::Two(d) => d.submit(id, key, now),
+        }
+    }
+
+    fn poll_event(&mut self) -> Option<Admitted> {
+        match self {
+            Admission::One(f) => f.poll_event().map(Admitted::One),
+            Admission::Two(d) => d.poll_event().map(Admitted::Two),
+        }
+    }
+
+    fn poll_timeout(&self) -> Option<Nanos> {
+        match self {
+            Admission::One(f) => f.poll_timeout(),
+            Admission::Two(d) => d.poll_timeout(),
+        }
+    }
+
+    fn handle_timeout(&mut self, now: Nanos) {
+        match self {
+            Admission::One(f) => f.handle_timeout(now),
+            Admission::Two(d) => d.handle_timeout(now),
+        }
+    }
+
+    fn queued(&self) -> usize {
+        match self {
+            Admission::One(f) => f.queued(),
+            Admission::Two(d) => d.queued(),
+        }
+    }
+
+    fn on_first_token(&mut self, id: RequestId, now: Nanos) {
+        match self {
+            Admission::One(f) => f.on_first_token(id, now),
+            Admission::Two(d) => d.on_first_token(id, now),
+        }
+    }
+
+    fn on_finished(&mut self, id: RequestId, now: Nanos) {
+        match self {
+            Admission::One(f) => f.on_finished(id, now),
+            Admission::Two(d) => d.on_finished(id, now),
+        }
+    }
+
+    fn remove_worker(&mut self, worker: WorkerId, now: Nanos) -> Vec<RequestId> {
+        match self {
+            Admission::One(f) => f.remove_worker(worker, now),
+            Admission::Two(d) => d.remove_worker(worker, now),
+        }
+    }
+
+    fn apply_event(&mut self, ev: &KvEvent) -> bool {
+        match self {
+            Admission::One(f) => f.router_mut().apply_event(ev).is_ok(),
+            Admission::Two(d) => d.apply_event(ev).is_ok(),
+        }
+    }
+
+    /// The router of the aggregated fleet, or of the decode pool.
+    fn router(&self) -> &Router {
+        match self {
+            Admission::One(f) => f.router(),
+            Admission::Two(d) => d.pool(Pool::Decode).router(),
+        }
+    }
+
+    /// `worker`'s load as its pool's router accounts it.
+    fn load(&self, worker: WorkerId) -> Option<WorkerLoad> {
+        match self {
+            Admission::One(f) => f.router().load(worker),
+            Admission::Two(d) => d.pool(d.pool_of(worker)?).router().load(worker),
+        }
+    }
+
+    fn hasher(&self) -> BlockHasher {
+        *self.router().hasher()
+    }
 }
 
 /// Everything a run produced.
@@ -283,8 +440,10 @@ pub struct Simulation<W: Workload> {
     phases: Vec<Phase>,
     phase_starts: Vec<Nanos>,
     engines: Vec<Engine>,
-    /// Admission and routing: the gateway's core, which owns the router.
-    frontend: Frontend,
+    /// Admission and routing: the gateway's cores, which own the routers.
+    admission: Admission,
+    /// Workers failed by [`Simulation::fail_worker`]: their engines are gone.
+    dead: Vec<bool>,
     workload: W,
     timers: Timers,
     now: Nanos,
@@ -334,6 +493,19 @@ impl<W: Workload> Simulation<W> {
         if cfg.workers == 0 {
             return Err(ConfigError::NoWorkers.into());
         }
+        if let Some(d) = &cfg.disagg {
+            if d.decode_workers == 0 {
+                return Err(ConfigError::NoDecodeWorkers.into());
+            }
+            if d.workers() != cfg.workers {
+                return Err(ConfigError::DisaggWorkers {
+                    workers: cfg.workers,
+                    prefill: d.prefill_workers,
+                    decode: d.decode_workers,
+                }
+                .into());
+            }
+        }
         if phases.is_empty() {
             return Err(ConfigError::NoPhases.into());
         }
@@ -346,6 +518,14 @@ impl<W: Workload> Simulation<W> {
         for i in 0..n {
             let mut ec = cfg.engine.clone();
             ec.seed = derive_seed(cfg.seed, streams::ENGINE + i as u64);
+            if let Some(d) = &cfg.disagg {
+                if (i as u32) < d.prefill_workers {
+                    ec.role = Role::PrefillOnly;
+                } else {
+                    ec.role = Role::DecodeOnly;
+                    ec.kv_link = d.kv_link;
+                }
+            }
             let e = Engine::new(ec, WorkerId(i as u64)).map_err(ConfigError::from)?;
             capacity_total += u64::from(e.kv_capacity_blocks());
             engines.push(e);
@@ -366,15 +546,38 @@ impl<W: Workload> Simulation<W> {
             },
             ..RouterConfig::default()
         };
-        let mut frontend = Frontend::new(router_cfg, cfg.frontend).map_err(ConfigError::from)?;
-        for (i, e) in engines.iter().enumerate() {
-            frontend
-                .add_worker(WorkerId(i as u64), e.limits(), Nanos::ZERO)
-                .map_err(ConfigError::from)?;
-        }
+        let admission = match &cfg.disagg {
+            None => {
+                let mut frontend =
+                    Frontend::new(router_cfg, cfg.frontend).map_err(ConfigError::from)?;
+                for (i, e) in engines.iter().enumerate() {
+                    frontend
+                        .add_worker(WorkerId(i as u64), e.limits(), Nanos::ZERO)
+                        .map_err(ConfigError::from)?;
+                }
+                Admission::One(frontend)
+            }
+            Some(d) => {
+                let config = DisaggConfig {
+                    frontend: cfg.frontend,
+                    local_prefill_max_tokens: d.local_prefill_max_tokens,
+                };
+                let mut two = DisaggFrontend::new(router_cfg, config).map_err(ConfigError::from)?;
+                for (i, e) in engines.iter().enumerate() {
+                    let pool = if (i as u32) < d.prefill_workers {
+                        Pool::Prefill
+                    } else {
+                        Pool::Decode
+                    };
+                    two.add_worker(WorkerId(i as u64), pool, e.limits(), Nanos::ZERO)
+                        .map_err(ConfigError::from)?;
+                }
+                Admission::Two(two)
+            }
+        };
         let oracle = cfg
             .oracle
-            .then(|| Oracle::new(*frontend.router().hasher(), cfg.oracle_horizon));
+            .then(|| Oracle::new(admission.hasher(), cfg.oracle_horizon));
         let mut phase_starts = Vec::with_capacity(phases.len());
         let mut schedule = Vec::new();
         let mut windows = Vec::new();
@@ -386,6 +589,7 @@ impl<W: Workload> Simulation<W> {
             windows.extend(p.windows(t).into_iter().map(|(a, b)| {
                 let mut w = WindowAcc::new(a, b);
                 w.split_turns = cfg.extended_metrics;
+                w.slo = cfg.slo;
                 w
             }));
             t += p.duration();
@@ -394,7 +598,8 @@ impl<W: Workload> Simulation<W> {
         let mut sim = Self {
             phases,
             phase_starts,
-            frontend,
+            admission,
+            dead: vec![false; n],
             workload,
             timers: Timers::new(n),
             now: Nanos::ZERO,
@@ -471,8 +676,27 @@ impl<W: Workload> Simulation<W> {
         &self.workload
     }
 
+    /// The router of an aggregated fleet, or of a disaggregated fleet's decode pool.
     pub fn router(&self) -> &Router {
-        self.frontend.router()
+        self.admission.router()
+    }
+
+    /// A disaggregated fleet's admission (both pools), `None` for an aggregated fleet.
+    pub fn disagg(&self) -> Option<&DisaggFrontend> {
+        match &self.admission {
+            Admission::One(_) => None,
+            Admission::Two(d) => Some(d),
+        }
+    }
+
+    /// The pool of worker `i` (`None` on an aggregated fleet).
+    fn pool_label(&self, i: usize) -> Option<&'static str> {
+        let d = self.cfg.disagg.as_ref()?;
+        Some(if (i as u32) < d.prefill_workers {
+            Pool::Prefill.as_str()
+        } else {
+            Pool::Decode.as_str()
+        })
     }
 
     pub fn engines(&self) -> &[Engine] {
@@ -508,7 +732,7 @@ impl<W: Workload> Simulation<W> {
                 }
                 Source::Workload => self.workload.handle_timeout(at),
                 Source::Router => {
-                    self.frontend.handle_timeout(at);
+                    self.admission.handle_timeout(at);
                     self.drain_frontend();
                 }
                 Source::KvDelivery => self.deliver_kv(at),
@@ -538,7 +762,7 @@ impl<W: Workload> Simulation<W> {
                 .iter()
                 .map(|e| {
                     let m = e.metrics();
-                    let load = self.frontend.router().load(e.worker()).unwrap_or_default();
+                    let load = self.admission.load(e.worker()).unwrap_or_default();
                     WorkerSample {
                         in_flight: load.in_flight,
                         running: m.running,
@@ -549,7 +773,7 @@ impl<W: Workload> Simulation<W> {
                     }
                 })
                 .collect();
-            let queued = u32::try_from(self.frontend.queued()).unwrap_or(u32::MAX);
+            let queued = u32::try_from(self.admission.queued()).unwrap_or(u32::MAX);
             self.next_sample = recorder.push(self.next_sample, queued, workers);
         }
     }
@@ -581,6 +805,18 @@ impl<W: Workload> Simulation<W> {
                         ratio(sum(|w| w.spec_accepted), sum(|w| w.spec_evaluated));
                 }
             }
+            if let Some(serving) = &mut metrics.serving {
+                let pool_mean = |pool: Pool| {
+                    let u: Vec<f64> = workers
+                        .iter()
+                        .filter(|w| w.pool == Some(pool.as_str()))
+                        .map(|w| w.utilisation)
+                        .collect();
+                    (!u.is_empty()).then(|| u.iter().sum::<f64>() / u.len() as f64)
+                };
+                serving.prefill_utilisation = pool_mean(Pool::Prefill);
+                serving.decode_utilisation = pool_mean(Pool::Decode);
+            }
             phases.push(PhaseResult {
                 concurrency: p.concurrency,
                 windows_s,
@@ -591,7 +827,7 @@ impl<W: Workload> Simulation<W> {
         }
         let mut totals = self.totals.clone();
         totals.in_flight_at_end = self.in_flight.len() as u64;
-        totals.queued_at_end = self.frontend.queued() as u64;
+        totals.queued_at_end = self.admission.queued() as u64;
         totals.in_flight_tokens_at_end = self.in_flight.iter().map(|f| u64::from(f.tokens)).sum();
         totals.engine_steps = self.engines.iter().map(|e| e.metrics().steps).sum();
         totals.oracle_blocks = self.oracle.as_ref().map_or(0, |o| o.len() as u64);
@@ -626,7 +862,7 @@ impl<W: Workload> Simulation<W> {
         self.timers
             .arm(Source::Workload, self.workload.poll_timeout());
         self.timers
-            .arm(Source::Router, self.frontend.poll_timeout());
+            .arm(Source::Router, self.admission.poll_timeout());
     }
 
     fn mark_dirty(&mut self, i: u32) {
@@ -637,6 +873,10 @@ impl<W: Workload> Simulation<W> {
     }
 
     fn drain_engine(&mut self, i: u32) {
+        if self.dead[i as usize] {
+            self.is_dirty[i as usize] = false;
+            return;
+        }
         while let Some(ev) = self.engines[i as usize].poll_event() {
             self.on_engine_event(i, ev);
         }
@@ -665,6 +905,7 @@ impl<W: Workload> Simulation<W> {
                     self.worker_stats[k] = (0..self.engines.len())
                         .map(|i| WorkerStats {
                             worker: i as u32,
+                            pool: self.pool_label(i),
                             peak_in_flight: self.worker_in_flight[i],
                             ..WorkerStats::default()
                         })
@@ -710,7 +951,17 @@ impl<W: Workload> Simulation<W> {
     }
 
     fn apply_kv(&mut self, ev: &KvEvent) {
-        if self.frontend.router_mut().apply_event(ev).is_err() {
+        // A failed worker's last events (still on their way) would only re-add what its
+        // removal cleared.
+        if self
+            .dead
+            .get(ev.worker.0 as usize)
+            .copied()
+            .unwrap_or(false)
+        {
+            return;
+        }
+        if !self.admission.apply_event(ev) {
             self.totals.kv_event_errors += 1;
         }
     }
@@ -734,7 +985,7 @@ impl<W: Workload> Simulation<W> {
         let seq = self.next_id;
         self.next_id += 1;
         self.totals.issued += 1;
-        let key = self.frontend.router().key(&turn.prompt);
+        let key = self.admission.key(&turn.prompt);
         let oracle_cached = match &mut self.oracle {
             Some(o) => o.issue(now, turn.prompt.len(), &key.seq),
             None => 0,
@@ -754,20 +1005,123 @@ impl<W: Workload> Simulation<W> {
             spans: 0,
             oracle_cached,
             overlap_blocks: 0,
+            route: None,
+            prefill_worker: None,
+            prefilling: false,
+            prefill_cached: None,
         });
-        self.frontend.submit(RequestId(id), key, now);
+        self.admission.submit(RequestId(id), key, now);
         self.drain_frontend();
     }
 
-    /// Acts on the frontend's outcomes: an assigned turn goes to its engine, a refused or
+    /// Acts on the frontend's outcomes: an assigned turn goes to its engine(s), a refused or
     /// timed-out one fails.
     fn drain_frontend(&mut self) {
-        while let Some(event) = self.frontend.poll_event() {
+        while let Some(event) = self.admission.poll_event() {
             match event {
-                FrontendEvent::Assigned { id, decision, .. } => self.start(id.0, decision),
-                FrontendEvent::Refused { id, .. } => self.fail(id.0, Outcome::Dropped),
+                Admitted::One(FrontendEvent::Assigned { id, decision, .. }) => {
+                    self.start(id.0, decision)
+                }
+                Admitted::One(FrontendEvent::Refused { id, .. })
+                | Admitted::Two(DisaggEvent::Refused { id, .. }) => {
+                    self.fail(id.0, Outcome::Dropped)
+                }
+                Admitted::Two(DisaggEvent::Assigned { id, route }) => self.start_legs(id.0, route),
             }
         }
+    }
+
+    /// A disaggregated route: the prefill leg on its prefill worker (the decode leg follows
+    /// at `PrefillDone`), or the whole request on the decode worker.
+    fn start_legs(&mut self, id: u64, route: Route) {
+        let now = self.now;
+        let Some(f) = self.in_flight.get_mut(id) else {
+            return;
+        };
+        let decode = route.decode().worker.0 as u32;
+        // A retry keeps the instant it was first routed.
+        f.routed_at.get_or_insert(now);
+        f.worker = Some(decode);
+        let (tag, leg, target, overlap) = match &route {
+            Route::Split { prefill, .. } => {
+                let p = prefill.worker.0 as u32;
+                f.prefill_worker = Some(p);
+                (RouteTag::Split, Leg::Prefill, p, prefill.overlap_blocks)
+            }
+            Route::Local { decode: d, reason } => {
+                (RouteTag::of(reason), Leg::Whole, decode, d.overlap_blocks)
+            }
+        };
+        f.route = Some(tag);
+        f.prefilling = leg == Leg::Prefill;
+        f.overlap_blocks = overlap;
+        let req = EngineRequest {
+            id: RequestId(id),
+            prompt: Arc::clone(&f.prompt),
+            output: OutputSpec::Tokens(Arc::clone(&f.output)),
+            leg,
+        };
+        self.totals
+            .disagg
+            .get_or_insert_with(DisaggTotals::default)
+            .count(tag);
+        self.add_in_flight(target);
+        self.engines[target as usize].submit(req, now);
+        self.mark_dirty(target);
+    }
+
+    fn disagg_mut(&mut self) -> Option<&mut DisaggFrontend> {
+        match &mut self.admission {
+            Admission::One(_) => None,
+            Admission::Two(d) => Some(d),
+        }
+    }
+
+    /// Fails worker `worker` now, as a process crash would: its engine and everything in it
+    /// are gone and its pool forgets it. A request whose prefill leg ran there is prefilled
+    /// again on its decode worker (the admission core re-issues it locally); a request on a
+    /// decode or aggregated worker fails, and its prefill leg elsewhere is cancelled. `false`
+    /// when there is no such live worker.
+    pub fn fail_worker(&mut self, worker: u32) -> bool {
+        let w = worker as usize;
+        if self.dead.get(w).copied().unwrap_or(true) {
+            return false;
+        }
+        self.dead[w] = true;
+        self.timers.arm(Source::Engine(worker), None);
+        let now = self.now;
+        let orphans = self.admission.remove_worker(WorkerId(w as u64), now);
+        for id in orphans {
+            let Some(f) = self.in_flight.get_mut(id.0) else {
+                continue;
+            };
+            let (prefilling, prefill_worker) = (f.prefilling, f.prefill_worker);
+            if prefilling && prefill_worker == Some(worker) {
+                f.prefilling = false;
+                self.remove_in_flight(worker);
+                if let Some(t) = &mut self.totals.disagg {
+                    t.prefill_failures += 1;
+                }
+                if let Some(d) = self.disagg_mut() {
+                    d.on_prefill_failed(id, now);
+                }
+                continue;
+            }
+            // Lost with its decode (or aggregated) worker.
+            match (prefilling, prefill_worker) {
+                (true, Some(p)) => {
+                    self.engines[p as usize].cancel(id, now);
+                    self.remove_in_flight(p);
+                    self.mark_dirty(p);
+                }
+                _ => self.remove_in_flight(worker),
+            }
+            self.admission.on_finished(id, now);
+            self.fail(id.0, Outcome::Dropped);
+        }
+        self.drain_frontend();
+        self.pump();
+        true
     }
 
     fn start(&mut self, id: u64, decision: RouteDecision) {
@@ -828,6 +1182,10 @@ impl<W: Workload> Simulation<W> {
     }
 
     fn on_engine_event(&mut self, worker: u32, ev: EngineEvent) {
+        if matches!(self.admission, Admission::Two(_)) {
+            self.on_leg_event(worker, ev);
+            return;
+        }
         match ev {
             EngineEvent::FirstToken { id, at } => {
                 if let Some(f) = self.in_flight.get_mut(id.0) {
@@ -836,7 +1194,7 @@ impl<W: Workload> Simulation<W> {
                         recorder.first_token(worker, at.saturating_sub(f.issued_at));
                     }
                 }
-                self.frontend.on_first_token(id, at);
+                self.admission.on_first_token(id, at);
             }
             EngineEvent::Tokens { id, start, end, at } => self.on_tokens(id.0, start, end, at),
             EngineEvent::Finished {
@@ -850,7 +1208,7 @@ impl<W: Workload> Simulation<W> {
                 let Some(f) = self.in_flight.remove(id.0) else {
                     return;
                 };
-                self.frontend.on_finished(id, at);
+                self.admission.on_finished(id, at);
                 self.remove_in_flight(worker);
                 if let Some(o) = &mut self.oracle {
                     o.finish(at, &f.prompt, f.prompt_last_block, &f.output);
@@ -870,7 +1228,7 @@ impl<W: Workload> Simulation<W> {
                 self.after_release();
             }
             EngineEvent::Rejected { id, .. } => {
-                self.frontend.on_finished(id, self.now);
+                self.admission.on_finished(id, self.now);
                 self.remove_in_flight(worker);
                 self.fail(id.0, Outcome::Rejected);
                 self.after_release();
@@ -878,27 +1236,156 @@ impl<W: Workload> Simulation<W> {
             // Not produced by aggregated workers the simulator does not cancel; should one
             // appear, the turn ends as an error rather than hanging.
             EngineEvent::Cancelled { id, .. } | EngineEvent::PrefillDone { id, .. } => {
-                self.frontend.on_finished(id, self.now);
+                self.admission.on_finished(id, self.now);
                 self.remove_in_flight(worker);
                 self.fail(id.0, Outcome::Rejected);
                 self.after_release();
             }
-            EngineEvent::Kv(ev) => {
-                self.totals.kv_events += 1;
-                if self.cfg.router.kv_source != KvSource::Events {
+            EngineEvent::Kv(ev) => self.on_kv_event(ev),
+        }
+    }
+
+    fn on_kv_event(&mut self, ev: KvEvent) {
+        self.totals.kv_events += 1;
+        if self.cfg.router.kv_source != KvSource::Events {
+            return;
+        }
+        let delay = self.cfg.router.kv_event_delay;
+        if delay == Nanos::ZERO {
+            self.apply_kv(&ev);
+        } else {
+            let at = self.now + delay;
+            if self.kv_queue.is_empty() {
+                self.timers.arm(Source::KvDelivery, Some(at));
+            }
+            self.kv_queue.push_back((at, ev));
+        }
+    }
+
+    /// An engine event of a disaggregated fleet (KV events excepted): the client's first
+    /// token comes from whichever worker prefills; `PrefillDone` hands the request to its
+    /// decode worker; a refused prefill leg is retried on the decode worker.
+    fn on_leg_event(&mut self, worker: u32, ev: EngineEvent) {
+        let now = self.now;
+        match ev {
+            EngineEvent::FirstToken { id, at } => {
+                let Some(f) = self.in_flight.get_mut(id.0) else {
                     return;
-                }
-                let delay = self.cfg.router.kv_event_delay;
-                if delay == Nanos::ZERO {
-                    self.apply_kv(&ev);
-                } else {
-                    let at = self.now + delay;
-                    if self.kv_queue.is_empty() {
-                        self.timers.arm(Source::KvDelivery, Some(at));
+                };
+                if f.first_token_at.is_none() {
+                    f.first_token_at = Some(at);
+                    if let Some(recorder) = &mut self.timeline {
+                        recorder.first_token(worker, at.saturating_sub(f.issued_at));
                     }
-                    self.kv_queue.push_back((at, ev));
+                }
+                // A split request's decode worker hears of it at `PrefillDone`, next.
+                if !f.prefilling
+                    && let Some(d) = self.disagg_mut()
+                {
+                    d.on_first_token(id, at);
                 }
             }
+            EngineEvent::Tokens { id, start, end, at } => self.on_tokens(id.0, start, end, at),
+            EngineEvent::PrefillDone {
+                id,
+                at,
+                cached_prompt_tokens,
+                ..
+            } => {
+                self.remove_in_flight(worker);
+                let Some(f) = self.in_flight.get_mut(id.0) else {
+                    return;
+                };
+                f.prefilling = false;
+                f.prefill_cached = Some(cached_prompt_tokens);
+                let decode = f.worker.unwrap_or(worker);
+                let req = EngineRequest {
+                    id,
+                    prompt: Arc::clone(&f.prompt),
+                    output: OutputSpec::Tokens(Arc::clone(&f.output)),
+                    leg: Leg::Decode,
+                };
+                if let Some(d) = self.disagg_mut() {
+                    d.on_prefill_done(id, at);
+                }
+                self.add_in_flight(decode);
+                self.engines[decode as usize].submit(req, now);
+                self.mark_dirty(decode);
+                // The prefill slot it freed may route a waiter.
+                self.after_release();
+            }
+            EngineEvent::Finished {
+                id,
+                at,
+                prompt_tokens,
+                cached_prompt_tokens,
+                output_tokens,
+                preemptions,
+            } => {
+                let Some(f) = self.in_flight.remove(id.0) else {
+                    return;
+                };
+                self.admission.on_finished(id, at);
+                self.remove_in_flight(worker);
+                if let Some(o) = &mut self.oracle {
+                    o.finish(at, &f.prompt, f.prompt_last_block, &f.output);
+                }
+                self.totals.finished += 1;
+                self.totals.finished_output_tokens += u64::from(output_tokens);
+                // A split request's decode leg found `cached_prompt_tokens` on its decode
+                // worker and received the rest; its compute hit is the prefill leg's.
+                let kv_transfer = (f.route == Some(RouteTag::Split)).then(|| {
+                    let tokens = prompt_tokens.saturating_sub(cached_prompt_tokens);
+                    let profile = &self.cfg.engine.profile;
+                    let link = self.cfg.disagg.map(|d| d.kv_link).unwrap_or_default();
+                    KvTransfer {
+                        tokens,
+                        bytes: u64::from(tokens).saturating_mul(profile.kv_bytes_per_token),
+                        time: profile.kv_transfer_time(u64::from(tokens), link),
+                    }
+                });
+                if let (Some(x), Some(t)) = (&kv_transfer, &mut self.totals.disagg) {
+                    t.kv_transfers += 1;
+                    t.kv_transfer_bytes += x.bytes;
+                }
+                let cached = f.prefill_cached.unwrap_or(cached_prompt_tokens);
+                let record = RequestRecord {
+                    prompt_tokens,
+                    cached_prompt_tokens: cached,
+                    oracle_cached_tokens: f.oracle_cached.min(prompt_tokens),
+                    output_tokens,
+                    preemptions,
+                    kv_transfer,
+                    ..f.record(at, Outcome::Finished)
+                };
+                self.keep(record);
+                self.workload.on_turn_finished(f.turn, at);
+                self.after_release();
+            }
+            EngineEvent::Rejected { id, .. } | EngineEvent::Cancelled { id, .. } => {
+                let Some(f) = self.in_flight.get_mut(id.0) else {
+                    return;
+                };
+                let prefill_leg = f.prefilling && f.prefill_worker == Some(worker);
+                if prefill_leg {
+                    f.prefilling = false;
+                }
+                self.remove_in_flight(worker);
+                if prefill_leg {
+                    // The prefill worker refused it: its decode worker prefills instead.
+                    if let Some(t) = &mut self.totals.disagg {
+                        t.prefill_failures += 1;
+                    }
+                    if let Some(d) = self.disagg_mut() {
+                        d.on_prefill_failed(id, now);
+                    }
+                } else {
+                    self.admission.on_finished(id, now);
+                    self.fail(id.0, Outcome::Rejected);
+                }
+                self.after_release();
+            }
+            EngineEvent::Kv(ev) => self.on_kv_event(ev),
         }
     }
 

@@ -27,6 +27,19 @@
 //! Engines run in speed mode (`coalesce_decode`) by default: identical decode steps are
 //! advanced together, with the same finish times as step-by-step mode.
 //!
+//! # Disaggregated fleets ([`DisaggSetup`])
+//!
+//! With [`SimConfig::disagg`] the fleet is a prefill pool (engines of role prefill-only) and
+//! a decode pool (decode-only, receiving KV over the setup's link), behind
+//! [`router::DisaggFrontend`] — the admission core the gateway runs too, which decides per
+//! request between a split route and a local one (conditional disaggregation). The driver
+//! only carries the routes out: a split request's prefill leg runs on its prefill worker
+//! (whose first token is the client's), and at `PrefillDone` its decode leg is submitted to
+//! the decode worker, which waits for the engine's modelled KV transfer; a local one runs
+//! whole on the decode worker. KV events of both pools feed the core.
+//! [`Simulation::fail_worker`] takes a worker away mid-run: a prefill leg lost with it is
+//! re-issued locally by the core, a request on a lost decode worker fails.
+//!
 //! # Measuring ([`Phase`], [`metrics`])
 //!
 //! A run is a sequence of phases (concurrency levels) back to back, as the seed's operator
@@ -61,7 +74,9 @@
 //!    reasoning, closed or open loop: `workload::WorkloadConfig::mix`, `rate_rps`) run as
 //!    bench jobs; [`mix`]: a run's metrics per workload from its records;
 //! 7. [`ladder`]: seed 003's phase ladder (baseline → KV routing → draft model → EAGLE-3) as
-//!    a set of benchmarks, merged into one results file.
+//!    a set of benchmarks, merged into one results file; [`disagg`](mod@disagg): seed 004's
+//!    named disaggregated layouts, and aggregated vs disaggregated fleets of equal GPU count
+//!    as a set of benchmarks, merged the same way.
 //!
 //! # Invariant and bounds
 //!
@@ -119,6 +134,7 @@
 pub mod bench;
 pub mod chat;
 mod config;
+pub mod disagg;
 mod driver;
 pub mod ladder;
 pub mod metrics;
@@ -128,7 +144,7 @@ pub mod timeline;
 pub mod timers;
 mod workload;
 
-pub use config::{ConfigError, Phase, RouterSetup, SimConfig};
+pub use config::{ConfigError, DisaggSetup, Phase, RouterSetup, SimConfig};
 pub use driver::{
     PhaseResult, RunOutput, RunTotals, SimError, Simulation, WorkerStats, derive_seed, streams,
 };

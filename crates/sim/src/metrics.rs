@@ -20,6 +20,11 @@
 //!   and **of turns 2+**, the same TTFT split by the turn's place in its conversation (seed
 //!   003: KV-aware routing can only help turns whose history exists).
 //!
+//! - With SLOs ([`crate::SimConfig::slo`]): **goodput** = finished requests whose TTFT and
+//!   mean ITL both met their objective, per second (and as a share of the finished ones);
+//!   with prefill/decode pools also the requests by route, the TTFT of split and of local
+//!   requests, and the KV transfers of split requests ([`report::ServingMetrics`]).
+//!
 //! Which requests a window `(from, to]` covers: TTFT — requests whose first token arrived in
 //! it; TPOT, ITL, E2E, RPS, hit rates — requests that finished in it (when the client
 //! observes them, as the seed's load generator does). Percentiles are exact: the
@@ -28,7 +33,7 @@
 
 use nanotime::Nanos;
 pub use report::Metrics;
-use report::Percentiles;
+use report::{Percentiles, ServingMetrics, Slo};
 use serde::Serialize;
 
 /// How a turn ended.
@@ -41,6 +46,40 @@ pub enum Outcome {
     Rejected,
     /// The frontend queue was full, or the router could not place it.
     Dropped,
+}
+
+/// Where a request of a disaggregated fleet ran (`router::Route`, as a record keeps it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RouteTag {
+    /// Prefill on a prefill worker, KV transferred, decode on a decode worker.
+    Split,
+    /// Prefill on the decode worker: its uncached prompt was short.
+    LocalShort,
+    /// Prefill on the decode worker: the prefill pool could not take it.
+    LocalUnavailable,
+    /// Prefill on the decode worker after its prefill worker failed (a retry).
+    LocalRetry,
+}
+
+impl RouteTag {
+    pub fn of(reason: &router::LocalReason) -> RouteTag {
+        match reason {
+            router::LocalReason::ShortPrefill => RouteTag::LocalShort,
+            router::LocalReason::PrefillUnavailable(_) => RouteTag::LocalUnavailable,
+            router::LocalReason::PrefillFailed => RouteTag::LocalRetry,
+        }
+    }
+}
+
+/// A split request's KV transfer from its prefill worker to its decode worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct KvTransfer {
+    /// Prompt tokens moved (the prompt minus what the decode worker had cached).
+    pub tokens: u32,
+    pub bytes: u64,
+    /// The link's modelled time for them (`HardwareProfile::kv_transfer_time`).
+    pub time: Nanos,
 }
 
 /// Everything the simulator recorded about one turn.
@@ -69,6 +108,15 @@ pub struct RequestRecord {
     pub token_spans: u32,
     pub preemptions: u32,
     pub outcome: Outcome,
+    /// Disaggregated fleets: the route it ended on, its prefill worker (split requests) and
+    /// its KV transfer (split requests that reached their decode worker). `worker` is the
+    /// decode worker.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub route: Option<RouteTag>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_worker: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer: Option<KvTransfer>,
 }
 
 impl RequestRecord {
@@ -94,6 +142,26 @@ impl RequestRecord {
         (self.outcome == Outcome::Finished && self.output_tokens >= 2)
             .then(|| (last - first).as_secs_f64() / f64::from(self.output_tokens - 1))
     }
+
+    /// Whether it finished within both objectives (a one-token answer has no ITL to miss).
+    pub fn meets(&self, slo: &Slo) -> bool {
+        self.outcome == Outcome::Finished
+            && self
+                .ttft()
+                .is_some_and(|t| t.as_millis_f64() <= slo.ttft_ms)
+            && self.itl_secs().is_none_or(|s| s * 1e3 <= slo.itl_ms)
+    }
+}
+
+/// What a window has seen of goodput, routes and transfers (with SLOs only).
+#[derive(Debug, Clone, Default)]
+struct ServingAcc {
+    good: u64,
+    routes: [u64; 4],
+    ttft_split_ms: Vec<f64>,
+    ttft_local_ms: Vec<f64>,
+    transfer_ms: Vec<f64>,
+    transfer_bytes: u64,
 }
 
 /// What one window `(from, to]` has seen so far: the samples its percentiles need and the
@@ -119,6 +187,9 @@ pub struct WindowAcc {
     errors: u64,
     /// Output tokens emitted inside the window.
     pub tokens: u64,
+    /// Goodput against these objectives (and routes, per-route TTFT, transfers).
+    pub slo: Option<Slo>,
+    serving: ServingAcc,
 }
 
 impl WindowAcc {
@@ -139,6 +210,13 @@ impl WindowAcc {
         if let Some(t) = r.first_token_at.filter(|&t| self.inside(t)) {
             let ms = (t - r.issued_at).as_millis_f64();
             self.ttft_ms.push(ms);
+            if self.slo.is_some() {
+                match r.route {
+                    Some(RouteTag::Split) => self.serving.ttft_split_ms.push(ms),
+                    Some(_) => self.serving.ttft_local_ms.push(ms),
+                    None => {}
+                }
+            }
             if self.split_turns {
                 if r.turn == 0 {
                     self.ttft_turn1_ms.push(ms);
@@ -167,6 +245,17 @@ impl WindowAcc {
         }
         if let Some(t) = r.itl_secs() {
             self.itl_ms.push(t * 1e3);
+        }
+        if let Some(slo) = &self.slo {
+            let s = &mut self.serving;
+            s.good += u64::from(r.meets(slo));
+            if let Some(route) = r.route {
+                s.routes[route as usize] += 1;
+            }
+            if let Some(x) = &r.kv_transfer {
+                s.transfer_ms.push(x.time.as_millis_f64());
+                s.transfer_bytes += x.bytes;
+            }
         }
     }
 
@@ -205,6 +294,26 @@ impl WindowAcc {
             // Engine counters, filled per phase by the driver.
             acceptance_rate: None,
             tokens_per_step: None,
+            serving: self.slo.is_some().then(|| {
+                let s = &mut self.serving;
+                let transfers = s.transfer_ms.len() as u64;
+                ServingMetrics {
+                    goodput_rps: s.good as f64 / secs,
+                    goodput_share: ratio(s.good, self.finished),
+                    split: s.routes[RouteTag::Split as usize] as f64,
+                    local_short: s.routes[RouteTag::LocalShort as usize] as f64,
+                    local_unavailable: s.routes[RouteTag::LocalUnavailable as usize] as f64,
+                    local_retry: s.routes[RouteTag::LocalRetry as usize] as f64,
+                    ttft_split_ms: Percentiles::of(&mut s.ttft_split_ms),
+                    ttft_local_ms: Percentiles::of(&mut s.ttft_local_ms),
+                    kv_transfer_ms: Percentiles::of(&mut s.transfer_ms),
+                    kv_transfer_mb: ratio(s.transfer_bytes, transfers).map(|b| b / 1e6),
+                    kv_transfer_mb_per_s: s.transfer_bytes as f64 / 1e6 / secs,
+                    // Engine counters, filled per phase by the driver.
+                    prefill_utilisation: None,
+                    decode_utilisation: None,
+                }
+            }),
         }
     }
 }
