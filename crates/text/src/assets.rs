@@ -47,6 +47,9 @@ pub struct TaskAssets {
     reasoning_prompts: Vec<Arc<[u32]>>,
     document_texts: Vec<Arc<str>>,
     reasoning_texts: Vec<Arc<str>>,
+    /// Where the document starts in every document prompt: after `<|begin_of_text|>`, the
+    /// system message and the user header (whose `\n\n` stays a token of its own).
+    document_start: usize,
 }
 
 impl std::fmt::Debug for TaskAssets {
@@ -61,6 +64,13 @@ impl std::fmt::Debug for TaskAssets {
 impl TaskAssets {
     fn build(assets: &Assets) -> Result<TaskAssets, TextError> {
         let documents = DocumentCorpus::builtin(&assets.tokenizer)?;
+        let mut head = vec![assets.format.bos()];
+        assets.format.push_message(
+            &assets.tokenizer,
+            &ChatMessage::system(SUMMARY_INSTRUCTION),
+            &mut head,
+        );
+        let document_start = head.len() + assets.user_header.len();
         let bank = ReasoningBank::builtin()?;
         let render = |system: &str, user: &str| -> Arc<[u32]> {
             let mut ids = vec![assets.format.bos()];
@@ -93,7 +103,35 @@ impl TaskAssets {
                 .collect(),
             documents,
             bank,
+            document_start,
         })
+    }
+
+    /// The first line [`Self::document_prompt_for`] puts before document text for request
+    /// `request`.
+    pub fn request_line(request: u64) -> String {
+        format!("Request {request}: please summarise the briefing below.\n\n")
+    }
+
+    /// Document `i`'s prompt for request `request`: the user message starts with
+    /// [`Self::request_line`], so that no two requests share a block beyond the template and
+    /// the instruction, even on the same document (a summarisation service rarely sees one
+    /// document twice). Equal to rendering `request_line(request) + document_text(i)` after
+    /// [`SUMMARY_INSTRUCTION`] and tokenizing it (tested); costs one copy of the prompt.
+    pub fn document_prompt_for(
+        &self,
+        i: usize,
+        request: u64,
+        tokenizer: &Tokenizer,
+    ) -> Option<Arc<[u32]>> {
+        let prompt = self.document_prompts.get(i)?;
+        let (head, tail) = prompt.split_at(self.document_start.min(prompt.len()));
+        let line = tokenizer.encode_ordinary(&Self::request_line(request));
+        let mut ids = Vec::with_capacity(prompt.len() + line.len());
+        ids.extend_from_slice(head);
+        ids.extend_from_slice(&line);
+        ids.extend_from_slice(tail);
+        Some(ids.into())
     }
 
     pub fn documents(&self) -> &DocumentCorpus {

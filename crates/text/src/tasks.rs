@@ -17,6 +17,10 @@
 //!   under a new number), each `## N. Heading` + its paragraphs, while the document is short of
 //!   its bucket's target by more than half the next section.
 //!
+//! A B request may put its own first line before the document
+//! ([`crate::TaskAssets::request_line`], the workload's default) so that two requests on one
+//! document share nothing past the template and the instruction.
+//!
 //! Section lengths are measured once with the tokenizer; the composed documents' lengths are
 //! measured with the real tokenizer in `tests/tasks.rs` (bucket means within 5% of the target).
 //!

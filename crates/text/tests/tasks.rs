@@ -133,6 +133,30 @@ fn task_prompts_in_tokens_are_the_rendered_text_tokenized() {
             tasks.document_prompt(i).unwrap().to_vec()
         );
     }
+    // With a request line: each request's own prompt, still the rendered text tokenized.
+    for (i, request) in [(0, 0), (7, 12_345), (29, u64::MAX)] {
+        let user = format!(
+            "{}{}",
+            text::TaskAssets::request_line(request),
+            tasks.document_text(i).unwrap()
+        );
+        let text = template
+            .render(
+                &[
+                    ChatMessage::system(SUMMARY_INSTRUCTION),
+                    ChatMessage::user(user),
+                ],
+                true,
+            )
+            .unwrap();
+        assert_eq!(
+            assets.tokenizer().encode(&text),
+            tasks
+                .document_prompt_for(i, request, assets.tokenizer())
+                .unwrap()
+                .to_vec()
+        );
+    }
     let text = template
         .render(
             &[

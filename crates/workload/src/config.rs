@@ -63,6 +63,12 @@ pub struct WorkloadConfig {
     /// ([`crate::WorkloadStats::arrivals_dropped`]), so an arrival rate above what the system
     /// serves cannot grow memory without bound.
     pub max_open: u32,
+    /// B: send the documents as they are, so a document drawn again is a prefix-cache hit
+    /// (seed 004's pool of documents drawn at random). Default false: each B request's user
+    /// message starts with its own request line, so B requests share nothing beyond the chat
+    /// template and the instruction, as a summarisation service that rarely sees a document
+    /// twice; B stays prefill-heavy however many requests are sent.
+    pub repeat_documents: bool,
     /// B's answer length in tokens (default uniform 100–300).
     pub summary_tokens: Distribution,
     /// C's answer length as a multiple of the prompt's expected output length (default
@@ -93,6 +99,7 @@ impl Default for WorkloadConfig {
             mix: Mix::default(),
             rate_rps: None,
             max_open: DEFAULT_MAX_OPEN,
+            repeat_documents: false,
             summary_tokens: DEFAULT_SUMMARY_TOKENS,
             reasoning_scale: DEFAULT_REASONING_SCALE,
         }

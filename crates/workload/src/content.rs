@@ -129,13 +129,36 @@ impl Content for TokenContent {
     ) -> Turn {
         let question = match plan.ask {
             Ask::Chat(question) => question,
-            Ask::Summarise(i) | Ask::Reason(i) => {
+            Ask::Summarise {
+                document: i,
+                request: Some(request),
+            } => {
+                let prompt = self
+                    .assets
+                    .tasks()
+                    .ok()
+                    .and_then(|t| t.document_prompt_for(i, request, self.assets.tokenizer()))
+                    .unwrap_or_else(|| Arc::from(Vec::new()));
+                history.prompt = Some(prompt.clone());
+                history.reply = Some(plan.reply.ids.clone());
+                return Turn {
+                    key,
+                    prompt,
+                    output: plan.reply.ids,
+                    issued_at,
+                };
+            }
+            Ask::Summarise {
+                document: i,
+                request: None,
+            }
+            | Ask::Reason(i) => {
                 // Built when the workload was (`ChatWorkload::with_content` checks), so this
                 // lookup cannot fail; an empty prompt would be refused by any server.
                 let tasks = self.assets.tasks().ok();
                 let prompt = tasks
                     .and_then(|t| match plan.ask {
-                        Ask::Summarise(_) => t.document_prompt(i),
+                        Ask::Summarise { .. } => t.document_prompt(i),
                         _ => t.reasoning_prompt(i),
                     })
                     .cloned()
@@ -259,13 +282,19 @@ impl Content for TextContent {
                     .unwrap_or_else(|| "".into()),
                 self.assets.questions().text(&question).into(),
             ),
-            Ask::Summarise(i) => (
-                Class::B,
-                SUMMARY_INSTRUCTION.into(),
-                tasks()
+            Ask::Summarise {
+                document: i,
+                request,
+            } => {
+                let document = tasks()
                     .and_then(|t| t.document_text(i).cloned())
-                    .unwrap_or_else(|| "".into()),
-            ),
+                    .unwrap_or_else(|| "".into());
+                let question = match request {
+                    Some(r) => format!("{}{document}", text::TaskAssets::request_line(r)).into(),
+                    None => document,
+                };
+                (Class::B, SUMMARY_INSTRUCTION.into(), question)
+            }
             Ask::Reason(i) => (
                 Class::C,
                 REASONING_INSTRUCTION.into(),

@@ -10,7 +10,9 @@
 //! Seed 004 adds two single-turn workloads and a mix ([`Mix`], [`Class`]): **B**
 //! summarisation (an instruction and one document of ≈ 4k, 10k or 18k tokens, a 100–300-token
 //! answer) and **C** reasoning (a short prompt from a bank of 64, a 1,000–4,000-token answer),
-//! both from [`text::TaskAssets`]; each new session draws its class from
+//! both from [`text::TaskAssets`] (each B request's message starts with its own request line
+//! unless [`WorkloadConfig::repeat_documents`], so B stays prefill-heavy); each new session
+//! draws its class from
 //! [`WorkloadConfig::mix`]. And an open loop ([`Arrivals::Open`], [`WorkloadConfig::rate_rps`]):
 //! sessions arrive Poisson at a rate instead of a constant number being open; an A
 //! conversation that arrived runs all its turns (each after the previous reply and the think

@@ -24,8 +24,14 @@ use crate::{Class, WorkloadConfig, WorkloadError};
 pub enum Ask {
     /// A: the user's question about the conversation's passage.
     Chat(QuestionPlan),
-    /// B: summarise document `i` of [`text::TaskAssets::documents`].
-    Summarise(usize),
+    /// B: summarise document `document` of [`text::TaskAssets::documents`]; with `request`,
+    /// the user message starts with that request's own line
+    /// ([`text::TaskAssets::request_line`]), so that requests share no block beyond the
+    /// template and the instruction.
+    Summarise {
+        document: usize,
+        request: Option<u64>,
+    },
     /// C: answer reasoning prompt `i` of [`text::TaskAssets::bank`].
     Reason(usize),
 }
@@ -53,6 +59,8 @@ pub struct Script {
     turns: u32,
     /// The last reply's term, for the next question.
     topic: Option<usize>,
+    /// The session's number (B's request line).
+    session: u64,
 }
 
 impl Script {
@@ -69,6 +77,7 @@ impl Script {
             passage,
             turns,
             topic: None,
+            session: conversation,
         }
     }
 
@@ -95,6 +104,7 @@ impl Script {
             passage,
             turns: 1,
             topic: None,
+            session,
         })
     }
 
@@ -122,7 +132,11 @@ impl Script {
             Class::A => {}
             Class::B => {
                 let tokens = config.summary_tokens.sample(&mut self.rng).round().max(1.0);
-                return self.single(assets, Ask::Summarise(self.passage), tokens as usize);
+                let ask = Ask::Summarise {
+                    document: self.passage,
+                    request: (!config.repeat_documents).then_some(self.session),
+                };
+                return self.single(assets, ask, tokens as usize);
             }
             Class::C => {
                 let tasks = assets.tasks()?;
