@@ -26,7 +26,17 @@ const DISAGG_LEVELS: [u32; 5] = [20, 40, 80, 120, 160];
 const DISAGG_SWEEPS: u32 = 2;
 const DISAGG_GPUS: u32 = 4;
 /// The workloads `--disagg` can run today.
-const DISAGG_WORKLOADS: [&str; 1] = ["chat"];
+/// `--disagg-workloads`: seed 004's workloads by name, and the mix each runs.
+const DISAGG_WORKLOADS: [(&str, [u32; 3]); 4] = [
+    ("chat", [100, 0, 0]),
+    ("summarise", [0, 100, 0]),
+    ("reason", [0, 0, 100]),
+    ("mix", [40, 30, 30]),
+];
+
+fn disagg_workload_names() -> String {
+    DISAGG_WORKLOADS.map(|(name, _)| name).join(", ")
+}
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
@@ -60,8 +70,9 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", requires = "disagg",
           value_parser = clap::value_parser!(u32).range(2..=16))]
     pub gpus: Option<u32>,
-    /// With --disagg: the workloads, comma-separated (today: chat, seed 002's multi-turn
-    /// chat; seed 004's B and C come with the workload crate's).
+    /// With --disagg: the workloads, comma-separated: chat (A, multi-turn), summarise (B: long
+    /// documents, short answers), reason (C: short prompts, long answers), mix (seed 004's
+    /// A=40,B=30,C=30). Default: all four.
     #[arg(long, value_delimiter = ',', value_name = "NAMES", requires = "disagg")]
     pub disagg_workloads: Option<Vec<String>>,
     /// With --disagg: a decode worker prefills a request itself when at most this many of
@@ -406,15 +417,17 @@ fn run_disagg(args: &BenchArgs) -> Result<()> {
     let workloads = args
         .disagg_workloads
         .clone()
-        .unwrap_or_else(|| DISAGG_WORKLOADS.iter().map(|w| w.to_string()).collect());
+        .unwrap_or_else(|| DISAGG_WORKLOADS.iter().map(|w| w.0.to_string()).collect());
+    let mut mixes = Vec::new();
     for w in &workloads {
-        if !DISAGG_WORKLOADS.contains(&w.trim()) {
+        let Some((_, [a, b, c])) = DISAGG_WORKLOADS.iter().find(|(name, _)| *name == w.trim())
+        else {
             bail!(
-                "--disagg-workloads: unknown workload {w:?}; known: {} (seed 004's \
-                 summarisation and reasoning workloads are not in the workload crate yet)",
-                DISAGG_WORKLOADS.join(", ")
+                "--disagg-workloads: unknown workload {w:?}; known: {}",
+                disagg_workload_names()
             );
-        }
+        };
+        mixes.push(workload::Mix::new(*a, *b, *c)?);
     }
     for (flag, v) in [
         ("--slo-ttft-ms", args.slo_ttft_ms),
@@ -436,12 +449,13 @@ fn run_disagg(args: &BenchArgs) -> Result<()> {
         .local_prefill_max_tokens
         .unwrap_or(router::DisaggConfig::default().local_prefill_max_tokens);
     let layouts = sim::disagg::equal_gpu_layouts(args.gpus.unwrap_or(DISAGG_GPUS));
-    // One cluster per layout; one benchmark per (workload, layout).
+    // One cluster per (workload, layout), workload-major; one benchmark each.
     let mut clusters = Vec::new();
-    for layout in &layouts {
+    for (mix, layout) in mixes.iter().flat_map(|m| layouts.iter().map(move |l| (m, l))) {
         let mut cluster = args.cluster.clone();
         cluster.workers = layout.gpus;
         let mut built = cluster.build()?;
+        built.workload.mix = *mix;
         built.base.extended_metrics = true;
         built.base.slo = Some(slo);
         if layout.aggregated == 0 {
@@ -455,8 +469,9 @@ fn run_disagg(args: &BenchArgs) -> Result<()> {
         clusters.push(built);
     }
     let mut benches = Vec::new();
-    for workload in &workloads {
-        for (i, layout) in layouts.iter().enumerate() {
+    for (w, workload) in workloads.iter().enumerate() {
+        for (l, layout) in layouts.iter().enumerate() {
+            let i = w * layouts.len() + l;
             let mut spec = args.spec(vec![args.kv_router], &clusters[i])?;
             spec.base.router.policy = args.kv_router;
             benches.push((i, layout.clone(), workload.trim().to_string(), spec));
