@@ -124,7 +124,7 @@ fn bad_flags_fail_with_a_message_that_says_what_to_do() {
     );
     let err = run(&["--prefill-timeout", "0"]);
     assert!(err.contains("--prefill-timeout"), "{err}");
-    let err = run(&["--local-prefill-max-tokens", "-1"]);
+    let err = run(&["--local-prefill-max-tokens", "lots"]);
     assert!(err.contains("--local-prefill-max-tokens"), "{err}");
 }
 
