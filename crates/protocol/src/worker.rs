@@ -246,8 +246,8 @@ mod tests {
 
     #[test]
     fn roles_read_kvroute_and_vllm_names_and_default_to_both() {
-        let card: WorkerCard = serde_json::from_str(r#"{"url":"http://w:1"}"#).unwrap();
-        assert_eq!(card.role, WorkerRole::Both);
+        let plain: WorkerCard = serde_json::from_str(r#"{"url":"http://w:1"}"#).unwrap();
+        assert_eq!(plain.role, WorkerRole::Both);
         for (name, role) in [
             ("prefill", WorkerRole::Prefill),
             ("kv_producer", WorkerRole::Prefill),
@@ -255,9 +255,9 @@ mod tests {
             ("kv_consumer", WorkerRole::Decode),
             ("kv_both", WorkerRole::Both),
         ] {
-            let card: WorkerCard =
+            let named: WorkerCard =
                 serde_json::from_str(&format!(r#"{{"role":"{name}"}}"#)).unwrap();
-            assert_eq!(card.role, role, "{name}");
+            assert_eq!(named.role, role, "{name}");
             assert_eq!(name.parse::<WorkerRole>().unwrap(), role);
         }
         let err = "producer".parse::<WorkerRole>().unwrap_err().to_string();
