@@ -79,7 +79,9 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     let routable = state.dispatcher.routable_workers().len();
     let known = state.dispatcher.workers().len();
-    let (status, word) = if routable > 0 {
+    // Prefill workers alone serve nothing: healthy takes a decode (or aggregated) worker.
+    let serving = state.dispatcher.routable_decode_workers();
+    let (status, word) = if serving > 0 {
         (200, "healthy")
     } else {
         (503, "unhealthy")
@@ -89,6 +91,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
         "model": state.model.as_ref(),
         "workers": known,
         "routable_workers": routable,
+        "routable_decode_workers": serving,
     });
     json_response(status, &body)
 }
