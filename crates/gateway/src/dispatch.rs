@@ -142,6 +142,11 @@ impl Ticket {
         }
     }
 
+    /// Whether the fleet is disaggregated (some worker declared a prefill or decode role).
+    pub fn fleet_disaggregated(&self) -> bool {
+        self.dispatcher.is_disaggregated()
+    }
+
     /// The route's labels: `split` with reason `remote_prefill`, or `local` with its reason.
     pub fn route_labels(&self) -> (&'static str, &'static str) {
         match &self.local_reason {

@@ -432,6 +432,22 @@ mod tests {
         };
         let w = describe(&spec, &card, 32);
         assert_eq!(
+            w.role,
+            WorkerRole::Both,
+            "a card without a role is aggregated"
+        );
+        let prefill = WorkerCard {
+            role: WorkerRole::Prefill,
+            ..card.clone()
+        };
+        assert_eq!(describe(&spec, &prefill, 32).role, WorkerRole::Prefill);
+        let decode: WorkerSpec = "http://w:1,role=decode".parse().unwrap();
+        assert_eq!(
+            describe(&decode, &prefill, 32).role,
+            WorkerRole::Decode,
+            "the flag wins"
+        );
+        assert_eq!(
             w.limits.timing,
             Some(WorkerTiming {
                 prefill_secs_per_token: 1.5e-4,

@@ -545,17 +545,22 @@ async fn respond(
 ) -> Response {
     let worker = HeaderValue::from(ticket.worker.id.0);
     let (route, reason) = ticket.route_labels();
-    let route = HeaderValue::from_static(if route == "split" { "split" } else { reason });
+    // Only a disaggregated fleet has routes to tell apart.
+    let route = ticket
+        .fleet_disaggregated()
+        .then(|| HeaderValue::from_static(if route == "split" { "split" } else { reason }));
     let upstream = response.bytes_stream().boxed();
     let relay = Relay::new(ctx, stream, upstream, ticket, record);
     let mut response = respond_relay(stream, relay).await;
     // Which worker served the request: for debugging and tests (not an OpenAI header).
     response.headers_mut().insert(WORKER_HEADER, worker);
-    response.headers_mut().insert(ROUTE_HEADER, route);
+    if let Some(route) = route {
+        response.headers_mut().insert(ROUTE_HEADER, route);
+    }
     response
 }
 
-/// Response header naming the route: `split` (prefill worker, then the decode worker that
+/// Response header of a disaggregated fleet naming the route: `split` (prefill worker, then the decode worker that
 /// served it), or why it was prefilled locally (`short_prefill`, `prefill_unavailable`,
 /// `prefill_failed`); not an OpenAI header.
 pub const ROUTE_HEADER: &str = "x-kvroute-route";
