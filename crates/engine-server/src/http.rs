@@ -16,7 +16,8 @@ use engine::{EngineRequest, Leg, OutputSpec, RejectReason, RequestId};
 use protocol::http::{check_model, json_response, read_json};
 use protocol::{
     Api, ApiError, ApiRequest, ChatCompletionRequest, ChoiceOut, CompletionRequest, FinishReason,
-    Model, ModelList, Prompt, ResponseHead, SamplingParams, TokenIds, Usage, WorkerCard, sse,
+    KvTransferParams, Model, ModelList, Prompt, ResponseHead, SamplingParams, TokenIds, Usage,
+    WorkerCard, WorkerRole, sse,
 };
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
@@ -199,6 +200,7 @@ async fn serve(
             u64::from(context),
         ));
     }
+    let leg = request_leg(state.info.role, params)?;
     let room = context - prompt.len() as u32;
     let request_seed = params.seed.unwrap_or(0).rotate_left(17);
     let reply = plan_reply(
@@ -221,7 +223,7 @@ async fn serve(
             id,
             prompt: prompt.into(),
             output: OutputSpec::Tokens(reply.ids.clone()),
-            leg: Leg::ByRole,
+            leg,
         },
         progress: progress_tx,
     };
@@ -311,8 +313,96 @@ async fn serve(
             "the request was cancelled: the engine is shutting down",
         ));
     };
-    let body = meta.full_response(&reply, &finish)?;
+    let body = if leg == Leg::Prefill {
+        let params = remote_prefill_params(&state.info, prompt_len);
+        meta.prefill_response(&reply, &finish, params)?
+    } else {
+        meta.full_response(&reply, &finish)?
+    };
     Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
+}
+
+/// The leg a request runs as here, from its `kv_transfer_params` as vLLM's disaggregated
+/// proxy sends them: `do_remote_decode` (prefill here, a decode worker continues) is a
+/// prefill leg, `do_remote_prefill` (a prefill worker computed the prompt; pull its KV) a
+/// decode leg, neither a whole request. A prefill worker serves only prefill legs, answered
+/// in one response (its `kv_transfer_params` are what the decode worker needs).
+fn request_leg(role: WorkerRole, params: &SamplingParams) -> Result<Leg, ApiError> {
+    let transfer = params.kv_transfer_params.as_ref();
+    let remote_decode = transfer.is_some_and(|t| t.do_remote_decode);
+    let remote_prefill = transfer.is_some_and(|t| t.do_remote_prefill);
+    let leg = match (remote_decode, remote_prefill) {
+        (true, true) => {
+            return Err(ApiError::invalid_param(
+                "kv_transfer_params",
+                "do_remote_decode and do_remote_prefill cannot both be true: a request is \
+                 either prefilled here for a decode worker or decoded here after a prefill \
+                 worker",
+            ));
+        }
+        (true, false) => Leg::Prefill,
+        (false, true) => Leg::Decode,
+        (false, false) => Leg::Whole,
+    };
+    match (role, leg) {
+        (WorkerRole::Prefill, Leg::Whole) => Err(ApiError::invalid_param(
+            "kv_transfer_params",
+            "this is a prefill worker (kvroute engine --role prefill): it serves only the \
+             prefill leg of a disaggregated request; send `kv_transfer_params: \
+             {\"do_remote_decode\": true}` with `stream: false` (a gateway with prefill and \
+             decode pools does this), or send the request to a decode or aggregated worker",
+        )),
+        (WorkerRole::Prefill, Leg::Decode) => Err(ApiError::invalid_param(
+            "kv_transfer_params",
+            "this is a prefill worker (kvroute engine --role prefill): it cannot decode a \
+             request prefilled elsewhere (do_remote_prefill); send it to a decode worker",
+        )),
+        (WorkerRole::Decode, Leg::Prefill) => Err(ApiError::invalid_param(
+            "kv_transfer_params",
+            "this is a decode worker (kvroute engine --role decode): it does not prefill for \
+             another worker (do_remote_decode); send it to a prefill worker",
+        )),
+        (_, Leg::Prefill) if params.is_stream() => Err(ApiError::invalid_param(
+            "stream",
+            "a prefill leg (kv_transfer_params.do_remote_decode) is answered in one response \
+             carrying the KV transfer parameters; send `stream: false`",
+        )),
+        _ => Ok(leg),
+    }
+}
+
+/// What a prefill leg hands on, as vLLM's NixlConnector answers it: the decode worker pulls
+/// the prompt's KV from this engine (`remote_engine_id`, its address, the blocks holding the
+/// prompt). The simulated transfer is priced by the decode worker's link, so the block ids
+/// are the prompt's block indices here.
+fn remote_prefill_params(card: &WorkerCard, prompt_tokens: u64) -> KvTransferParams {
+    let block = u64::from(card.block_size.unwrap_or(1).max(1));
+    let blocks: Vec<u64> = (0..prompt_tokens.div_ceil(block)).collect();
+    let authority = card
+        .url
+        .split_once("://")
+        .map_or(card.url.as_str(), |(_, rest)| rest)
+        .split('/')
+        .next()
+        .unwrap_or_default();
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((host, port)) => (host, port.parse().ok()),
+        None => (authority, None),
+    };
+    KvTransferParams {
+        do_remote_decode: false,
+        do_remote_prefill: true,
+        remote_engine_id: Some(format!(
+            "kvroute-{}-{:016x}",
+            card.worker.unwrap_or_default().0,
+            card.instance
+        )),
+        remote_block_ids: Some(serde_json::json!(blocks)),
+        remote_host: Some(host.to_string()),
+        remote_port: port,
+        tp_size: Some(1),
+        extra: serde_json::Map::new(),
+    }
 }
 
 /// What every response and chunk of one request repeats.
@@ -371,6 +461,29 @@ impl ResponseMeta {
         self.head
             .response_json(std::iter::once(choice), Some(&usage(finish)))
             .map_err(|e| ApiError::internal(format!("could not write the response: {e}")))
+    }
+
+    /// A prefill leg's response: its one token, and the top-level `kv_transfer_params` a
+    /// decode worker needs (vLLM adds them beside `choices`).
+    fn prefill_response(
+        &self,
+        reply: &PlannedReply,
+        finish: &FinishInfo,
+        params: KvTransferParams,
+    ) -> Result<Vec<u8>, ApiError> {
+        let written = |e: serde_json::Error| {
+            ApiError::internal(format!("could not write the prefill response: {e}"))
+        };
+        let choice = self.choice(reply, 0, finish.output_tokens, Some(FinishReason::Length));
+        let body = self
+            .head
+            .response_json(std::iter::once(choice), Some(&usage(finish)))
+            .map_err(written)?;
+        let mut response: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&body).map_err(written)?;
+        let params = serde_json::to_value(params).map_err(written)?;
+        response.insert("kv_transfer_params".to_string(), params);
+        serde_json::to_vec(&response).map_err(written)
     }
 
     /// Appends one chunk: new text (tokens `from..to`), an optional finish reason.

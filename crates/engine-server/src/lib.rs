@@ -172,6 +172,7 @@ impl EngineServer {
                 .map(|n| n.subjects.kv_events(config.worker_id)),
             zmq_endpoint: zmq.as_ref().map(|z| z.endpoint.clone()),
             returns_token_ids: true,
+            role: worker_role(config.engine.role),
         };
         let registration = match (&nats, &config.nats) {
             (Some(client), Some(settings)) => Some((
@@ -190,6 +191,7 @@ impl EngineServer {
             &config.hostname,
             config.engine.spec_decode.as_ref().map(|s| s.draft_len),
         ));
+        metrics.set_role(card.role);
         let snapshot = Arc::new(Mutex::new(driver::Snapshot::default()));
         let clock = driver::Clock::new(config.speedup);
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
@@ -339,5 +341,25 @@ async fn wait_for_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+pub use protocol::{UnknownRole, WorkerRole};
+
+/// The card's name of an engine role.
+pub fn worker_role(role: engine::Role) -> protocol::WorkerRole {
+    match role {
+        engine::Role::Aggregated => protocol::WorkerRole::Both,
+        engine::Role::PrefillOnly => protocol::WorkerRole::Prefill,
+        engine::Role::DecodeOnly => protocol::WorkerRole::Decode,
+    }
+}
+
+/// The engine role a card's role names.
+pub fn engine_role(role: protocol::WorkerRole) -> engine::Role {
+    match role {
+        protocol::WorkerRole::Both => engine::Role::Aggregated,
+        protocol::WorkerRole::Prefill => engine::Role::PrefillOnly,
+        protocol::WorkerRole::Decode => engine::Role::DecodeOnly,
     }
 }

@@ -66,6 +66,9 @@ pub struct ServerMetrics {
     fb_free: FloatGauge,
     /// Speculative decoding's series, when it is on.
     spec: Option<SpecSeries>,
+    /// `kvroute_engine_role{role="both|prefill|decode",kv_role="kv_…"} 1`: the worker's part
+    /// in disaggregated serving, to join on.
+    role: Family<Labels, Gauge>,
     /// Requests the engine refused (queue full, too long…).
     pub rejected: Counter,
     /// KV event batches dropped because the publishers fell behind.
@@ -369,11 +372,29 @@ impl ServerMetrics {
                 "KV event batches dropped because publishers fell behind",
             ),
             spec: draft_len.map(|k| SpecSeries::register(r, &labels, k)),
+            role: {
+                let family = Family::<Labels, Gauge>::default();
+                r.register(
+                    "kvroute_engine_role",
+                    "The worker's role in disaggregated serving (1 on its series)",
+                    family.clone(),
+                );
+                family
+            },
             // Last: the fields above register their metrics in it.
             registry,
             util_sample: Mutex::new(None),
             last: Mutex::new(EngineMetrics::default()),
         }
+    }
+
+    /// Declares the worker's role (`kvroute_engine_role`).
+    pub fn set_role(&self, role: protocol::WorkerRole) {
+        let labels = vec![
+            ("role".to_string(), role.as_str().to_string()),
+            ("kv_role".to_string(), role.vllm_kv_role().to_string()),
+        ];
+        self.role.get_or_create(&labels).set(1);
     }
 
     /// Refreshes gauges and counters from the engine's cumulative snapshot.

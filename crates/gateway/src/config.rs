@@ -9,6 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use kv_index::WorkerId;
+use protocol::WorkerRole;
 use router::{KvSource, RouterConfig, WorkerLimits};
 
 /// How a worker wants its prompt.
@@ -25,8 +26,10 @@ pub enum PromptFormat {
 /// `/info` card (foreign backends such as vLLM have none).
 ///
 /// Written `URL[,key=value]…` with keys `id`, `block_size`, `capacity` (KV blocks),
-/// `max_num_seqs`, `zmq` (a vLLM-format KV event endpoint, e.g. `tcp://host:5557`) and
-/// `prompt` (`tokens` or `text`). Values given here win over the worker's `/info`.
+/// `max_num_seqs`, `zmq` (a vLLM-format KV event endpoint, e.g. `tcp://host:5557`),
+/// `prompt` (`tokens` or `text`) and `role` (`both`, `prefill` or `decode`: its pool in
+/// disaggregated serving; vLLM's `kv_both`, `kv_producer`, `kv_consumer` are accepted too).
+/// Values given here win over the worker's `/info`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerSpec {
     /// Base URL, without a trailing slash (`http://10.0.0.5:8000`).
@@ -38,6 +41,8 @@ pub struct WorkerSpec {
     /// ZMQ endpoint publishing this worker's KV events in vLLM's format.
     pub zmq: Option<String>,
     pub prompt: PromptFormat,
+    /// Its part in disaggregated serving, when the flag says (else its card's).
+    pub role: Option<WorkerRole>,
 }
 
 impl WorkerSpec {
@@ -50,6 +55,7 @@ impl WorkerSpec {
             limits: WorkerLimits::default(),
             zmq: None,
             prompt: PromptFormat::Tokens,
+            role: None,
         }
     }
 
@@ -69,7 +75,7 @@ impl fmt::Display for WorkerSpecError {
         write!(
             f,
             "{}; expected URL[,id=N][,block_size=N][,capacity=BLOCKS][,max_num_seqs=N]\
-             [,zmq=tcp://HOST:PORT][,prompt=tokens|text]",
+             [,zmq=tcp://HOST:PORT][,prompt=tokens|text][,role=both|prefill|decode]",
             self.0
         )
     }
@@ -139,6 +145,11 @@ impl FromStr for WorkerSpec {
                         }
                     }
                 }
+                "role" => {
+                    spec.role = Some(value.parse().map_err(|e: protocol::UnknownRole| {
+                        WorkerSpecError(format!("worker `{s}`: {e}"))
+                    })?)
+                }
                 _ => {
                     return Err(WorkerSpecError(format!(
                         "worker `{s}`: unknown key `{key}`"
@@ -185,6 +196,13 @@ pub struct GatewayConfig {
     pub tokenizer_config: Option<PathBuf>,
     /// Most workers known at once (static and dynamic); registrations beyond are refused.
     pub max_workers: usize,
+    /// Disaggregated serving, when workers declare prefill and decode roles: a request with
+    /// at most this many prompt tokens uncached on its decode worker is prefilled there
+    /// (see [`router::DisaggConfig::local_prefill_max_tokens`]).
+    pub local_prefill_max_tokens: u32,
+    /// Longest wait for a prefill worker's answer before the request is prefilled on its
+    /// decode worker instead.
+    pub prefill_timeout: Duration,
 }
 
 impl Default for GatewayConfig {
@@ -204,6 +222,8 @@ impl Default for GatewayConfig {
             tokenizer: None,
             tokenizer_config: None,
             max_workers: 1024,
+            local_prefill_max_tokens: router::DisaggConfig::default().local_prefill_max_tokens,
+            prefill_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -222,9 +242,10 @@ mod tests {
     #[test]
     fn worker_spec_parses_every_key() {
         let spec: WorkerSpec = "http://h:8000/,id=7,block_size=16,capacity=1000,max_num_seqs=64,\
-                                zmq=tcp://h:5557,prompt=text"
+                                zmq=tcp://h:5557,prompt=text,role=prefill"
             .parse()
             .unwrap();
+        assert_eq!(spec.role, Some(WorkerRole::Prefill));
         assert_eq!(spec.url, "http://h:8000");
         assert_eq!(spec.id, Some(WorkerId(7)));
         assert_eq!(spec.block_size, Some(16));
@@ -243,6 +264,7 @@ mod tests {
             "http://h,zmq=ipc://x",
             "http://h,prompt=words",
             "http://h,colour=red",
+            "http://h,role=producer",
             "http://h,id",
         ] {
             let err = bad.parse::<WorkerSpec>().unwrap_err().to_string();

@@ -1,9 +1,14 @@
-//! The gateway's shared state: the admission core ([`router::Frontend`], which owns the
-//! router) and the worker table, behind one mutex held only for short, non-blocking sections.
+//! The gateway's shared state: the admission core ([`router::DisaggFrontend`], which owns a
+//! router per pool) and the worker table, behind one mutex held only for short, non-blocking
+//! sections.
 //!
 //! This is a thin async shell: every admission decision — route at once, queue, refuse (429
-//! when the queue is full, 503 after the queue timeout or without workers), which worker — is
-//! the frontend's, the same code the simulator runs. The shell keeps one oneshot channel per
+//! when the queue is full, 503 after the queue timeout or without workers), which worker, and
+//! for a fleet with prefill workers whether the prompt is prefilled there or on its decode
+//! worker — is the core's, the same code the simulator runs. Workers of role `both` and
+//! `decode` serve in the decode pool, `prefill` workers in the prefill pool; with no prefill
+//! worker every request is routed locally on the decode pool, exactly as the aggregated
+//! [`router::Frontend`] routes it. The shell keeps one oneshot channel per
 //! queued request, wakes it from the frontend's events, and runs one timer task
 //! ([`Dispatcher::run_timers`]) that sleeps until the frontend's `poll_timeout`. The [`Ticket`]
 //! a request gets holds its place in the router's accounting: dropping it (the stream ended,
@@ -19,8 +24,13 @@ use std::time::{Duration, Instant};
 
 use kv_index::{EventError, KvEvent, WorkerId};
 use nanotime::Nanos;
+use protocol::WorkerRole;
 pub use router::AdmitError;
-use router::{Frontend, FrontendEvent, RequestId, RouteDecision, RouteError, RoutingKey};
+pub use router::LocalReason;
+use router::{
+    DisaggConfig, DisaggEvent, DisaggFrontend, Pool, RequestId, Route, RouteDecision, RouteError,
+    RoutingKey,
+};
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -82,6 +92,10 @@ pub struct Ticket {
     /// The request waited in the frontend queue.
     pub queued: bool,
     first_token_seen: bool,
+    /// A split route's prefill leg (its worker and decision), until it is done or failed.
+    pub prefill: Option<(Arc<WorkerInfo>, RouteDecision)>,
+    /// Why a local route prefills on its decode worker (`None` for a split route).
+    pub local_reason: Option<LocalReason>,
 }
 
 impl Ticket {
@@ -103,6 +117,45 @@ impl Ticket {
     pub fn worker_failed(&self) {
         self.dispatcher.worker_failed(self.worker.id);
     }
+
+    /// The prefill leg succeeded: its slot is free and the decode worker has no prefill of
+    /// its own to do.
+    pub fn prefill_done(&mut self) {
+        if self.prefill.take().is_some() {
+            // The core counts the decode worker's first token with the hand-off.
+            self.first_token_seen = true;
+            self.dispatcher.prefill_done(self.id);
+        }
+    }
+
+    /// The prefill leg failed: the core re-issues the request as a local prefill on its
+    /// decode worker (this ticket now says so).
+    pub fn prefill_failed(&mut self) {
+        if self.prefill.take().is_some() {
+            if let Some(Ok(local)) = self.dispatcher.prefill_failed(self.id) {
+                self.worker = local.worker;
+                self.decision = local.decision;
+                self.local_reason = local.reason;
+            } else {
+                self.local_reason = Some(LocalReason::PrefillFailed);
+            }
+        }
+    }
+
+    /// Whether the fleet is disaggregated (some worker declared a prefill or decode role).
+    pub fn fleet_disaggregated(&self) -> bool {
+        self.dispatcher.is_disaggregated()
+    }
+
+    /// The route's labels: `split` with reason `remote_prefill`, or `local` with its reason.
+    pub fn route_labels(&self) -> (&'static str, &'static str) {
+        match &self.local_reason {
+            None => ("split", "remote_prefill"),
+            Some(LocalReason::ShortPrefill) => ("local", "short_prefill"),
+            Some(LocalReason::PrefillUnavailable(_)) => ("local", "prefill_unavailable"),
+            Some(LocalReason::PrefillFailed) => ("local", "prefill_failed"),
+        }
+    }
 }
 
 impl Drop for Ticket {
@@ -111,11 +164,28 @@ impl Drop for Ticket {
     }
 }
 
-type Assignment = Result<(Arc<WorkerInfo>, RouteDecision), AdmitError>;
+/// A route, resolved to the workers' descriptions.
+#[derive(Debug)]
+struct Assigned {
+    worker: Arc<WorkerInfo>,
+    decision: RouteDecision,
+    prefill: Option<(Arc<WorkerInfo>, RouteDecision)>,
+    reason: Option<LocalReason>,
+}
+
+type Assignment = Result<Assigned, AdmitError>;
+
+/// The pool a worker of `role` serves in.
+pub fn pool_of(role: WorkerRole) -> Pool {
+    match role {
+        WorkerRole::Prefill => Pool::Prefill,
+        WorkerRole::Both | WorkerRole::Decode => Pool::Decode,
+    }
+}
 
 #[derive(Debug)]
 struct Core {
-    frontend: Frontend,
+    frontend: DisaggFrontend,
     workers: BTreeMap<WorkerId, WorkerEntry>,
     /// The channels of queued requests, woken from the frontend's events; bounded by its
     /// queue capacity.
@@ -147,6 +217,10 @@ pub struct Dispatcher {
     kv_events: bool,
     /// Some known worker takes text prompts (so chat requests also render the text).
     text_workers: std::sync::atomic::AtomicBool,
+    /// Some worker ever declared a prefill or decode role (the fleet is disaggregated).
+    disaggregated: std::sync::atomic::AtomicBool,
+    /// Longest wait for a prefill leg's answer.
+    prefill_timeout: Duration,
     events: EventStats,
     metrics: std::sync::OnceLock<Arc<Metrics>>,
 }
@@ -160,8 +234,14 @@ impl Dispatcher {
     /// State for a gateway configured by `config`. Spawn [`run_timers`](Dispatcher::run_timers)
     /// beside it, or queued requests never time out.
     pub fn new(config: &GatewayConfig) -> Result<Arc<Dispatcher>, router::RouterConfigError> {
-        let frontend = Frontend::new(config.router.clone(), config.frontend)?;
-        let hasher = *frontend.router().hasher();
+        let frontend = DisaggFrontend::new(
+            config.router.clone(),
+            DisaggConfig {
+                frontend: config.frontend,
+                local_prefill_max_tokens: config.local_prefill_max_tokens,
+            },
+        )?;
+        let hasher = *frontend.pool(Pool::Decode).router().hasher();
         Ok(Arc::new(Dispatcher {
             core: Mutex::new(Core {
                 frontend,
@@ -176,6 +256,8 @@ impl Dispatcher {
             max_workers: config.max_workers.max(1),
             kv_events: config.kv_events(),
             text_workers: std::sync::atomic::AtomicBool::new(false),
+            disaggregated: std::sync::atomic::AtomicBool::new(false),
+            prefill_timeout: config.prefill_timeout,
             events: EventStats::default(),
             metrics: std::sync::OnceLock::new(),
         }))
@@ -215,8 +297,7 @@ impl Dispatcher {
             let now = self.now();
             core.frontend.submit(id, key, now);
             if let Some(outcome) = self.deliver(&mut core, Some(id)) {
-                let (worker, decision) = outcome?;
-                return Ok(self.ticket(id, worker, decision, false));
+                return Ok(self.ticket(id, outcome?, false));
             }
             let (tx, rx) = oneshot::channel();
             core.waiters.insert(id, tx);
@@ -231,24 +312,63 @@ impl Dispatcher {
         };
         let outcome = (&mut waiting.rx).await;
         waiting.done = true;
-        let (worker, decision) = outcome.unwrap_or(Err(AdmitError::ShuttingDown))?;
-        Ok(self.ticket(id, worker, decision, true))
+        let assigned = outcome.unwrap_or(Err(AdmitError::ShuttingDown))?;
+        Ok(self.ticket(id, assigned, true))
     }
 
-    fn ticket(
-        self: &Arc<Self>,
-        id: RequestId,
-        worker: Arc<WorkerInfo>,
-        decision: RouteDecision,
-        queued: bool,
-    ) -> Ticket {
+    fn ticket(self: &Arc<Self>, id: RequestId, assigned: Assigned, queued: bool) -> Ticket {
         Ticket {
             dispatcher: self.clone(),
             id,
-            worker,
-            decision,
+            worker: assigned.worker,
+            decision: assigned.decision,
             queued,
             first_token_seen: false,
+            prefill: assigned.prefill,
+            local_reason: assigned.reason,
+        }
+    }
+
+    /// Whether some worker ever declared a prefill or decode role.
+    pub fn is_disaggregated(&self) -> bool {
+        self.disaggregated.load(Ordering::Relaxed)
+    }
+
+    /// Longest wait for a prefill leg's answer.
+    pub fn prefill_timeout(&self) -> Duration {
+        self.prefill_timeout
+    }
+
+    /// Resolves a route to the workers' descriptions.
+    fn resolve(&self, core: &mut Core, id: RequestId, route: Route) -> Assignment {
+        let decode = *route.decode();
+        let prefill = match &route {
+            Route::Split { prefill, .. } => Some(*prefill),
+            Route::Local { .. } => None,
+        };
+        let worker = core.workers.get(&decode.worker).map(|w| w.info.clone());
+        let prefill_worker =
+            prefill.and_then(|p| core.workers.get(&p.worker).map(|w| w.info.clone()));
+        match (worker, route) {
+            (Some(worker), Route::Local { decode, reason }) => Ok(Assigned {
+                worker,
+                decision: decode,
+                prefill: None,
+                reason: Some(reason),
+            }),
+            (Some(worker), Route::Split { prefill, decode }) if prefill_worker.is_some() => {
+                Ok(Assigned {
+                    worker,
+                    decision: decode,
+                    prefill: prefill_worker.map(|w| (w, prefill)),
+                    reason: None,
+                })
+            }
+            _ => {
+                // In the router but not in the table (cannot happen): release.
+                core.frontend.on_finished(id, self.now());
+                Err(AdmitError::NoWorkers)
+            }
         }
     }
 
@@ -260,17 +380,8 @@ impl Dispatcher {
         while let Some(event) = core.frontend.poll_event() {
             let id = event.id();
             let outcome = match event {
-                FrontendEvent::Assigned { decision, .. } => {
-                    match core.workers.get(&decision.worker) {
-                        Some(w) => Ok((w.info.clone(), decision)),
-                        None => {
-                            // In the router but not in the table (cannot happen): release.
-                            core.frontend.on_finished(id, self.now());
-                            Err(AdmitError::NoWorkers)
-                        }
-                    }
-                }
-                FrontendEvent::Refused { error, .. } => Err(error),
+                DisaggEvent::Assigned { route, .. } => self.resolve(core, id, route),
+                DisaggEvent::Refused { error, .. } => Err(error),
             };
             if Some(id) == mine {
                 own = Some(outcome);
@@ -327,6 +438,21 @@ impl Dispatcher {
         lock(&self.core).frontend.on_first_token(id, now);
     }
 
+    fn prefill_done(&self, id: RequestId) {
+        let now = self.now();
+        let mut core = lock(&self.core);
+        core.frontend.on_prefill_done(id, now);
+        self.deliver(&mut core, None);
+    }
+
+    /// Reports a failed prefill leg; the core's local re-issue of the request.
+    fn prefill_failed(&self, id: RequestId) -> Option<Assignment> {
+        let now = self.now();
+        let mut core = lock(&self.core);
+        core.frontend.on_prefill_failed(id, now);
+        self.deliver(&mut core, Some(id))
+    }
+
     fn finish(&self, id: RequestId) {
         let now = self.now();
         let mut core = lock(&self.core);
@@ -375,6 +501,10 @@ impl Dispatcher {
         if info.prompt == PromptFormat::Text {
             self.text_workers.store(true, Ordering::Relaxed);
         }
+        if info.role != WorkerRole::Both {
+            self.disaggregated.store(true, Ordering::Relaxed);
+        }
+        let pool = pool_of(info.role);
         let mut core = lock(&self.core);
         let id = info.id;
         if let Some(existing) = core.workers.get(&id) {
@@ -405,7 +535,7 @@ impl Dispatcher {
             },
         );
         if routable {
-            if let Err(e) = core.frontend.add_worker(id, limits, self.now()) {
+            if let Err(e) = core.frontend.add_worker(id, pool, limits, self.now()) {
                 if let Some(entry) = core.workers.get_mut(&id) {
                     entry.routable = false;
                 }
@@ -430,10 +560,11 @@ impl Dispatcher {
         }
         entry.routable = routable;
         let limits = entry.info.limits;
+        let pool = pool_of(entry.info.role);
         if routable {
             if core
                 .frontend
-                .add_worker(worker, limits, self.now())
+                .add_worker(worker, pool, limits, self.now())
                 .is_err()
             {
                 if let Some(entry) = core.workers.get_mut(&worker) {
@@ -517,12 +648,29 @@ impl Dispatcher {
 
     /// Routable workers, ascending by id.
     pub fn routable_workers(&self) -> Vec<WorkerId> {
+        let core = lock(&self.core);
+        let mut ids: Vec<WorkerId> = [Pool::Decode, Pool::Prefill]
+            .into_iter()
+            .flat_map(|pool| {
+                core.frontend
+                    .pool(pool)
+                    .router()
+                    .workers()
+                    .map(|(id, _)| id)
+            })
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Routable workers of the decode pool (every worker of an aggregated fleet).
+    pub fn routable_decode_workers(&self) -> usize {
         lock(&self.core)
             .frontend
+            .pool(Pool::Decode)
             .router()
             .workers()
-            .map(|(id, _)| id)
-            .collect()
+            .count()
     }
 
     /// Applies KV events from `source`. A sequence gap clears that worker's blocks and
@@ -537,7 +685,7 @@ impl Dispatcher {
         }
         let mut core = lock(&self.core);
         for event in events {
-            match core.frontend.router_mut().apply_event(event) {
+            match core.frontend.apply_event(event) {
                 Ok(_) => {}
                 Err(EventError::Gap {
                     worker,
@@ -545,9 +693,9 @@ impl Dispatcher {
                     got,
                 }) => {
                     tracing::warn!(%worker, expected, got, ?source, "KV event gap; clearing the worker's blocks and resyncing");
-                    core.frontend.router_mut().index_mut().clear_worker(worker);
+                    core.frontend.clear_worker(worker);
                     self.events.resyncs[s].fetch_add(1, Ordering::Relaxed);
-                    let _ = core.frontend.router_mut().apply_event(event);
+                    let _ = core.frontend.apply_event(event);
                 }
                 Err(e) => tracing::debug!(error = %e, "KV event not applied"),
             }
@@ -559,11 +707,7 @@ impl Dispatcher {
     pub fn resync_worker(&self, source: EventSource, worker: WorkerId) {
         self.events.resyncs[source as usize].fetch_add(1, Ordering::Relaxed);
         if self.kv_events {
-            lock(&self.core)
-                .frontend
-                .router_mut()
-                .index_mut()
-                .clear_worker(worker);
+            lock(&self.core).frontend.clear_worker(worker);
         }
     }
 
@@ -576,13 +720,20 @@ impl Dispatcher {
     }
 
     /// How many leading blocks of a prompt each worker holds, as the index knows it.
+    /// (The decode pool's: every worker of an aggregated fleet.)
     pub fn overlaps(&self, key: &RoutingKey) -> kv_index::OverlapScores {
-        lock(&self.core).frontend.router().overlaps(key)
+        lock(&self.core)
+            .frontend
+            .pool(Pool::Decode)
+            .router()
+            .overlaps(key)
     }
 
     /// Blocks the index holds for `worker` (for tests and diagnostics).
     pub fn cached_blocks(&self, worker: WorkerId) -> usize {
-        lock(&self.core).frontend.router().index().blocks_of(worker)
+        let core = lock(&self.core);
+        let pool = core.frontend.pool_of(worker).unwrap_or(Pool::Decode);
+        core.frontend.pool(pool).router().index().blocks_of(worker)
     }
 
     /// Stops admitting requests and fails every queued one.
@@ -595,15 +746,22 @@ impl Dispatcher {
     /// Router, index, worker and event state for metrics.
     pub fn snapshot(&self) -> RouterSnapshot {
         let core = lock(&self.core);
-        let router = core.frontend.router();
+        let router = core.frontend.pool(Pool::Decode).router();
+        let prefill = core.frontend.pool(Pool::Prefill).router();
         let index = router.index();
-        let loads: BTreeMap<WorkerId, router::WorkerLoad> = router.workers().collect();
+        let loads: BTreeMap<WorkerId, router::WorkerLoad> =
+            router.workers().chain(prefill.workers()).collect();
         let workers = core
             .workers
             .values()
             .map(|w| {
                 let load = loads.get(&w.info.id).copied().unwrap_or_default();
+                let index = match pool_of(w.info.role) {
+                    Pool::Prefill => prefill.index(),
+                    Pool::Decode => index,
+                };
                 WorkerSnapshot {
+                    role: w.info.role.as_str(),
                     id: w.info.id.0,
                     url: w.info.url.clone(),
                     routable: w.routable,
@@ -625,8 +783,8 @@ impl Dispatcher {
             policy: router.policy_name(),
             counters: router.counters(),
             index: index.counters(),
-            index_entries: index.len(),
-            index_distinct_blocks: index.distinct_blocks(),
+            index_entries: index.len() + prefill.index().len(),
+            index_distinct_blocks: index.distinct_blocks() + prefill.index().distinct_blocks(),
             workers,
             events: EventCounters {
                 received: read(&self.events.received),
@@ -654,7 +812,7 @@ impl Drop for Waiting<'_> {
         }
         let d = self.dispatcher;
         let mut core = lock(&d.core);
-        if core.frontend.cancel(self.id) {
+        if core.frontend.cancel(self.id, d.now()) {
             core.waiters.remove(&self.id);
         } else if let Ok(Ok(_)) = self.rx.try_recv() {
             // Outcomes are sent under the lock: not queued means it is already here.
@@ -829,5 +987,65 @@ mod tests {
             d.upsert_worker(info, Origin::Static, true),
             Err(RegistryError::BlockSizeMismatch { .. })
         ));
+    }
+}
+
+#[cfg(test)]
+mod disagg_tests {
+    use super::*;
+
+    /// Worker 1 prefills, worker 2 decodes; block size 4, local prefill up to 8 tokens.
+    fn fleet() -> Arc<Dispatcher> {
+        let config = GatewayConfig {
+            router: router::RouterConfig {
+                policy: router::PolicyKind::Kv,
+                block_size: 4,
+                ..Default::default()
+            },
+            local_prefill_max_tokens: 8,
+            ..GatewayConfig::default()
+        };
+        let d = Dispatcher::new(&config).unwrap();
+        for (id, role) in [(1, WorkerRole::Prefill), (2, WorkerRole::Decode)] {
+            let mut info = WorkerInfo::new(WorkerId(id), &format!("http://w{id}"));
+            info.block_size = 4;
+            info.role = role;
+            d.upsert_worker(info, Origin::Static, true).unwrap();
+        }
+        d
+    }
+
+    #[tokio::test]
+    async fn long_prompts_split_short_ones_stay_local_and_a_failed_prefill_goes_local() {
+        let d = fleet();
+        assert!(d.is_disaggregated());
+        let long = d.key(&(0..64).collect::<Vec<_>>());
+        let mut split = d.admit(long.clone()).await.unwrap();
+        assert_eq!(split.worker.id, WorkerId(2));
+        assert_eq!(split.prefill.as_ref().map(|(w, _)| w.id), Some(WorkerId(1)));
+        assert_eq!(split.route_labels(), ("split", "remote_prefill"));
+        split.prefill_failed();
+        assert!(split.prefill.is_none());
+        assert_eq!(split.worker.id, WorkerId(2));
+        assert_eq!(split.route_labels(), ("local", "prefill_failed"));
+        drop(split);
+
+        let short = d.key(&[1, 2, 3, 4, 5]);
+        let local = d.admit(short).await.unwrap();
+        assert!(local.prefill.is_none());
+        assert_eq!(local.route_labels(), ("local", "short_prefill"));
+        drop(local);
+
+        let mut done = d.admit(long.clone()).await.unwrap();
+        done.prefill_done();
+        assert!(done.prefill.is_none());
+        assert_eq!(done.route_labels(), ("split", "remote_prefill"));
+        drop(done);
+        let loads: u32 = d.snapshot().workers.iter().map(|w| w.in_flight).sum();
+        assert_eq!(loads, 0, "every slot released");
+
+        // Without a decode worker nothing can be served.
+        d.worker_failed(WorkerId(2));
+        assert!(matches!(d.admit(long).await, Err(AdmitError::NoWorkers)));
     }
 }

@@ -128,6 +128,86 @@ impl EncodeMetric for AtomicHistogram {
     }
 }
 
+/// The `pool` label of the frontend's TTFT and ITL histograms: the pool whose workers did
+/// that part of the request. TTFT: `prefill` for a split route (the prefill worker computed
+/// the prompt), the serving worker's pool for a local one; ITL: the decoding worker's pool.
+/// `aggregated` is a worker of role `both`. Seed 004 scales the prefill pool on
+/// `pool="prefill"` TTFT and the decode pool on `pool="decode"` ITL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum PoolLabel {
+    #[default]
+    Aggregated,
+    Prefill,
+    Decode,
+}
+
+impl PoolLabel {
+    const ALL: [PoolLabel; 3] = [PoolLabel::Aggregated, PoolLabel::Prefill, PoolLabel::Decode];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoolLabel::Aggregated => "aggregated",
+            PoolLabel::Prefill => "prefill",
+            PoolLabel::Decode => "decode",
+        }
+    }
+
+    /// The pool of a worker of `role`.
+    pub fn of_role(role: protocol::WorkerRole) -> PoolLabel {
+        match role {
+            protocol::WorkerRole::Both => PoolLabel::Aggregated,
+            protocol::WorkerRole::Prefill => PoolLabel::Prefill,
+            protocol::WorkerRole::Decode => PoolLabel::Decode,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PoolLabels {
+    pool: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, AtomicHistogram, fn() -> AtomicHistogram>;
+
+/// One histogram per [`PoolLabel`], all three exposed from the start.
+#[derive(Debug, Clone)]
+pub struct PoolHistograms {
+    family: HistogramFamily<PoolLabels>,
+    by_pool: [AtomicHistogram; 3],
+}
+
+impl PoolHistograms {
+    fn new(constructor: fn() -> AtomicHistogram) -> PoolHistograms {
+        let family = HistogramFamily::new_with_constructor(constructor);
+        let by_pool = PoolLabel::ALL.map(|pool| {
+            family
+                .get_or_create(&PoolLabels {
+                    pool: pool.as_str(),
+                })
+                .clone()
+        });
+        PoolHistograms { family, by_pool }
+    }
+
+    pub fn get(&self, pool: PoolLabel) -> &AtomicHistogram {
+        &self.by_pool[pool as usize]
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RouteLabels {
+    route: &'static str,
+    reason: &'static str,
+}
+
+fn ttft_histogram() -> AtomicHistogram {
+    AtomicHistogram::new(LATENCY_BUCKETS)
+}
+
+fn itl_histogram() -> AtomicHistogram {
+    AtomicHistogram::new(ITL_BUCKETS)
+}
+
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
     30.0, 60.0,
@@ -167,6 +247,8 @@ pub struct RouterSnapshot {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerSnapshot {
     pub id: u64,
+    /// `both`, `prefill` or `decode`.
+    pub role: &'static str,
     pub url: String,
     pub routable: bool,
     pub in_flight: u32,
@@ -356,6 +438,23 @@ impl Collector for RouterCollector {
                 |w| i64::from(w.routable),
             ),
         ];
+        {
+            let mut family = encoder.encode_descriptor(
+                "kvroute_worker_role",
+                "1 on each worker's role (both, prefill, decode): its pool in disaggregated \
+                 serving",
+                None,
+                MetricType::Gauge,
+            )?;
+            for w in &s.workers {
+                let labels = [
+                    ("worker_id", w.id.to_string()),
+                    ("worker", w.url.clone()),
+                    ("role", w.role.to_string()),
+                ];
+                ConstGauge::new(1).encode(family.encode_family(&labels)?)?;
+            }
+        }
         for (name, help, value) in per_worker {
             let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
             for w in &s.workers {
@@ -378,8 +477,15 @@ pub struct Metrics {
     requests: Family<RequestLabels, Counter>,
     pub inflight: Gauge,
     pub queued: Gauge,
-    pub ttft: AtomicHistogram,
-    pub itl: AtomicHistogram,
+    /// By the pool that prefilled ([`PoolLabel`]).
+    pub ttft: PoolHistograms,
+    /// By the pool that decoded.
+    pub itl: PoolHistograms,
+    /// Disaggregated fleets: requests by route (`local`, `split`) and reason.
+    routes: Family<RouteLabels, Counter>,
+    /// Prefill legs that failed (worker unreachable, an error, no KV parameters, timeout)
+    /// and were served by a local prefill on the decode worker instead.
+    pub prefill_failures: Counter,
     pub duration: AtomicHistogram,
     pub input_tokens: AtomicHistogram,
     pub output_tokens: AtomicHistogram,
@@ -414,8 +520,10 @@ impl Metrics {
             requests: Family::default(),
             inflight: Gauge::default(),
             queued: Gauge::default(),
-            ttft: AtomicHistogram::new(LATENCY_BUCKETS),
-            itl: AtomicHistogram::new(ITL_BUCKETS),
+            ttft: PoolHistograms::new(ttft_histogram),
+            itl: PoolHistograms::new(itl_histogram),
+            routes: Family::default(),
+            prefill_failures: Counter::default(),
             duration: AtomicHistogram::new(DURATION_BUCKETS),
             input_tokens: AtomicHistogram::new(TOKEN_BUCKETS),
             output_tokens: AtomicHistogram::new(TOKEN_BUCKETS),
@@ -445,13 +553,14 @@ impl Metrics {
             );
             frontend.register(
                 "dynamo_frontend_time_to_first_token_seconds",
-                "Time from request arrival to the first token sent to the client",
-                m.ttft.clone(),
+                "Time from request arrival to the first token sent to the client, by the pool \
+                 that prefilled",
+                m.ttft.family.clone(),
             );
             frontend.register(
                 "dynamo_frontend_inter_token_latency_seconds",
-                "Time between consecutive output tokens",
-                m.itl.clone(),
+                "Time between consecutive output tokens, by the pool that decoded",
+                m.itl.family.clone(),
             );
             frontend.register(
                 "dynamo_frontend_request_duration_seconds",
@@ -496,6 +605,17 @@ impl Metrics {
              time from reading the worker's first token to handing it to the client connection",
             m.added_ttft.clone(),
         );
+        registry.register(
+            "kvroute_gateway_routes",
+            "Requests of a disaggregated fleet by route: split (prefill worker, KV transfer, \
+             decode worker) or local (prefilled on the decode worker), with the reason",
+            m.routes.clone(),
+        );
+        registry.register(
+            "kvroute_gateway_prefill_failures",
+            "Prefill legs that failed and were served by a local prefill on the decode worker",
+            m.prefill_failures.clone(),
+        );
         registry.register_collector(Box::new(RouterCollector {
             snapshot: Arc::new(snapshot),
         }));
@@ -510,6 +630,13 @@ impl Metrics {
                 request_type: if stream { "stream" } else { "unary" },
                 status: if success { "success" } else { "error" },
             })
+            .inc();
+    }
+
+    /// Counts a disaggregated fleet's route: (`local`|`split`, reason).
+    pub fn count_route(&self, (route, reason): (&'static str, &'static str)) {
+        self.routes
+            .get_or_create(&RouteLabels { route, reason })
             .inc();
     }
 
@@ -570,6 +697,7 @@ mod tests {
             policy: "kv",
             workers: vec![WorkerSnapshot {
                 id: 3,
+                role: "decode",
                 url: "http://w:1".into(),
                 routable: true,
                 in_flight: 2,
@@ -592,9 +720,11 @@ mod tests {
                 "dynamo_frontend_output_tokens_total{model=\"llama\"} 10",
                 "dynamo_frontend_queued_requests{model=\"llama\"} 0",
                 "dynamo_frontend_inflight_requests{model=\"llama\"} 0",
-                "dynamo_frontend_time_to_first_token_seconds_bucket{model=\"llama\",le=\"0.001\"} 0",
+                "dynamo_frontend_time_to_first_token_seconds_bucket{model=\"llama\",le=\"0.001\",pool=\"aggregated\"} 0",
+                "dynamo_frontend_time_to_first_token_seconds_count{model=\"llama\",pool=\"prefill\"} 0",
                 "dynamo_frontend_request_duration_seconds_count{model=\"llama\"} 0",
-                "dynamo_frontend_inter_token_latency_seconds_count{model=\"llama\"} 0",
+                "dynamo_frontend_inter_token_latency_seconds_count{model=\"llama\",pool=\"decode\"} 0",
+                "kvroute_worker_role{worker_id=\"3\",worker=\"http://w:1\",role=\"decode\"} 1",
                 "dynamo_frontend_output_sequence_tokens_count{model=\"llama\"} 0",
                 "dynamo_component_inflight_requests{worker_id=\"3\",worker=\"http://w:1\",dynamo_component=\"backend\",dynamo_endpoint=\"generate\"} 2",
                 "kvroute_router_decisions_total{policy=\"kv\"} 0",

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kv_index::WorkerId;
-use protocol::{Subjects, WorkerCard, WorkerMessage};
+use protocol::{Subjects, WorkerCard, WorkerMessage, WorkerRole};
 use router::WorkerLimits;
 use tokio_util::sync::CancellationToken;
 
@@ -46,6 +46,8 @@ pub struct WorkerInfo {
     /// The worker returns generated token ids when asked (`return_token_ids`), so the relay
     /// counts tokens exactly even when one chunk carries several.
     pub token_ids: bool,
+    /// Its part in disaggregated serving (its pool: `prefill`, or the decode pool).
+    pub role: WorkerRole,
 }
 
 impl WorkerInfo {
@@ -60,6 +62,7 @@ impl WorkerInfo {
             limits: WorkerLimits::default(),
             zmq: None,
             token_ids: false,
+            role: WorkerRole::Both,
         }
     }
 }
@@ -88,6 +91,7 @@ pub fn describe(spec: &WorkerSpec, card: &WorkerCard, router_block_size: usize) 
             .map(|endpoint| reachable_endpoint(endpoint, &spec.url))
     });
     w.token_ids = card.returns_token_ids;
+    w.role = spec.role.unwrap_or(card.role);
     w
 }
 
@@ -427,6 +431,22 @@ mod tests {
             ..WorkerCard::default()
         };
         let w = describe(&spec, &card, 32);
+        assert_eq!(
+            w.role,
+            WorkerRole::Both,
+            "a card without a role is aggregated"
+        );
+        let prefill = WorkerCard {
+            role: WorkerRole::Prefill,
+            ..card.clone()
+        };
+        assert_eq!(describe(&spec, &prefill, 32).role, WorkerRole::Prefill);
+        let decode: WorkerSpec = "http://w:1,role=decode".parse().unwrap();
+        assert_eq!(
+            describe(&decode, &prefill, 32).role,
+            WorkerRole::Decode,
+            "the flag wins"
+        );
         assert_eq!(
             w.limits.timing,
             Some(WorkerTiming {

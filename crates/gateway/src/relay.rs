@@ -22,7 +22,7 @@ use protocol::sse::{self, SseDecoder, SseEvent};
 use protocol::{Api, ApiError, ChoiceOut, ChoiceView, ResponseHead, ResponseView, TokenIds, Usage};
 
 use crate::dispatch::Ticket;
-use crate::metrics::{Endpoint, Metrics};
+use crate::metrics::{Endpoint, Metrics, PoolLabel};
 
 /// The metrics label of the API the client called.
 pub fn endpoint(api: Api) -> Endpoint {
@@ -57,6 +57,8 @@ pub struct RequestRecord {
     pub success: bool,
     /// The gateway's own time before forwarding (queue waits excluded), once forwarded.
     pub pre_forward: Option<Duration>,
+    /// The pools that prefilled and decoded it (the `pool` of its TTFT and ITL).
+    pub pools: (PoolLabel, PoolLabel),
 }
 
 impl RequestRecord {
@@ -75,6 +77,7 @@ impl RequestRecord {
             cached_tokens: None,
             success: false,
             pre_forward: None,
+            pools: (PoolLabel::Aggregated, PoolLabel::Aggregated),
         }
     }
 
@@ -99,14 +102,15 @@ impl RequestRecord {
                 self.first_token = Some(now);
                 self.metrics
                     .ttft
+                    .get(self.pools.0)
                     .observe(now.duration_since(self.started).as_secs_f64());
                 // The other tokens of a first chunk came with no gap.
-                self.metrics.itl.observe_n(0.0, n - 1);
+                self.metrics.itl.get(self.pools.1).observe_n(0.0, n - 1);
                 true
             }
             Some(last) => {
                 let gap = now.duration_since(last).as_secs_f64() / n as f64;
-                self.metrics.itl.observe_n(gap, n);
+                self.metrics.itl.get(self.pools.1).observe_n(gap, n);
                 false
             }
         };

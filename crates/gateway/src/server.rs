@@ -13,14 +13,14 @@ use axum::routing::{get, post};
 use futures::StreamExt;
 use protocol::http::{check_model, json_response, read_json};
 use protocol::{
-    Api, ApiError, ApiRequest, ChatCompletionRequest, CompletionRequest, Model, ModelList, Prompt,
-    ResponseHead, StreamOptions,
+    Api, ApiError, ApiRequest, ChatCompletionRequest, CompletionRequest, KvTransferParams, Model,
+    ModelList, Prompt, ResponseHead, StreamOptions,
 };
 use serde_json::Value;
 
 use crate::config::PromptFormat;
 use crate::dispatch::{AdmitError, Dispatcher, Ticket};
-use crate::metrics::{CONTENT_TYPE, Metrics};
+use crate::metrics::{CONTENT_TYPE, Metrics, PoolLabel};
 use crate::preprocess::{Prepared, Preprocessor};
 use crate::registry::WorkerInfo;
 use crate::relay::{OutputCtx, Relay, RequestRecord, endpoint, read_error};
@@ -79,7 +79,9 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     let routable = state.dispatcher.routable_workers().len();
     let known = state.dispatcher.workers().len();
-    let (status, word) = if routable > 0 {
+    // Prefill workers alone serve nothing: healthy takes a decode (or aggregated) worker.
+    let serving = state.dispatcher.routable_decode_workers();
+    let (status, word) = if serving > 0 {
         (200, "healthy")
     } else {
         (503, "unhealthy")
@@ -89,6 +91,7 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
         "model": state.model.as_ref(),
         "workers": known,
         "routable_workers": routable,
+        "routable_decode_workers": serving,
     });
     json_response(status, &body)
 }
@@ -138,31 +141,58 @@ fn admit_error(e: AdmitError) -> ApiError {
     }
 }
 
-/// The worker request: a `/v1/completions` body with the prompt as token ids (or text), always
-/// streamed with usage so the gateway sees every token and the cache hit count.
+/// Which leg of a request a worker request is, in vLLM's disaggregated flow.
+#[derive(Debug, Clone)]
+enum Leg {
+    /// The whole request (an aggregated worker, or a local prefill on a decode worker).
+    Whole,
+    /// The prefill leg: `kv_transfer_params.do_remote_decode`, one token, not streamed.
+    Prefill,
+    /// The decode leg: the prefill worker's answer, for the decode worker to pull the KV.
+    Decode(KvTransferParams),
+}
+
+/// The worker request: a `/v1/completions` body with the prompt as token ids (or text),
+/// streamed with usage so the gateway sees every token and the cache hit count (a prefill
+/// leg: one token, one response, as vLLM's disaggregated proxy sends it).
 fn worker_body(
     model: &str,
     prepared: &Prepared,
     worker: &WorkerInfo,
     mut params: protocol::SamplingParams,
     extra: &serde_json::Map<String, Value>,
+    leg: &Leg,
 ) -> Result<Vec<u8>, ApiError> {
     if worker.token_ids {
         params.return_token_ids = Some(true);
     }
+    params.kv_transfer_params = match leg {
+        Leg::Whole => None,
+        Leg::Prefill => Some(KvTransferParams {
+            do_remote_decode: true,
+            ..KvTransferParams::default()
+        }),
+        Leg::Decode(transfer) => Some(transfer.clone()),
+    };
     let prompt = match (worker.prompt, &prepared.text) {
         (PromptFormat::Text, Some(text)) => Prompt::Text(text.clone()),
         _ => Prompt::Tokens(prepared.tokens.clone()),
     };
     params.max_tokens = params.max_output_tokens();
     params.max_completion_tokens = None;
-    params.stream = Some(true);
-    let mut options = params.stream_options.take().unwrap_or_default();
-    options.include_usage = true;
-    params.stream_options = Some(StreamOptions {
-        include_usage: true,
-        extra: options.extra,
-    });
+    if let Leg::Prefill = leg {
+        params.max_tokens = Some(1);
+        params.stream = Some(false);
+        params.stream_options = None;
+    } else {
+        params.stream = Some(true);
+        let mut options = params.stream_options.take().unwrap_or_default();
+        options.include_usage = true;
+        params.stream_options = Some(StreamOptions {
+            include_usage: true,
+            extra: options.extra,
+        });
+    }
     let request = CompletionRequest {
         model: model.to_string(),
         prompt,
@@ -189,6 +219,99 @@ fn chat_extra_for_completions(
         _ => {}
     }
     extra
+}
+
+/// Why a prefill leg handed on no KV; the request is then prefilled on its decode worker.
+#[derive(Debug, thiserror::Error)]
+enum PrefillError {
+    #[error("the prefill worker could not be reached: {0}")]
+    Unreachable(String),
+    #[error("the prefill worker did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("the prefill worker failed: {0}")]
+    Failed(String),
+    #[error("the prefill worker refused the request: {0}")]
+    Refused(String),
+    #[error("the prefill worker's answer carries no kv_transfer_params: {0}")]
+    NoParams(String),
+}
+
+impl PrefillError {
+    /// The worker itself failed (not the request): it leaves the routing set.
+    fn worker_failed(&self) -> bool {
+        matches!(self, PrefillError::Unreachable(_) | PrefillError::Failed(_))
+    }
+}
+
+/// Largest prefill answer read (one token, usage and the KV parameters).
+const MAX_PREFILL_ANSWER: usize = 4 << 20;
+
+/// The prefill answer's field the decode leg needs.
+#[derive(serde::Deserialize)]
+struct PrefillAnswer {
+    #[serde(default)]
+    kv_transfer_params: Option<KvTransferParams>,
+}
+
+/// Runs a prefill leg on `worker` and returns the parameters its decode leg carries.
+async fn run_prefill(
+    state: &AppState,
+    worker: &WorkerInfo,
+    body: Vec<u8>,
+) -> Result<KvTransferParams, PrefillError> {
+    let timeout = state.dispatcher.prefill_timeout();
+    let sent = state
+        .http
+        .post(&worker.completions_url)
+        .header(header::CONTENT_TYPE, "application/json")
+        .timeout(timeout)
+        .body(body)
+        .send()
+        .await;
+    let response = match sent {
+        Ok(r) => r,
+        Err(e) if e.is_timeout() => return Err(PrefillError::Timeout(timeout)),
+        Err(e) => return Err(PrefillError::Unreachable(e.to_string())),
+    };
+    let status = response.status();
+    if !status.is_success() {
+        let error = read_error(response).await;
+        let message = format!("{status}: {}", error.detail.message);
+        return Err(if status.is_server_error() {
+            PrefillError::Failed(message)
+        } else {
+            PrefillError::Refused(message)
+        });
+    }
+    let mut answer = Vec::new();
+    let mut stream = response.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| {
+            if e.is_timeout() {
+                PrefillError::Timeout(timeout)
+            } else {
+                PrefillError::Unreachable(e.to_string())
+            }
+        })?;
+        if answer.len() + chunk.len() > MAX_PREFILL_ANSWER {
+            return Err(PrefillError::NoParams(format!(
+                "the answer is over {MAX_PREFILL_ANSWER} bytes"
+            )));
+        }
+        answer.extend_from_slice(&chunk);
+    }
+    let answer: PrefillAnswer = serde_json::from_slice(&answer)
+        .map_err(|e| PrefillError::NoParams(format!("not JSON: {e}")))?;
+    match answer.kv_transfer_params {
+        Some(params) if params.do_remote_prefill => Ok(params),
+        Some(_) => Err(PrefillError::NoParams(
+            "do_remote_prefill is not set".to_string(),
+        )),
+        None => Err(PrefillError::NoParams(
+            "is it a disaggregated worker (vLLM: --kv-transfer-config with a KV connector)?"
+                .to_string(),
+        )),
+    }
 }
 
 struct Parsed {
@@ -302,10 +425,47 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
     let mut last_error = None;
     for _attempt in 0..CONNECT_ATTEMPTS {
         let admit_start = Instant::now();
-        let ticket = match state.dispatcher.admit(key.clone()).await {
+        let mut ticket = match state.dispatcher.admit(key.clone()).await {
             Ok(t) => t,
+            Err(AdmitError::NoWorkers) if state.dispatcher.is_disaggregated() => {
+                return ApiError::service_unavailable(
+                    "no decode worker is available: a disaggregated fleet needs a decode (or \
+                     aggregated) worker to serve a request; prefill workers cannot serve one \
+                     alone",
+                )
+                .into_response();
+            }
             Err(e) => return admit_error(e).into_response(),
         };
+        let mut leg = Leg::Whole;
+        if let Some((prefill, _)) = ticket.prefill.clone() {
+            let body = match worker_body(
+                &parsed.model,
+                &parsed.prepared,
+                &prefill,
+                parsed.params.clone(),
+                &parsed.extra,
+                &Leg::Prefill,
+            ) {
+                Ok(body) => body,
+                Err(e) => return e.into_response(),
+            };
+            match run_prefill(&state, &prefill, body).await {
+                Ok(transfer) => {
+                    ticket.prefill_done();
+                    leg = Leg::Decode(transfer);
+                }
+                Err(e) => {
+                    tracing::warn!(worker = %prefill.id, error = %e, "prefill leg failed; prefilling on the decode worker");
+                    state.metrics.prefill_failures.inc();
+                    ticket.prefill_failed();
+                    if e.worker_failed() {
+                        state.metrics.worker_failures.inc();
+                        state.dispatcher.worker_failed(prefill.id);
+                    }
+                }
+            }
+        }
         let queue_wait = if ticket.queued {
             admit_start.elapsed()
         } else {
@@ -317,10 +477,17 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
             &ticket.worker,
             parsed.params.clone(),
             &parsed.extra,
+            &leg,
         ) {
             Ok(body) => body,
             Err(e) => return e.into_response(),
         };
+        let serving = PoolLabel::of_role(ticket.worker.role);
+        let prefilled = match leg {
+            Leg::Decode(_) => PoolLabel::Prefill,
+            Leg::Whole | Leg::Prefill => serving,
+        };
+        record.pools = (prefilled, serving);
         let pre_forward = record.started().elapsed().saturating_sub(queue_wait);
         record.pre_forward = Some(pre_forward);
         state.metrics.overhead.observe(pre_forward.as_secs_f64());
@@ -343,6 +510,9 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         };
         if !response.status().is_success() {
             return read_error(response).await.into_response();
+        }
+        if state.dispatcher.is_disaggregated() {
+            state.metrics.count_route(ticket.route_labels());
         }
         let predicted = ticket.predicted_cached_tokens(prompt_tokens as u64);
         let ctx = OutputCtx {
@@ -374,13 +544,26 @@ async fn respond(
     record: RequestRecord,
 ) -> Response {
     let worker = HeaderValue::from(ticket.worker.id.0);
+    let (route, reason) = ticket.route_labels();
+    // Only a disaggregated fleet has routes to tell apart.
+    let route = ticket
+        .fleet_disaggregated()
+        .then(|| HeaderValue::from_static(if route == "split" { "split" } else { reason }));
     let upstream = response.bytes_stream().boxed();
     let relay = Relay::new(ctx, stream, upstream, ticket, record);
     let mut response = respond_relay(stream, relay).await;
     // Which worker served the request: for debugging and tests (not an OpenAI header).
     response.headers_mut().insert(WORKER_HEADER, worker);
+    if let Some(route) = route {
+        response.headers_mut().insert(ROUTE_HEADER, route);
+    }
     response
 }
+
+/// Response header of a disaggregated fleet naming the route: `split` (prefill worker, then the decode worker that
+/// served it), or why it was prefilled locally (`short_prefill`, `prefill_unavailable`,
+/// `prefill_failed`); not an OpenAI header.
+pub const ROUTE_HEADER: &str = "x-kvroute-route";
 
 /// Response header naming the worker that served the request.
 pub const WORKER_HEADER: &str = "x-kvroute-worker";

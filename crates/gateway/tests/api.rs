@@ -405,7 +405,7 @@ async fn chat_stream_chunks_are_openai_chunks_with_done_last_and_usage_when_aske
     for name in [
         "dynamo_frontend_requests_total{model=\"llama-3.1-70b-instruct\",endpoint=\"chat_completions\",request_type=\"stream\",status=\"success\"} 2",
         "dynamo_frontend_output_tokens_total{model=\"llama-3.1-70b-instruct\"} 51",
-        "dynamo_frontend_time_to_first_token_seconds_count{model=\"llama-3.1-70b-instruct\"} 5",
+        "dynamo_frontend_time_to_first_token_seconds_count{model=\"llama-3.1-70b-instruct\",pool=\"aggregated\"} 5",
         "dynamo_frontend_inflight_requests{model=\"llama-3.1-70b-instruct\"} 0",
     ] {
         assert!(text.contains(name), "missing {name}:\n{text}");

@@ -255,6 +255,23 @@ pub struct DemoArgs {
     /// Simulated GPU workers per cluster.
     #[arg(long, default_value_t = 3)]
     workers: u32,
+    /// Disaggregated serving: this many prefill workers (`kvroute engine --role prefill`) per
+    /// cluster, beside --decode-workers, instead of --workers aggregated ones.
+    #[arg(
+        long,
+        default_value_t = 0,
+        conflicts_with = "workers",
+        requires = "decode_workers"
+    )]
+    prefill_workers: u32,
+    /// Disaggregated serving: this many decode workers (`--role decode`) per cluster.
+    #[arg(
+        long,
+        default_value_t = 0,
+        conflicts_with = "workers",
+        requires = "prefill_workers"
+    )]
+    decode_workers: u32,
     /// Hardware profile of the workers (see `kvroute profiles`).
     #[arg(long, default_value = "h200-llama70b-fp8")]
     profile: String,
@@ -307,6 +324,30 @@ pub struct DemoArgs {
 }
 
 impl DemoArgs {
+    /// Whether the clusters serve disaggregated (prefill and decode pools).
+    fn disaggregated(&self) -> bool {
+        self.prefill_workers > 0 || self.decode_workers > 0
+    }
+
+    /// Workers per cluster, every pool together.
+    fn worker_count(&self) -> u32 {
+        if self.disaggregated() {
+            self.prefill_workers + self.decode_workers
+        } else {
+            self.workers
+        }
+    }
+
+    /// Worker `w`'s role: the first --prefill-workers prefill, the rest decode; aggregated
+    /// (`both`) without the pools.
+    fn role_of(&self, w: u32) -> &'static str {
+        match (self.disaggregated(), w < self.prefill_workers) {
+            (false, _) => "both",
+            (true, true) => "prefill",
+            (true, false) => "decode",
+        }
+    }
+
     /// The gateway's router and the workers' speculative decoding, after --phase.
     fn router_and_spec(&self) -> Result<(String, String)> {
         let Some(phase) = &self.phase else {
@@ -441,7 +482,7 @@ async fn start_cluster(
     gateway_port: u16,
 ) -> Result<Cluster> {
     let mut engines = Vec::new();
-    for w in 0..args.workers {
+    for w in 0..args.worker_count() {
         // Each cluster has its own gateway, so both number their workers from 0: the
         // transcripts' worker ids then match the GPU cards' names (worker-N) on either side.
         let id = w;
@@ -457,6 +498,7 @@ async fn start_cluster(
             "--zmq-pub=tcp://127.0.0.1:0".to_owned(),
             format!("--hostname={hostname}"),
             format!("--spec-decode={spec}"),
+            format!("--role={}", args.role_of(w)),
         ])
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         let config = engine_cmd::config(&flags.args)?;
@@ -486,6 +528,19 @@ async fn start_cluster(
 pub fn run_demo(args: DemoArgs) -> Result<()> {
     if args.workers == 0 || args.workers > 64 {
         bail!("--workers must be between 1 and 64, got {}", args.workers);
+    }
+    if args.disaggregated() {
+        for (flag, n) in [
+            ("--prefill-workers", args.prefill_workers),
+            ("--decode-workers", args.decode_workers),
+        ] {
+            if n == 0 || n > 32 {
+                bail!(
+                    "{flag} must be between 1 and 32 (a disaggregated demo has both pools), \
+                     got {n}"
+                );
+            }
+        }
     }
     let (router, spec) = args.router_and_spec()?;
     let routers: Vec<String> = match &args.compare {
@@ -517,7 +572,12 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
     // The recorded comparison should be of this very cluster: unless one is given, simulate it
     // now (about a second), on localhost (no serving path outside the GPUs).
     let baseline =
-        if args.drive.baseline.is_some() || args.drive.no_baseline || args.target.is_some() {
+        // The recorded comparison simulates aggregated clusters only (so far).
+        if args.drive.baseline.is_some()
+            || args.drive.no_baseline
+            || args.target.is_some()
+            || args.disaggregated()
+        {
             args.drive.baseline()?
         } else {
             Some(simulated_baseline(&args, &routers, &spec)?)
@@ -529,7 +589,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
     };
     let phase_reference = args
         .drive
-        .phase_reference(|| PhaseReference::shipped_for(&args.profile, args.workers))?;
+        .phase_reference(|| PhaseReference::shipped_for(&args.profile, args.worker_count()))?;
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let mut clusters = Vec::new();
@@ -563,8 +623,16 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                     .map(|e| format!("{}/metrics", e.url()))
                     .collect();
                 lane.prometheus = prometheus_port.map(|port| format!("http://127.0.0.1:{port}"));
+                let pools = if args.disaggregated() {
+                    format!(
+                        " ({} prefill, {} decode)",
+                        args.prefill_workers, args.decode_workers
+                    )
+                } else {
+                    String::new()
+                };
                 println!(
-                    "kvroute demo: {} simulated {} workers{} behind the {} gateway on {}",
+                    "kvroute demo: {} simulated {} workers{pools}{} behind the {} gateway on {}",
                     cluster.engines.len(),
                     args.profile,
                     if spec == "off" {

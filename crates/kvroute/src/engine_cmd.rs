@@ -101,8 +101,32 @@ pub struct EngineArgs {
     /// The `Hostname` label of the simulated DCGM metrics (default: $HOSTNAME).
     #[arg(long)]
     hostname: Option<String>,
+    /// This worker's part in disaggregated serving, as vLLM's `--kv-transfer-config`
+    /// `kv_role` sets it: `both` (kv_both: prefills and decodes), `prefill` (kv_producer:
+    /// serves only requests with `kv_transfer_params.do_remote_decode`, answering with the
+    /// parameters a decode worker needs) or `decode` (kv_consumer: pulls the KV of requests
+    /// with `do_remote_prefill`, serves other requests whole). Declared in /info.
+    #[arg(long, default_value = "both", value_parser = parse_role)]
+    role: engine_server::WorkerRole,
+    /// The link a decode worker receives KV over, priced by the profile: `nvlink` (same
+    /// node) or `network` (across nodes).
+    #[arg(long, value_enum, default_value_t = KvLinkArg::Nvlink)]
+    kv_link: KvLinkArg,
     #[command(flatten)]
     spec: crate::spec_args::SpecArgs,
+}
+
+/// `--kv-link`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum KvLinkArg {
+    Nvlink,
+    Network,
+}
+
+fn parse_role(value: &str) -> Result<engine_server::WorkerRole, String> {
+    value
+        .parse()
+        .map_err(|e: engine_server::UnknownRole| e.to_string())
 }
 
 fn load_profile(args: &EngineArgs) -> Result<HardwareProfile> {
@@ -141,6 +165,11 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
         engine.num_gpu_blocks_override = Some(blocks);
     }
     engine.max_waiting = args.max_waiting;
+    engine.role = engine_server::engine_role(args.role);
+    engine.kv_link = match args.kv_link {
+        KvLinkArg::Nvlink => engine::KvLink::Nvlink,
+        KvLinkArg::Network => engine::KvLink::Network,
+    };
     args.spec.apply(&mut engine)?;
     let mut config = EngineServerConfig::new();
     config.listen = SocketAddr::new(args.host, args.port);
@@ -281,6 +310,14 @@ pub fn run(args: EngineArgs) -> Result<()> {
             info.block_size.unwrap_or_default(),
             server.url()
         );
+        if info.role != engine_server::WorkerRole::Both {
+            println!(
+                "kvroute engine: role {} (vLLM kv_role {}), KV link {:?}",
+                info.role,
+                info.role.vllm_kv_role(),
+                args.kv_link
+            );
+        }
         if let Some(line) = &spec {
             println!("{line}");
         }

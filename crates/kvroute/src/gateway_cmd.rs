@@ -42,9 +42,11 @@ pub struct GatewayArgs {
     #[arg(long, default_value_t = 8080)]
     port: u16,
     /// A worker: URL[,id=N][,block_size=N][,capacity=BLOCKS][,max_num_seqs=N]
-    /// [,zmq=tcp://HOST:PORT][,prompt=tokens|text]. Repeat for each worker. The gateway reads
-    /// id, block size and capacity from the worker's /info (kvroute engines); give them here
-    /// for other backends (vLLM: add zmq= for its KV events).
+    /// [,zmq=tcp://HOST:PORT][,prompt=tokens|text][,role=both|prefill|decode]. Repeat for
+    /// each worker. The gateway reads id, block size, capacity and role from the worker's
+    /// /info (kvroute engines); give them here for other backends (vLLM: add zmq= for its KV
+    /// events, role= for a disaggregated worker). With prefill and decode workers the gateway
+    /// serves disaggregated: prefill on a prefill worker, decode on a decode worker.
     #[arg(long = "worker", value_name = "URL[,KEY=VALUE...]")]
     workers: Vec<WorkerSpec>,
     /// The model name clients ask for.
@@ -111,6 +113,15 @@ pub struct GatewayArgs {
     /// Most workers known at once (static and registered).
     #[arg(long, default_value_t = 1024)]
     max_workers: usize,
+    /// Disaggregated fleets: a request with at most this many prompt tokens uncached on its
+    /// decode worker is prefilled there, with no KV transfer (conditional disaggregation;
+    /// 0 splits every request).
+    #[arg(long, default_value_t = router::DisaggConfig::default().local_prefill_max_tokens)]
+    local_prefill_max_tokens: u32,
+    /// Disaggregated fleets: seconds a prefill worker may take to answer before the request
+    /// is prefilled on its decode worker instead.
+    #[arg(long, default_value_t = 60.0)]
+    prefill_timeout: f64,
 }
 
 fn seconds(flag: &str, value: f64) -> Result<Duration> {
@@ -173,6 +184,8 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
         tokenizer: args.tokenizer.clone(),
         tokenizer_config: args.tokenizer_config.clone(),
         max_workers: args.max_workers,
+        local_prefill_max_tokens: args.local_prefill_max_tokens,
+        prefill_timeout: seconds("prefill-timeout", args.prefill_timeout)?,
         ..GatewayConfig::default()
     })
 }

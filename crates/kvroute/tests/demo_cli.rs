@@ -158,6 +158,58 @@ fn demo_runs_the_whole_system_and_stops_on_ctrl_c() {
     assert!(rest.contains("kvroute demo: stopped"), "{rest}");
 }
 
+/// `demo --prefill-workers 1 --decode-workers 2`: the pools start, the gateway serves the
+/// conversations through them without errors.
+#[test]
+fn demo_starts_prefill_and_decode_pools() {
+    let mut demo = Demo::start(&[
+        "--prefill-workers",
+        "1",
+        "--decode-workers",
+        "2",
+        "--speedup",
+        "50",
+        "--concurrency",
+        "3",
+        "--start",
+    ]);
+    assert!(
+        demo.lines
+            .iter()
+            .any(|l| l.contains("3 simulated h200-llama70b-fp8 workers (1 prefill, 2 decode)")),
+        "{:?}",
+        demo.lines
+    );
+    demo.wait_for_status("no finished turns", |status| {
+        let lane = &status["lanes"][0];
+        let done = lane["metrics"]["requests"].as_u64().unwrap() >= 3;
+        if done {
+            assert_eq!(lane["metrics"]["errors"], 0, "{status}");
+        }
+        done
+    });
+    // The gateway split requests across the pools (the conversations open with long
+    // passages) and labels the TTFT of those with the prefill pool.
+    let line = demo
+        .lines
+        .iter()
+        .find(|l| l.contains(" gateway on "))
+        .expect("the gateway's line");
+    let gateway = line.rsplit(" gateway on ").next().unwrap().trim();
+    let metrics = block_on(get_text(&format!("{gateway}/metrics")));
+    assert!(
+        metrics.contains("kvroute_gateway_routes_total{route=\"split\",reason=\"remote_prefill\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvroute_worker_role{worker_id=\"0\",worker=")
+            && metrics.contains("role=\"prefill\"} 1"),
+        "{metrics}"
+    );
+    let status = demo.interrupt();
+    assert!(status.success(), "{status:?}");
+}
+
 #[test]
 fn compare_mode_runs_two_clusters_on_the_same_conversations() {
     let mut demo = Demo::start(&[
@@ -200,6 +252,27 @@ fn bad_arguments_fail_with_a_clear_error() {
         (
             &["demo", "--workers", "0"],
             "--workers must be between 1 and 64",
+        ),
+        (
+            &["demo", "--prefill-workers", "0", "--decode-workers", "2"],
+            "--prefill-workers must be between 1 and 32",
+        ),
+        (
+            &["demo", "--prefill-workers", "1", "--decode-workers", "99"],
+            "--decode-workers must be between 1 and 32",
+        ),
+        (&["demo", "--prefill-workers", "2"], "--decode-workers"),
+        (
+            &[
+                "demo",
+                "--workers",
+                "3",
+                "--prefill-workers",
+                "1",
+                "--decode-workers",
+                "1",
+            ],
+            "cannot be used with",
         ),
         (&["demo", "--router", "best"], "router \"best\""),
         (

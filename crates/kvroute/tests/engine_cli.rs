@@ -85,6 +85,11 @@ fn engine_refuses_bad_arguments_with_a_clear_error() {
             &["engine", "--nats", "nats://127.0.0.1:1", "--port", "0"],
             "cannot connect to NATS at nats://127.0.0.1:1",
         ),
+        (
+            &["engine", "--role", "producer"],
+            "expected both, prefill or decode",
+        ),
+        (&["engine", "--kv-link", "pcie"], "nvlink"),
     ]);
 }
 

@@ -117,6 +117,15 @@ fn bad_flags_fail_with_a_message_that_says_what_to_do() {
     assert!(err.contains("--queue-timeout"), "{err}");
     let err = run(&["--tokenizer", "/nonexistent/tokenizer.json", "--port", "0"]);
     assert!(err.contains("/nonexistent/tokenizer.json"), "{err}");
+    let err = run(&["--worker", "http://localhost:8000,role=producer"]);
+    assert!(
+        err.contains("role") && err.contains("both, prefill or decode"),
+        "{err}"
+    );
+    let err = run(&["--prefill-timeout", "0"]);
+    assert!(err.contains("--prefill-timeout"), "{err}");
+    let err = run(&["--local-prefill-max-tokens", "lots"]);
+    assert!(err.contains("--local-prefill-max-tokens"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -75,5 +75,7 @@ pub use openai::{
 pub use sse::{SseDecoder, SseError, SseEvent};
 pub use subjects::{BadNamespace, Subjects};
 pub use vllm::{VllmEventBatch, VllmEventStream, VllmFrame};
-pub use worker::{WorkerAnnounce, WorkerCard, WorkerMessage, WorkerMessageError};
+pub use worker::{
+    UnknownRole, WorkerAnnounce, WorkerCard, WorkerMessage, WorkerMessageError, WorkerRole,
+};
 pub use worker_limits::{WorkerLimits, WorkerTiming};

@@ -57,6 +57,76 @@ pub struct WorkerCard {
     /// It returns generated token ids when a request asks (`return_token_ids`), so a
     /// gateway counts tokens exactly even when one chunk carries several.
     pub returns_token_ids: bool,
+    /// What it serves in disaggregated serving (`kvroute engine --role`); a card that does
+    /// not say is `both` (aggregated).
+    pub role: WorkerRole,
+}
+
+/// A worker's part in disaggregated prefill/decode serving. The wire names are kvroute's
+/// (`both`, `prefill`, `decode`); vLLM's `kv_role` names (`kv_both`, `kv_producer`,
+/// `kv_consumer`, from `--kv-transfer-config`) are accepted as aliases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerRole {
+    /// Prefills and decodes (vLLM's `kv_both`); serves every leg.
+    #[default]
+    #[serde(alias = "kv_both", alias = "aggregated")]
+    Both,
+    /// Computes prompts and hands their KV to a decode worker (vLLM's `kv_producer`).
+    #[serde(alias = "kv_producer")]
+    Prefill,
+    /// Decodes after pulling a prompt's KV from a prefill worker, or serves a whole request
+    /// when the gateway prefills locally (vLLM's `kv_consumer`).
+    #[serde(alias = "kv_consumer")]
+    Decode,
+}
+
+impl WorkerRole {
+    pub const ALL: [WorkerRole; 3] = [WorkerRole::Both, WorkerRole::Prefill, WorkerRole::Decode];
+
+    /// The wire name (`both`, `prefill`, `decode`), also the metrics label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerRole::Both => "both",
+            WorkerRole::Prefill => "prefill",
+            WorkerRole::Decode => "decode",
+        }
+    }
+
+    /// vLLM's `kv_role` of the same part.
+    pub fn vllm_kv_role(self) -> &'static str {
+        match self {
+            WorkerRole::Both => "kv_both",
+            WorkerRole::Prefill => "kv_producer",
+            WorkerRole::Decode => "kv_consumer",
+        }
+    }
+}
+
+impl std::fmt::Display for WorkerRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A role name that is none of [`WorkerRole`]'s.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error(
+    "unknown worker role `{0}`: expected both, prefill or decode (or vLLM's kv_both, kv_producer, kv_consumer)"
+)]
+pub struct UnknownRole(pub String);
+
+impl std::str::FromStr for WorkerRole {
+    type Err = UnknownRole;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "both" | "kv_both" | "aggregated" => Ok(WorkerRole::Both),
+            "prefill" | "kv_producer" => Ok(WorkerRole::Prefill),
+            "decode" | "kv_consumer" => Ok(WorkerRole::Decode),
+            _ => Err(UnknownRole(s.to_string())),
+        }
+    }
 }
 
 /// A worker telling gateways it exists (repeated as a heartbeat) or is leaving.
@@ -147,6 +217,7 @@ mod tests {
             nats_kv_subject: Some("kvroute.demo.kv.3".into()),
             zmq_endpoint: None,
             returns_token_ids: true,
+            role: WorkerRole::Decode,
         }
     }
 
@@ -171,6 +242,28 @@ mod tests {
         assert_eq!(WorkerMessage::decode(&bye.encode().unwrap()).unwrap(), bye);
         assert_eq!(bye.worker(), WorkerId(3));
         assert!(WorkerMessage::decode(b"{\"type\":\"hello\"}").is_err());
+    }
+
+    #[test]
+    fn roles_read_kvroute_and_vllm_names_and_default_to_both() {
+        let plain: WorkerCard = serde_json::from_str(r#"{"url":"http://w:1"}"#).unwrap();
+        assert_eq!(plain.role, WorkerRole::Both);
+        for (name, role) in [
+            ("prefill", WorkerRole::Prefill),
+            ("kv_producer", WorkerRole::Prefill),
+            ("decode", WorkerRole::Decode),
+            ("kv_consumer", WorkerRole::Decode),
+            ("kv_both", WorkerRole::Both),
+        ] {
+            let named: WorkerCard =
+                serde_json::from_str(&format!(r#"{{"role":"{name}"}}"#)).unwrap();
+            assert_eq!(named.role, role, "{name}");
+            assert_eq!(name.parse::<WorkerRole>().unwrap(), role);
+        }
+        let err = "producer".parse::<WorkerRole>().unwrap_err().to_string();
+        assert!(err.contains("prefill") && err.contains("producer"), "{err}");
+        let json = serde_json::to_value(card()).unwrap();
+        assert_eq!(json["role"], "decode");
     }
 
     #[test]

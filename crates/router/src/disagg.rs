@@ -236,6 +236,23 @@ impl DisaggFrontend {
         }
     }
 
+    /// Drops every block the index of `worker`'s pool holds for it (both pools' indexes, for
+    /// a worker not registered): its event stream lost messages, so what the index held
+    /// cannot be vouched for.
+    pub fn clear_worker(&mut self, worker: WorkerId) {
+        match self.pools.get(&worker).copied() {
+            Some(pool) => self
+                .pool_mut(pool)
+                .router_mut()
+                .index_mut()
+                .clear_worker(worker),
+            None => {
+                self.prefill.router_mut().index_mut().clear_worker(worker);
+                self.decode.router_mut().index_mut().clear_worker(worker);
+            }
+        }
+    }
+
     /// Admits a request. Ids must be unique among the requests this frontend holds.
     pub fn submit(&mut self, id: RequestId, key: RoutingKey, now: Nanos) {
         self.stages.insert(id, Stage::Decode(key.clone()));

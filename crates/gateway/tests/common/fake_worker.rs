@@ -23,6 +23,11 @@ pub enum Script {
     CrashAfter { tokens: u32 },
     /// Answers with this status and OpenAI error JSON.
     Fail { status: u16 },
+    /// A vLLM prefill worker (NixlConnector): one token, unary, with the
+    /// `kv_transfer_params` a decode worker pulls the KV by.
+    Prefill,
+    /// Never answers.
+    Hang,
 }
 
 #[derive(Clone)]
@@ -97,6 +102,26 @@ async fn completions(State(state): State<FakeState>, body: Bytes) -> Response {
     let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     state.requests.lock().unwrap().push(request);
     match state.script {
+        Script::Hang => {
+            std::future::pending::<()>().await;
+            unreachable!()
+        }
+        Script::Prefill => Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from(
+                json!({
+                    "id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "fake",
+                    "choices": [{"index": 0, "text": " w0", "logprobs": null, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+                    "kv_transfer_params": {
+                        "do_remote_prefill": true, "do_remote_decode": false,
+                        "remote_engine_id": "fake-engine", "remote_block_ids": [1, 2, 3],
+                        "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1,
+                    },
+                })
+                .to_string(),
+            ))
+            .unwrap(),
         Script::Fail { status } => Response::builder()
             .status(StatusCode::from_u16(status).unwrap())
             .header("content-type", "application/json")
