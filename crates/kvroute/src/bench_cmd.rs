@@ -451,7 +451,10 @@ fn run_disagg(args: &BenchArgs) -> Result<()> {
     let layouts = sim::disagg::equal_gpu_layouts(args.gpus.unwrap_or(DISAGG_GPUS));
     // One cluster per (workload, layout), workload-major; one benchmark each.
     let mut clusters = Vec::new();
-    for (mix, layout) in mixes.iter().flat_map(|m| layouts.iter().map(move |l| (m, l))) {
+    for (mix, layout) in mixes
+        .iter()
+        .flat_map(|m| layouts.iter().map(move |l| (m, l)))
+    {
         let mut cluster = args.cluster.clone();
         cluster.workers = layout.gpus;
         let mut built = cluster.build()?;
