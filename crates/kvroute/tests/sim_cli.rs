@@ -530,6 +530,8 @@ fn small_disagg_bench(dir: &Path, jobs: &str) -> Output {
         .args([
             "bench",
             "--disagg",
+            "--disagg-workloads",
+            "chat,summarise",
             "--gpus",
             "3",
             "--levels",
@@ -560,7 +562,12 @@ fn bench_disagg_compares_layouts_of_equal_gpus_byte_identically() {
     let (a, b) = (out_dir("disagg-a"), out_dir("disagg-b"));
     let out = ok(small_disagg_bench(&a, "1"));
     ok(small_disagg_bench(&b, "2"));
-    for file in ["results.json", "report.md", "chat_goodput.svg"] {
+    for file in [
+        "results.json",
+        "report.md",
+        "chat_goodput.svg",
+        "summarise_goodput.svg",
+    ] {
         assert!(
             std::fs::read(a.join(file)).unwrap() == std::fs::read(b.join(file)).unwrap(),
             "{file} differs between runs"
@@ -573,14 +580,22 @@ fn bench_disagg_compares_layouts_of_equal_gpus_byte_identically() {
     let v: serde_json::Value =
         serde_json::from_slice(&std::fs::read(a.join("results.json")).unwrap()).unwrap();
     let summary = v["summary"].as_array().unwrap();
-    assert_eq!(summary.len(), 3 * 2, "layouts × levels");
+    assert_eq!(summary.len(), 2 * 3 * 2, "workloads × layouts × levels");
     assert_eq!(v["bench"]["disagg"]["slo"]["ttft_ms"].as_f64(), Some(500.0));
     let split: Vec<&serde_json::Value> = summary.iter().filter(|r| r["layout"] == "1p2d").collect();
+    assert_eq!(split.len(), 4);
     assert!(
         split
             .iter()
             .all(|r| r["serving"]["split"].as_f64().unwrap() > 0.0)
     );
+    // Summarisation documents are uncached everywhere: every one of them is split.
+    let summarise_local: Vec<f64> = summary
+        .iter()
+        .filter(|r| r["workload"] == "summarise" && r["layout"] == "2p1d")
+        .map(|r| r["serving"]["local_short"].as_f64().expect("local_short"))
+        .collect();
+    assert_eq!(summarise_local, [0.0, 0.0], "{summary:?}");
     let report = std::fs::read_to_string(a.join("report.md")).unwrap();
     assert!(
         report.contains("Goodput") && report.contains("`2p1d`"),
