@@ -10,26 +10,18 @@ use crate::svg::{Chart, PALETTE, Series, Threshold};
 
 /// The summary rows of `layout` on `workload`, by level.
 pub fn rows<'a>(results: &'a BenchResults, workload: &str, layout: &str) -> Vec<&'a Row> {
-    let mut rows: Vec<&Row> = results
-        .summary
-        .iter()
-        .filter(|r| r.workload.as_deref() == Some(workload) && r.layout.as_deref() == Some(layout))
-        .collect();
-    rows.sort_by_key(|r| r.concurrency);
-    rows
-}
-
-fn row<'a>(results: &'a BenchResults, workload: &str, layout: &str, level: u32) -> Option<&'a Row> {
-    results.summary.iter().find(|r| {
-        r.workload.as_deref() == Some(workload)
-            && r.layout.as_deref() == Some(layout)
-            && r.concurrency == level
+    crate::results::summary_rows(results, |r| {
+        r.workload.as_deref() == Some(workload) && r.layout.as_deref() == Some(layout)
     })
 }
 
-fn n(v: Option<f64>, decimals: usize) -> String {
-    v.map_or("–".to_string(), |x| format!("{x:.decimals$}"))
+fn row<'a>(results: &'a BenchResults, workload: &str, layout: &str, level: u32) -> Option<&'a Row> {
+    rows(results, workload, layout)
+        .into_iter()
+        .find(|r| r.concurrency == level)
 }
+
+use crate::results::cell as n;
 
 fn pair(p: crate::Percentiles, decimals: usize) -> String {
     format!("{} / {}", n(p.p50, decimals), n(p.p95, decimals))

@@ -11,26 +11,18 @@ use crate::svg::{Chart, PALETTE, Series, Threshold};
 
 /// The summary rows of `phase` on `setup`, by level.
 pub fn rows<'a>(results: &'a BenchResults, setup: &str, phase: &str) -> Vec<&'a Row> {
-    let mut rows: Vec<&Row> = results
-        .summary
-        .iter()
-        .filter(|r| r.setup.as_deref() == Some(setup) && r.phase.as_deref() == Some(phase))
-        .collect();
-    rows.sort_by_key(|r| r.concurrency);
-    rows
-}
-
-fn row<'a>(results: &'a BenchResults, setup: &str, phase: &str, level: u32) -> Option<&'a Row> {
-    results.summary.iter().find(|r| {
-        r.setup.as_deref() == Some(setup)
-            && r.phase.as_deref() == Some(phase)
-            && r.concurrency == level
+    crate::results::summary_rows(results, |r| {
+        r.setup.as_deref() == Some(setup) && r.phase.as_deref() == Some(phase)
     })
 }
 
-fn n(v: Option<f64>, decimals: usize) -> String {
-    v.map_or("–".to_string(), |x| format!("{x:.decimals$}"))
+fn row<'a>(results: &'a BenchResults, setup: &str, phase: &str, level: u32) -> Option<&'a Row> {
+    rows(results, setup, phase)
+        .into_iter()
+        .find(|r| r.concurrency == level)
 }
+
+use crate::results::cell as n;
 
 fn pair(p: Option<crate::Percentiles>, decimals: usize) -> String {
     match p {

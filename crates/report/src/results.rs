@@ -434,3 +434,16 @@ impl BenchResults {
             .find(|r| r.router == router && r.concurrency == concurrency)
     }
 }
+
+/// The summary rows `keep` selects, by concurrency level: one curve of a bench that runs
+/// several series (phases × setups, workloads × layouts).
+pub fn summary_rows<'a>(results: &'a BenchResults, keep: impl Fn(&Row) -> bool) -> Vec<&'a Row> {
+    let mut rows: Vec<&Row> = results.summary.iter().filter(|r| keep(r)).collect();
+    rows.sort_by_key(|r| r.concurrency);
+    rows
+}
+
+/// A table cell: the number to `decimals` places, or a dash when absent.
+pub(crate) fn cell(v: Option<f64>, decimals: usize) -> String {
+    v.map_or("–".to_string(), |x| format!("{x:.decimals$}"))
+}
