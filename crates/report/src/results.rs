@@ -437,7 +437,7 @@ impl BenchResults {
 
 /// The summary rows `keep` selects, by concurrency level: one curve of a bench that runs
 /// several series (phases × setups, workloads × layouts).
-pub fn summary_rows<'a>(results: &'a BenchResults, keep: impl Fn(&Row) -> bool) -> Vec<&'a Row> {
+pub fn summary_rows(results: &BenchResults, keep: impl Fn(&Row) -> bool) -> Vec<&Row> {
     let mut rows: Vec<&Row> = results.summary.iter().filter(|r| keep(r)).collect();
     rows.sort_by_key(|r| r.concurrency);
     rows
