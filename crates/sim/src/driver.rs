@@ -60,6 +60,15 @@ pub mod streams {
 }
 
 /// A turn between issue and end.
+/// What `EngineEvent::Finished` tells the driver about a request.
+#[derive(Debug, Clone, Copy)]
+struct Finished {
+    prompt_tokens: u32,
+    cached_prompt_tokens: u32,
+    output_tokens: u32,
+    preemptions: u32,
+}
+
 #[derive(Debug)]
 struct InFlight {
     /// Issue order (the record's id); engines and the router know the turn by its handle.
@@ -1204,29 +1213,17 @@ impl<W: Workload> Simulation<W> {
                 cached_prompt_tokens,
                 output_tokens,
                 preemptions,
-            } => {
-                let Some(f) = self.in_flight.remove(id.0) else {
-                    return;
-                };
-                self.admission.on_finished(id, at);
-                self.remove_in_flight(worker);
-                if let Some(o) = &mut self.oracle {
-                    o.finish(at, &f.prompt, f.prompt_last_block, &f.output);
-                }
-                self.totals.finished += 1;
-                self.totals.finished_output_tokens += u64::from(output_tokens);
-                let record = RequestRecord {
+            } => self.finish_turn(
+                worker,
+                id,
+                at,
+                Finished {
                     prompt_tokens,
                     cached_prompt_tokens,
-                    oracle_cached_tokens: f.oracle_cached.min(prompt_tokens),
                     output_tokens,
                     preemptions,
-                    ..f.record(at, Outcome::Finished)
-                };
-                self.keep(record);
-                self.workload.on_turn_finished(f.turn, at);
-                self.after_release();
-            }
+                },
+            ),
             EngineEvent::Rejected { id, .. } => {
                 self.admission.on_finished(id, self.now);
                 self.remove_in_flight(worker);
@@ -1243,6 +1240,57 @@ impl<W: Workload> Simulation<W> {
             }
             EngineEvent::Kv(ev) => self.on_kv_event(ev),
         }
+    }
+
+    /// A request's last token: admission, oracle, totals, its record and its conversation's
+    /// next turn — the same for an aggregated request and a disaggregated one's decode leg
+    /// (which also records its KV transfer and the prefill leg's cache hit).
+    fn finish_turn(&mut self, worker: u32, id: RequestId, at: Nanos, done: Finished) {
+        let Finished {
+            prompt_tokens,
+            cached_prompt_tokens,
+            output_tokens,
+            preemptions,
+        } = done;
+        let Some(f) = self.in_flight.remove(id.0) else {
+            return;
+        };
+        self.admission.on_finished(id, at);
+        self.remove_in_flight(worker);
+        if let Some(o) = &mut self.oracle {
+            o.finish(at, &f.prompt, f.prompt_last_block, &f.output);
+        }
+        self.totals.finished += 1;
+        self.totals.finished_output_tokens += u64::from(output_tokens);
+        // A split request's decode leg found `cached_prompt_tokens` on its decode
+        // worker and received the rest; its compute hit is the prefill leg's.
+        let kv_transfer = (f.route == Some(RouteTag::Split)).then(|| {
+            let tokens = prompt_tokens.saturating_sub(cached_prompt_tokens);
+            let profile = &self.cfg.engine.profile;
+            let link = self.cfg.disagg.map(|d| d.kv_link).unwrap_or_default();
+            KvTransfer {
+                tokens,
+                bytes: u64::from(tokens).saturating_mul(profile.kv_bytes_per_token),
+                time: profile.kv_transfer_time(u64::from(tokens), link),
+            }
+        });
+        if let (Some(x), Some(t)) = (&kv_transfer, &mut self.totals.disagg) {
+            t.kv_transfers += 1;
+            t.kv_transfer_bytes += x.bytes;
+        }
+        let cached = f.prefill_cached.unwrap_or(cached_prompt_tokens);
+        let record = RequestRecord {
+            prompt_tokens,
+            cached_prompt_tokens: cached,
+            oracle_cached_tokens: f.oracle_cached.min(prompt_tokens),
+            output_tokens,
+            preemptions,
+            kv_transfer,
+            ..f.record(at, Outcome::Finished)
+        };
+        self.keep(record);
+        self.workload.on_turn_finished(f.turn, at);
+        self.after_release();
     }
 
     fn on_kv_event(&mut self, ev: KvEvent) {
@@ -1321,47 +1369,17 @@ impl<W: Workload> Simulation<W> {
                 cached_prompt_tokens,
                 output_tokens,
                 preemptions,
-            } => {
-                let Some(f) = self.in_flight.remove(id.0) else {
-                    return;
-                };
-                self.admission.on_finished(id, at);
-                self.remove_in_flight(worker);
-                if let Some(o) = &mut self.oracle {
-                    o.finish(at, &f.prompt, f.prompt_last_block, &f.output);
-                }
-                self.totals.finished += 1;
-                self.totals.finished_output_tokens += u64::from(output_tokens);
-                // A split request's decode leg found `cached_prompt_tokens` on its decode
-                // worker and received the rest; its compute hit is the prefill leg's.
-                let kv_transfer = (f.route == Some(RouteTag::Split)).then(|| {
-                    let tokens = prompt_tokens.saturating_sub(cached_prompt_tokens);
-                    let profile = &self.cfg.engine.profile;
-                    let link = self.cfg.disagg.map(|d| d.kv_link).unwrap_or_default();
-                    KvTransfer {
-                        tokens,
-                        bytes: u64::from(tokens).saturating_mul(profile.kv_bytes_per_token),
-                        time: profile.kv_transfer_time(u64::from(tokens), link),
-                    }
-                });
-                if let (Some(x), Some(t)) = (&kv_transfer, &mut self.totals.disagg) {
-                    t.kv_transfers += 1;
-                    t.kv_transfer_bytes += x.bytes;
-                }
-                let cached = f.prefill_cached.unwrap_or(cached_prompt_tokens);
-                let record = RequestRecord {
+            } => self.finish_turn(
+                worker,
+                id,
+                at,
+                Finished {
                     prompt_tokens,
-                    cached_prompt_tokens: cached,
-                    oracle_cached_tokens: f.oracle_cached.min(prompt_tokens),
+                    cached_prompt_tokens,
                     output_tokens,
                     preemptions,
-                    kv_transfer,
-                    ..f.record(at, Outcome::Finished)
-                };
-                self.keep(record);
-                self.workload.on_turn_finished(f.turn, at);
-                self.after_release();
-            }
+                },
+            ),
             EngineEvent::Rejected { id, .. } | EngineEvent::Cancelled { id, .. } => {
                 let Some(f) = self.in_flight.get_mut(id.0) else {
                     return;
