@@ -208,14 +208,10 @@ fn itl_histogram() -> AtomicHistogram {
     AtomicHistogram::new(ITL_BUCKETS)
 }
 
-const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
-    30.0, 60.0,
-];
-const ITL_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.15,
-    0.25, 0.5, 1.0,
-];
+// The frontend's TTFT and ITL buckets are the autoscaler core's, so a quantile the simulator
+// computes interpolates in the same buckets as Prometheus does over these histograms.
+const LATENCY_BUCKETS: &[f64] = router::autoscale::FRONTEND_TTFT_BUCKETS;
+const ITL_BUCKETS: &[f64] = router::autoscale::FRONTEND_ITL_BUCKETS;
 const DURATION_BUCKETS: &[f64] = &[
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0,
     600.0,

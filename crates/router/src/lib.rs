@@ -26,6 +26,9 @@
 //!   pool (one [`Frontend`] each), and the conditional-disaggregation decision: prefill on the
 //!   decode worker when little of the prompt is uncached there, on a prefill worker otherwise,
 //!   with a local fallback when no prefill worker can take it ([`Route`], [`DisaggEvent`]).
+//! - [`autoscale`]: pool autoscaling with KEDA's and the HPA's semantics (a latency quantile
+//!   against a threshold, activation, cooldown, stabilization, bounds, pause), the same
+//!   decisions in the simulator and the demo.
 //!
 //! ```
 //! use std::num::NonZeroU32;
@@ -92,6 +95,7 @@
 //! assert!(decision.worker == WorkerId(1) || decision.worker == WorkerId(2));
 //! ```
 
+pub mod autoscale;
 mod disagg;
 mod frontend;
 mod kv_load;
