@@ -224,6 +224,24 @@ impl DisaggFrontend {
         orphans
     }
 
+    /// Starts draining a worker in its pool (see [`Frontend::drain_worker`]): no new legs
+    /// go to it; [`take_drained`](Self::take_drained) names it once its legs have finished.
+    pub fn drain_worker(&mut self, worker: WorkerId, now: Nanos) -> bool {
+        let Some(pool) = self.pools.get(&worker).copied() else {
+            return false;
+        };
+        let drained = self.pool_mut(pool).drain_worker(worker, now);
+        self.pump(now);
+        drained
+    }
+
+    /// A draining worker of either pool whose last leg has finished.
+    pub fn take_drained(&mut self) -> Option<WorkerId> {
+        self.decode
+            .take_drained()
+            .or_else(|| self.prefill.take_drained())
+    }
+
     /// Feeds a KV event to the index of its worker's pool (both, for a worker not yet
     /// registered: it may register just after its first events).
     pub fn apply_event(&mut self, event: &KvEvent) -> Result<ApplyOutcome, EventError> {

@@ -152,6 +152,9 @@ pub struct Frontend {
     /// The router refused the queue's head for lack of tracking room: wait for a release.
     router_full: bool,
     shutting_down: bool,
+    /// Draining workers now idle, for [`Frontend::take_drained`]; at most one entry per
+    /// registered worker.
+    drained: VecDeque<WorkerId>,
 }
 
 impl Frontend {
@@ -180,6 +183,7 @@ impl Frontend {
             events: VecDeque::new(),
             router_full: false,
             shutting_down: false,
+            drained: VecDeque::new(),
         })
     }
 
@@ -210,7 +214,7 @@ impl Frontend {
         if self.shutting_down {
             return self.refuse(id, AdmitError::ShuttingDown);
         }
-        if self.router.workers().next().is_none() {
+        if self.router.routable_workers().next().is_none() {
             return self.refuse(id, AdmitError::NoWorkers);
         }
         if self.queue.is_empty() && self.may_route() {
@@ -257,7 +261,11 @@ impl Frontend {
     /// The request finished, failed or was cancelled after routing: its slot goes to the
     /// queue's head.
     pub fn on_finished(&mut self, id: RequestId, now: Nanos) {
+        let worker = self.router.worker_of(id);
         self.router.on_finished(id, now);
+        if let Some(worker) = worker {
+            self.note_if_drained(worker);
+        }
         self.router_full = false;
         self.serve_queue(now);
     }
@@ -277,12 +285,40 @@ impl Frontend {
     /// Forgets a worker (see [`Router::remove_worker`], whose orphaned requests it returns).
     /// When no worker is left, every waiter is refused at once rather than at its timeout.
     pub fn remove_worker(&mut self, worker: WorkerId, now: Nanos) -> Vec<RequestId> {
+        self.drained.retain(|w| *w != worker);
         let orphans = self.router.remove_worker(worker);
         if !orphans.is_empty() {
             self.router_full = false;
         }
         self.serve_queue(now);
         orphans
+    }
+
+    /// Starts draining `worker` (scaling its pool down): it gets no new request; once its
+    /// in-flight requests have finished, [`take_drained`](Frontend::take_drained) names it and
+    /// the driver stops it and calls [`remove_worker`](Frontend::remove_worker). Waiters
+    /// with no other worker left are refused. `false` for an unknown worker.
+    pub fn drain_worker(&mut self, worker: WorkerId, now: Nanos) -> bool {
+        if !self.router.set_draining(worker, true) {
+            return false;
+        }
+        self.note_if_drained(worker);
+        self.serve_queue(now);
+        true
+    }
+
+    /// A draining worker whose last request has finished, oldest first.
+    pub fn take_drained(&mut self) -> Option<WorkerId> {
+        self.drained.pop_front()
+    }
+
+    fn note_if_drained(&mut self, worker: WorkerId) {
+        if self.router.is_draining(worker)
+            && self.router.load(worker).is_some_and(|l| l.in_flight == 0)
+            && !self.drained.contains(&worker)
+        {
+            self.drained.push_back(worker);
+        }
     }
 
     /// Refuses every waiter and every later submission.
@@ -331,14 +367,14 @@ impl Frontend {
             None => true,
             Some(cap) => self
                 .router
-                .workers()
+                .routable_workers()
                 .any(|(_, load)| load.in_flight < cap.get()),
         }
     }
 
     /// Routes waiters, in order, while there is room; refuses them all when no worker is left.
     fn serve_queue(&mut self, now: Nanos) {
-        if self.router.workers().next().is_none() {
+        if self.router.routable_workers().next().is_none() {
             return self.refuse_all(AdmitError::NoWorkers);
         }
         while !self.queue.is_empty() && self.may_route() {

@@ -21,7 +21,7 @@
 //! - [`Frontend`]: admission in front of the router, the same code in the gateway and the
 //!   simulator — a per-worker in-flight cap applied to selection, a bounded FIFO queue with a
 //!   timeout, outcomes drained as [`FrontendEvent`]s ([`FrontendConfig`] holds the one set of
-//!   defaults). Drivers submit requests here rather than calling [`Router::route`].
+//!   defaults); a worker leaving a pool drains first ([`Frontend::drain_worker`]). Drivers submit requests here rather than calling [`Router::route`].
 //! - [`DisaggFrontend`]: disaggregated prefill/decode admission — a decode pool and a prefill
 //!   pool (one [`Frontend`] each), and the conditional-disaggregation decision: prefill on the
 //!   decode worker when little of the prompt is uncached there, on a prefill worker otherwise,

@@ -200,6 +200,8 @@ struct WorkerEntry {
     id: WorkerId,
     limits: WorkerLimits,
     account: WorkerAccount,
+    /// Leaving: no new requests, its in-flight ones finish (see [`Router::set_draining`]).
+    draining: bool,
 }
 
 #[derive(Debug)]
@@ -324,6 +326,7 @@ impl Router {
                         id: worker,
                         limits,
                         account: WorkerAccount::default(),
+                        draining: false,
                     },
                 );
             }
@@ -360,6 +363,40 @@ impl Router {
     /// Registered workers, ascending by id.
     pub fn workers(&self) -> impl Iterator<Item = (WorkerId, WorkerLoad)> + '_ {
         self.workers.iter().map(|w| (w.id, w.account.load))
+    }
+
+    /// Registered workers that take new requests (not draining), ascending by id.
+    pub fn routable_workers(&self) -> impl Iterator<Item = (WorkerId, WorkerLoad)> + '_ {
+        self.workers
+            .iter()
+            .filter(|w| !w.draining)
+            .map(|w| (w.id, w.account.load))
+    }
+
+    /// Marks a worker as leaving (`true`) or back in service (`false`). A draining worker is
+    /// offered to no policy, so it gets no new request, while its in-flight requests finish
+    /// and are accounted as usual; the caller removes it once its `in_flight` is 0 (a pool
+    /// scaling down drains a worker before stopping it). `false` for an unknown worker.
+    pub fn set_draining(&mut self, worker: WorkerId, draining: bool) -> bool {
+        match find_worker(&mut self.workers, worker) {
+            Some(entry) => {
+                entry.draining = draining;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The worker a tracked request was routed to.
+    pub fn worker_of(&self, id: RequestId) -> Option<WorkerId> {
+        self.requests.get(&id).map(|t| t.worker)
+    }
+
+    /// Whether `worker` is draining.
+    pub fn is_draining(&self, worker: WorkerId) -> bool {
+        self.workers
+            .binary_search_by_key(&worker, |w| w.id)
+            .is_ok_and(|i| self.workers[i].draining)
     }
 
     /// The router's accounting of one worker's load.
@@ -421,6 +458,10 @@ impl Router {
         }
         self.expire_predictions(now);
         self.fill_candidates(key);
+        if self.candidates.is_empty() {
+            // Every worker is draining.
+            return refused(self, RouteError::NoWorkers);
+        }
         let ctx = SelectionContext {
             prompt_tokens: key.num_tokens,
             prompt_blocks: key.num_blocks(),
@@ -604,6 +645,9 @@ impl Router {
                 .next_if(|&(id, _)| id == w.id)
                 .map_or(0, |(_, blocks)| blocks)
                 .min(key.num_blocks());
+            if w.draining {
+                continue;
+            }
             let cached_tokens = (u64::from(overlap) * block_size).min(key.num_tokens);
             self.candidates.push(Candidate {
                 worker: w.id,

@@ -458,3 +458,61 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_draining_worker_gets_no_new_request_and_is_named_when_idle() {
+    let mut f = frontend(4, 8, None);
+    // Round robin: request 1 on worker 1, request 2 on worker 2.
+    for id in [1, 2] {
+        f.submit(RequestId(id), key(&f, id as u32), Nanos::ZERO);
+    }
+    assert_eq!(events(&mut f).len(), 2);
+    assert!(f.drain_worker(WorkerId(1), Nanos::ZERO));
+    assert!(!f.drain_worker(WorkerId(9), Nanos::ZERO));
+    assert_eq!(
+        f.take_drained(),
+        None,
+        "request 1 is still in flight on worker 1"
+    );
+    // Every new request goes to worker 2, whatever the policy's turn.
+    for id in 3..7 {
+        f.submit(RequestId(id), key(&f, id as u32), Nanos::ZERO);
+    }
+    for event in events(&mut f) {
+        let FrontendEvent::Assigned { decision, .. } = event else {
+            panic!("{event:?}")
+        };
+        assert_eq!(decision.worker, WorkerId(2));
+    }
+    // Request 1 finishes: worker 1 is idle and named once; removing it forgets it.
+    f.on_finished(RequestId(1), Nanos::from_secs(1));
+    assert_eq!(f.take_drained(), Some(WorkerId(1)));
+    assert_eq!(f.take_drained(), None);
+    assert!(f.remove_worker(WorkerId(1), Nanos::from_secs(1)).is_empty());
+    assert_eq!(f.router().workers().count(), 1);
+}
+
+#[test]
+fn when_every_worker_drains_new_requests_are_refused() {
+    let mut f = frontend(4, 8, None);
+    f.drain_worker(WorkerId(1), Nanos::ZERO);
+    f.drain_worker(WorkerId(2), Nanos::ZERO);
+    // Both idle at once.
+    assert_eq!(f.take_drained(), Some(WorkerId(1)));
+    assert_eq!(f.take_drained(), Some(WorkerId(2)));
+    f.submit(RequestId(1), key(&f, 1), Nanos::ZERO);
+    assert!(matches!(
+        f.poll_event(),
+        Some(FrontendEvent::Refused {
+            error: AdmitError::NoWorkers,
+            ..
+        })
+    ));
+    // Back in service: routed again.
+    f.router_mut().set_draining(WorkerId(2), false);
+    f.submit(RequestId(2), key(&f, 2), Nanos::ZERO);
+    assert!(matches!(
+        f.poll_event(),
+        Some(FrontendEvent::Assigned { .. })
+    ));
+}
