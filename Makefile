@@ -1,8 +1,9 @@
 # kvroute's operational targets (seed 004's, where they fit). `make help` lists them.
 # Kubernetes targets act on the current kubectl context; docs/DEPLOY.md walks through them.
 
-# base: simulated workers, no GPU · vllm: real vLLM workers · doks: DigitalOcean (GPUs, NFS,
-# Gateway API, KEDA)
+# base: simulated workers, no GPU · disagg: simulated prefill and decode pools · vllm: real vLLM
+# workers · doks: seed 004 on DigitalOcean (vLLM prefill/decode pools, GPUs, NFS, Gateway API,
+# KEDA)
 OVERLAY ?= base
 NAMESPACE ?= kvroute
 IMAGE_REPO ?= kvroute
@@ -12,7 +13,7 @@ IMAGE := $(IMAGE_REPO):$(IMAGE_TAG)
 # replaces whichever the overlay uses.
 IMAGE_NAMES := kvroute registry.digitalocean.com/your-registry/kvroute
 # The model name the gateway serves: llama-3.1-70b-instruct (simulated) or the overlays' vLLM one.
-MODEL ?= $(if $(filter base,$(OVERLAY)),llama-3.1-70b-instruct,llama-3.1-8b-instruct)
+MODEL ?= $(if $(filter base disagg,$(OVERLAY)),llama-3.1-70b-instruct,llama-3.1-8b-instruct)
 CONCURRENCY ?= 60
 GRAFANA_NAMESPACE ?= monitoring
 KUBECTL ?= kubectl

@@ -173,6 +173,17 @@ impl EngineServer {
             zmq_endpoint: zmq.as_ref().map(|z| z.endpoint.clone()),
             returns_token_ids: true,
             role: worker_role(config.engine.role),
+            speculative: engine
+                .config()
+                .spec_decode
+                .as_ref()
+                .filter(|spec| spec.draft_len > 0)
+                .map(|spec| protocol::SpeculativeInfo {
+                    method: spec.method.name().to_owned(),
+                    draft_len: spec.draft_len,
+                    acceptance_rate: spec.mean_acceptance_rate(),
+                    tokens_per_step: spec.mean_tokens_per_step(),
+                }),
         };
         let registration = match (&nats, &config.nats) {
             (Some(client), Some(settings)) => Some((

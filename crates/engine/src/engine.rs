@@ -12,7 +12,7 @@ use rustc_hash::FxHashMap;
 use worker_limits::WorkerLimits;
 
 use crate::pool::BlockPool;
-use crate::profile::{HardwareProfile, StepShape};
+use crate::profile::{HardwareProfile, Speculation, StepShape};
 use crate::spec::{Drafter, SpecDecodeConfig, accepted_drafts};
 use crate::types::{
     EngineConfig, EngineConfigError, EngineEvent, EngineMetrics, EngineRequest, Leg, OutputSpec,
@@ -212,6 +212,18 @@ struct Spec {
     ratio: f64,
 }
 
+impl Spec {
+    /// What the worker's declared timing prices (its mean acceptance over content classes).
+    fn speculation(&self) -> Speculation {
+        Speculation {
+            draft_passes: self.k,
+            drafter: self.drafter,
+            draft_cost_ratio: self.ratio,
+            tokens_per_step: self.config.mean_tokens_per_step(),
+        }
+    }
+}
+
 /// One running sequence while a speculative stretch is planned.
 #[derive(Debug, Clone, Copy)]
 struct Lane {
@@ -361,11 +373,11 @@ impl Engine {
         WorkerLimits {
             max_num_seqs: Some(self.cfg.max_num_seqs),
             kv_capacity_blocks: Some(capacity),
-            timing: Some(
-                self.cfg
-                    .profile
-                    .marginal_timing(self.cfg.block_size, capacity),
-            ),
+            timing: Some(self.cfg.profile.marginal_timing_with(
+                self.cfg.block_size,
+                capacity,
+                self.spec.as_ref().map(Spec::speculation).as_ref(),
+            )),
         }
     }
 

@@ -128,7 +128,7 @@ pub use engine::Engine;
 pub use pool::BlockPool;
 pub use profile::{
     DynamoMockerTiming, EngineDefaults, HardwareProfile, KvLink, KvTransferProfile, ProfileError,
-    RooflineTiming, StepShape, TensorParallel, TimingModel,
+    RooflineTiming, Speculation, StepShape, TensorParallel, TimingModel,
 };
 pub use spec::{
     ContentAcceptance, Drafter, MAX_DRAFT_LEN, SpecDecodeConfig, SpecMethod,

@@ -225,6 +225,18 @@ pub struct HardwareProfile {
     pub speculative: BTreeMap<String, SpecDecodeConfig>,
 }
 
+/// A speculative decoder as the marginal timing prices it (the engine's resolved settings).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Speculation {
+    /// Draft length K: draft passes per step, K + 1 tokens verified per sequence.
+    pub draft_passes: u32,
+    /// Priced from its size, or `None` to price each pass as `draft_cost_ratio` of a step.
+    pub drafter: Option<Drafter>,
+    pub draft_cost_ratio: f64,
+    /// Tokens a sequence gains per step on average, E = (1 − α^(K+1)) / (1 − α).
+    pub tokens_per_step: f64,
+}
+
 /// What one scheduler step computes; the input of [`HardwareProfile::step_time`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepShape {
@@ -699,9 +711,34 @@ impl HardwareProfile {
     /// of a decoding batch (the step time's slope in the batch's total context, 64 sequences
     /// filling 20% to 40% of the pool). Load-aware routing prices workers with these.
     pub fn marginal_timing(&self, block_size: u32, pool_blocks: u64) -> WorkerTiming {
+        self.marginal_timing_with(block_size, pool_blocks, None)
+    }
+
+    /// [`HardwareProfile::marginal_timing`] of a worker that decodes speculatively: a prompt
+    /// token also costs the drafter's share of the prefill, and a token of context is read
+    /// once per verification step (by the target and, with a draft model, by the drafter on
+    /// each of its passes), which yields `tokens_per_step` tokens, so per generated token it
+    /// costs that step's marginal time divided by `tokens_per_step`.
+    pub fn marginal_timing_with(
+        &self,
+        block_size: u32,
+        pool_blocks: u64,
+        speculation: Option<&Speculation>,
+    ) -> WorkerTiming {
+        let with_drafter = |mut shape: StepShape| {
+            if let Some(spec) = speculation {
+                shape.drafter = spec.drafter;
+                shape.draft_cost_ratio = spec.draft_cost_ratio;
+                if shape.decode_seqs > 0 {
+                    shape.draft_passes = spec.draft_passes;
+                    shape.decode_tokens = shape.decode_seqs * (1 + u64::from(spec.draft_passes));
+                }
+            }
+            self.step_secs(&shape)
+        };
         let chunk = 4096u64;
-        let prefill = (self.step_secs(&StepShape::prefill(chunk, 4096))
-            - self.step_secs(&StepShape::prefill(1, 4096)))
+        let prefill = (with_drafter(StepShape::prefill(chunk, 4096))
+            - with_drafter(StepShape::prefill(1, 4096)))
             / (chunk - 1) as f64;
         let seqs = 64u64;
         let pool_tokens = pool_blocks
@@ -709,12 +746,13 @@ impl HardwareProfile {
             .saturating_mul(u64::from(block_size.max(1)));
         let per_seq = |share: u64| (pool_tokens * share / 10 / seqs).max(1);
         let (short, long) = (per_seq(2), per_seq(4).max(per_seq(2) + 1));
-        let decode = (self.step_secs(&StepShape::decode(seqs, long, block_size, pool_blocks))
-            - self.step_secs(&StepShape::decode(seqs, short, block_size, pool_blocks)))
+        let per_step = (with_drafter(StepShape::decode(seqs, long, block_size, pool_blocks))
+            - with_drafter(StepShape::decode(seqs, short, block_size, pool_blocks)))
             / (seqs * (long - short)) as f64;
+        let tokens_per_step = speculation.map_or(1.0, |s| s.tokens_per_step.max(1.0));
         WorkerTiming {
             prefill_secs_per_token: prefill.max(0.0),
-            decode_secs_per_context_token: decode.max(0.0),
+            decode_secs_per_context_token: (per_step / tokens_per_step).max(0.0),
         }
     }
 

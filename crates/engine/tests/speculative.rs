@@ -194,3 +194,41 @@ fn bad_speculative_configs_say_what_is_wrong() {
         .unwrap_err();
     assert!(err.contains("draft, eagle3"), "{err}");
 }
+
+/// What a speculative worker declares to load-aware routers (`/info`'s timing, which
+/// `kv_load` prices requests with) follows from its settings: a token of context costs its
+/// verification step's marginal time divided by the tokens that step yields on average, and a
+/// prompt token also pays the drafter's share of the prefill.
+#[test]
+fn declared_timing_prices_speculation() {
+    let profile = HardwareProfile::h100_tp4_llama70b_fp8();
+    let plain_cfg = EngineConfig::from_profile(profile.clone());
+    let plain = engine(plain_cfg.clone()).limits().timing.unwrap();
+    let declared = |method: &str, alpha: f64| {
+        let mut spec = profile.speculative_config(method).unwrap();
+        spec.acceptance_rate = alpha;
+        spec.by_content.clear();
+        let e = expected_tokens_per_step(alpha, spec.draft_len);
+        let mut cfg = plain_cfg.clone();
+        cfg.spec_decode = Some(spec);
+        (engine(cfg).limits().timing.unwrap(), e)
+    };
+    for method in ["draft", "eagle3"] {
+        let (low, e_low) = declared(method, 0.3);
+        let (high, e_high) = declared(method, 0.85);
+        // More acceptance, fewer steps per token: cheaper context, by the ratio of E.
+        let ratio = low.decode_secs_per_context_token / high.decode_secs_per_context_token;
+        assert!(
+            (ratio / (e_high / e_low) - 1.0).abs() < 1e-9,
+            "{method}: {ratio}"
+        );
+        // A prompt token never gets cheaper with a drafter beside the target.
+        assert!(high.prefill_secs_per_token >= plain.prefill_secs_per_token);
+    }
+    // EAGLE-3 at a typical α reads each context token for far fewer steps than plain decoding.
+    let (eagle, _) = declared("eagle3", 0.8);
+    assert!(eagle.decode_secs_per_context_token < 0.6 * plain.decode_secs_per_context_token);
+    // An 8B draft model also prefills every prompt: a prompt token costs more than plain.
+    let (draft, _) = declared("draft", 0.8);
+    assert!(draft.prefill_secs_per_token > 1.05 * plain.prefill_secs_per_token);
+}

@@ -127,8 +127,9 @@ fn deploy_every_kvroute_command_line_parses_and_configures() {
     let Some(containers) = kvroute_containers() else {
         return;
     };
-    // base: engine, gateway, loadgen; vllm and doks: gateway, loadgen.
-    assert!(containers.len() >= 7, "{containers:?}");
+    // base: engine, gateway, loadgen; disagg: two engine pools, gateway, loadgen; vllm and
+    // doks: gateway, loadgen.
+    assert!(containers.len() >= 11, "{containers:?}");
     let mut seen = std::collections::BTreeSet::new();
     for (place, argv) in &containers {
         assert_eq!(argv.first().map(String::as_str), Some("kvroute"), "{place}");

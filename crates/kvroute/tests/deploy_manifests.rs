@@ -33,7 +33,11 @@ fn kustomizations() -> Vec<PathBuf> {
         .iter()
         .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(names, ["doks", "vllm"], "the overlays the docs describe");
+    assert_eq!(
+        names,
+        ["disagg", "doks", "vllm"],
+        "the overlays the docs describe"
+    );
     dirs.extend(overlays);
     dirs
 }
@@ -160,30 +164,82 @@ fn the_overlays_carry_what_they_promise() {
     };
     let doks = objects(&doks);
     assert_eq!(find(&doks, "RuntimeClass", "nvidia")["handler"], "nvidia");
-    let pod = &find(&doks, "StatefulSet", "vllm")["spec"]["template"]["spec"];
-    assert_eq!(pod["runtimeClassName"], "nvidia");
-    assert_eq!(pod["tolerations"][0]["key"], "nvidia.com/gpu");
-    assert_eq!(
-        pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
-        "1"
+    for pool in ["prefill", "decode"] {
+        let sts = find(&doks, "StatefulSet", &format!("vllm-{pool}"));
+        let pod = &sts["spec"]["template"]["spec"];
+        assert_eq!(pod["runtimeClassName"], "nvidia", "{pool}");
+        assert_eq!(pod["tolerations"][0]["key"], "nvidia.com/gpu", "{pool}");
+        let container = &pod["containers"][0];
+        assert_eq!(container["resources"]["limits"]["nvidia.com/gpu"], "1");
+        assert_eq!(container["volumeMounts"][0]["mountPath"], "/models");
+        let args = container["args"].to_string();
+        assert!(args.contains("NixlConnector"), "{pool}: {args}");
+        assert!(args.contains("enable_kv_cache_events"), "{pool}: {args}");
+    }
+    assert!(
+        !doks
+            .iter()
+            .any(|o| o["metadata"]["name"] == "vllm" && o["kind"] == "StatefulSet"),
+        "doks replaces the aggregated pool by the two pools"
     );
-    assert_eq!(
-        pod["containers"][0]["volumeMounts"][0]["mountPath"],
-        "/models"
+    let gateway = find(&doks, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
+        ["args"]
+        .to_string();
+    assert!(
+        gateway.contains("vllm-prefill-3.vllm-prefill:8000,id=3,role=prefill"),
+        "{gateway}"
+    );
+    assert!(
+        gateway.contains("vllm-decode-4.vllm-decode:8000,id=104,role=decode"),
+        "{gateway}"
     );
     let claim = find(&doks, "PersistentVolumeClaim", "model-nfs-pvc");
     assert_eq!(claim["spec"]["volumeName"], "model-nfs-pv");
     assert!(find(&doks, "PersistentVolume", "model-nfs-pv")["spec"]["nfs"].is_object());
     find(&doks, "Gateway", "kvroute");
     find(&doks, "HTTPRoute", "kvroute");
-    let scaler = find(&doks, "ScaledObject", "vllm");
-    assert_eq!(
-        scaler["metadata"]["annotations"]["autoscaling.keda.sh/paused"],
-        "false"
+    // One ScaledObject per pool, each on its own pool's signal, with seed 004's bounds.
+    for (name, target, metric, max) in [
+        ("prefill", "vllm-prefill", "time_to_first_token", 4),
+        ("decode", "vllm-decode", "inter_token_latency", 5),
+    ] {
+        let scaler = find(&doks, "ScaledObject", name);
+        assert_eq!(
+            scaler["metadata"]["annotations"]["autoscaling.keda.sh/paused"],
+            "false"
+        );
+        assert_eq!(scaler["spec"]["scaleTargetRef"]["name"], target);
+        assert_eq!(scaler["spec"]["maxReplicaCount"], max);
+        let triggers = scaler["spec"]["triggers"].as_array().unwrap();
+        assert_eq!(triggers.len(), 1, "{name}");
+        let query = triggers[0]["metadata"]["query"].as_str().unwrap();
+        assert!(
+            query.contains(&format!("dynamo_frontend_{metric}_seconds_bucket"))
+                && query.contains(&format!("pool=\"{name}\"")),
+            "{name}: {query}"
+        );
+    }
+
+    let Some(disagg) = render(&k8s.join("disagg")) else {
+        return;
+    };
+    let disagg = objects(&disagg);
+    for (pool, replicas) in [("prefill", 1), ("decode", 2)] {
+        let sts = find(&disagg, "StatefulSet", &format!("engine-{pool}"));
+        assert_eq!(sts["spec"]["replicas"], replicas);
+        let args = sts["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
+        assert!(args.contains(&format!("--role={pool}")), "{args}");
+        assert!(
+            !args.contains("--worker-id"),
+            "ids must not collide: {args}"
+        );
+    }
+    assert!(
+        !disagg
+            .iter()
+            .any(|o| o["metadata"]["name"] == "engine" && o["kind"] == "StatefulSet"),
+        "the pools replace the aggregated workers"
     );
-    let triggers = scaler["spec"]["triggers"].to_string();
-    assert!(triggers.contains("dynamo_frontend_time_to_first_token_seconds_bucket"));
-    assert!(triggers.contains("dynamo_frontend_inter_token_latency_seconds_bucket"));
 }
 
 /// Runs deploy/k8s/validate.py on `yaml`; its output and success.

@@ -157,4 +157,31 @@ fn engine_with_eagle3_exports_speculative_metrics() {
     assert!(overhead > 0.0 && overhead < 0.5, "{overhead}");
     let alpha = get("kvroute_engine_spec_acceptance_rate{");
     assert!((0.5..1.0).contains(&alpha), "{alpha}");
+
+    // /info declares the settings, and its timing (what kv_load prices) is the speculative
+    // one: each token of context is read for fewer steps per generated token than plain.
+    let (status, info) = http(addr, "GET", "/info", "");
+    assert_eq!(status, 200, "{info}");
+    let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+    let spec = &info["speculative"];
+    assert_eq!(spec["method"], "eagle3", "{info}");
+    assert_eq!(spec["draft_len"], 5, "{info}");
+    let tokens_per_step = spec["tokens_per_step"].as_f64().unwrap();
+    assert!((2.0..6.0).contains(&tokens_per_step), "{info}");
+    let plain = Server::start(&[
+        "engine",
+        "--port",
+        "0",
+        "--profile",
+        "h100-tp4-llama70b-fp8",
+    ]);
+    let (_, plain_info) = http(plain.addr(), "GET", "/info", "");
+    let plain_info: serde_json::Value = serde_json::from_str(&plain_info).unwrap();
+    assert!(plain_info.get("speculative").is_none(), "{plain_info}");
+    let per_context =
+        |card: &serde_json::Value| card["decode_secs_per_context_token"].as_f64().unwrap();
+    assert!(
+        per_context(&info) < per_context(&plain_info) / 1.5,
+        "{info}\n{plain_info}"
+    );
 }

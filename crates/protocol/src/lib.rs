@@ -76,6 +76,7 @@ pub use sse::{SseDecoder, SseError, SseEvent};
 pub use subjects::{BadNamespace, Subjects};
 pub use vllm::{VllmEventBatch, VllmEventStream, VllmFrame};
 pub use worker::{
-    UnknownRole, WorkerAnnounce, WorkerCard, WorkerMessage, WorkerMessageError, WorkerRole,
+    SpeculativeInfo, UnknownRole, WorkerAnnounce, WorkerCard, WorkerMessage, WorkerMessageError,
+    WorkerRole,
 };
 pub use worker_limits::{WorkerLimits, WorkerTiming};

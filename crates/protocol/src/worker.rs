@@ -60,6 +60,23 @@ pub struct WorkerCard {
     /// What it serves in disaggregated serving (`kvroute engine --role`); a card that does
     /// not say is `both` (aggregated).
     pub role: WorkerRole,
+    /// Its speculative decoding, when on (`kvroute engine --spec-decode`). The timing in
+    /// `limits` already prices it; this says why the timing is what it is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpeculativeInfo>,
+}
+
+/// A worker's speculative-decoding settings, as declared in its card.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpeculativeInfo {
+    /// `draft` (a draft model) or `eagle3` (EAGLE-3 heads).
+    pub method: String,
+    /// Draft tokens proposed per step (K).
+    pub draft_len: u32,
+    /// The configured per-token acceptance probability (α), averaged over content classes.
+    pub acceptance_rate: f64,
+    /// Tokens a sequence gains per step on average, E = (1 − α^(K+1)) / (1 − α).
+    pub tokens_per_step: f64,
 }
 
 /// A worker's part in disaggregated prefill/decode serving. The wire names are kvroute's
@@ -218,6 +235,12 @@ mod tests {
             zmq_endpoint: None,
             returns_token_ids: true,
             role: WorkerRole::Decode,
+            speculative: Some(SpeculativeInfo {
+                method: "eagle3".into(),
+                draft_len: 5,
+                acceptance_rate: 0.78,
+                tokens_per_step: 3.4,
+            }),
         }
     }
 
