@@ -287,6 +287,12 @@ struct Counts {
 }
 
 impl Counts {
+    /// The simulation's histograms now (empty before any observation).
+    fn of(sim: &Sim) -> Counts {
+        sim.pool_metrics()
+            .map_or_else(|| Counts::read(&PoolMetrics::default()), Counts::read)
+    }
+
     fn read(m: &PoolMetrics) -> Counts {
         Counts {
             prefill_ttft: m.ttft(Some(Pool::Prefill)).cumulative(),
@@ -502,11 +508,7 @@ pub fn run_scenario(
         }
     }
 
-    let final_counts = fleet
-        .sim
-        .pool_metrics()
-        .map(|m| Counts::read(m))
-        .ok_or(ScenarioRunError::ZeroInterval)?;
+    let final_counts = Counts::of(&fleet.sim);
     let sizes_end = (fleet.counts(Pool::Prefill).0, fleet.counts(Pool::Decode).0);
     let arrivals_dropped = fleet.sim.workload().inner().0.stats().arrivals_dropped;
     let workers_retired = fleet.sim.retired().len() as u64;
@@ -656,11 +658,7 @@ fn apply_actions(
     // A phase's row starts after its own actions (its mix, rate and sizes).
     for action in actions {
         if let ScenarioAction::EnterPhase { name, cycle, .. } = action {
-            let counts = fleet
-                .sim
-                .pool_metrics()
-                .map(|m| Counts::read(m))
-                .ok_or(ScenarioRunError::ZeroInterval)?;
+            let counts = Counts::of(&fleet.sim);
             marks.push(PhaseMark {
                 cycle: *cycle,
                 name: name.clone(),
@@ -901,18 +899,19 @@ pub fn size_pool(
             })?
             .with_pool_metrics();
         sim.run_until(warmup)?;
-        let before = sim.pool_metrics().map(|m| Counts::read(m));
+        let before = Counts::of(&sim);
         let stop = warmup.saturating_add(measured);
         sim.run_until(stop)?;
-        let after = sim.pool_metrics().map(|m| Counts::read(m));
-        let p95 = match (before, after) {
-            (Some(a), Some(b)) => match pool {
-                Pool::Prefill => {
-                    p95_between(FRONTEND_TTFT_BUCKETS, &a.prefill_ttft, &b.prefill_ttft)
-                }
-                Pool::Decode => p95_between(FRONTEND_ITL_BUCKETS, &a.decode_itl, &b.decode_itl),
-            },
-            _ => None,
+        let after = Counts::of(&sim);
+        let p95 = match pool {
+            Pool::Prefill => p95_between(
+                FRONTEND_TTFT_BUCKETS,
+                &before.prefill_ttft,
+                &after.prefill_ttft,
+            ),
+            Pool::Decode => {
+                p95_between(FRONTEND_ITL_BUCKETS, &before.decode_itl, &after.decode_itl)
+            }
         };
         tried.push((n, p95));
         if p95.is_some_and(|v| v <= threshold) {
