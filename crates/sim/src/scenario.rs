@@ -493,7 +493,7 @@ pub fn run_scenario(
             )?;
         }
         for (scaler, pool) in scalers.iter_mut().zip([Pool::Prefill, Pool::Decode]) {
-            if !scaler.poll_timeout().is_some_and(|t| t <= now) {
+            if scaler.poll_timeout().is_none_or(|t| t > now) {
                 continue;
             }
             let value = match pool {
