@@ -269,6 +269,8 @@ pub struct SimArgs {
     pub timeline: Option<PathBuf>,
     #[command(flatten)]
     pub disagg: DisaggArgs,
+    #[command(flatten)]
+    pub scenario: ScenarioArgs,
     /// Simulated seconds between timeline samples.
     #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]
     pub timeline_interval: f64,
@@ -278,6 +280,50 @@ pub struct SimArgs {
     pub timeline_window: Option<(f64, f64)>,
     #[command(flatten)]
     pub cluster: ClusterArgs,
+}
+
+/// `kvroute sim --scenario`: seed 004's cycle on a disaggregated fleet.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ScenarioArgs {
+    /// Run a scenario cycle (`seed004`, or a TOML file like crates/workload/scenarios/
+    /// seed004.toml) on a disaggregated fleet (--layout, default seed004-dev; or
+    /// --prefill-workers/--decode-workers, which replace the scenario's initial sizes), open
+    /// loop at its rates and mixes. Auto mode: its scaling actions drive the pools.
+    #[arg(long, value_name = "seed004|FILE")]
+    pub scenario: Option<String>,
+    /// Cycles to run.
+    #[arg(long, default_value_t = 1, requires = "scenario",
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(sim::scenario::MAX_CYCLES)))]
+    pub cycles: u32,
+    /// Manual mode: ignore the scenario's scaling actions; KEDA autoscalers with seed 004's
+    /// settings (TTFT p95 0.5 s, ITL p95 0.05 s over 5 minutes, polled every 15 s) scale
+    /// the pools.
+    #[arg(long, requires = "scenario")]
+    pub autoscale: bool,
+    /// The prefill scaler's TTFT p95 threshold, in seconds (also what recovery is judged on).
+    #[arg(long, value_name = "SECONDS", requires = "scenario")]
+    pub ttft_threshold: Option<f64>,
+    /// The decode scaler's ITL p95 threshold, in seconds (also what recovery is judged on).
+    #[arg(long, value_name = "SECONDS", requires = "scenario")]
+    pub itl_threshold: Option<f64>,
+    /// The autoscalers' polling interval, in seconds.
+    #[arg(long, value_name = "SECONDS", requires = "scenario")]
+    pub polling_interval: Option<f64>,
+    /// Seconds a new worker takes before it serves (0: at once, the default).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 0.0,
+        requires = "scenario"
+    )]
+    pub startup_delay: f64,
+    /// After the run, size each pool that did not recover in its phase with steady-state
+    /// runs of up to this many more workers (0: skip).
+    #[arg(long, value_name = "N", default_value_t = 4, requires = "scenario")]
+    pub sizing_steps: u32,
+    /// Write DIR/report.md, DIR/results.json and DIR/timeline.svg.
+    #[arg(long, value_name = "DIR", requires = "scenario")]
+    pub out: Option<PathBuf>,
 }
 
 /// `--mix`: `A=40,B=30,C=30`.
@@ -379,6 +425,9 @@ impl DisaggArgs {
 }
 
 pub fn run(args: SimArgs) -> Result<()> {
+    if let Some(scenario) = args.scenario.scenario.clone() {
+        return run_scenario(&args, &scenario);
+    }
     let started = Instant::now();
     let disagg = args.disagg.setup()?;
     let mut cluster_args = args.cluster.clone();
@@ -784,4 +833,137 @@ pub fn print_latencies(r: &Row) {
             opt(m.tokens_per_step, 2)
         );
     }
+}
+
+fn positive_seconds(s: f64, flag: &str) -> Result<f64> {
+    if !(s.is_finite() && s > 0.0) {
+        bail!("{flag} must be a number of seconds > 0, got {s}");
+    }
+    Ok(s)
+}
+
+/// `kvroute sim --scenario`: the cycle in virtual time, its report on stdout (and in --out).
+fn run_scenario(args: &SimArgs, scenario: &str) -> Result<()> {
+    use sim::scenario::{ScalingMode, ScenarioSpec};
+    use workload::scenario::{PoolSizes, ScenarioConfig};
+
+    let started = Instant::now();
+    let s = &args.scenario;
+    if args.timeline.is_some() || args.records.is_some() {
+        bail!("--timeline and --records apply to a plain run, not to --scenario (see --out)");
+    }
+    if args.rate.is_some() || args.mix.is_some() {
+        bail!(
+            "--scenario sets the mix and the rate itself: drop --mix and --rate (edit the scenario file instead)"
+        );
+    }
+    let (mut config, name) = if scenario.trim() == "seed004" {
+        (ScenarioConfig::seed004(), "seed004".to_string())
+    } else {
+        let path = Path::new(scenario);
+        let text = std::fs::read_to_string(path).with_context(|| {
+            format!(
+                "--scenario: cannot read {} (give seed004 or a TOML file)",
+                path.display()
+            )
+        })?;
+        let config = ScenarioConfig::from_toml(&text)
+            .with_context(|| format!("--scenario {}", path.display()))?;
+        let name = path.file_stem().map_or_else(
+            || scenario.to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        (config, name)
+    };
+    // The fleet: a named layout (seed004-dev by default), or explicit pools.
+    let mut disagg_args = args.disagg.clone();
+    if disagg_args.layout.is_none() && disagg_args.prefill_workers.is_none() {
+        disagg_args.layout = Some("seed004-dev".into());
+    }
+    let layout_name = disagg_args
+        .layout
+        .clone()
+        .unwrap_or_else(|| "custom".into());
+    let Some((setup, profile)) = disagg_args.setup()? else {
+        bail!(
+            "--scenario runs on a disaggregated fleet: give --layout or --prefill-workers/--decode-workers"
+        );
+    };
+    if let (Some(p), Some(d)) = (args.disagg.prefill_workers, args.disagg.decode_workers) {
+        config.initial = PoolSizes {
+            prefill: p,
+            decode: d,
+        };
+        config.max.prefill = config.max.prefill.max(p);
+        config.max.decode = config.max.decode.max(d);
+        config
+            .validate()
+            .context("--prefill-workers/--decode-workers")?;
+    }
+    let mut cluster_args = args.cluster.clone();
+    cluster_args.workers = setup.workers().max(1);
+    if let Some(profile) = profile {
+        cluster_args.profile = profile.to_string();
+    }
+    let cluster = cluster_args.build()?;
+    let mut base = cluster.base.clone();
+    base.router.policy = args.router;
+    base.disagg = Some(setup);
+    base.workers = setup.workers();
+    base.slo = Some(report::Slo::SEED_004);
+    base.seed = args.cluster.seed;
+
+    let mut spec = ScenarioSpec::new(base, cluster.workload.clone(), config);
+    spec.scenario_name = name;
+    spec.layout_name = layout_name;
+    spec.profile_name = cluster.profile_name.clone();
+    spec.cycles = s.cycles;
+    spec.sizing_steps = s.sizing_steps;
+    spec.startup_delay = seconds(s.startup_delay, "--startup-delay")?;
+    for scaler in [&mut spec.prefill_scaler, &mut spec.decode_scaler] {
+        if let Some(p) = s.polling_interval {
+            scaler.polling_interval =
+                Nanos::from_secs_f64(positive_seconds(p, "--polling-interval")?);
+        }
+    }
+    if let Some(t) = s.ttft_threshold {
+        spec.prefill_scaler.threshold = positive_seconds(t, "--ttft-threshold")?;
+    }
+    if let Some(t) = s.itl_threshold {
+        spec.decode_scaler.threshold = positive_seconds(t, "--itl-threshold")?;
+    }
+    if s.autoscale {
+        spec.mode = ScalingMode::Autoscale {
+            prefill: spec.prefill_scaler.clone(),
+            decode: spec.decode_scaler.clone(),
+        };
+    }
+    if let Some(dir) = &s.out {
+        // Before the run, so that a bad path fails at once.
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let results = sim::scenario::run_scenario(&spec, Arc::clone(&cluster.assets))?;
+    let files = report::scenario::files(&results);
+    if let Some(dir) = &s.out {
+        let json = serde_json::to_string_pretty(&results)? + "\n";
+        let path = dir.join("results.json");
+        std::fs::write(&path, json).with_context(|| format!("cannot write {}", path.display()))?;
+        for (name, body) in &files {
+            let path = dir.join(name);
+            std::fs::write(&path, body)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results)?);
+    } else if let Some((_, report)) = files.first() {
+        print!("{report}");
+    }
+    let simulated = results.meta.cycle_s * f64::from(results.meta.cycles);
+    let wall = started.elapsed().as_secs_f64();
+    eprintln!(
+        "sim: scenario {} ({} cycle(s), {simulated:.0} simulated s) in {wall:.1} s wall",
+        results.meta.scenario, results.meta.cycles
+    );
+    Ok(())
 }

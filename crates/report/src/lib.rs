@@ -11,6 +11,8 @@
 //! - [`markdown`](mod@markdown) and [`plots`](mod@plots): `report.md` and the plots, beside
 //!   seed 002's published numbers ([`seed002`]);
 //! - [`ladder`]: the report and plots of seed 003's phase ladder (`kvroute bench --phases`);
+//! - [`scenario`]: seed 004's scenario cycle in virtual time (`kvroute sim --scenario`):
+//!   its results, report and timeline plot;
 //! - [`svg`]: hand-written, deterministic line charts (also the simulator's timeline).
 //!
 //! # Invariant
@@ -24,6 +26,7 @@ pub mod markdown;
 pub mod percentiles;
 pub mod plots;
 pub mod results;
+pub mod scenario;
 pub mod seed002;
 pub mod svg;
 

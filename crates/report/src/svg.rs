@@ -33,6 +33,30 @@ pub struct Chart {
     pub y_from_zero: bool,
 }
 
+/// A shaded stretch of the x axis with a label at its top (a phase).
+#[derive(Debug, Clone)]
+pub struct Band {
+    pub from: f64,
+    pub to: f64,
+    pub label: String,
+}
+
+/// A vertical line at `x` with a short label (an event).
+#[derive(Debug, Clone)]
+pub struct Marker {
+    pub x: f64,
+    pub label: String,
+    pub color: &'static str,
+}
+
+/// What a time chart draws besides its series: bands (alternately shaded) under them,
+/// markers over them.
+#[derive(Debug, Clone, Default)]
+pub struct Annotations {
+    pub bands: Vec<Band>,
+    pub markers: Vec<Marker>,
+}
+
 /// Colours for successive routers, then for references.
 pub const PALETTE: [&str; 6] = [
     "#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
@@ -97,7 +121,25 @@ pub fn stack(charts: &[Chart]) -> String {
     );
     for (i, chart) in charts.iter().enumerate() {
         let _ = writeln!(s, r#"<g transform="translate(0 {:.1})">"#, H * i as f64);
-        chart.body(&mut s);
+        chart.body(&mut s, None);
+        s.push_str("</g>\n");
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// [`stack`] with the same bands and markers on every chart (their x axes are the same
+/// when the charts' series share their x values).
+pub fn stack_annotated(charts: &[Chart], annotations: &Annotations) -> String {
+    let height = H * charts.len() as f64;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" viewBox="0 0 {W} {height}" font-family="sans-serif" font-size="12">"#
+    );
+    for (i, chart) in charts.iter().enumerate() {
+        let _ = writeln!(s, r#"<g transform="translate(0 {:.1})">"#, H * i as f64);
+        chart.body(&mut s, Some(annotations));
         s.push_str("</g>\n");
     }
     s.push_str("</svg>\n");
@@ -112,13 +154,13 @@ impl Chart {
             s,
             r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
         );
-        self.body(&mut s);
+        self.body(&mut s, None);
         s.push_str("</svg>\n");
         s
     }
 
     /// The chart's elements, drawn in a `W × H` box at the origin.
-    fn body(&self, s: &mut String) {
+    fn body(&self, s: &mut String, annotations: Option<&Annotations>) {
         let xs: Vec<f64> = self
             .series
             .iter()
@@ -159,6 +201,28 @@ impl Chart {
         let py = |y: f64| TOP + (1.0 - (y - y_min) / (y_max - y_min)) * ph;
 
         let _ = writeln!(s, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
+        let clip = |x: f64| x.clamp(x_min, x_min + x_span);
+        for (i, band) in annotations.iter().flat_map(|a| &a.bands).enumerate() {
+            let (a, b) = (px(clip(band.from)), px(clip(band.to)));
+            if b <= a {
+                continue;
+            }
+            let fill = if i % 2 == 0 { "#f2f2f2" } else { "#ffffff" };
+            let _ = writeln!(
+                s,
+                r#"<rect x="{a:.1}" y="{TOP:.1}" width="{:.1}" height="{ph:.1}" fill="{fill}"/>"#,
+                b - a
+            );
+            let _ = writeln!(
+                s,
+                r##"<text x="{:.1}" y="{:.1}" font-size="9" fill="#666" transform="rotate(90 {:.1} {:.1})">{}</text>"##,
+                a + 3.0,
+                TOP + 4.0,
+                a + 3.0,
+                TOP + 4.0,
+                esc(&band.label)
+            );
+        }
         let _ = writeln!(
             s,
             r#"<text x="{:.1}" y="22" font-size="15" font-weight="bold" text-anchor="middle">{}</text>"#,
@@ -274,6 +338,23 @@ impl Chart {
                     );
                 }
             }
+        }
+        for marker in annotations.iter().flat_map(|a| &a.markers) {
+            let x = px(clip(marker.x));
+            let _ = writeln!(
+                s,
+                r#"<line x1="{x:.1}" y1="{TOP:.1}" x2="{x:.1}" y2="{:.1}" stroke="{}" stroke-width="1.5" stroke-dasharray="2 3"/>"#,
+                TOP + ph,
+                marker.color
+            );
+            let _ = writeln!(
+                s,
+                r#"<text x="{:.1}" y="{:.1}" font-size="10" fill="{}">{}</text>"#,
+                x + 2.0,
+                TOP + ph - 4.0,
+                marker.color,
+                esc(&marker.label)
+            );
         }
         // Legend.
         for (i, series) in self.series.iter().enumerate() {

@@ -99,6 +99,12 @@ impl BucketCounts {
         self.counts[bucket] += 1;
     }
 
+    /// Counts `value` `n` times (the gateway's `observe_n`: a chunk of tokens sharing a gap).
+    pub fn observe_n(&mut self, value: f64, n: u64) {
+        let bucket = self.bounds.partition_point(|bound| *bound < value);
+        self.counts[bucket] += n;
+    }
+
     pub fn bounds(&self) -> &'static [f64] {
         self.bounds
     }

@@ -67,6 +67,10 @@ pub struct SimConfig {
     /// transfers): [`report::ServingMetrics`] in every window. `None` keeps the metrics
     /// exactly seed 002's. Set by itself when `disagg` is.
     pub slo: Option<report::Slo>,
+    /// The most workers a run may create in all, counting those added at run time by
+    /// [`crate::Simulation::add_worker`] (ids are never reused); sizes the router's index.
+    /// `None`: [`SimConfig::workers`], a fleet that never grows.
+    pub max_workers: Option<u32>,
 }
 
 /// A disaggregated fleet: `prefill_workers` engines of role prefill-only (ids
@@ -120,6 +124,7 @@ impl SimConfig {
             extended_metrics: false,
             disagg: None,
             slo: None,
+            max_workers: None,
         }
     }
 
@@ -224,6 +229,18 @@ pub enum ConfigError {
          interval ({max_s} s), so that the first snapshot stays inside its own phase"
     )]
     BadLookback { lookback_s: f64, max_s: f64 },
+    #[error(
+        "the fleet may hold at most {limit} workers in all (SimConfig::max_workers); \
+         raise it to add more"
+    )]
+    TooManyWorkers { limit: u32 },
+    #[error("workers cannot be added while a timeline is recorded")]
+    ResizeWithTimeline,
+    #[error(
+        "a worker added to a disaggregated fleet needs a pool, and one added to an \
+         aggregated fleet none"
+    )]
+    PoolMismatch,
     // These carry the cause in their message, not as a `source` too, so an error chain does
     // not print it twice.
     #[error("engine: {0}")]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use engine::{Engine, EngineEvent, EngineRequest, Leg, OutputSpec, Role};
 use kv_index::{BlockHasher, IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
+use router::autoscale::{BucketCounts, FRONTEND_ITL_BUCKETS, FRONTEND_TTFT_BUCKETS};
 use router::{
     DisaggConfig, DisaggEvent, DisaggFrontend, Frontend, FrontendEvent, KvSource, Pool, RequestId,
     Route, RouteDecision, Router, RouterConfig, RoutingKey, WorkerLoad,
@@ -77,6 +78,8 @@ struct InFlight {
     prompt: Arc<[u32]>,
     output: Arc<[u32]>,
     issued_at: Nanos,
+    /// When it reached the frontend (after the serving path): the gateway's TTFT starts here.
+    arrived_at: Nanos,
     routed_at: Option<Nanos>,
     worker: Option<u32>,
     first_token_at: Option<Nanos>,
@@ -403,6 +406,13 @@ impl Admission {
         }
     }
 
+    fn take_drained(&mut self) -> Option<WorkerId> {
+        match self {
+            Admission::One(f) => f.take_drained(),
+            Admission::Two(d) => d.take_drained(),
+        }
+    }
+
     fn apply_event(&mut self, ev: &KvEvent) -> bool {
         match self {
             Admission::One(f) => f.router_mut().apply_event(ev).is_ok(),
@@ -451,8 +461,18 @@ pub struct Simulation<W: Workload> {
     engines: Vec<Engine>,
     /// Admission and routing: the gateway's cores, which own the routers.
     admission: Admission,
-    /// Workers failed by [`Simulation::fail_worker`]: their engines are gone.
+    /// Workers failed by [`Simulation::fail_worker`] or retired after draining: their
+    /// engines are gone.
     dead: Vec<bool>,
+    /// Each worker's pool (`None`: aggregated).
+    pools: Vec<Option<Pool>>,
+    /// Workers draining ([`Simulation::drain_worker`]): no new requests, gone once idle.
+    draining: Vec<bool>,
+    /// Drained workers that left, and when; bounded by the workers ever created.
+    retired: Vec<(u32, Nanos)>,
+    /// The gateway's TTFT and ITL histograms by pool, when asked for
+    /// ([`Simulation::with_pool_metrics`]).
+    pool_metrics: Option<PoolMetrics>,
     workload: W,
     timers: Timers,
     now: Nanos,
@@ -524,20 +544,24 @@ impl<W: Workload> Simulation<W> {
         let n = cfg.workers as usize;
         let mut engines = Vec::with_capacity(n);
         let mut capacity_total = 0u64;
+        let mut pools = Vec::with_capacity(n);
         for i in 0..n {
-            let mut ec = cfg.engine.clone();
-            ec.seed = derive_seed(cfg.seed, streams::ENGINE + i as u64);
-            if let Some(d) = &cfg.disagg {
+            let pool = cfg.disagg.as_ref().map(|d| {
                 if (i as u32) < d.prefill_workers {
-                    ec.role = Role::PrefillOnly;
+                    Pool::Prefill
                 } else {
-                    ec.role = Role::DecodeOnly;
-                    ec.kv_link = d.kv_link;
+                    Pool::Decode
                 }
-            }
-            let e = Engine::new(ec, WorkerId(i as u64)).map_err(ConfigError::from)?;
+            });
+            let e = new_engine(&cfg, i as u32, pool)?;
             capacity_total += u64::from(e.kv_capacity_blocks());
             engines.push(e);
+            pools.push(pool);
+        }
+        // A fleet that may grow sizes its index for the most workers it may ever hold.
+        let max_workers = cfg.max_workers.map_or(n, |m| (m as usize).max(n));
+        if max_workers > n {
+            capacity_total = capacity_total / n as u64 * max_workers as u64;
         }
         let block_size = cfg.engine.block_size as usize;
         let router_cfg = RouterConfig {
@@ -551,7 +575,7 @@ impl<W: Workload> Simulation<W> {
             index: IndexConfig {
                 max_blocks: usize::try_from(capacity_total + capacity_total / 4 + 1024)
                     .unwrap_or(usize::MAX),
-                max_workers: n.max(1),
+                max_workers: max_workers.max(1),
             },
             ..RouterConfig::default()
         };
@@ -609,6 +633,10 @@ impl<W: Workload> Simulation<W> {
             phase_starts,
             admission,
             dead: vec![false; n],
+            pools,
+            draining: vec![false; n],
+            retired: Vec::new(),
+            pool_metrics: None,
             workload,
             timers: Timers::new(n),
             now: Nanos::ZERO,
@@ -700,12 +728,7 @@ impl<W: Workload> Simulation<W> {
 
     /// The pool of worker `i` (`None` on an aggregated fleet).
     fn pool_label(&self, i: usize) -> Option<&'static str> {
-        let d = self.cfg.disagg.as_ref()?;
-        Some(if (i as u32) < d.prefill_workers {
-            Pool::Prefill.as_str()
-        } else {
-            Pool::Decode.as_str()
-        })
+        self.pools.get(i).copied().flatten().map(Pool::as_str)
     }
 
     pub fn engines(&self) -> &[Engine] {
@@ -866,6 +889,10 @@ impl<W: Workload> Simulation<W> {
                 self.drain_engine(i);
                 continue;
             }
+            if let Some(worker) = self.admission.take_drained() {
+                self.retire(worker);
+                continue;
+            }
             break;
         }
         self.timers
@@ -925,7 +952,9 @@ impl<W: Workload> Simulation<W> {
                     for (i, e) in self.engines.iter().enumerate() {
                         let now = EngineMark::of(&e.metrics());
                         let mark = self.marks[i];
-                        let s = &mut self.worker_stats[k][i];
+                        let Some(s) = self.worker_stats[k].get_mut(i) else {
+                            continue;
+                        };
                         s.utilisation =
                             ((now.busy.saturating_sub(mark.busy)).as_secs_f64() / span).min(1.0);
                         s.prefill_tokens = now.prefill - mark.prefill;
@@ -1006,6 +1035,7 @@ impl<W: Workload> Simulation<W> {
             prompt: turn.prompt,
             output: turn.output,
             issued_at: turn.issued_at.min(now),
+            arrived_at: now,
             routed_at: None,
             worker: None,
             first_token_at: None,
@@ -1133,6 +1163,153 @@ impl<W: Workload> Simulation<W> {
         true
     }
 
+    /// Adds a worker to `pool` now (`None`: an aggregated fleet's worker): a new engine with
+    /// an empty cache, registered with the admission core at once, so the next request may
+    /// go to it. Its id is the next unused one (ids are never reused, so a late KV event of
+    /// a retired worker cannot land on a new one). Refused past [`SimConfig::max_workers`],
+    /// or with a timeline on (its rows have one column per initial worker).
+    pub fn add_worker(&mut self, pool: Option<Pool>) -> Result<u32, SimError> {
+        let id = self.engines.len() as u32;
+        let limit = self.cfg.max_workers.unwrap_or(self.cfg.workers);
+        if id >= limit {
+            return Err(ConfigError::TooManyWorkers { limit }.into());
+        }
+        if self.timeline.is_some() {
+            return Err(ConfigError::ResizeWithTimeline.into());
+        }
+        if pool.is_some() != self.cfg.disagg.is_some() {
+            return Err(ConfigError::PoolMismatch.into());
+        }
+        let engine = new_engine(&self.cfg, id, pool)?;
+        let limits = engine.limits();
+        let now = self.now;
+        let worker = WorkerId(u64::from(id));
+        match (&mut self.admission, pool) {
+            (Admission::One(f), _) => f.add_worker(worker, limits, now),
+            (Admission::Two(d), Some(p)) => d.add_worker(worker, p, limits, now),
+            (Admission::Two(_), None) => return Err(ConfigError::PoolMismatch.into()),
+        }
+        .map_err(ConfigError::from)?;
+        let metrics = EngineMark::of(&engine.metrics());
+        self.engines.push(engine);
+        self.pools.push(pool);
+        self.dead.push(false);
+        self.draining.push(false);
+        self.timers.add_engine();
+        self.worker_in_flight.push(0);
+        self.in_flight_area.push((0, now));
+        self.is_dirty.push(false);
+        self.marks.push(metrics);
+        if let Some(k) = self.measuring {
+            self.worker_stats[k].push(WorkerStats {
+                worker: id,
+                pool: pool.map(Pool::as_str),
+                ..WorkerStats::default()
+            });
+        }
+        // Waiters may now be routed to it.
+        self.drain_frontend();
+        self.pump();
+        Ok(id)
+    }
+
+    /// Starts draining live worker `worker` (scaling its pool down): it gets no new request;
+    /// its requests in flight finish there; once it is idle it leaves (its engine stops and
+    /// the router forgets it and its blocks), listed in [`Simulation::retired`]. `false`
+    /// when there is no such live, non-draining worker.
+    pub fn drain_worker(&mut self, worker: u32) -> bool {
+        let w = worker as usize;
+        if self.dead.get(w).copied().unwrap_or(true) || self.draining[w] {
+            return false;
+        }
+        let now = self.now;
+        let id = WorkerId(u64::from(worker));
+        let accepted = match &mut self.admission {
+            Admission::One(f) => f.drain_worker(id, now),
+            Admission::Two(d) => d.drain_worker(id, now),
+        };
+        if accepted {
+            self.draining[w] = true;
+            // Waiters with no other worker left are refused now.
+            self.drain_frontend();
+            self.pump();
+        }
+        accepted
+    }
+
+    /// A drained worker leaves: its engine stops, its pool forgets it (and its blocks).
+    fn retire(&mut self, worker: WorkerId) {
+        let w = worker.0 as usize;
+        if self.dead.get(w).copied().unwrap_or(true) {
+            return;
+        }
+        self.dead[w] = true;
+        self.draining[w] = false;
+        self.timers.arm(Source::Engine(w as u32), None);
+        let now = self.now;
+        let orphans = self.admission.remove_worker(worker, now);
+        // A drained worker holds no request; should the core disagree, the requests fail
+        // (reported, never lost).
+        for id in orphans {
+            self.remove_in_flight(w as u32);
+            self.admission.on_finished(id, now);
+            self.fail(id.0, Outcome::Dropped);
+        }
+        self.retired.push((w as u32, now));
+        self.drain_frontend();
+    }
+
+    /// Live workers of `pool` (`None`: an aggregated fleet's), ascending by id; draining
+    /// ones are listed apart.
+    pub fn pool_workers(&self, pool: Option<Pool>) -> (Vec<u32>, Vec<u32>) {
+        let mut serving = Vec::new();
+        let mut draining = Vec::new();
+        for (i, p) in self.pools.iter().enumerate() {
+            if *p != pool || self.dead[i] {
+                continue;
+            }
+            if self.draining[i] {
+                draining.push(i as u32);
+            } else {
+                serving.push(i as u32);
+            }
+        }
+        (serving, draining)
+    }
+
+    /// Workers that left after draining, with the instant each left.
+    pub fn retired(&self) -> &[(u32, Nanos)] {
+        &self.retired
+    }
+
+    /// Observes every request's TTFT and ITL into the gateway's histograms, labelled by pool
+    /// as the gateway labels them ([`PoolMetrics`]).
+    pub fn with_pool_metrics(mut self) -> Self {
+        self.pool_metrics = Some(PoolMetrics::default());
+        self
+    }
+
+    /// The gateway's histograms, when on.
+    pub fn pool_metrics(&self) -> Option<&PoolMetrics> {
+        self.pool_metrics.as_ref()
+    }
+
+    /// Changes the workload now (a new mix or rate) and lets the loop see what it issues.
+    pub fn update_workload(&mut self, change: impl FnOnce(&mut W, Nanos)) {
+        change(&mut self.workload, self.now);
+        self.pump();
+    }
+
+    /// Turns issued and not yet ended (routed or queued).
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// The run's counters so far.
+    pub fn totals(&self) -> &RunTotals {
+        &self.totals
+    }
+
     fn start(&mut self, id: u64, decision: RouteDecision) {
         let now = self.now;
         let Some(f) = self.in_flight.get_mut(id) else {
@@ -1201,6 +1378,9 @@ impl<W: Workload> Simulation<W> {
                     f.first_token_at = Some(at);
                     if let Some(recorder) = &mut self.timeline {
                         recorder.first_token(worker, at.saturating_sub(f.issued_at));
+                    }
+                    if let Some(m) = &mut self.pool_metrics {
+                        m.observe_ttft(None, at.saturating_sub(f.arrived_at));
                     }
                 }
                 self.admission.on_first_token(id, at);
@@ -1325,6 +1505,16 @@ impl<W: Workload> Simulation<W> {
                     if let Some(recorder) = &mut self.timeline {
                         recorder.first_token(worker, at.saturating_sub(f.issued_at));
                     }
+                    // The gateway's label: the prefill pool for a split request's first
+                    // token, the serving (decode) worker's pool for a local one.
+                    if let Some(m) = &mut self.pool_metrics {
+                        let pool = if f.prefilling {
+                            Pool::Prefill
+                        } else {
+                            Pool::Decode
+                        };
+                        m.observe_ttft(Some(pool), at.saturating_sub(f.arrived_at));
+                    }
                 }
                 // A split request's decode worker hears of it at `PrefillDone`, next.
                 if !f.prefilling
@@ -1424,6 +1614,20 @@ impl<W: Workload> Simulation<W> {
         f.last_token_at = Some(at);
         f.tokens = end;
         f.spans += 1;
+        if let Some(m) = &mut self.pool_metrics {
+            // As the gateway's relay: a first chunk's tokens came with no gap; a later
+            // chunk's share the time since the previous one. Labelled by the decoding
+            // worker's pool.
+            let pool = f
+                .worker
+                .and_then(|w| self.pools.get(w as usize).copied().flatten());
+            if start == 0 {
+                m.observe_itl(pool, Nanos::ZERO, u64::from(count.saturating_sub(1)));
+            } else if count > 0 {
+                let gap = Nanos((at.saturating_sub(prev)).0 / u64::from(count));
+                m.observe_itl(pool, gap, u64::from(count));
+            }
+        }
         self.totals.tokens_emitted += u64::from(count);
         for w in &mut self.windows {
             if prev < w.to && at > w.from {
@@ -1453,5 +1657,69 @@ impl<W: Workload> Simulation<W> {
         if self.cfg.keep_all_records {
             self.records.push(record);
         }
+    }
+}
+
+/// Engine `id` of the fleet: its seed derived from the run's, its role from its pool.
+fn new_engine(cfg: &SimConfig, id: u32, pool: Option<Pool>) -> Result<Engine, ConfigError> {
+    let mut ec = cfg.engine.clone();
+    ec.seed = derive_seed(cfg.seed, streams::ENGINE + u64::from(id));
+    match pool {
+        None => {}
+        Some(Pool::Prefill) => ec.role = Role::PrefillOnly,
+        Some(Pool::Decode) => {
+            ec.role = Role::DecodeOnly;
+            ec.kv_link = cfg.disagg.map(|d| d.kv_link).unwrap_or_default();
+        }
+    }
+    Engine::new(ec, WorkerId(u64::from(id))).map_err(ConfigError::from)
+}
+
+/// The gateway's frontend histograms in virtual time: TTFT and ITL by pool, in the
+/// gateway's own buckets (`router::autoscale`), observed as its relay observes them — TTFT
+/// from the request's arrival at the frontend to its first token, labelled by the pool
+/// that prefilled (a split request: `prefill`; a local one: its worker's); ITL per token,
+/// labelled by the decoding worker's pool. What a KEDA trigger on the gateway would read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolMetrics {
+    /// Aggregated, prefill, decode.
+    ttft: [BucketCounts; 3],
+    itl: [BucketCounts; 3],
+}
+
+impl Default for PoolMetrics {
+    fn default() -> Self {
+        Self {
+            ttft: std::array::from_fn(|_| BucketCounts::new(FRONTEND_TTFT_BUCKETS)),
+            itl: std::array::from_fn(|_| BucketCounts::new(FRONTEND_ITL_BUCKETS)),
+        }
+    }
+}
+
+impl PoolMetrics {
+    fn slot(pool: Option<Pool>) -> usize {
+        match pool {
+            None => 0,
+            Some(Pool::Prefill) => 1,
+            Some(Pool::Decode) => 2,
+        }
+    }
+
+    fn observe_ttft(&mut self, pool: Option<Pool>, ttft: Nanos) {
+        self.ttft[Self::slot(pool)].observe(ttft.as_secs_f64());
+    }
+
+    fn observe_itl(&mut self, pool: Option<Pool>, gap: Nanos, tokens: u64) {
+        self.itl[Self::slot(pool)].observe_n(gap.as_secs_f64(), tokens);
+    }
+
+    /// `dynamo_frontend_time_to_first_token_seconds{pool}`'s counts.
+    pub fn ttft(&self, pool: Option<Pool>) -> &BucketCounts {
+        &self.ttft[Self::slot(pool)]
+    }
+
+    /// `dynamo_frontend_inter_token_latency_seconds{pool}`'s counts.
+    pub fn itl(&self, pool: Option<Pool>) -> &BucketCounts {
+        &self.itl[Self::slot(pool)]
     }
 }

@@ -140,13 +140,15 @@ pub mod ladder;
 pub mod metrics;
 pub mod mix;
 pub mod oracle;
+pub mod scenario;
 pub mod timeline;
 pub mod timers;
 mod workload;
 
 pub use config::{ConfigError, DisaggSetup, Phase, RouterSetup, SimConfig};
 pub use driver::{
-    PhaseResult, RunOutput, RunTotals, SimError, Simulation, WorkerStats, derive_seed, streams,
+    PhaseResult, PoolMetrics, RunOutput, RunTotals, SimError, Simulation, WorkerStats, derive_seed,
+    streams,
 };
 pub use metrics::{Metrics, Outcome, RequestRecord};
 pub use report::Percentiles;

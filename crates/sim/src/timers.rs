@@ -40,6 +40,11 @@ impl Timers {
         }
     }
 
+    /// One more engine source (`Source::Engine(previous count)`), with no deadline.
+    pub fn add_engine(&mut self) {
+        self.engines.push(None);
+    }
+
     fn slot(&mut self, source: Source) -> &mut Option<Nanos> {
         match source {
             Source::Engine(i) => &mut self.engines[i as usize],

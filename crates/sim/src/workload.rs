@@ -60,6 +60,11 @@ impl<W: Workload> ServingPath<W> {
         &self.inner
     }
 
+    /// The workload behind the path, to change it mid-run (a new mix or rate).
+    pub fn inner_mut(&mut self) -> &mut W {
+        &mut self.inner
+    }
+
     fn advance(&mut self, now: Nanos) {
         self.now = self.now.max(now);
     }

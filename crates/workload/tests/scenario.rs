@@ -131,12 +131,12 @@ fn cooldown_ramps_the_rate_down_to_zero() {
             _ => None,
         })
         .collect();
-    // Every 5 s from 725 to 775, then exactly 0 at 780, then BALANCED's 2.0.
+    // Every 5 s from 725 to 775, then exactly 0 at 780, then BALANCED's 0.6.
     assert_eq!(rates.len(), 13, "{rates:?}");
-    assert!((rates[0].1 - 2.0 * 55.0 / 60.0).abs() < 1e-9, "{rates:?}");
+    assert!((rates[0].1 - 0.6 * 55.0 / 60.0).abs() < 1e-9, "{rates:?}");
     assert!(rates.windows(2).take(11).all(|w| w[1].1 < w[0].1));
     assert_eq!(rates[11], (780.0, 0.0));
-    assert_eq!(rates[12], (780.0, 2.0));
+    assert_eq!(rates[12], (780.0, 0.6));
 }
 
 #[test]
@@ -185,7 +185,7 @@ fn bad_files_are_refused_naming_the_field() {
         ScenarioError::MixTotal { total: 90, .. }
     ));
     assert!(
-        edit("rate_rps = 2.0\n# The", "rate_rps = -1.0\n# The")
+        edit("rate_rps = 0.6\n# The", "rate_rps = -1.0\n# The")
             .to_string()
             .starts_with("rate_rps:")
     );
