@@ -236,6 +236,35 @@ fn slot(pool: PoolKind) -> usize {
     }
 }
 
+/// A resize asked for.
+struct Wish {
+    to: u32,
+    source: Source,
+    reason: String,
+    phase: Option<String>,
+}
+
+/// One pool's resizes: one runs at a time, and of those asked for meanwhile only the newest
+/// is kept (phases shorter than a drain do not pile up).
+#[derive(Default)]
+struct Resizes {
+    next: Mutex<Option<Wish>>,
+    busy: AtomicBool,
+}
+
+impl Resizes {
+    fn take(&self) -> Option<Wish> {
+        self.next.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    fn has_next(&self) -> bool {
+        self.next
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+}
+
 enum Command {
     Auto {
         phase: Option<String>,
@@ -250,8 +279,8 @@ enum Command {
 pub struct ScenarioHandle {
     config: ScalingConfig,
     shared: Arc<Mutex<Shared>>,
-    /// Per pool: a scale from here is in flight.
-    pending: Arc<[AtomicBool; 2]>,
+    /// Per pool: resizes asked for and not started, and whether one runs.
+    resizes: Arc<[Resizes; 2]>,
     commands: mpsc::Sender<Command>,
     receiver: Mutex<Option<mpsc::Receiver<Command>>>,
     epoch: Instant,
@@ -292,7 +321,7 @@ impl ScenarioHandle {
         }
         Ok(ScenarioHandle {
             shared: Arc::new(Mutex::new(shared)),
-            pending: Arc::new([AtomicBool::new(false), AtomicBool::new(false)]),
+            resizes: Arc::new([Resizes::default(), Resizes::default()]),
             commands,
             receiver: Mutex::new(Some(receiver)),
             epoch: Instant::now(),
@@ -608,46 +637,57 @@ fn scale(
         push_event(&mut shared, event);
         return;
     };
-    let from = fleet.pools().get(pool);
-    if from == to {
+    let resizes = handle.resizes.clone();
+    let i = slot(pool);
+    *resizes[i].next.lock().unwrap_or_else(|e| e.into_inner()) = Some(Wish {
+        to,
+        source,
+        reason,
+        phase,
+    });
+    if resizes[i].busy.swap(true, Ordering::SeqCst) {
+        // The running task takes the newest wish when it is done.
         return;
     }
-    let pending = handle.pending.clone();
-    pending[slot(pool)].store(true, Ordering::SeqCst);
     let app = app.clone();
     tokio::spawn(async move {
-        let result = fleet.scale(pool, to).await;
-        pending[slot(pool)].store(false, Ordering::SeqCst);
-        let pools = fleet.pools();
-        {
-            let mut shared = lock(&app.scenario.shared);
-            let event = match result {
-                Ok(reached) => ScaleEvent {
-                    at_ms: unix_ms(),
-                    pool,
-                    from,
-                    to: reached,
-                    source,
-                    reason,
-                    phase,
-                    applied: true,
-                },
-                Err(e) => ScaleEvent {
-                    at_ms: unix_ms(),
-                    pool,
-                    from,
-                    to: pools.get(pool),
-                    source,
-                    reason: format!("failed: {e} ({reason})"),
-                    phase,
-                    applied: false,
-                },
+        loop {
+            let Some(wish) = resizes[i].take() else {
+                resizes[i].busy.store(false, Ordering::SeqCst);
+                // A wish that came in between is ours unless another task took over.
+                if resizes[i].has_next() && !resizes[i].busy.swap(true, Ordering::SeqCst) {
+                    continue;
+                }
+                return;
             };
-            push_event(&mut shared, event);
-            push_point(&mut shared, pools);
+            let from = fleet.pools().get(pool);
+            if from == wish.to {
+                continue;
+            }
+            let result = fleet.scale(pool, wish.to).await;
+            let pools = fleet.pools();
+            {
+                let mut shared = lock(&app.scenario.shared);
+                let (to, reason, applied) = match result {
+                    Ok(reached) => (reached, wish.reason, true),
+                    Err(e) => (pools.get(pool), format!("failed: {e} ({})", wish.reason), false),
+                };
+                let event = ScaleEvent {
+                    at_ms: unix_ms(),
+                    pool,
+                    from,
+                    to,
+                    source: wish.source,
+                    reason,
+                    phase: wish.phase,
+                    applied,
+                };
+                push_event(&mut shared, event);
+                push_point(&mut shared, pools);
+            }
+            app.set_worker_metrics(fleet.worker_metrics());
+            app.publish(false);
         }
-        app.set_worker_metrics(fleet.worker_metrics());
-        app.publish(false);
     });
 }
 
@@ -695,7 +735,7 @@ async fn poll_scalers(app: &Arc<App>, http: &reqwest::Client, url: Option<&str>,
             shared.values[i] = value;
             let pool = PoolKind::ALL[i];
             let current = pools.map_or(shared.nominal.get(pool), |p| p.get(pool));
-            if handle.pending[i].load(Ordering::SeqCst) {
+            if handle.resizes[i].busy.load(Ordering::SeqCst) {
                 // A resize is under way: the scaler waits for it (as the HPA waits for
                 // its replicas), its next poll decides.
                 continue;

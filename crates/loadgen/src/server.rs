@@ -598,9 +598,20 @@ async fn post_scenario_auto(
                     phase = Some(name);
                 }
                 ("phase", other) => {
+                    let names: Vec<&str> = app
+                        .scenario
+                        .config()
+                        .scenario
+                        .phases
+                        .iter()
+                        .map(|p| p.name.as_str())
+                        .collect();
                     return Err(bad_field(
                         "phase",
-                        format!("phase: expected a phase's name, got {other}"),
+                        format!(
+                            "phase: expected the name of a phase ({}), got {other}",
+                            names.join(", ")
+                        ),
                     ));
                 }
                 (other, _) => {
