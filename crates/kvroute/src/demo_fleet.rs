@@ -10,6 +10,7 @@
 //! Resizes run one at a time (the state's lock is held across one).
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -93,6 +94,8 @@ pub struct DemoFleet {
     template: EngineTemplate,
     state: tokio::sync::Mutex<State>,
     view: Mutex<View>,
+    /// Set by shutdown: a drain under way stops waiting, a growth stops adding.
+    closing: AtomicBool,
 }
 
 fn role(pool: PoolKind) -> &'static str {
@@ -123,6 +126,7 @@ impl DemoFleet {
                 next_id,
             }),
             view: Mutex::new(View::default()),
+            closing: AtomicBool::new(false),
         };
         if let Ok(state) = fleet.state.try_lock() {
             fleet.update_view(&state, &BTreeSet::new());
@@ -164,6 +168,9 @@ impl DemoFleet {
         let from = state.workers.iter().filter(|w| w.pool == pool).count() as u32;
         if to > from {
             for _ in from..to {
+                if self.closing.load(Ordering::SeqCst) {
+                    return Err("the demo is shutting down".to_owned());
+                }
                 let id = state.next_id;
                 state.next_id += 1;
                 let engine = self
@@ -204,7 +211,7 @@ impl DemoFleet {
                     waiting.remove(&id);
                 }
             }
-            if waiting.is_empty() {
+            if waiting.is_empty() || self.closing.load(Ordering::SeqCst) {
                 break;
             }
             if started.elapsed() > DRAIN_TIMEOUT {
@@ -237,6 +244,7 @@ impl DemoFleet {
     /// Stops the gateway (letting its streams finish) and every engine; waits for a resize
     /// under way.
     pub async fn shutdown(&self) {
+        self.closing.store(true, Ordering::SeqCst);
         let mut state = self.state.lock().await;
         if let Some(gateway) = state.gateway.take() {
             // Under the lock no resize holds a clone; should one leak, dropping it still

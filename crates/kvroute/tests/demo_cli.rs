@@ -439,22 +439,20 @@ decode = "initial"
 
     // GROW: worker-2 and worker-3 join, one per pool, and the gateway routes to them.
     demo.wait_for_status("the pools grow", |s| {
+        let events = s["scenario"]["events"].as_array().unwrap();
         s["scenario"]["pools"] == serde_json::json!({"prefill": 2, "decode": 2})
+            && ["prefill", "decode"].iter().all(|pool| {
+                events.iter().any(|e| {
+                    e["pool"] == *pool
+                        && e["from"] == 1
+                        && e["to"] == 2
+                        && e["source"] == "scenario"
+                        && e["phase"] == "GROW"
+                        && e["applied"] == true
+                })
+            })
     });
     assert_eq!(gateway_workers(&gateway), [0, 1, 2, 3]);
-    let status = get(&format!("{}/api/status", demo.url));
-    let events = status["scenario"]["events"].as_array().unwrap().clone();
-    for pool in ["prefill", "decode"] {
-        assert!(
-            events.iter().any(|e| e["pool"] == pool
-                && e["from"] == 1
-                && e["to"] == 2
-                && e["source"] == "scenario"
-                && e["phase"] == "GROW"
-                && e["applied"] == true),
-            "{events:?}"
-        );
-    }
     // The GPU view follows the fleet.
     demo.wait_for_status("four worker cards", |s| {
         s["lanes"][0]["workers"]["list"].as_array().map(Vec::len) == Some(4)
@@ -517,6 +515,11 @@ fn the_autoscaler_scales_a_pool_over_its_threshold() {
         assert_eq!(scenario["mode"], "manual");
         assert_eq!(scenario["autoscaler"]["prefill"]["paused"], false);
         scenario["pools"]["prefill"].as_u64().unwrap_or(0) >= 2
+            && scenario["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["pool"] == "prefill" && e["source"] == "autoscaler")
     });
     let status = get(&format!("{}/api/status", demo.url));
     let scenario = &status["scenario"];
