@@ -267,7 +267,8 @@ impl DriveArgs {
 fn read_scenario(path: &Path) -> Result<ScenarioConfig> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("--scenario: reading {}", path.display()))?;
-    ScenarioConfig::from_toml(&text).map_err(|e| anyhow::anyhow!("--scenario {}: {e}", path.display()))
+    ScenarioConfig::from_toml(&text)
+        .map_err(|e| anyhow::anyhow!("--scenario {}: {e}", path.display()))
 }
 
 #[derive(Debug, clap::Args)]

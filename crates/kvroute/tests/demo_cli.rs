@@ -370,7 +370,11 @@ fn gateway_url(lines: &[String]) -> String {
         .iter()
         .find(|l| l.contains(" gateway on "))
         .expect("the gateway's line");
-    line.rsplit(" gateway on ").next().unwrap().trim().to_owned()
+    line.rsplit(" gateway on ")
+        .next()
+        .unwrap()
+        .trim()
+        .to_owned()
 }
 
 /// The worker ids the gateway knows, from its `kvroute_worker_role` series.
@@ -476,8 +480,14 @@ decode = "initial"
     let history = status["scenario"]["pool_history"].as_array().unwrap();
     assert!(history.len() >= 3, "{history:?}");
     let lane = &status["lanes"][0];
-    assert!(lane["metrics"]["requests"].as_u64().unwrap() > 0, "{status}");
-    assert_eq!(lane["metrics"]["errors"], 0, "no request fails in a drain: {status}");
+    assert!(
+        lane["metrics"]["requests"].as_u64().unwrap() > 0,
+        "{status}"
+    );
+    assert_eq!(
+        lane["metrics"]["errors"], 0,
+        "no request fails in a drain: {status}"
+    );
 
     assert!(demo.interrupt().success());
     let mut rest = String::new();
@@ -531,7 +541,10 @@ fn the_autoscaler_scales_a_pool_over_its_threshold() {
         .unwrap_or_else(|| panic!("{scenario}"));
     assert_eq!(event["applied"], true, "{event}");
     assert!(
-        event["reason"].as_str().unwrap().starts_with("above_threshold"),
+        event["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("above_threshold"),
         "{event}"
     );
     assert!(
@@ -564,7 +577,15 @@ mix = { A = 40, B = 30 }
 "#,
     );
     let path = scenario.to_str().unwrap();
-    let stderr = failure(&["demo", "--port", "0", "--gateway-port", "0", "--scenario", path]);
+    let stderr = failure(&[
+        "demo",
+        "--port",
+        "0",
+        "--gateway-port",
+        "0",
+        "--scenario",
+        path,
+    ]);
     assert!(
         stderr.contains(&format!("--scenario {path}: phase.mix"))
             && stderr.contains("must add up to 100"),

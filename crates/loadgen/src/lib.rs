@@ -223,8 +223,9 @@ impl Loadgen {
                 "the request timeout must be positive".into(),
             ));
         }
-        let scenario = scenario::ScenarioHandle::new(config.scaling.clone(), config.drive.time_scale)
-            .map_err(LoadgenError::Config)?;
+        let scenario =
+            scenario::ScenarioHandle::new(config.scaling.clone(), config.drive.time_scale)
+                .map_err(LoadgenError::Config)?;
         let assets = Assets::builtin().map_err(workload::WorkloadError::from)?;
         let http = reqwest::Client::builder()
             // One connection per request in flight: a turn is one long stream.

@@ -346,9 +346,9 @@ impl ScenarioHandle {
     /// The wall-clock instant of model time `at`.
     fn instant(&self, at: Nanos) -> Instant {
         let wall = Duration::from_secs_f64((at.as_secs_f64() / self.time_scale).min(1e9));
-        self.epoch.checked_add(wall).unwrap_or_else(|| {
-            Instant::now() + Duration::from_secs(86_400 * 365)
-        })
+        self.epoch
+            .checked_add(wall)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365))
     }
 
     /// Checks a phase name against the cycle (`phase` is named in the error).
@@ -363,7 +363,12 @@ impl ScenarioHandle {
     /// Switches to auto mode (from `phase`, already checked); resolves once applied.
     pub async fn auto(&self, phase: Option<String>) {
         let (reply, done) = oneshot::channel();
-        if self.commands.send(Command::Auto { phase, reply }).await.is_ok() {
+        if self
+            .commands
+            .send(Command::Auto { phase, reply })
+            .await
+            .is_ok()
+        {
             let _ = done.await;
         }
     }
@@ -627,10 +632,7 @@ fn scale(
             from,
             to,
             source,
-            reason: format!(
-                "not applied: {} ({reason})",
-                handle.config.no_fleet_reason
-            ),
+            reason: format!("not applied: {} ({reason})", handle.config.no_fleet_reason),
             phase,
             applied: false,
         };
@@ -670,7 +672,11 @@ fn scale(
                 let mut shared = lock(&app.scenario.shared);
                 let (to, reason, applied) = match result {
                     Ok(reached) => (reached, wish.reason, true),
-                    Err(e) => (pools.get(pool), format!("failed: {e} ({})", wish.reason), false),
+                    Err(e) => (
+                        pools.get(pool),
+                        format!("failed: {e} ({})", wish.reason),
+                        false,
+                    ),
                 };
                 let event = ScaleEvent {
                     at_ms: unix_ms(),
@@ -762,12 +768,7 @@ async fn poll_scalers(app: &Arc<App>, http: &reqwest::Client, url: Option<&str>,
 
 /// The cumulative counts of `series` with `pool="label"`, one per bound and `+Inf`, summed
 /// over the other labels; `None` when a bucket is missing.
-fn pool_buckets(
-    samples: &[Sample],
-    series: &str,
-    label: &str,
-    bounds: &[f64],
-) -> Option<Vec<u64>> {
+fn pool_buckets(samples: &[Sample], series: &str, label: &str, bounds: &[f64]) -> Option<Vec<u64>> {
     let mut counts = vec![0u64; bounds.len() + 1];
     let mut seen = vec![false; bounds.len() + 1];
     for sample in samples
@@ -779,7 +780,9 @@ fn pool_buckets(
             bounds.len()
         } else {
             let bound: f64 = le.parse().ok()?;
-            bounds.iter().position(|b| (b - bound).abs() <= 1e-12 * b.abs())?
+            bounds
+                .iter()
+                .position(|b| (b - bound).abs() <= 1e-12 * b.abs())?
         };
         counts[index] += sample.value.max(0.0) as u64;
         seen[index] = true;
@@ -807,7 +810,13 @@ x_bucket{model=\"m\",le=\"+Inf\",pool=\"decode\"} 9
             Some(vec![1, 3, 4])
         );
         // A bound the gateway does not write: no answer rather than a wrong one.
-        assert_eq!(pool_buckets(&samples, "x_bucket", "prefill", &[0.1, 0.25, 0.5]), None);
-        assert_eq!(pool_buckets(&samples, "x_bucket", "aggregated", &[0.1, 0.5]), None);
+        assert_eq!(
+            pool_buckets(&samples, "x_bucket", "prefill", &[0.1, 0.25, 0.5]),
+            None
+        );
+        assert_eq!(
+            pool_buckets(&samples, "x_bucket", "aggregated", &[0.1, 0.5]),
+            None
+        );
     }
 }

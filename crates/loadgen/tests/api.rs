@@ -643,8 +643,8 @@ async fn the_scenario_walks_its_phases_and_hands_back_to_the_autoscalers() {
     let speedup = 20.0;
     let cluster = cluster(1, speedup).await;
     let mut config = config(vec![lane("kv_load", &cluster)], 2, speedup);
-    config.scaling.scenario = workload::scenario::ScenarioConfig::from_toml(SHORT_SCENARIO)
-        .expect("the test's scenario");
+    config.scaling.scenario =
+        workload::scenario::ScenarioConfig::from_toml(SHORT_SCENARIO).expect("the test's scenario");
     let loadgen = Loadgen::bind(config).await.unwrap();
     let url = loadgen.url();
 
@@ -666,17 +666,27 @@ async fn the_scenario_walks_its_phases_and_hands_back_to_the_autoscalers() {
         (json!({"from": "CHAT"}), "invalid_json", None),
     ] {
         let (status, answer) = post(&format!("{url}/api/scenario/auto"), Some(body.clone())).await;
-        assert_eq!((status, error_code(&answer)), (400, code), "{body}: {answer}");
+        assert_eq!(
+            (status, error_code(&answer)),
+            (400, code),
+            "{body}: {answer}"
+        );
         if let Some(param) = param {
             assert_eq!(answer["error"]["param"], param);
             let message = answer["error"]["message"].as_str().unwrap_or("");
-            assert!(message.contains("phase") && message.contains("CHAT"), "{message}");
+            assert!(
+                message.contains("phase") && message.contains("CHAT"),
+                "{message}"
+            );
         }
     }
     let (status, answer) = post(&format!("{url}/api/scenario/bogus"), None).await;
     assert_eq!((status, error_code(&answer)), (404, "not_found"));
     let (_, status) = get(&format!("{url}/api/status")).await;
-    assert_eq!(status["scenario"]["mode"], "manual", "a refused start changes nothing");
+    assert_eq!(
+        status["scenario"]["mode"], "manual",
+        "a refused start changes nothing"
+    );
     assert_eq!(status["running"], false);
 
     // Auto from GROW: the workload starts at the phase's mix and the cycle's rate; the
@@ -705,7 +715,10 @@ async fn the_scenario_walks_its_phases_and_hands_back_to_the_autoscalers() {
         .iter()
         .find(|e| e["phase"] == "GROW" && e["pool"] == "prefill")
         .unwrap_or_else(|| panic!("{scenario}"));
-    assert_eq!((grow["from"].as_u64(), grow["to"].as_u64()), (Some(1), Some(2)));
+    assert_eq!(
+        (grow["from"].as_u64(), grow["to"].as_u64()),
+        (Some(1), Some(2))
+    );
     assert_eq!(grow["source"], "scenario");
     assert_eq!(grow["applied"], false);
     assert!(
@@ -751,12 +764,10 @@ async fn the_scenario_walks_its_phases_and_hands_back_to_the_autoscalers() {
     assert_eq!(status["scenario"]["autoscaler"]["decode"]["paused"], false);
 
     // The WebSocket carries the same object.
-    let (mut socket, _) = tokio_tungstenite::connect_async(format!(
-        "ws://{}/ws",
-        url.trim_start_matches("http://")
-    ))
-    .await
-    .expect("WebSocket");
+    let (mut socket, _) =
+        tokio_tungstenite::connect_async(format!("ws://{}/ws", url.trim_start_matches("http://")))
+            .await
+            .expect("WebSocket");
     let first = socket.next().await.expect("a message").expect("text");
     let message: Value = serde_json::from_str(first.to_text().unwrap()).unwrap();
     assert_eq!(message["data"]["scenario"]["mode"], "manual", "{message}");
