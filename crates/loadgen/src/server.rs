@@ -55,6 +55,8 @@ pub struct App {
 }
 
 impl App {
+    // One call site (`Loadgen::bind`), each argument a part of the App.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         lanes: Vec<Lane>,
         baseline: Option<Baseline>,
