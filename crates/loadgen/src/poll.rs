@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::lane::{LaneSpec, LaneState, lock};
-use crate::scrape::{self, GatewayPoint, SpecPoint, WorkersView};
+use crate::scrape::{self, GatewayPoint, PoolLatency, SpecPoint, WorkersView};
 
 pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(2);
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -20,6 +20,10 @@ pub async fn scrape_loop(
 ) {
     let mut ticker = tokio::time::interval(SCRAPE_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The pools' latency over the same window as the hit rate; started again with every run
+    // (the lane clock restarts), kept after Stop like the window's percentiles.
+    let mut pools = PoolLatency::new(lock(&state).gateway.span_s());
+    let mut run_started_ms = None;
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -44,8 +48,20 @@ pub async fn scrape_loop(
             point.at_s = now_s;
             s.spec.push(point);
         }
+        let started_ms = s.started.map(|(_, ms)| ms);
+        if started_ms != run_started_ms {
+            run_started_ms = started_ms;
+            pools.clear();
+        }
+        let gateway_samples = match &gateway {
+            Some(Ok(text)) => scrape::parse_text(text),
+            _ => Vec::new(),
+        };
+        if s.running {
+            pools.record(now_s, &gateway_samples);
+        }
         match gateway {
-            Some(Ok(text)) => match GatewayPoint::from_samples(now_s, &scrape::parse_text(&text)) {
+            Some(Ok(_)) => match GatewayPoint::from_samples(now_s, &gateway_samples) {
                 Some(point) if s.running => {
                     s.gateway.push(point);
                     s.gateway_error = None;
@@ -59,7 +75,10 @@ pub async fn scrape_loop(
             Some(Err(err)) => s.gateway_error = Some(err),
             None => s.gateway_error = Some("no gateway metrics URL configured".into()),
         }
-        s.workers = workers;
+        s.workers = WorkersView {
+            pools: pools.view(),
+            ..workers
+        };
     }
 }
 
