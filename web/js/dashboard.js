@@ -229,32 +229,35 @@ export class Dashboard {
   }
 
   /**
-   * The pool sizes over time as step lines (a size holds until the next change), and the time
-   * range they need when the other charts have none (the workload stopped).
+   * The pool sizes over time as step lines (a size holds until the next change), drawn over
+   * `range` (a size set before it starts at its left edge), and the range they need when the
+   * other charts have none (the workload stopped).
    */
-  poolSeries() {
+  poolSeries(range) {
     const history = this.status?.scenario?.pool_history;
     if (!Array.isArray(history)) return { series: [], range: null };
     const points = history.filter((p) => p && typeof p.at_ms === 'number').sort((a, b) => a.at_ms - b.at_ms);
     const now = typeof this.status?.time_ms === 'number' ? this.status.time_ms : Date.now();
+    const own = points.length ? [Math.min(points[0].at_ms, now - 2 * 60 * 1000), now] : null;
+    const start = (range || own)?.[0] ?? -Infinity;
     const series = ['prefill', 'decode'].map((pool) => {
       const line = [];
       for (const p of points) {
+        const t = Math.max(p.at_ms, start);
         const v = typeof p[pool] === 'number' ? p[pool] : null;
-        if (line.length) line.push([p.at_ms, line[line.length - 1][1]]);
-        line.push([p.at_ms, v]);
+        if (line.length) line.push([t, line[line.length - 1][1]]);
+        line.push([t, v]);
       }
       if (line.length) line.push([Math.max(now, line[line.length - 1][0]), line[line.length - 1][1]]);
       return { name: pool, color: POOL_COLORS[pool], points: line };
     });
-    const range = points.length ? [Math.min(points[0].at_ms, now - 2 * 60 * 1000), now] : null;
-    return { series, range };
+    return { series, range: own };
   }
 
   renderCharts() {
     if (!this.visible) return;
     const range = this.history.timeRange();
-    const pools = this.poolSeries();
+    const pools = this.poolSeries(range);
     if (!$('chart-pools-card').hidden) this.charts.pools.render(pools.series, range || pools.range);
     this.charts.ttft.render(this.history.series('ttft'), range);
     this.charts.tpot.render(this.history.series('tpot'), range);

@@ -378,7 +378,10 @@ pub fn pool_buckets(samples: &[Sample], histogram: &str) -> Vec<(String, Vec<f64
             if buckets.last().is_none_or(|(le, _)| le.is_finite()) {
                 return None;
             }
-            let bounds = buckets[..buckets.len() - 1].iter().map(|(le, _)| *le).collect();
+            let bounds = buckets[..buckets.len() - 1]
+                .iter()
+                .map(|(le, _)| *le)
+                .collect();
             let counts = buckets.iter().map(|(_, c)| c.max(0.0) as u64).collect();
             Some((pool, bounds, counts))
         })
@@ -700,7 +703,10 @@ mod tests {
         // One snapshot has no increase yet.
         let view = pools.view();
         assert_eq!(view.len(), 2);
-        assert!(view.iter().all(|p| p.ttft_ms.is_none() && p.itl_ms.is_none()));
+        assert!(
+            view.iter()
+                .all(|p| p.ttft_ms.is_none() && p.itl_ms.is_none())
+        );
         // 10 s later: prefill saw 2 + 2 TTFTs under 0.1 s and 2 + 2 in (0.1, 0.5]; decode none.
         pools.record(10.0, &parse_text(&gateway_text([2, 4, 4], [0, 0, 0])));
         let view = pools.view();
@@ -709,7 +715,10 @@ mod tests {
         let ttft = prefill.ttft_ms.unwrap();
         // Rank 4 of 8 is the top of the first bucket: 100 ms; rank 7.6 is 90% into the second.
         assert!((ttft.p50.unwrap() - 100.0).abs() < 1e-9, "{ttft:?}");
-        assert!((ttft.p95.unwrap() - (100.0 + 400.0 * 0.9)).abs() < 1e-9, "{ttft:?}");
+        assert!(
+            (ttft.p95.unwrap() - (100.0 + 400.0 * 0.9)).abs() < 1e-9,
+            "{ttft:?}"
+        );
         assert_eq!(prefill.itl_ms, None);
         assert_eq!(view[1].ttft_ms, None, "no decode TTFT in the window");
         // The window moves on: what happened before 70 s - 60 s is out of it.

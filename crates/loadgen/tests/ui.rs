@@ -645,15 +645,26 @@ async fn cards_in(browser: &Client, testid: &str) -> Vec<String> {
 /// Auto mode's widgets follow the backend: shown when `/api/status` has a `scenario`, hidden
 /// (and nothing broken) when it has none.
 async fn assert_auto_mode_follows_the_backend(browser: &Client, url: &str) {
-    let has_scenario = api(&format!("{url}/api/status")).await.get("scenario").is_some();
+    let has_scenario = api(&format!("{url}/api/status"))
+        .await
+        .get("scenario")
+        .is_some();
     wait_until("auto mode's widgets", Duration::from_secs(10), async || {
         shown(browser, "scenario-box").await == has_scenario
             && shown(browser, "chart-pools-card").await == has_scenario
     })
     .await;
     if !has_scenario {
-        let markers = attrs(browser, "[data-testid=chart-ttft] line.event-marker", "data-event").await;
-        assert!(markers.is_empty(), "no scaling events without a scenario: {markers:?}");
+        let markers = attrs(
+            browser,
+            "[data-testid=chart-ttft] line.event-marker",
+            "data-event",
+        )
+        .await;
+        assert!(
+            markers.is_empty(),
+            "no scaling events without a scenario: {markers:?}"
+        );
     }
 }
 
@@ -686,7 +697,11 @@ async fn the_gpu_view_groups_a_disaggregated_fleet_by_pool_with_its_latency() {
     let status = api(&format!("{url}/api/status")).await;
     let roles: Vec<&str> = common::strings(&status["lanes"][0]["workers"]["list"], "role");
     assert_eq!(roles, ["prefill", "decode", "decode"]);
-    assert_eq!(text(&browser, "pool-prefill-ttft-p95").await, "—", "no data before the start");
+    assert_eq!(
+        text(&browser, "pool-prefill-ttft-p95").await,
+        "—",
+        "no data before the start"
+    );
     assert_auto_mode_follows_the_backend(&browser, &url).await;
 
     click(&browser, "start").await;
@@ -698,11 +713,15 @@ async fn the_gpu_view_groups_a_disaggregated_fleet_by_pool_with_its_latency() {
             .and_then(|pools| pools.iter().find(|p| p["pool"] == name).cloned())
             .unwrap_or(Value::Null)
     };
-    wait_until("both pools' latency", Duration::from_secs(120), async || {
-        let status = api(&format!("{url}/api/status")).await;
-        pool(&status, "prefill")["ttft_ms"]["p95"].is_number()
-            && pool(&status, "decode")["itl_ms"]["p95"].is_number()
-    })
+    wait_until(
+        "both pools' latency",
+        Duration::from_secs(120),
+        async || {
+            let status = api(&format!("{url}/api/status")).await;
+            pool(&status, "prefill")["ttft_ms"]["p95"].is_number()
+                && pool(&status, "decode")["itl_ms"]["p95"].is_number()
+        },
+    )
     .await;
     click(&browser, "stop").await;
     wait_until("stopped", Duration::from_secs(10), async || {
@@ -727,7 +746,10 @@ async fn the_gpu_view_groups_a_disaggregated_fleet_by_pool_with_its_latency() {
         }
     }
     let (prefill, decode) = (pool(&status, "prefill"), pool(&status, "decode"));
-    assert!(prefill["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{prefill}");
+    assert!(
+        prefill["ttft_ms"]["p50"].as_f64().unwrap() > 0.0,
+        "{prefill}"
+    );
     assert!(decode["itl_ms"]["p50"].as_f64().unwrap() > 0.0, "{decode}");
     // The GPU boxes still show every worker's utilisation.
     assert_eq!(browser.find_all(id("gpu-util")).await.unwrap().len(), 3);
@@ -837,10 +859,16 @@ async fn the_booth_controls_set_the_mix_and_rate_and_reset() {
     click(&browser, "start").await;
     wait_until("live RPS", Duration::from_secs(60), async || {
         text(&browser, "booth-rps").await.parse::<f64>().is_ok()
-            && text(&browser, "booth-conversations").await.parse::<u64>().is_ok()
+            && text(&browser, "booth-conversations")
+                .await
+                .parse::<u64>()
+                .is_ok()
     })
     .await;
-    assert!(!shown(&browser, "booth-error").await, "a success clears the error");
+    assert!(
+        !shown(&browser, "booth-error").await,
+        "a success clears the error"
+    );
     assert_eq!(status().await["running"], true);
     click(&browser, "stop").await;
     wait_until("stopped", Duration::from_secs(10), async || {
@@ -848,13 +876,20 @@ async fn the_booth_controls_set_the_mix_and_rate_and_reset() {
     })
     .await;
     assert_eq!(text(&browser, "booth-rps").await, "—");
-    wait_until("the counts after Stop", Duration::from_secs(10), async || {
-        let s = status().await;
-        let lane = &s["lanes"][0]["metrics"];
-        text(&browser, "booth-in-flight").await == lane["in_flight"].to_string()
-            && text(&browser, "booth-conversations").await
-                == lane["active_conversations"].to_string()
-    })
+    wait_until(
+        "the counts after Stop",
+        Duration::from_secs(10),
+        async || {
+            let s = status().await;
+            let lane = &s["lanes"][0]["metrics"];
+            let (in_flight, conversations) = (
+                lane["in_flight"].to_string(),
+                lane["active_conversations"].to_string(),
+            );
+            text(&browser, "booth-in-flight").await == in_flight
+                && text(&browser, "booth-conversations").await == conversations
+        },
+    )
     .await;
     click(&browser, "start").await;
     wait_until("running again", Duration::from_secs(10), async || {
@@ -869,7 +904,9 @@ async fn the_booth_controls_set_the_mix_and_rate_and_reset() {
     .await;
     wait_until("Balanced shown", Duration::from_secs(5), async || {
         text(&browser, "mix-a-value").await == "40%"
-            && classes(&browser, "preset-balanced").await.contains("active")
+            && classes(&browser, "preset-balanced")
+                .await
+                .contains("active")
             && browser
                 .find(id("rate-input"))
                 .await
