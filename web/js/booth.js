@@ -102,6 +102,10 @@ export class Booth {
     this.status = null;
     this.scenario = null;
     this.scenarioAt = 0; // Date.now() when the scenario's time_left_s was received
+    this.scenarioStatusMs = null; // the status' time_ms of that scenario
+    // Scenario seconds per wall second (the lanes' clock runs `time_scale` times faster
+    // against a sped-up simulator), measured from two status messages of one phase.
+    this.clockRate = 1;
     this.dragging = false;
     this.mixTimer = null;
     this.rateTimer = null;
@@ -245,8 +249,18 @@ export class Booth {
       this.scenario = null;
       return;
     }
+    const previous = this.scenario;
+    const statusMs = typeof this.status?.time_ms === 'number' ? this.status.time_ms : null;
+    if (previous && statusMs !== null && this.scenarioStatusMs !== null
+      && previous.phase === scenario.phase && previous.index === scenario.index
+      && previous.cycle === scenario.cycle) {
+      const wallS = (statusMs - this.scenarioStatusMs) / 1000;
+      const scenarioS = previous.time_left_s - scenario.time_left_s;
+      if (wallS >= 0.5 && scenarioS > 0) this.clockRate = scenarioS / wallS;
+    }
     this.scenario = scenario;
     this.scenarioAt = Date.now();
+    this.scenarioStatusMs = statusMs;
     const auto = scenario.mode === 'auto';
     const toggle = $('auto-toggle');
     toggle.setAttribute('aria-pressed', String(auto));
@@ -265,7 +279,7 @@ export class Booth {
     this.renderCountdown();
   }
 
-  /** The phase's time left, counted down between status messages. */
+  /** The phase's time left (scenario seconds), counted down between status messages. */
   renderCountdown() {
     const s = this.scenario;
     const node = $('scenario-countdown');
@@ -273,7 +287,7 @@ export class Booth {
       setText(node, fmt.DASH);
       return;
     }
-    setText(node, countdown(s.time_left_s - (Date.now() - this.scenarioAt) / 1000));
+    setText(node, countdown(s.time_left_s - ((Date.now() - this.scenarioAt) / 1000) * this.clockRate));
   }
 }
 

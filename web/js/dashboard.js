@@ -64,12 +64,15 @@ function isDisaggregated(lane) {
   return (lane.workers?.list || []).some((w) => poolOf(w) !== 'aggregated');
 }
 
-/** Seed 004's scaling events as chart markers: "prefill 1→2" at the event's time. */
+/**
+ * Seed 004's scaling events as chart markers: "prefill 1→2" at the event's time (the ones
+ * carried out: an action the fleet refused is not a change to mark).
+ */
 function scalingMarkers(status) {
   const events = status?.scenario?.events;
   if (!Array.isArray(events)) return [];
   return events
-    .filter((e) => e && typeof e.at_ms === 'number')
+    .filter((e) => e && typeof e.at_ms === 'number' && e.applied !== false)
     .map((e) => ({ t: e.at_ms, kind: e.source, label: `${e.pool} ${e.from}\u2192${e.to}` }));
 }
 

@@ -76,7 +76,7 @@ pub async fn scrape_loop(
             None => s.gateway_error = Some("no gateway metrics URL configured".into()),
         }
         s.workers = WorkersView {
-            pools: pools.view(),
+            pools: pools.view(s.time_scale),
             ..workers
         };
     }

@@ -456,13 +456,16 @@ impl PoolLatency {
         }
     }
 
-    /// Every pool seen, in the gateway's order: p50 and p95 over the window in milliseconds.
-    pub fn view(&self) -> Vec<PoolLatencyView> {
+    /// Every pool seen, in the gateway's order: p50 and p95 over the window in milliseconds
+    /// on the lane clock. The gateway measures wall seconds; against a simulator sped up
+    /// `time_scale` times they are that many model seconds, as the client's figures are.
+    pub fn view(&self, time_scale: f64) -> Vec<PoolLatencyView> {
+        let to_ms = 1e3 * time_scale;
         let quantiles = |w: Option<&PoolWindow>| {
             let w = w.filter(|w| w.snapshots >= 2)?;
             let q = Percentiles {
-                p50: w.window.quantile(0.5).map(|s| s * 1e3),
-                p95: w.window.quantile(0.95).map(|s| s * 1e3),
+                p50: w.window.quantile(0.5).map(|s| s * to_ms),
+                p95: w.window.quantile(0.95).map(|s| s * to_ms),
             };
             (q.p50.is_some() || q.p95.is_some()).then_some(q)
         };
@@ -701,7 +704,7 @@ mod tests {
         let mut pools = PoolLatency::new(60.0);
         pools.record(0.0, &parse_text(&gateway_text([0, 0, 0], [0, 0, 0])));
         // One snapshot has no increase yet.
-        let view = pools.view();
+        let view = pools.view(1.0);
         assert_eq!(view.len(), 2);
         assert!(
             view.iter()
@@ -709,7 +712,10 @@ mod tests {
         );
         // 10 s later: prefill saw 2 + 2 TTFTs under 0.1 s and 2 + 2 in (0.1, 0.5]; decode none.
         pools.record(10.0, &parse_text(&gateway_text([2, 4, 4], [0, 0, 0])));
-        let view = pools.view();
+        // A simulator 10 times faster than real time: wall seconds are 10 model seconds.
+        let sped_up = pools.view(10.0)[0].ttft_ms.unwrap();
+        assert!((sped_up.p50.unwrap() - 1_000.0).abs() < 1e-9, "{sped_up:?}");
+        let view = pools.view(1.0);
         let prefill = &view[0];
         assert_eq!(prefill.pool, "prefill");
         let ttft = prefill.ttft_ms.unwrap();
@@ -723,12 +729,12 @@ mod tests {
         assert_eq!(view[1].ttft_ms, None, "no decode TTFT in the window");
         // The window moves on: what happened before 70 s - 60 s is out of it.
         pools.record(70.0, &parse_text(&gateway_text([2, 4, 4], [0, 0, 2])));
-        let view = pools.view();
+        let view = pools.view(1.0);
         assert_eq!(view[0].ttft_ms, None, "{view:?}");
         // In +Inf: the highest finite bound, as Prometheus answers.
         assert_eq!(view[1].ttft_ms.unwrap().p95, Some(500.0));
         pools.clear();
-        assert!(pools.view().is_empty());
+        assert!(pools.view(1.0).is_empty());
     }
 
     #[test]
