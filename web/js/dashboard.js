@@ -208,7 +208,8 @@ export class Dashboard {
     // Scaling events and pool sizes change the charts too (markers, the replica chart).
     const scenario = status.scenario;
     const poolHistory = Array.isArray(scenario?.pool_history) ? scenario.pool_history : null;
-    $('chart-pools-card').hidden = !poolHistory;
+    // Without a fleet to resize (an external target) the pools' sizes are not known here.
+    $('chart-pools-card').hidden = !poolHistory || (!poolHistory.length && scenario.fleet === 'none');
     const events = Array.isArray(scenario?.events) ? scenario.events : [];
     const lastPool = poolHistory?.[poolHistory.length - 1];
     const scenarioKey = `${events.length}|${events[events.length - 1]?.at_ms}|${poolHistory?.length}|${lastPool?.at_ms}`;
