@@ -612,6 +612,23 @@ impl Dispatcher {
         known
     }
 
+    /// Starts draining a routable worker (scaling its pool down): it gets no new request,
+    /// those it serves finish; [`take_drained`](Self::take_drained) names it once idle.
+    /// `false` for a worker the router does not know.
+    pub fn drain_worker(&self, worker: WorkerId) -> bool {
+        let mut core = lock(&self.core);
+        let now = self.now();
+        let known = core.frontend.drain_worker(worker, now);
+        self.deliver(&mut core, None);
+        known
+    }
+
+    /// Draining workers whose last request has finished, oldest first (each named once).
+    pub fn take_drained(&self) -> Vec<WorkerId> {
+        let mut core = lock(&self.core);
+        std::iter::from_fn(|| core.frontend.take_drained()).collect()
+    }
+
     /// Removes dynamic workers whose lease ran out before `now`; returns them.
     pub fn expire_leases(&self, now: Instant) -> Vec<WorkerId> {
         let mut core = lock(&self.core);

@@ -309,6 +309,18 @@ impl Gateway {
         self.dispatcher.remove_worker(worker)
     }
 
+    /// Starts draining a worker (scaling its pool down): no new request goes to it; once
+    /// its requests have finished, [`Gateway::take_drained`] names it and the caller removes
+    /// it ([`Gateway::remove_worker`]). `false` for a worker not in the routing set.
+    pub fn drain_worker(&self, worker: kv_index::WorkerId) -> bool {
+        self.dispatcher.drain_worker(worker)
+    }
+
+    /// Draining workers that have become idle since the last call.
+    pub fn take_drained(&self) -> Vec<kv_index::WorkerId> {
+        self.dispatcher.take_drained()
+    }
+
     /// Resolves when the HTTP server stops (it stops on [`Gateway::shutdown`]).
     pub async fn stopped(&mut self) {
         if let Some(server) = &mut self.server {

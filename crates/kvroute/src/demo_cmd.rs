@@ -3,21 +3,27 @@
 //! dashboard on one machine).
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use engine_server::{EngineServer, EngineServerHandle};
+use engine_server::EngineServerHandle;
 use gateway::Gateway;
+use loadgen::scenario::PoolKind;
 use loadgen::{
-    Baseline, DriveConfig, LaneSpec, Loadgen, LoadgenConfig, PhaseReference, UserSimulator,
+    Baseline, DriveConfig, LaneSpec, Loadgen, LoadgenConfig, PhaseReference, ScalingConfig,
+    UserSimulator,
 };
+use nanotime::Nanos;
 use router::PolicyKind;
+use workload::scenario::ScenarioConfig;
 use workload::{Distribution, Mix, WorkloadConfig};
 
+use crate::demo_fleet::{DemoFleet, EngineTemplate};
 use crate::demo_prometheus::{self, DemoPrometheus};
-use crate::{bench_cmd, engine_cmd, gateway_cmd};
+use crate::{bench_cmd, gateway_cmd};
 
 /// Workload, user and dashboard settings shared by `loadgen` and `demo`.
 #[derive(Debug, clap::Args)]
@@ -101,6 +107,24 @@ pub struct DriveArgs {
     /// With --run-for: where to write the final status (the API's JSON).
     #[arg(long, requires = "run_for")]
     report: Option<PathBuf>,
+    /// Seed 004's auto-mode cycle: a TOML file of phases (mix, rate, pool sizes, duration;
+    /// see crates/workload/scenarios/seed004.toml). Default: the built-in seed 004 cycle.
+    /// `POST /api/scenario/auto` starts it.
+    #[arg(long, value_name = "FILE")]
+    scenario: Option<PathBuf>,
+    /// Start in auto mode: the scenario drives the mix, the rate and the pools (and starts the
+    /// workload); the autoscalers are paused.
+    #[arg(long)]
+    auto: bool,
+    /// The autoscalers' polling interval, modelled seconds (seed 004's KEDA: 15).
+    #[arg(long, value_name = "SECONDS", default_value_t = 15.0)]
+    autoscale_interval: f64,
+    /// The prefill pool's scaler: TTFT p95 target per replica, modelled seconds (seed 004: 0.5).
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.5)]
+    ttft_threshold: f64,
+    /// The decode pool's scaler: ITL p95 target per replica, modelled seconds (seed 004: 0.05).
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.05)]
+    itl_threshold: f64,
 }
 
 impl DriveArgs {
@@ -162,6 +186,45 @@ impl DriveArgs {
         })
     }
 
+    /// The scenario (--scenario or seed 004's) and the autoscalers (seed 004's, with the
+    /// interval and thresholds of the flags), no fleet yet.
+    fn scaling(&self) -> Result<ScalingConfig> {
+        let scenario = match &self.scenario {
+            None => ScenarioConfig::seed004(),
+            Some(path) => read_scenario(path)?,
+        };
+        let mut scaling = ScalingConfig {
+            scenario,
+            auto: self.auto,
+            ..ScalingConfig::default()
+        };
+        if !(self.autoscale_interval.is_finite() && self.autoscale_interval > 0.0) {
+            bail!(
+                "--autoscale-interval must be a positive number of seconds, got {}",
+                self.autoscale_interval
+            );
+        }
+        for (flag, value) in [
+            ("--ttft-threshold", self.ttft_threshold),
+            ("--itl-threshold", self.itl_threshold),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                bail!("{flag} must be a positive number of seconds, got {value}");
+            }
+        }
+        let interval = Nanos::from_secs_f64(self.autoscale_interval);
+        scaling.prefill.polling_interval = interval;
+        scaling.decode.polling_interval = interval;
+        // The activation thresholds keep the seed's ratio to the threshold (0.1 / 0.5 and
+        // 0.01 / 0.05).
+        scaling.prefill.threshold = self.ttft_threshold;
+        scaling.prefill.activation_threshold = self.ttft_threshold / 5.0;
+        scaling.decode.threshold = self.itl_threshold;
+        scaling.decode.activation_threshold = self.itl_threshold / 5.0;
+        scaling.validate().map_err(|e| anyhow::anyhow!(e))?;
+        Ok(scaling)
+    }
+
     /// The reference lines from --phase-reference, else `default`.
     fn phase_reference(
         &self,
@@ -198,6 +261,14 @@ impl DriveArgs {
             }
         }
     }
+}
+
+/// Reads and checks a --scenario file; every error names the file.
+fn read_scenario(path: &Path) -> Result<ScenarioConfig> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--scenario: reading {}", path.display()))?;
+    ScenarioConfig::from_toml(&text)
+        .map_err(|e| anyhow::anyhow!("--scenario {}: {e}", path.display()))
 }
 
 #[derive(Debug, clap::Args)]
@@ -373,14 +444,6 @@ impl DemoArgs {
     }
 }
 
-/// `kvroute engine`'s flags, parsed from a list: the demo starts its engines exactly as the
-/// command would.
-#[derive(Debug, Parser)]
-struct EngineFlags {
-    #[command(flatten)]
-    args: engine_cmd::EngineArgs,
-}
-
 #[derive(Debug, Parser)]
 struct GatewayFlags {
     #[command(flatten)]
@@ -401,12 +464,14 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
     }
     lane.worker_metrics = args.worker_metrics.clone();
     lane.prometheus = args.prometheus_url.clone();
+    let scaling = args.drive.scaling()?;
     let config = LoadgenConfig {
         listen: SocketAddr::new(args.host, args.port),
         drive: args.drive.drive(args.speedup)?,
         baseline: args.drive.baseline()?,
         phase_reference: args.drive.phase_reference(|| None)?,
         autostart: args.drive.start,
+        scaling,
         ..LoadgenConfig::new(vec![lane])
     };
     let runtime = crate::server_runtime()?;
@@ -468,6 +533,16 @@ struct BenchFlags {
     args: bench_cmd::BenchArgs,
 }
 
+/// How the demo starts its engines: `kvroute engine` with the demo's profile, speed and
+/// speculative decoding.
+fn engine_template(args: &DemoArgs, spec: &str) -> EngineTemplate {
+    EngineTemplate {
+        profile: args.profile.clone(),
+        speedup: args.speedup,
+        spec: spec.to_owned(),
+    }
+}
+
 /// One simulated cluster: engines and their gateway.
 struct Cluster {
     router: String,
@@ -481,31 +556,12 @@ async fn start_cluster(
     spec: &str,
     gateway_port: u16,
 ) -> Result<Cluster> {
+    let template = engine_template(args, spec);
     let mut engines = Vec::new();
     for w in 0..args.worker_count() {
         // Each cluster has its own gateway, so both number their workers from 0: the
         // transcripts' worker ids then match the GPU cards' names (worker-N) on either side.
-        let id = w;
-        let hostname = format!("worker-{w}");
-        let flags = EngineFlags::try_parse_from([
-            "engine".to_owned(),
-            "--port=0".to_owned(),
-            format!("--profile={}", args.profile),
-            format!("--speedup={}", args.speedup),
-            format!("--worker-id={id}"),
-            // The same seeds in both clusters: identical engines.
-            format!("--seed={w}"),
-            "--zmq-pub=tcp://127.0.0.1:0".to_owned(),
-            format!("--hostname={hostname}"),
-            format!("--spec-decode={spec}"),
-            format!("--role={}", args.role_of(w)),
-        ])
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let config = engine_cmd::config(&flags.args)?;
-        let engine = EngineServer::bind(config)
-            .await
-            .with_context(|| format!("starting simulated worker {w}"))?;
-        engines.push(engine);
+        engines.push(template.start(w, args.role_of(w)).await?);
     }
     let mut gateway_flags = vec![
         "gateway".to_owned(),
@@ -542,6 +598,8 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             }
         }
     }
+    // A bad --scenario (or autoscaler flag) fails here, before anything starts.
+    let mut scaling = args.drive.scaling()?;
     let (router, spec) = args.router_and_spec()?;
     let routers: Vec<String> = match &args.compare {
         Some(list) => {
@@ -594,6 +652,18 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
     runtime.block_on(async {
         let mut clusters = Vec::new();
         let mut lanes = Vec::new();
+        // The disaggregated demo of one cluster resizes its pools itself.
+        let mut fleet: Option<Arc<DemoFleet>> = None;
+        // What --prometheus scrapes: the first cluster's gateway and engines.
+        let mut scraped: Option<(SocketAddr, Vec<(String, SocketAddr)>)> = None;
+        if args.target.is_none() && !args.disaggregated() {
+            scaling.no_fleet_reason = "the demo is aggregated (start it with \
+                                       --prefill-workers/--decode-workers)"
+                .to_owned();
+        } else if args.compare.is_some() {
+            scaling.no_fleet_reason =
+                "--compare runs two clusters; the demo resizes the pools of one only".to_owned();
+        }
         if let Some(target) = &args.target {
             lanes.push(LaneSpec::for_gateway(
                 "live",
@@ -644,7 +714,40 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                     cluster.gateway.url()
                 );
                 lanes.push(lane);
-                clusters.push(cluster);
+                if scraped.is_none() {
+                    scraped = Some((
+                        cluster.gateway.local_addr(),
+                        cluster
+                            .engines
+                            .iter()
+                            .enumerate()
+                            .map(|(w, e)| (format!("worker-{w}"), e.local_addr()))
+                            .collect(),
+                    ));
+                }
+                if args.disaggregated() && routers.len() == 1 {
+                    let engines = cluster
+                        .engines
+                        .into_iter()
+                        .zip(0..)
+                        .map(|(engine, w)| {
+                            let pool = match w < args.prefill_workers {
+                                true => PoolKind::Prefill,
+                                false => PoolKind::Decode,
+                            };
+                            (w, pool, engine)
+                        })
+                        .collect();
+                    let demo_fleet = Arc::new(DemoFleet::new(
+                        engine_template(&args, &spec),
+                        cluster.gateway,
+                        engines,
+                    ));
+                    scaling.fleet = Some(demo_fleet.clone());
+                    fleet = Some(demo_fleet);
+                } else {
+                    clusters.push(cluster);
+                }
             }
         }
         let config = LoadgenConfig {
@@ -653,21 +756,17 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             baseline,
             phase_reference,
             autostart: args.drive.start,
+            scaling,
             ..LoadgenConfig::new(lanes)
         };
         let loadgen = Loadgen::bind(config).await?;
         // Started last, when every address it scrapes is bound; kept until the end (drop
         // stops it).
-        let _prometheus = match (prometheus_port, clusters.first()) {
-            (Some(port), Some(cluster)) => {
+        let _prometheus = match (prometheus_port, scraped) {
+            (Some(port), Some((gateway, engines))) => {
                 let targets = demo_prometheus::Targets {
-                    gateway: cluster.gateway.local_addr(),
-                    engines: cluster
-                        .engines
-                        .iter()
-                        .enumerate()
-                        .map(|(w, e)| (format!("worker-{w}"), e.local_addr()))
-                        .collect(),
+                    gateway,
+                    engines,
                     loadgen: loadgen.local_addr(),
                 };
                 let mut prometheus = DemoPrometheus::start(&args.prometheus_bin, port, &targets)?;
@@ -686,6 +785,9 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         run_or_wait(&loadgen, &args.drive, args.speedup).await?;
         println!("kvroute demo: shutting down");
         loadgen.shutdown().await;
+        if let Some(fleet) = fleet {
+            fleet.shutdown().await;
+        }
         for cluster in clusters {
             cluster.gateway.shutdown().await;
             for engine in cluster.engines {

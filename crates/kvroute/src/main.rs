@@ -14,6 +14,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bench_cmd;
 mod demo_cmd;
+mod demo_fleet;
 mod demo_prometheus;
 #[cfg(test)]
 mod deploy_args;

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 mod common;
 
-use common::{Running, assert_failures, get_json, get_text};
+use common::{Running, assert_failures, failure, get_json, get_text};
 
 /// Reads stdout lines until one contains `marker`; returns every line read.
 fn lines_until(stdout: &mut BufReader<ChildStdout>, marker: &str) -> Vec<String> {
@@ -295,6 +295,14 @@ fn bad_arguments_fail_with_a_clear_error() {
         ),
         (&["demo", "--think-time=-1"], "--think-time must be"),
         (
+            &["demo", "--scenario", "/nonexistent-scenario.toml"],
+            "--scenario: reading /nonexistent-scenario.toml",
+        ),
+        (
+            &["demo", "--ttft-threshold", "0"],
+            "--ttft-threshold must be a positive number",
+        ),
+        (
             &["loadgen", "--target", "localhost:8000"],
             "--target must be an http:// or https:// URL",
         ),
@@ -347,4 +355,243 @@ fn demo_starts_at_a_phase_with_speculative_workers_and_reference_lines() {
         }
     });
     assert!(demo.interrupt().success());
+}
+
+/// A scenario file in the temporary directory, unique to this test.
+fn scenario_file(name: &str, toml: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("kvroute-{}-{name}.toml", std::process::id()));
+    std::fs::write(&path, toml).expect("scenario file written");
+    path
+}
+
+/// The gateway's URL from the demo's cluster line.
+fn gateway_url(lines: &[String]) -> String {
+    let line = lines
+        .iter()
+        .find(|l| l.contains(" gateway on "))
+        .expect("the gateway's line");
+    line.rsplit(" gateway on ")
+        .next()
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// The worker ids the gateway knows, from its `kvroute_worker_role` series.
+fn gateway_workers(gateway: &str) -> Vec<u64> {
+    let metrics = block_on(get_text(&format!("{gateway}/metrics")));
+    let mut ids: Vec<u64> = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvroute_worker_role{") && l.ends_with(" 1"))
+        .filter_map(|l| {
+            let rest = l.split("worker_id=\"").nth(1)?;
+            rest.split('"').next()?.parse().ok()
+        })
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// `demo --auto` with a cycle of short phases: the scenario grows both pools (new engines
+/// start and register with the gateway), then shrinks them back (the newest workers drain
+/// and leave the gateway), with no request failing on the way.
+#[test]
+fn auto_mode_grows_and_drains_the_pools() {
+    let scenario = scenario_file(
+        "grow",
+        r#"
+rate_rps = 0.25
+initial = { prefill = 1, decode = 1 }
+max = { prefill = 3, decode = 3 }
+[[phase]]
+name = "BASE"
+duration_s = 40
+mix = { A = 100 }
+prefill = "initial"
+decode = "initial"
+[[phase]]
+name = "GROW"
+duration_s = 100
+prefill = "+1"
+decode = "+1"
+[[phase]]
+name = "BACK"
+duration_s = 60
+prefill = "initial"
+decode = "initial"
+"#,
+    );
+    let mut demo = Demo::start(&[
+        "--prefill-workers",
+        "1",
+        "--decode-workers",
+        "1",
+        "--speedup",
+        "20",
+        "--no-baseline",
+        "--scenario",
+        scenario.to_str().unwrap(),
+        "--auto",
+    ]);
+    let gateway = gateway_url(&demo.lines);
+    assert_eq!(gateway_workers(&gateway), [0, 1]);
+    let status = get(&format!("{}/api/status", demo.url));
+    assert_eq!(status["scenario"]["mode"], "auto", "{status}");
+    assert_eq!(status["scenario"]["fleet"], "demo");
+    assert_eq!(status["running"], true, "auto mode starts the workload");
+
+    // GROW: worker-2 and worker-3 join, one per pool, and the gateway routes to them.
+    demo.wait_for_status("the pools grow", |s| {
+        let events = s["scenario"]["events"].as_array().unwrap();
+        s["scenario"]["pools"] == serde_json::json!({"prefill": 2, "decode": 2})
+            && ["prefill", "decode"].iter().all(|pool| {
+                events.iter().any(|e| {
+                    e["pool"] == *pool
+                        && e["from"] == 1
+                        && e["to"] == 2
+                        && e["source"] == "scenario"
+                        && e["phase"] == "GROW"
+                        && e["applied"] == true
+                })
+            })
+    });
+    assert_eq!(gateway_workers(&gateway), [0, 1, 2, 3]);
+    // The GPU view follows the fleet.
+    demo.wait_for_status("four worker cards", |s| {
+        s["lanes"][0]["workers"]["list"].as_array().map(Vec::len) == Some(4)
+    });
+
+    // BACK: the newest leave by draining, and the gateway forgets them.
+    demo.wait_for_status("the pools shrink", |s| {
+        let events = s["scenario"]["events"].as_array().unwrap();
+        ["prefill", "decode"].iter().all(|pool| {
+            events.iter().any(|e| {
+                e["pool"] == *pool && e["from"] == 2 && e["to"] == 1 && e["applied"] == true
+            })
+        })
+    });
+    let workers = gateway_workers(&gateway);
+    assert!(
+        !workers.contains(&2) && !workers.contains(&3),
+        "the drained workers left the gateway: {workers:?}"
+    );
+    let status = get(&format!("{}/api/status", demo.url));
+    let history = status["scenario"]["pool_history"].as_array().unwrap();
+    assert!(history.len() >= 3, "{history:?}");
+    let lane = &status["lanes"][0];
+    assert!(
+        lane["metrics"]["requests"].as_u64().unwrap() > 0,
+        "{status}"
+    );
+    assert_eq!(
+        lane["metrics"]["errors"], 0,
+        "no request fails in a drain: {status}"
+    );
+
+    assert!(demo.interrupt().success());
+    let mut rest = String::new();
+    demo.stdout.read_to_string(&mut rest).unwrap();
+    let everything = format!("{}\n{rest}", demo.lines.join("\n"));
+    assert!(everything.contains("worker-2 joined the"), "{everything}");
+    assert!(everything.contains("left the"), "{everything}");
+    let _ = std::fs::remove_file(scenario);
+}
+
+/// Manual mode: the prefill pool's autoscaler (a tiny TTFT threshold, a 2 s polling
+/// interval) sees TTFT p95 over its threshold in the gateway's metrics and adds prefill
+/// workers, up to seed 004's max of 4.
+#[test]
+fn the_autoscaler_scales_a_pool_over_its_threshold() {
+    let mut demo = Demo::start(&[
+        "--prefill-workers",
+        "1",
+        "--decode-workers",
+        "1",
+        "--speedup",
+        "20",
+        "--no-baseline",
+        "--start",
+        "--rate",
+        "0.25",
+        "--autoscale-interval",
+        "2",
+        "--ttft-threshold",
+        "0.0001",
+    ]);
+    let gateway = gateway_url(&demo.lines);
+    demo.wait_for_status("the prefill pool grows", |s| {
+        let scenario = &s["scenario"];
+        assert_eq!(scenario["mode"], "manual");
+        assert_eq!(scenario["autoscaler"]["prefill"]["paused"], false);
+        scenario["pools"]["prefill"].as_u64().unwrap_or(0) >= 2
+            && scenario["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["pool"] == "prefill" && e["source"] == "autoscaler")
+    });
+    let status = get(&format!("{}/api/status", demo.url));
+    let scenario = &status["scenario"];
+    let event = scenario["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["pool"] == "prefill" && e["source"] == "autoscaler")
+        .unwrap_or_else(|| panic!("{scenario}"));
+    assert_eq!(event["applied"], true, "{event}");
+    assert!(
+        event["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("above_threshold"),
+        "{event}"
+    );
+    assert!(
+        scenario["autoscaler"]["prefill"]["value"].as_f64().unwrap() > 0.0001,
+        "{scenario}"
+    );
+    assert!(gateway_workers(&gateway).len() >= 3);
+    // Auto mode pauses it.
+    let code = post(&format!("{}/api/scenario/auto", demo.url));
+    assert_eq!(code, 200);
+    let status = get(&format!("{}/api/status", demo.url));
+    assert_eq!(status["scenario"]["autoscaler"]["prefill"]["paused"], true);
+    assert!(demo.interrupt().success());
+}
+
+/// A --scenario file that does not parse or check fails before anything starts, saying what
+/// is wrong and where.
+#[test]
+fn a_bad_scenario_file_fails_before_anything_starts() {
+    let scenario = scenario_file(
+        "bad",
+        r#"
+rate_rps = 1.0
+initial = { prefill = 1, decode = 1 }
+max = { prefill = 2, decode = 2 }
+[[phase]]
+name = "ODD"
+duration_s = 10
+mix = { A = 40, B = 30 }
+"#,
+    );
+    let path = scenario.to_str().unwrap();
+    let stderr = failure(&[
+        "demo",
+        "--port",
+        "0",
+        "--gateway-port",
+        "0",
+        "--scenario",
+        path,
+    ]);
+    assert!(
+        stderr.contains(&format!("--scenario {path}: phase.mix"))
+            && stderr.contains("must add up to 100"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.matches("error").count(), 1, "printed once: {stderr}");
+    assert!(!stderr.contains("simulated"), "{stderr}");
+    let _ = std::fs::remove_file(scenario);
 }

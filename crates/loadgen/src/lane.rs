@@ -144,6 +144,8 @@ pub struct LaneState {
     /// none).
     pub spec: SpecHistory,
     pub time_scale: f64,
+    /// The workers' (name, metrics URL) when a fleet resized the cluster; `None`: the spec's.
+    pub worker_metrics: Option<Vec<(String, String)>>,
 }
 
 impl LaneState {
@@ -215,6 +217,7 @@ impl Lane {
             prometheus_figures: None,
             spec: SpecHistory::new(config.window, 1_024),
             time_scale: config.time_scale,
+            worker_metrics: None,
         }));
         let (commands, receiver) = mpsc::channel(64);
         let driver = Driver {

@@ -53,6 +53,7 @@ mod client;
 mod lane;
 mod poll;
 mod reference;
+pub mod scenario;
 mod scrape;
 mod server;
 mod store;
@@ -72,6 +73,7 @@ pub use lane::{DriveConfig, LaneSpec, UserSimulator};
 pub use reference::{
     PhaseLevel, PhaseLine, PhaseReference, ReferenceError, ReferenceStatus, SHIPPED_PHASES,
 };
+pub use scenario::{Fleet, ScalingConfig};
 pub use scrape::{Sample, parse_text};
 pub use server::{ApiError, App, LaneMetrics, LaneStatus, Status};
 
@@ -144,6 +146,9 @@ pub struct LoadgenConfig {
     pub slo: Slo,
     /// Start the workload at once instead of waiting for Start.
     pub autostart: bool,
+    /// Seed 004's scenario (auto mode), the pools' autoscalers (manual mode) and the fleet
+    /// they resize.
+    pub scaling: ScalingConfig,
 }
 
 impl LoadgenConfig {
@@ -158,6 +163,7 @@ impl LoadgenConfig {
             slider: Slider::default(),
             slo: Slo::default(),
             autostart: false,
+            scaling: ScalingConfig::default(),
         }
     }
 }
@@ -217,6 +223,9 @@ impl Loadgen {
                 "the request timeout must be positive".into(),
             ));
         }
+        let scenario =
+            scenario::ScenarioHandle::new(config.scaling.clone(), config.drive.time_scale)
+                .map_err(LoadgenError::Config)?;
         let assets = Assets::builtin().map_err(workload::WorkloadError::from)?;
         let http = reqwest::Client::builder()
             // One connection per request in flight: a turn is one long stream.
@@ -269,11 +278,18 @@ impl Loadgen {
             config.drive.window.as_secs_f64(),
             concurrency,
             system_excerpts,
+            scenario,
         );
         app.references = config.phase_reference.clone();
         let app = Arc::new(app);
         app.publish(false);
         tokio::spawn(server::status_loop(app.clone(), shutdown.clone()));
+        tokio::spawn(scenario::run(
+            app.clone(),
+            http.clone(),
+            config.lanes[0].gateway_metrics.clone(),
+            shutdown.clone(),
+        ));
         let router = server::router(app.clone());
         let stop = shutdown.clone();
         let server = tokio::spawn(async move {
@@ -287,6 +303,9 @@ impl Loadgen {
             app.start(Some(concurrency))
                 .await
                 .map_err(|e| LoadgenError::Start(e.0.message().to_owned()))?;
+        }
+        if config.scaling.auto {
+            app.scenario.auto(None).await;
         }
         Ok(Loadgen {
             local_addr,

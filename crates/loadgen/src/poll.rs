@@ -43,7 +43,14 @@ pub async fn scrape_loop(
             Some(url) => Some(scrape::fetch_text(&http, url, SCRAPE_TIMEOUT).await),
             None => None,
         };
-        let (workers, spec_counters) = scrape_workers(&spec, &http).await;
+        let endpoints = lock(&state).worker_metrics.clone().unwrap_or_else(|| {
+            spec.worker_metrics
+                .iter()
+                .enumerate()
+                .map(|(i, url)| (format!("worker-{i}"), url.clone()))
+                .collect()
+        });
+        let (workers, spec_counters) = scrape_workers(&endpoints, &http).await;
         let mut s = lock(&state);
         let now_s = s.now_s();
         if let (true, Some(mut point)) = (s.running, spec_counters) {
@@ -87,10 +94,10 @@ pub async fn scrape_loop(
 /// The workers' GPU view, and their speculative-decoding counters summed (when every worker
 /// answered and reports them: a partial sum would look like a counter reset).
 async fn scrape_workers(
-    spec: &LaneSpec,
+    endpoints: &[(String, String)],
     http: &reqwest::Client,
 ) -> (WorkersView, Option<SpecPoint>) {
-    if spec.worker_metrics.is_empty() {
+    if endpoints.is_empty() {
         let view = WorkersView {
             available: false,
             error: Some("no worker metrics endpoints configured (--worker-metrics)".into()),
@@ -98,10 +105,9 @@ async fn scrape_workers(
         };
         return (view, None);
     }
-    let fetches = spec
-        .worker_metrics
+    let fetches = endpoints
         .iter()
-        .map(|url| scrape::fetch_text(http, url, SCRAPE_TIMEOUT));
+        .map(|(_, url)| scrape::fetch_text(http, url, SCRAPE_TIMEOUT));
     let bodies = futures::future::join_all(fetches).await;
     let mut view = WorkersView {
         available: true,
@@ -113,7 +119,7 @@ async fn scrape_workers(
         match body {
             Ok(text) => {
                 let samples = scrape::parse_text(&text);
-                let (worker, gpu, model) = scrape::worker_view(&format!("worker-{i}"), &samples);
+                let (worker, gpu, model) = scrape::worker_view(&endpoints[i].0, &samples);
                 view.gpu = view.gpu.or(gpu);
                 view.model = view.model.or(model);
                 view.list.push(worker);

@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::baseline::{Baseline, BaselineRow};
 use crate::lane::{Lane, Totals, lock, unix_ms};
 use crate::reference::{PhaseReference, ReferenceStatus};
+use crate::scenario::{ScenarioHandle, ScenarioState};
 use crate::store::{ConversationRecord, ConversationStatus, TurnRecord};
 use crate::{MAX_CONCURRENCY, Slider, Slo};
 use workload::{MAX_RATE, Mix};
@@ -46,6 +47,8 @@ pub struct App {
     /// Per passage: the start of its system message, for the transcript's header.
     pub system_excerpts: Vec<String>,
     pub status: watch::Sender<Arc<str>>,
+    /// Seed 004's scenario controller and autoscalers (`scenario.rs`).
+    pub scenario: ScenarioHandle,
     history: Mutex<Vec<VecDeque<HistoryPoint>>>,
     /// Serializes start / stop / config so that every lane sees them in the same order.
     control: tokio::sync::Mutex<()>,
@@ -60,6 +63,7 @@ impl App {
         window_s: f64,
         initial_concurrency: u32,
         system_excerpts: Vec<String>,
+        scenario: ScenarioHandle,
     ) -> App {
         let history = Mutex::new(lanes.iter().map(|_| VecDeque::new()).collect());
         let (status, _) = watch::channel(Arc::from("{}"));
@@ -72,6 +76,7 @@ impl App {
             window_s,
             initial_concurrency,
             system_excerpts,
+            scenario,
             status,
             history,
             control: tokio::sync::Mutex::new(()),
@@ -109,6 +114,19 @@ impl App {
                 .cloned(),
             references: self.references.as_ref().and_then(|r| r.status(concurrency)),
             lanes,
+            scenario: self.scenario.state(),
+        }
+    }
+
+    /// Whether any lane runs.
+    pub fn is_running(&self) -> bool {
+        self.lanes.iter().any(|l| lock(&l.state).running)
+    }
+
+    /// The workers' metrics endpoints after the fleet changed (the GPU view follows it).
+    pub fn set_worker_metrics(&self, workers: Vec<(String, String)>) {
+        for lane in &self.lanes {
+            lock(&lane.state).worker_metrics = Some(workers.clone());
         }
     }
 
@@ -252,6 +270,8 @@ pub struct Status {
     pub baseline: Option<BaselineRow>,
     /// Seed 003's phases at the level nearest the concurrency: the charts' reference lines.
     pub references: Option<ReferenceStatus>,
+    /// Seed 004's scenario controller, autoscalers and pools.
+    pub scenario: ScenarioState,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -410,6 +430,9 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/workload/start", post(post_start))
         .route("/api/workload/stop", post(post_stop))
         .route("/api/workload/config", post(post_config))
+        .route("/api/scenario/auto", post(post_scenario_auto))
+        .route("/api/scenario/stop", post(post_scenario_manual))
+        .route("/api/scenario/manual", post(post_scenario_manual))
         .route("/api/baseline", get(get_baseline))
         .route("/api/history", get(get_history))
         .route("/api/conversations", get(get_conversations))
@@ -484,6 +507,10 @@ fn parse_change(body: &Bytes) -> Result<Option<WorkloadChange>, ApiError> {
                             .to_owned(),
                     ),
                 };
+                let mix = mix.and_then(|m| match m.total() {
+                    100 => Ok(m),
+                    total => Err(format!("the weights must add up to 100, got {total}")),
+                });
                 change.mix = Some(mix.map_err(|e| bad_field("mix", format!("mix: {e}")))?);
             }
             "rate" => {
@@ -532,7 +559,80 @@ async fn post_start(
 }
 
 async fn post_stop(State(app): State<Arc<App>>) -> Result<axum::Json<Status>, ApiError> {
+    // The cycle needs a running workload: stopping it ends auto mode.
+    if app.scenario.mode() == crate::scenario::Mode::Auto {
+        app.scenario.manual().await;
+    }
     app.stop().await.map(axum::Json)
+}
+
+/// `POST /api/scenario/auto`, optionally `{"phase": "NAME"}`: starts the cycle (and the
+/// workload), pausing the autoscalers.
+async fn post_scenario_auto(
+    State(app): State<Arc<App>>,
+    body: Bytes,
+) -> Result<axum::Json<Status>, ApiError> {
+    let phase = if body.iter().all(u8::is_ascii_whitespace) {
+        None
+    } else {
+        let value: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::bad_request(
+                "invalid_json",
+                format!("expected no body or a JSON object like {{\"phase\": \"BALANCED\"}}: {e}"),
+            )
+        })?;
+        let serde_json::Value::Object(fields) = value else {
+            return Err(ApiError::bad_request(
+                "invalid_json",
+                "expected a JSON object like {\"phase\": \"BALANCED\"}",
+            ));
+        };
+        let mut phase = None;
+        for (key, value) in fields {
+            match (key.as_str(), value) {
+                ("phase", serde_json::Value::Null) => {}
+                ("phase", serde_json::Value::String(name)) => {
+                    app.scenario
+                        .check_phase(&name)
+                        .map_err(|e| bad_field("phase", e))?;
+                    phase = Some(name);
+                }
+                ("phase", other) => {
+                    let names: Vec<&str> = app
+                        .scenario
+                        .config()
+                        .scenario
+                        .phases
+                        .iter()
+                        .map(|p| p.name.as_str())
+                        .collect();
+                    return Err(bad_field(
+                        "phase",
+                        format!(
+                            "phase: expected the name of a phase ({}), got {other}",
+                            names.join(", ")
+                        ),
+                    ));
+                }
+                (other, _) => {
+                    return Err(ApiError::bad_request(
+                        "invalid_json",
+                        format!("unknown field `{other}`: expected phase"),
+                    ));
+                }
+            }
+        }
+        phase
+    };
+    app.scenario.auto(phase).await;
+    Ok(axum::Json(app.publish(false)))
+}
+
+/// `POST /api/scenario/stop` and `/api/scenario/manual`: the cycle stops (the workload keeps
+/// its mix and rate), the autoscalers resume.
+async fn post_scenario_manual(State(app): State<Arc<App>>) -> axum::Json<Status> {
+    app.scenario.manual().await;
+    axum::Json(app.publish(false))
 }
 
 async fn post_config(
@@ -928,7 +1028,7 @@ pub async fn status_loop(app: Arc<App>, shutdown: CancellationToken) {
             _ = ticker.tick() => {}
         }
         tick += 1;
-        let running = app.lanes.iter().any(|l| lock(&l.state).running);
+        let running = app.is_running();
         app.publish(running && tick % 2 == 0);
     }
 }

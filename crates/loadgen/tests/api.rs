@@ -79,6 +79,9 @@ async fn the_workload_runs_measures_and_obeys_the_api() {
         (json!({"mix": "A=-1"}), "invalid_mix"),
         (json!({"mix": {"A": 40, "X": 1}}), "invalid_mix"),
         (json!({"mix": 40}), "invalid_mix"),
+        // Percentages: a mix must add up to 100.
+        (json!({"mix": "A=40,B=30"}), "invalid_mix"),
+        (json!({"mix": {"A": 1, "B": 1}}), "invalid_mix"),
         (json!({"rate": 0}), "invalid_rate"),
         (json!({"rate": -2.5}), "invalid_rate"),
         (json!({"rate": "fast"}), "invalid_rate"),
@@ -555,11 +558,11 @@ async fn a_mix_at_a_rate_runs_and_changes_live() {
     let url = loadgen.url();
     let (code, status) = post(
         &format!("{url}/api/workload/start"),
-        Some(json!({"mix": "B=1,C=1", "rate": 4.0})),
+        Some(json!({"mix": "B=50,C=50", "rate": 4.0})),
     )
     .await;
     assert_eq!(code, 200, "{status}");
-    assert_eq!(status["mix"], "A=0,B=1,C=1");
+    assert_eq!(status["mix"], "A=0,B=50,C=50");
     assert_eq!(status["rate"], 4.0);
     wait_for_metrics(
         &url,
@@ -586,7 +589,7 @@ async fn a_mix_at_a_rate_runs_and_changes_live() {
     // Live: back to the closed loop, then an invalid rate is refused while running.
     let (code, status) = post(
         &format!("{url}/api/workload/config"),
-        Some(json!({"rate": null, "concurrency": 2, "mix": {"A": 1}})),
+        Some(json!({"rate": null, "concurrency": 2, "mix": {"A": 100}})),
     )
     .await;
     assert_eq!(code, 200, "{status}");
@@ -601,5 +604,176 @@ async fn a_mix_at_a_rate_runs_and_changes_live() {
     .await;
     assert_eq!((code, error_code(&answer)), (400, "invalid_rate"));
     assert_eq!(answer["error"]["param"], "rate");
+    loadgen.shutdown().await;
+}
+
+/// A cycle of short phases for the scenario tests: both pools grow in GROW and go back in
+/// BACK; without a fleet, those actions are reported as not applied.
+const SHORT_SCENARIO: &str = r#"
+rate_rps = 0.25
+initial = { prefill = 1, decode = 1 }
+max = { prefill = 3, decode = 3 }
+[[phase]]
+name = "CHAT"
+duration_s = 40
+mix = { A = 100 }
+rate_rps = 0.25
+prefill = "initial"
+decode = "initial"
+[[phase]]
+name = "GROW"
+duration_s = 40
+mix = { A = 80, C = 20 }
+prefill = "+1"
+note = "a prefill worker joins"
+[[phase]]
+name = "BACK"
+duration_s = 40
+prefill = "initial"
+"#;
+
+/// Seed 004's scenario API against a lane with no fleet to resize (an external target):
+/// auto mode walks the phases and drives the workload's mix and rate, pauses the
+/// autoscalers and reports its scaling actions as not applied, with the reason; stop and
+/// manual resume the autoscalers and keep the workload as the cycle left it; bad input is a
+/// 400 naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scenario_walks_its_phases_and_hands_back_to_the_autoscalers() {
+    // Phases of 40 modelled seconds at 20× last 2 s.
+    let speedup = 20.0;
+    let cluster = cluster(1, speedup).await;
+    let mut config = config(vec![lane("kv_load", &cluster)], 2, speedup);
+    config.scaling.scenario =
+        workload::scenario::ScenarioConfig::from_toml(SHORT_SCENARIO).expect("the test's scenario");
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+
+    // Manual mode at first: the scalers run, nothing is scaled, no fleet.
+    let (_, status) = get(&format!("{url}/api/status")).await;
+    let scenario = &status["scenario"];
+    assert_eq!(scenario["mode"], "manual", "{scenario}");
+    assert_eq!(scenario["phase"], "IDLE");
+    assert_eq!(scenario["fleet"], "none");
+    assert_eq!(scenario["pools"], Value::Null);
+    assert_eq!(scenario["autoscaler"]["prefill"]["threshold"], 0.5);
+    assert_eq!(scenario["autoscaler"]["decode"]["threshold"], 0.05);
+    assert_eq!(scenario["autoscaler"]["decode"]["paused"], false);
+
+    // Bad input: 400 naming the field; unknown routes 404 JSON.
+    for (body, code, param) in [
+        (json!({"phase": "NOPE"}), "invalid_phase", Some("phase")),
+        (json!({"phase": 3}), "invalid_phase", Some("phase")),
+        (json!({"from": "CHAT"}), "invalid_json", None),
+    ] {
+        let (status, answer) = post(&format!("{url}/api/scenario/auto"), Some(body.clone())).await;
+        assert_eq!(
+            (status, error_code(&answer)),
+            (400, code),
+            "{body}: {answer}"
+        );
+        if let Some(param) = param {
+            assert_eq!(answer["error"]["param"], param);
+            let message = answer["error"]["message"].as_str().unwrap_or("");
+            assert!(
+                message.contains("phase") && message.contains("CHAT"),
+                "{message}"
+            );
+        }
+    }
+    let (status, answer) = post(&format!("{url}/api/scenario/bogus"), None).await;
+    assert_eq!((status, error_code(&answer)), (404, "not_found"));
+    let (_, status) = get(&format!("{url}/api/status")).await;
+    assert_eq!(
+        status["scenario"]["mode"], "manual",
+        "a refused start changes nothing"
+    );
+    assert_eq!(status["running"], false);
+
+    // Auto from GROW: the workload starts at the phase's mix and the cycle's rate; the
+    // scalers pause.
+    let (code, status) = post(
+        &format!("{url}/api/scenario/auto"),
+        Some(json!({"phase": "GROW"})),
+    )
+    .await;
+    assert_eq!(code, 200, "{status}");
+    let scenario = &status["scenario"];
+    assert_eq!(scenario["mode"], "auto", "{scenario}");
+    assert_eq!(scenario["phase"], "GROW");
+    assert_eq!(scenario["index"], 1);
+    assert_eq!(scenario["note"], "a prefill worker joins");
+    assert_eq!(scenario["phase_duration_s"], 40.0);
+    assert!(scenario["time_left_s"].as_f64().unwrap() <= 40.0);
+    assert_eq!(scenario["autoscaler"]["prefill"]["paused"], true);
+    assert_eq!(scenario["autoscaler"]["decode"]["paused"], true);
+    assert_eq!(status["running"], true);
+    assert_eq!(status["rate"], 0.25);
+    assert_eq!(status["mix"], "A=80,B=0,C=20");
+    // GROW's "+1" could not be applied: no fleet, and the event says so.
+    let events = scenario["events"].as_array().unwrap();
+    let grow = events
+        .iter()
+        .find(|e| e["phase"] == "GROW" && e["pool"] == "prefill")
+        .unwrap_or_else(|| panic!("{scenario}"));
+    assert_eq!(
+        (grow["from"].as_u64(), grow["to"].as_u64()),
+        (Some(1), Some(2))
+    );
+    assert_eq!(grow["source"], "scenario");
+    assert_eq!(grow["applied"], false);
+    assert!(
+        grow["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("not applied: the load generator drives an external target"),
+        "{grow}"
+    );
+
+    // The cycle walks on: BACK, then CHAT (chat only) in its next cycle.
+    wait_for_status(&url, "BACK", Duration::from_secs(20), |s| {
+        s["scenario"]["phase"] == "BACK"
+    })
+    .await;
+    wait_for_status(&url, "CHAT of cycle 1", Duration::from_secs(20), |s| {
+        let done = s["scenario"]["phase"] == "CHAT" && s["scenario"]["cycle"] == 1;
+        if done {
+            assert_eq!(s["mix"], "A=100,B=0,C=0", "{s}");
+        }
+        done
+    })
+    .await;
+
+    // Stop: manual again, the scalers resume, the workload keeps running as it was.
+    let (code, status) = post(&format!("{url}/api/scenario/stop"), None).await;
+    assert_eq!(code, 200);
+    let scenario = &status["scenario"];
+    assert_eq!(
+        (&scenario["mode"], &scenario["phase"]),
+        (&json!("manual"), &json!("IDLE"))
+    );
+    assert_eq!(scenario["autoscaler"]["prefill"]["paused"], false);
+    assert_eq!(scenario["autoscaler"]["decode"]["paused"], false);
+    assert_eq!(status["running"], true);
+    assert_eq!(status["mix"], "A=100,B=0,C=0");
+    // And once more, through /manual.
+    let (code, _) = post(&format!("{url}/api/scenario/auto"), None).await;
+    assert_eq!(code, 200);
+    let (code, status) = post(&format!("{url}/api/scenario/manual"), None).await;
+    assert_eq!(code, 200);
+    assert_eq!(status["scenario"]["mode"], "manual");
+    assert_eq!(status["scenario"]["autoscaler"]["decode"]["paused"], false);
+
+    // The WebSocket carries the same object.
+    let (mut socket, _) =
+        tokio_tungstenite::connect_async(format!("ws://{}/ws", url.trim_start_matches("http://")))
+            .await
+            .expect("WebSocket");
+    let first = socket.next().await.expect("a message").expect("text");
+    let message: Value = serde_json::from_str(first.to_text().unwrap()).unwrap();
+    assert_eq!(message["data"]["scenario"]["mode"], "manual", "{message}");
+    assert!(message["data"]["scenario"]["events"].is_array());
+
+    let (_, status) = get(&format!("{url}/api/status")).await;
+    assert_eq!(status["lanes"][0]["metrics"]["errors"], 0, "{status}");
     loadgen.shutdown().await;
 }
