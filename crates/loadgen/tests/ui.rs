@@ -4,11 +4,14 @@
 //! numbers with the formats of `web/js/format.js`.
 
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
-use loadgen::{LaneSpec, Loadgen, LoadgenConfig, PhaseReference};
+use loadgen::scenario::{BoxFuture, PoolKind, PoolSizes};
+use loadgen::{Fleet, LaneSpec, Loadgen, LoadgenConfig, PhaseReference};
 use serde_json::{Value, json};
+use workload::scenario::ScenarioConfig;
 
 mod common;
 
@@ -925,6 +928,144 @@ async fn the_booth_controls_set_the_mix_and_rate_and_reset() {
                 .unwrap()
                 .as_deref()
                 == Some("2")
+    })
+    .await;
+
+    browser.close().await.unwrap();
+    loadgen.shutdown().await;
+    cluster.gateway.shutdown().await;
+}
+
+/// A fleet that resizes its pools on request and reports the sizes (the load generator's side
+/// of `kvroute demo`'s simulated fleet, whose workers the test does not need).
+struct SizedFleet(std::sync::Mutex<PoolSizes>);
+
+impl Fleet for SizedFleet {
+    fn pools(&self) -> PoolSizes {
+        *self.0.lock().unwrap()
+    }
+
+    fn scale(&self, pool: PoolKind, to: u32) -> BoxFuture<'_, Result<u32, String>> {
+        let mut sizes = self.0.lock().unwrap();
+        match pool {
+            PoolKind::Prefill => sizes.prefill = to,
+            PoolKind::Decode => sizes.decode = to,
+        }
+        Box::pin(async move { Ok(to) })
+    }
+
+    fn worker_metrics(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+}
+
+/// Seed 004's auto mode against the real scenario controller: the toggle switches it on and
+/// off, the page shows the phase, its note and a countdown that follows the scenario's clock,
+/// the pools' sizes over time, and the scaling event as a marker on the charts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_mode_shows_the_phase_countdown_pools_and_scaling_events() {
+    let cluster = Cluster::start(0..1, SPEEDUP, "worker-").await;
+    let mut config = loadgen_config(vec![cluster.lane("kv_load", Some("kv_load"))], 4, SPEEDUP);
+    // A short first phase (1.2 s at 50×), then one long enough to read its countdown, which
+    // adds a prefill worker.
+    config.scaling.scenario = ScenarioConfig::from_toml(
+        "rate_rps = 0.1\n\
+         initial = { prefill = 1, decode = 1 }\n\
+         max = { prefill = 4, decode = 5 }\n\
+         [[phase]]\nname = \"BALANCED\"\nduration_s = 60\nmix = { A = 40, B = 30, C = 30 }\n\
+         prefill = \"initial\"\ndecode = \"initial\"\nnote = \"All three workloads\"\n\
+         [[phase]]\nname = \"PREFILL_RECOVERY\"\nduration_s = 3000\nmix = { B = 80, C = 20 }\n\
+         prefill = \"+1\"\nnote = \"Add a prefill worker, show recovery\"\n",
+    )
+    .unwrap();
+    config.scaling.fleet = Some(Arc::new(SizedFleet(std::sync::Mutex::new(PoolSizes {
+        prefill: 1,
+        decode: 1,
+    }))));
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+    let status = async || api(&format!("{url}/api/status")).await;
+
+    let driver = ChromeDriver::start();
+    let browser = driver.browser().await;
+    browser.goto(&url).await.unwrap();
+    wait_until("the scenario box", Duration::from_secs(10), async || {
+        shown(&browser, "scenario-box").await
+    })
+    .await;
+    assert_eq!(text(&browser, "auto-state").await, "Manual");
+    assert_eq!(text(&browser, "scenario-phase").await, "IDLE");
+    assert!(!disabled(&browser, "mix-a").await);
+
+    click(&browser, "auto-toggle").await;
+    wait_until("the second phase", Duration::from_secs(20), async || {
+        let s = status().await;
+        s["scenario"]["mode"] == "auto" && s["scenario"]["phase"] == "PREFILL_RECOVERY"
+    })
+    .await;
+    wait_until("the phase shown", Duration::from_secs(10), async || {
+        text(&browser, "auto-state").await == "Auto"
+            && text(&browser, "scenario-phase").await == "PREFILL_RECOVERY"
+            && text(&browser, "scenario-pools").await == "Prefill 2 · Decode 1"
+    })
+    .await;
+    assert_eq!(
+        text(&browser, "scenario-note").await,
+        "Add a prefill worker, show recovery"
+    );
+    // The cycle drives the workload: the presenter's controls are off.
+    assert!(disabled(&browser, "mix-a").await && disabled(&browser, "preset-balanced").await);
+    assert!(shown(&browser, "booth-auto-note").await);
+
+    // The countdown (m:ss of scenario time) is the API's time left, and runs at the
+    // scenario's pace: 50 scenario seconds per wall second here.
+    let seconds = |t: &str| -> f64 {
+        let (m, s) = t
+            .split_once(':')
+            .unwrap_or_else(|| panic!("m:ss, got {t:?}"));
+        m.parse::<f64>().unwrap() * 60.0 + s.parse::<f64>().unwrap()
+    };
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let before = seconds(&text(&browser, "scenario-countdown").await);
+    let api_left = status().await["scenario"]["time_left_s"].as_f64().unwrap();
+    assert!(
+        (before - api_left).abs() <= 75.0,
+        "page {before} s, API {api_left} s"
+    );
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let after = seconds(&text(&browser, "scenario-countdown").await);
+    assert!(
+        (40.0..=160.0).contains(&(before - after)),
+        "2 wall seconds are about 100 scenario seconds: {before} → {after}"
+    );
+
+    // The pools over time, and the scaling event marked on the time-series charts.
+    wait_until("the event marker", Duration::from_secs(20), async || {
+        attrs(
+            &browser,
+            "[data-testid=chart-ttft] line.event-marker",
+            "data-event",
+        )
+        .await
+        .iter()
+        .any(|e| e == "prefill 1\u{2192}2")
+    })
+    .await;
+    assert!(shown(&browser, "chart-pools-card").await);
+    let lines = attrs(
+        &browser,
+        "[data-testid=chart-pools] path.series",
+        "data-lane",
+    )
+    .await;
+    assert_eq!(lines, ["prefill", "decode"]);
+
+    // Manual again: the cycle stops, the controls come back.
+    click(&browser, "auto-toggle").await;
+    wait_until("manual mode", Duration::from_secs(10), async || {
+        status().await["scenario"]["mode"] == "manual"
+            && text(&browser, "auto-state").await == "Manual"
+            && !disabled(&browser, "mix-a").await
     })
     .await;
 
