@@ -48,6 +48,12 @@ export const startWorkload = (concurrency) =>
 export const stopWorkload = () => request('POST', '/api/workload/stop');
 export const setConcurrency = (concurrency) =>
   request('POST', '/api/workload/config', { concurrency });
+/** Seed 004's shape: any of `{mix, rate}` (docs/LOADGEN-API.md). */
+export const configureWorkload = (change) => request('POST', '/api/workload/config', change);
+// The scenario controller (seed 004's auto mode).
+export const scenarioAuto = () => request('POST', '/api/scenario/auto');
+export const scenarioManual = () => request('POST', '/api/scenario/manual');
+export const scenarioStop = () => request('POST', '/api/scenario/stop');
 
 const BACKOFF_FIRST_MS = 500;
 const BACKOFF_MAX_MS = 10000;

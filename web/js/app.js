@@ -4,6 +4,7 @@
 import * as api from './api.js';
 import { setText } from './dom.js';
 import { Dashboard } from './dashboard.js';
+import { Booth, DEFAULT_MIX, DEFAULT_RATE_RPS } from './booth.js';
 import { Conversations } from './conversations.js';
 
 const STATUS_POLL_MS = 3000; // REST polling of /api/status while the WebSocket is down
@@ -38,6 +39,36 @@ const dashboard = new Dashboard({
   },
 });
 
+/** A Status (the answer of most POSTs); other answers are followed by a fresh GET. */
+function isStatus(value) {
+  return !!value && typeof value === 'object' && Array.isArray(value.lanes);
+}
+
+async function applyAnswer(answer) {
+  applyStatus(isStatus(answer) ? answer : await api.getStatus());
+}
+
+const booth = new Booth({
+  onConfig: async (change, label) => {
+    try {
+      applyStatus(await api.configureWorkload(change));
+      booth.clearError();
+    } catch (err) {
+      booth.showError(`${label} failed: ${err.message}`);
+      api.getStatus().then(applyStatus, () => {});
+    }
+  },
+  onAuto: async (enabled) => {
+    const label = enabled ? 'Auto mode' : 'Manual mode';
+    try {
+      await applyAnswer(await (enabled ? api.scenarioAuto() : api.scenarioManual()));
+      booth.clearError();
+    } catch (err) {
+      booth.showError(`${label} failed: ${err.message}`);
+    }
+  },
+});
+
 const conversations = new Conversations({
   isCompare: () => (state.status?.lanes?.length ?? 0) === 2,
 });
@@ -49,6 +80,7 @@ function renderHeader() {
   const known = state.status !== null;
   $('btn-start').disabled = !state.connected || state.busy || !known || running;
   $('btn-stop').disabled = !state.connected || state.busy || !known || !running;
+  $('btn-reset').disabled = !state.connected || state.busy || !known;
   setText($('ws-state'), state.connected ? 'connected' : 'disconnected');
   $('ws-indicator').classList.toggle('up', state.connected);
   const runState = $('run-state');
@@ -60,9 +92,11 @@ async function runAction(action, label) {
   state.busy = true;
   renderHeader();
   try {
-    applyStatus(await action());
+    await applyAnswer(await action());
+    booth.clearError();
   } catch (err) {
     toast(`${label} failed: ${err.message}`);
+    booth.showError(`${label} failed: ${err.message}`);
     // 409 means our view was stale; fetch the truth.
     api.getStatus().then(applyStatus, () => {});
   } finally {
@@ -75,16 +109,27 @@ $('btn-start').addEventListener('click', () =>
   runAction(() => api.startWorkload(dashboard.concurrency()), 'Start'));
 $('btn-stop').addEventListener('click', () => runAction(() => api.stopWorkload(), 'Stop'));
 
+/** Reset: auto mode off, the workload stopped, back to Balanced at the default rate. */
+async function reset() {
+  if (state.status?.scenario?.mode === 'auto') await api.scenarioStop();
+  const fresh = await api.getStatus();
+  if (fresh.running) await api.stopWorkload();
+  return api.configureWorkload({ mix: { ...DEFAULT_MIX }, rate: DEFAULT_RATE_RPS });
+}
+
+$('btn-reset').addEventListener('click', () => runAction(reset, 'Reset'));
+
 // ---- status ----
 
 function applyStatus(status) {
-  if (!status || typeof status !== 'object') return;
+  if (!isStatus(status)) return;
   // Ignore answers older than what is shown (a REST answer racing the WebSocket).
   if (state.status && typeof status.time_ms === 'number' && typeof state.status.time_ms === 'number'
     && status.time_ms < state.status.time_ms) return;
   state.status = status;
   renderHeader();
   dashboard.update(status);
+  booth.update(status);
 }
 
 function loadBaseline() {

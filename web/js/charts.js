@@ -187,7 +187,8 @@ const HEIGHT = 250;
  * One chart. Options: `unit` (axis title), `slo` (a function returning the SLO in the chart's
  * unit, or null), `fixedMax` (a fixed y maximum, e.g. 100 for a percent), `references` (a
  * function returning horizontal reference lines `[{label, value}]`: what recorded phases of
- * the ladder measured, seed 003's booth lines).
+ * the ladder measured, seed 003's booth lines), `markers` (a function returning vertical
+ * markers `[{t, label, kind}]`: seed 004's scaling events, `kind` "scenario" or "autoscaler").
  */
 export class TimeSeriesChart {
   constructor(svgElement, options) {
@@ -300,6 +301,32 @@ export class TimeSeriesChart {
       }
       if (run === 1) d += ' l0.01 0';
       children.push(svg('path', { class: `series${s.dashed ? ' dashed' : ''}`, d: d.trim() || 'M0 0', stroke: s.color, 'data-lane': s.name }));
+    }
+
+    // Event markers: a vertical line at the event's time, labelled at the top of the plot
+    // (a label that would overlap the previous one goes one line lower).
+    const markers = (this.options.markers ? this.options.markers() : [])
+      .filter((m) => typeof m.t === 'number' && Number.isFinite(m.t) && m.t >= t0 && m.t <= t1)
+      .sort((a, b) => a.t - b.t);
+    let lastLabelEnd = -Infinity;
+    let row = 0;
+    for (const m of markers) {
+      const xm = x(m.t);
+      const kind = m.kind === 'autoscaler' ? 'autoscaler' : 'scenario';
+      children.push(svg('line', {
+        class: `event-marker event-${kind}`, 'data-event': m.label, x1: xm, x2: xm, y1: MARGIN.top, y2: MARGIN.top + plotH,
+      }));
+      row = xm < lastLabelEnd ? (row + 1) % 3 : 0;
+      const labelW = m.label.length * 6.5;
+      const anchorEnd = xm + labelW > MARGIN.left + plotW;
+      children.push(svg('text', {
+        class: `event-label event-${kind}`,
+        x: anchorEnd ? xm - 3 : xm + 3,
+        y: MARGIN.top + 11 + row * 12,
+        'text-anchor': anchorEnd ? 'end' : 'start',
+        text: m.label,
+      }));
+      lastLabelEnd = anchorEnd ? xm : xm + labelW;
     }
 
     // Legend, top right.

@@ -1,11 +1,12 @@
-// The dashboard page: live table with the concurrency slider, KPI cards, live charts, the
-// static benchmark table and the per-worker GPU view. Everything is built once per layout
+// The dashboard page: live table with the concurrency slider, KPI cards, live charts (with
+// seed 004's scaling events and pool sizes), the static benchmark table and the per-worker GPU
+// view (grouped by pool when the workers serve disaggregated). Everything is built once per layout
 // (single lane or compare mode) and then updated in place, so elements keep their identity
 // between the once-a-second status messages.
 
 import { el, replaceChildren, setText, setClassFrom } from './dom.js';
 import * as fmt from './format.js';
-import { HistoryStore, TimeSeriesChart } from './charts.js';
+import { HistoryStore, TimeSeriesChart, LANE_COLORS } from './charts.js';
 
 const SLO_CLASSES = ['slo-red', 'slo-yellow', 'slo-ok'];
 const UTIL_CLASSES = ['util-low', 'util-mid', 'util-high'];
@@ -38,6 +39,42 @@ const SPEC_KPIS = [
   { key: 'acceptance', label: 'Acceptance Rate', value: (m) => fmt.acceptance(m.acceptance_rate), live: true },
   { key: 'tokens-per-step', label: 'Tokens per Step', value: (m) => fmt.perStep(m.tokens_per_step), live: true },
 ];
+
+// Seed 004's pools, in display order: the gateway's `pool` label and the workers' role.
+const POOLS = [
+  { key: 'prefill', title: 'Prefill pool' },
+  { key: 'decode', title: 'Decode pool' },
+  { key: 'aggregated', title: 'Aggregated workers' },
+];
+const POOL_STATS = [
+  { key: 'ttft-p50', label: 'TTFT p50', read: (p) => p?.ttft_ms?.p50 },
+  { key: 'ttft-p95', label: 'TTFT p95', read: (p) => p?.ttft_ms?.p95 },
+  { key: 'itl-p50', label: 'ITL p50', read: (p) => p?.itl_ms?.p50 },
+  { key: 'itl-p95', label: 'ITL p95', read: (p) => p?.itl_ms?.p95 },
+];
+const POOL_COLORS = { prefill: LANE_COLORS[0], decode: LANE_COLORS[1] };
+
+/** A worker's pool: its role, aggregated when it has none or serves both parts. */
+function poolOf(worker) {
+  return worker.role === 'prefill' || worker.role === 'decode' ? worker.role : 'aggregated';
+}
+
+/** Whether any worker of the lane serves one part only (a disaggregated fleet). */
+function isDisaggregated(lane) {
+  return (lane.workers?.list || []).some((w) => poolOf(w) !== 'aggregated');
+}
+
+/**
+ * Seed 004's scaling events as chart markers: "prefill 1→2" at the event's time (the ones
+ * carried out: an action the fleet refused is not a change to mark).
+ */
+function scalingMarkers(status) {
+  const events = status?.scenario?.events;
+  if (!Array.isArray(events)) return [];
+  return events
+    .filter((e) => e && typeof e.at_ms === 'number' && e.applied !== false)
+    .map((e) => ({ t: e.at_ms, kind: e.source, label: `${e.pool} ${e.from}\u2192${e.to}` }));
+}
 
 /** Whether any lane's workers report speculative decoding. */
 function reportsSpec(status) {
@@ -73,17 +110,19 @@ export class Dashboard {
     this.postsInFlight = 0; // user changes sent, not yet answered
     this.setupSlider();
     const slo = (key) => () => this.status?.slo?.[key] ?? null;
+    const markers = () => scalingMarkers(this.status);
     this.charts = {
-      ttft: new TimeSeriesChart($('chart-ttft'), { unit: 'ms', slo: slo('ttft_p95_ms') }),
-      tpot: new TimeSeriesChart($('chart-tpot'), { unit: 'ms', slo: slo('tpot_p95_ms') }),
-      tops: new TimeSeriesChart($('chart-tops'), { unit: 'tok/s' }),
-      kv: new TimeSeriesChart($('chart-kv-hit'), { unit: '%', fixedMax: 100 }),
-      ttft50: new TimeSeriesChart($('chart-ttft-p50'), { unit: 'ms', slo: slo('ttft_p95_ms') }),
-      inflight: new TimeSeriesChart($('chart-inflight'), { unit: 'requests' }),
+      ttft: new TimeSeriesChart($('chart-ttft'), { unit: 'ms', slo: slo('ttft_p95_ms'), markers }),
+      tpot: new TimeSeriesChart($('chart-tpot'), { unit: 'ms', slo: slo('tpot_p95_ms'), markers }),
+      tops: new TimeSeriesChart($('chart-tops'), { unit: 'tok/s', markers }),
+      kv: new TimeSeriesChart($('chart-kv-hit'), { unit: '%', fixedMax: 100, markers }),
+      ttft50: new TimeSeriesChart($('chart-ttft-p50'), { unit: 'ms', slo: slo('ttft_p95_ms'), markers }),
+      inflight: new TimeSeriesChart($('chart-inflight'), { unit: 'requests', markers }),
       // Reference lines: what each recorded phase of seed 003's ladder measured at this
       // concurrency (ITL p50; TTFT p50 of turns 2+, the figure KV routing changes).
-      itl: new TimeSeriesChart($('chart-itl'), { unit: 'ms', references: () => this.references('itl_p50_ms') }),
-      ttftTurns: new TimeSeriesChart($('chart-ttft-turns'), { unit: 'ms', references: () => this.references('ttft_later_p50_ms') }),
+      itl: new TimeSeriesChart($('chart-itl'), { unit: 'ms', references: () => this.references('itl_p50_ms'), markers }),
+      ttftTurns: new TimeSeriesChart($('chart-ttft-turns'), { unit: 'ms', references: () => this.references('ttft_later_p50_ms'), markers }),
+      pools: new TimeSeriesChart($('chart-pools'), { unit: 'replicas', markers }),
     };
     this.renderKpis(null);
   }
@@ -166,7 +205,15 @@ export class Dashboard {
     this.history.setOrder((status.lanes || []).map((l) => l.name));
     // Redraw on a new point, and when the SLO lines move (the first status brings them).
     const refs = status.references;
-    const sloKey = `${slo.ttft_p95_ms}|${slo.tpot_p95_ms}|${refs ? `${refs.setup}@${refs.concurrency}` : ''}`;
+    // Scaling events and pool sizes change the charts too (markers, the replica chart).
+    const scenario = status.scenario;
+    const poolHistory = Array.isArray(scenario?.pool_history) ? scenario.pool_history : null;
+    // Without a fleet to resize (an external target) the pools' sizes are not known here.
+    $('chart-pools-card').hidden = !poolHistory || (!poolHistory.length && scenario.fleet === 'none');
+    const events = Array.isArray(scenario?.events) ? scenario.events : [];
+    const lastPool = poolHistory?.[poolHistory.length - 1];
+    const scenarioKey = `${events.length}|${events[events.length - 1]?.at_ms}|${poolHistory?.length}|${lastPool?.at_ms}`;
+    const sloKey = `${slo.ttft_p95_ms}|${slo.tpot_p95_ms}|${refs ? `${refs.setup}@${refs.concurrency}` : ''}|${scenarioKey}`;
     const appended = this.history.append(status);
     if (appended || sloKey !== this.chartSloKey) {
       this.chartSloKey = sloKey;
@@ -185,9 +232,37 @@ export class Dashboard {
     this.renderCharts();
   }
 
+  /**
+   * The pool sizes over time as step lines (a size holds until the next change), drawn over
+   * `range` (a size set before it starts at its left edge), and the range they need when the
+   * other charts have none (the workload stopped).
+   */
+  poolSeries(range) {
+    const history = this.status?.scenario?.pool_history;
+    if (!Array.isArray(history)) return { series: [], range: null };
+    const points = history.filter((p) => p && typeof p.at_ms === 'number').sort((a, b) => a.at_ms - b.at_ms);
+    const now = typeof this.status?.time_ms === 'number' ? this.status.time_ms : Date.now();
+    const own = points.length ? [Math.min(points[0].at_ms, now - 2 * 60 * 1000), now] : null;
+    const start = (range || own)?.[0] ?? -Infinity;
+    const series = ['prefill', 'decode'].map((pool) => {
+      const line = [];
+      for (const p of points) {
+        const t = Math.max(p.at_ms, start);
+        const v = typeof p[pool] === 'number' ? p[pool] : null;
+        if (line.length) line.push([t, line[line.length - 1][1]]);
+        line.push([t, v]);
+      }
+      if (line.length) line.push([Math.max(now, line[line.length - 1][0]), line[line.length - 1][1]]);
+      return { name: pool, color: POOL_COLORS[pool], points: line };
+    });
+    return { series, range: own };
+  }
+
   renderCharts() {
     if (!this.visible) return;
     const range = this.history.timeRange();
+    const pools = this.poolSeries(range);
+    if (!$('chart-pools-card').hidden) this.charts.pools.render(pools.series, range || pools.range);
     this.charts.ttft.render(this.history.series('ttft'), range);
     this.charts.tpot.render(this.history.series('tpot'), range);
     this.charts.tops.render(this.history.series('tops'), range);
@@ -385,22 +460,23 @@ export class Dashboard {
     // Rebuild only when what is shown changes shape; values update in place.
     const shape = JSON.stringify(lanes.map((l) => {
       const w = l.workers || {};
-      return [l.name, w.available, w.error, w.gpu, w.model, (w.list || []).map((k) => [k.name, (k.gpus || []).map((g) => g.index)])];
+      return [l.name, w.available, w.error, w.gpu, w.model,
+        (w.list || []).map((k) => [k.name, k.role, (k.gpus || []).map((g) => g.index)])];
     }));
     if (this.workersLayout !== shape) {
       this.workersLayout = shape;
-      this.gpuCells = [];
+      this.gpuCells = new Map();
+      this.poolCells = [];
       if (!lanes.length) {
         replaceChildren(box, el('p', { class: 'placeholder', text: 'No lanes reported.' }));
         return;
       }
       replaceChildren(box, lanes.map((lane, i) => this.buildWorkerGroup(lane, i, compare)));
     }
-    let n = 0;
-    for (const lane of lanes) {
-      for (const worker of lane.workers?.list || []) {
+    lanes.forEach((lane, i) => {
+      (lane.workers?.list || []).forEach((worker, w) => {
         for (const gpu of worker.gpus || []) {
-          const cells = this.gpuCells[n++];
+          const cells = this.gpuCells.get(`${i}|${w}|${gpu.index}`);
           if (!cells) continue;
           setText(cells.util, fmt.percent(gpu.util_pct));
           setClassFrom(cells.util, UTIL_CLASSES, fmt.utilClass(gpu.util_pct));
@@ -408,8 +484,14 @@ export class Dashboard {
           setText(cells.mem, fmt.percent(gpu.memory_pct));
           cells.bar.style.width = `${Math.min(100, Math.max(0, gpu.memory_pct || 0))}%`;
         }
+      });
+      // Each pool's TTFT and ITL as the gateway measured them over the window.
+      const latency = lane.workers?.pools || [];
+      for (const [pool, cells] of Object.entries(this.poolCells[i] || {})) {
+        const figures = latency.find((p) => p.pool === pool);
+        for (const stat of POOL_STATS) setText(cells[stat.key], fmt.ms(stat.read(figures) ?? null));
       }
-    }
+    });
   }
 
   buildWorkerGroup(lane, i, compare) {
@@ -421,8 +503,8 @@ export class Dashboard {
       ? el('div', { class: 'warning', testid: 'prometheus-unavailable' },
         el('strong', { text: 'Prometheus unavailable' }), w.error ? `: ${w.error}` : '')
       : null;
-    const workers = w.list || [];
-    const cards = workers.map((worker) => el('div', { class: 'worker-card', testid: 'worker-card' },
+    const workers = (w.list || []).map((worker, index) => ({ worker, index }));
+    const card = ({ worker, index }) => el('div', { class: 'worker-card', testid: 'worker-card', 'data-role': worker.role || '' },
       el('div', { class: 'worker-name', text: worker.name }),
       el('div', { class: 'gpu-boxes' }, (worker.gpus || []).map((gpu) => {
         const util = el('div', { class: 'gpu-util', testid: 'gpu-util', text: fmt.DASH });
@@ -434,14 +516,41 @@ export class Dashboard {
           el('div', { class: 'gpu-caption', text: 'utilisation' }),
           el('div', { class: 'mem-bar' }, bar),
           el('div', { class: 'gpu-caption' }, 'memory ', mem));
-        this.gpuCells.push({ util, mem, bar, box });
+        this.gpuCells.set(`${i}|${index}|${gpu.index}`, { util, mem, bar, box });
         return box;
-      }))));
+      })));
+    let body;
+    this.poolCells[i] = {};
+    if (isDisaggregated(lane)) {
+      // Seed 004: one group per pool, with its size and its latency.
+      const suffix = i === 0 ? '' : `-${i}`;
+      body = POOLS.map((pool) => {
+        const members = workers.filter(({ worker }) => poolOf(worker) === pool.key);
+        if (!members.length && pool.key === 'aggregated') return null;
+        const cells = {};
+        this.poolCells[i][pool.key] = cells;
+        const stats = POOL_STATS.map((stat) => {
+          const value = el('span', { class: 'pool-stat-value', testid: `pool-${pool.key}-${stat.key}${suffix}`, text: fmt.DASH });
+          cells[stat.key] = value;
+          return el('span', { class: 'pool-stat' }, el('span', { class: 'pool-stat-label', text: stat.label }), value, el('span', { class: 'pool-stat-label', text: 'ms' }));
+        });
+        const count = `${members.length} ${members.length === 1 ? 'worker' : 'workers'}`;
+        return el('div', { class: 'pool-group', testid: `pool-${pool.key}${suffix}`, 'data-pool': pool.key },
+          el('div', { class: 'pool-head' },
+            el('h3', { class: 'pool-title', text: pool.title }),
+            el('span', { class: 'pool-count', testid: `pool-${pool.key}-count${suffix}`, text: count }),
+            el('div', { class: 'pool-stats' }, stats)),
+          members.length ? el('div', { class: 'worker-cards' }, members.map(card))
+            : el('p', { class: 'placeholder', text: 'No workers in this pool.' }));
+      });
+    } else {
+      body = workers.length ? el('div', { class: 'worker-cards' }, workers.map(card))
+        : (w.available !== false ? el('p', { class: 'placeholder', text: 'No workers reported.' }) : null);
+    }
     return el('div', { class: 'worker-group' },
       compare ? el('h3', { class: 'lane-title', text: laneLabel(lane, i) }) : null,
       meta.length ? el('div', { class: 'worker-meta' }, meta) : null,
       warning,
-      cards.length ? el('div', { class: 'worker-cards' }, cards)
-        : (w.available !== false ? el('p', { class: 'placeholder', text: 'No workers reported.' }) : null));
+      body);
   }
 }

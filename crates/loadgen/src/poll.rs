@@ -4,10 +4,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use report::Percentiles;
 use tokio_util::sync::CancellationToken;
 
 use crate::lane::{LaneSpec, LaneState, lock};
-use crate::scrape::{self, GatewayPoint, SpecPoint, WorkersView};
+use crate::scrape::{self, GatewayPoint, PoolLatency, SpecPoint, WorkersView};
 
 pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(2);
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -20,13 +21,18 @@ pub async fn scrape_loop(
 ) {
     let mut ticker = tokio::time::interval(SCRAPE_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The pools' latency over the same window as the hit rate; started again with every run
+    // (the lane clock restarts), kept after Stop like the window's percentiles.
+    let mut pools = PoolLatency::new(lock(&state).gateway.span_s());
+    let mut run_started_ms = None;
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             _ = ticker.tick() => {}
         }
         if let Some(prometheus) = &spec.prometheus {
-            let (figures, workers, error) = query_prometheus(&http, prometheus).await;
+            let time_scale = lock(&state).time_scale;
+            let (figures, workers, error) = query_prometheus(&http, prometheus, time_scale).await;
             let mut s = lock(&state);
             s.prometheus_figures = Some(figures);
             s.gateway_error = error;
@@ -51,8 +57,20 @@ pub async fn scrape_loop(
             point.at_s = now_s;
             s.spec.push(point);
         }
+        let started_ms = s.started.map(|(_, ms)| ms);
+        if started_ms != run_started_ms {
+            run_started_ms = started_ms;
+            pools.clear();
+        }
+        let gateway_samples = match &gateway {
+            Some(Ok(text)) => scrape::parse_text(text),
+            _ => Vec::new(),
+        };
+        if s.running {
+            pools.record(now_s, &gateway_samples);
+        }
         match gateway {
-            Some(Ok(text)) => match GatewayPoint::from_samples(now_s, &scrape::parse_text(&text)) {
+            Some(Ok(_)) => match GatewayPoint::from_samples(now_s, &gateway_samples) {
                 Some(point) if s.running => {
                     s.gateway.push(point);
                     s.gateway_error = None;
@@ -66,7 +84,10 @@ pub async fn scrape_loop(
             Some(Err(err)) => s.gateway_error = Some(err),
             None => s.gateway_error = Some("no gateway metrics URL configured".into()),
         }
-        s.workers = workers;
+        s.workers = WorkersView {
+            pools: pools.view(s.time_scale),
+            ..workers
+        };
     }
 }
 
@@ -128,6 +149,75 @@ const GPU_SERIES: [&str; 3] = [
     "DCGM_FI_DEV_FB_USED",
     "DCGM_FI_DEV_FB_FREE",
 ];
+/// The engines' role (disaggregated serving), matched to their GPU series by `instance`.
+const ROLE_SERIES: &str = "kvroute_engine_role";
+
+/// Seed 004's per-pool latency query: quantile `q` of the gateway's `histogram` by pool, over
+/// the same 1-minute rate window as the hit rate.
+pub fn pool_quantile_query(q: f64, histogram: &str) -> String {
+    format!("histogram_quantile({q}, sum by (le, pool) (rate({histogram}_bucket[1m])))")
+}
+
+/// Each pool's TTFT and ITL p50 and p95 from Prometheus, in milliseconds on the lane clock
+/// (the gateway measures wall seconds: × `time_scale`, as `PoolLatency::view`). A failed
+/// query leaves its figures out.
+async fn query_pools(
+    http: &reqwest::Client,
+    base: &str,
+    time_scale: f64,
+) -> Vec<scrape::PoolLatencyView> {
+    let mut pools: Vec<scrape::PoolLatencyView> = Vec::new();
+    for histogram in [scrape::POOL_TTFT_HISTOGRAM, scrape::POOL_ITL_HISTOGRAM] {
+        for q in [0.5, 0.95] {
+            let Ok(samples) = instant_query(http, base, &pool_quantile_query(q, histogram)).await
+            else {
+                continue;
+            };
+            for sample in samples {
+                let Some(name) = sample.label("pool") else {
+                    continue;
+                };
+                let value = Some(sample.value * 1e3 * time_scale).filter(|v| v.is_finite());
+                let index = match pools.iter().position(|p| p.pool == name) {
+                    Some(i) => i,
+                    None => {
+                        pools.push(scrape::PoolLatencyView {
+                            pool: name.to_owned(),
+                            ttft_ms: None,
+                            itl_ms: None,
+                        });
+                        pools.len() - 1
+                    }
+                };
+                let pool = &mut pools[index];
+                let figures = if histogram == scrape::POOL_TTFT_HISTOGRAM {
+                    &mut pool.ttft_ms
+                } else {
+                    &mut pool.itl_ms
+                };
+                let figures = figures.get_or_insert(Percentiles {
+                    p50: None,
+                    p95: None,
+                });
+                if q == 0.5 {
+                    figures.p50 = value;
+                } else {
+                    figures.p95 = value;
+                }
+            }
+        }
+    }
+    // No observation in the window is NaN in PromQL: no figures rather than empty ones.
+    for pool in &mut pools {
+        for figures in [&mut pool.ttft_ms, &mut pool.itl_ms] {
+            if figures.is_some_and(|f| f.p50.is_none() && f.p95.is_none()) {
+                *figures = None;
+            }
+        }
+    }
+    pools.sort_by(|a, b| a.pool.cmp(&b.pool));
+    pools
+}
 
 /// One instant query: the result vector as samples (`__name__` becomes the name).
 async fn instant_query(
@@ -182,6 +272,7 @@ async fn instant_query(
 async fn query_prometheus(
     http: &reqwest::Client,
     base: &str,
+    time_scale: f64,
 ) -> ((Option<f64>, Option<f64>), WorkersView, Option<String>) {
     let scalar = |samples: Result<Vec<scrape::Sample>, String>| {
         samples.map(|s| s.first().map(|s| s.value).filter(|v| v.is_finite()))
@@ -195,6 +286,10 @@ async fn query_prometheus(
             Ok(samples) => gpu_samples.extend(samples),
             Err(err) => error = Some(err),
         }
+    }
+    let roles = instant_query(http, base, ROLE_SERIES).await;
+    if let Err(err) = &roles {
+        error = Some(err.clone());
     }
     let figure_error = [&hit_rate, &queued]
         .iter()
@@ -229,11 +324,34 @@ async fn query_prometheus(
     hosts.dedup();
     let mut view = WorkersView {
         available: true,
+        pools: query_pools(http, base, time_scale).await,
         ..WorkersView::default()
     };
+    // A role series names no host: its scrape target (`instance`) is the GPU series' one.
+    let role_samples: Vec<scrape::Sample> = roles
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|role| {
+            let instance = role.label("instance")?;
+            let host = gpu_samples
+                .iter()
+                .find(|s| s.label("instance") == Some(instance))?
+                .label("Hostname")
+                .unwrap_or(instance)
+                .to_owned();
+            Some(scrape::Sample {
+                labels: vec![
+                    ("Hostname".to_owned(), host),
+                    ("role".to_owned(), role.label("role")?.to_owned()),
+                ],
+                ..role
+            })
+        })
+        .collect();
     for host in hosts {
         let samples: Vec<scrape::Sample> = gpu_samples
             .iter()
+            .chain(&role_samples)
             .filter(|s| {
                 s.label("Hostname")
                     .or(s.label("instance"))

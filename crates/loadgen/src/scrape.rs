@@ -1,10 +1,13 @@
 //! What the load generator reads from the serving side: the gateway's Dynamo-named metrics
-//! (KV cache hit rate, queued requests) and the workers' DCGM-style GPU metrics, scraped from
-//! their `/metrics` endpoints.
+//! (KV cache hit rate, queued requests, the per-pool TTFT and ITL histograms) and the workers'
+//! DCGM-style GPU metrics and role, scraped from their `/metrics` endpoints.
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use nanotime::Nanos;
+use report::Percentiles;
+use router::autoscale::HistogramWindow;
 use serde::Serialize;
 
 /// One sample of Prometheus text format: name, labels, value.
@@ -165,6 +168,11 @@ impl<P: CounterPoint> CounterWindow<P> {
     pub fn clear(&mut self) {
         self.points.clear();
     }
+
+    /// The window's span (seconds on the lane clock).
+    pub fn span_s(&self) -> f64 {
+        self.span_s
+    }
 }
 
 impl CounterPoint for GatewayPoint {
@@ -295,6 +303,9 @@ pub struct GpuView {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct WorkerView {
     pub name: String,
+    /// Its role in disaggregated serving (`both`, `prefill`, `decode`) from
+    /// `kvroute_engine_role`; `None` when the worker does not say (e.g. vLLM): aggregated.
+    pub role: Option<String>,
     pub gpus: Vec<GpuView>,
 }
 
@@ -306,10 +317,178 @@ pub struct WorkersView {
     pub gpu: Option<String>,
     pub model: Option<String>,
     pub list: Vec<WorkerView>,
+    /// The gateway's TTFT and ITL per pool over the dashboard's window (seed 004), for every
+    /// pool the gateway exports; empty without gateway metrics.
+    pub pools: Vec<PoolLatencyView>,
+}
+
+/// One pool's latency as the gateway measured it: `histogram_quantile` of
+/// `dynamo_frontend_time_to_first_token_seconds` and `dynamo_frontend_inter_token_latency_seconds`
+/// with its `pool` label, over the window (milliseconds; `None` without observations).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PoolLatencyView {
+    /// `aggregated`, `prefill` or `decode`: the gateway's label.
+    pub pool: String,
+    pub ttft_ms: Option<Percentiles>,
+    pub itl_ms: Option<Percentiles>,
+}
+
+/// The gateway's TTFT histogram, with a `pool` label.
+pub const POOL_TTFT_HISTOGRAM: &str = "dynamo_frontend_time_to_first_token_seconds";
+/// The gateway's ITL histogram, with a `pool` label.
+pub const POOL_ITL_HISTOGRAM: &str = "dynamo_frontend_inter_token_latency_seconds";
+/// Pools tracked at most (the gateway has three); a label beyond is ignored.
+const MAX_POOLS: usize = 8;
+
+/// One histogram's cumulative `_bucket` counts per pool, summed over its other labels
+/// (`sum by (le, pool)`): the finite bounds ascending and the counts, the last `+Inf`.
+pub fn pool_buckets(samples: &[Sample], histogram: &str) -> Vec<(String, Vec<f64>, Vec<u64>)> {
+    let bucket = format!("{histogram}_bucket");
+    let mut pools: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for s in samples.iter().filter(|s| s.name == bucket) {
+        let (Some(pool), Some(le)) = (s.label("pool"), s.label("le")) else {
+            continue;
+        };
+        let le = match le {
+            "+Inf" => f64::INFINITY,
+            v => match v.parse::<f64>() {
+                Ok(v) => v,
+                Err(_) => continue,
+            },
+        };
+        let index = match pools.iter().position(|(p, _)| p == pool) {
+            Some(i) => i,
+            None if pools.len() < MAX_POOLS => {
+                pools.push((pool.to_owned(), Vec::new()));
+                pools.len() - 1
+            }
+            None => continue,
+        };
+        let buckets = &mut pools[index].1;
+        match buckets.iter_mut().find(|(bound, _)| *bound == le) {
+            Some((_, count)) => *count += s.value,
+            None => buckets.push((le, s.value)),
+        }
+    }
+    pools
+        .into_iter()
+        .filter_map(|(pool, mut buckets)| {
+            buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+            // Without its +Inf bucket a histogram has no total: not one to read.
+            if buckets.last().is_none_or(|(le, _)| le.is_finite()) {
+                return None;
+            }
+            let bounds = buckets[..buckets.len() - 1]
+                .iter()
+                .map(|(le, _)| *le)
+                .collect();
+            let counts = buckets.iter().map(|(_, c)| c.max(0.0) as u64).collect();
+            Some((pool, bounds, counts))
+        })
+        .collect()
+}
+
+/// One pool histogram over the window: its bounds (to notice a change) and its snapshots.
+#[derive(Debug)]
+struct PoolWindow {
+    pool: String,
+    bounds: Vec<f64>,
+    window: HistogramWindow,
+    /// Snapshots recorded: one alone has no increase to read.
+    snapshots: usize,
+}
+
+/// The gateway's per-pool TTFT and ITL histograms scraped over the dashboard's window, read
+/// as PromQL's `histogram_quantile(q, sum by (le, pool) (rate(x_bucket[window])))` (the
+/// autoscaler's own evaluation, `router::autoscale`).
+#[derive(Debug)]
+pub struct PoolLatency {
+    span: Nanos,
+    ttft: Vec<PoolWindow>,
+    itl: Vec<PoolWindow>,
+}
+
+impl PoolLatency {
+    pub fn new(span_s: f64) -> PoolLatency {
+        PoolLatency {
+            span: Nanos::from_secs_f64(span_s.max(0.0)),
+            ttft: Vec::new(),
+            itl: Vec::new(),
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.ttft.clear();
+        self.itl.clear();
+    }
+
+    /// Records one scrape of the gateway taken at `at_s` on the lane clock.
+    pub fn record(&mut self, at_s: f64, samples: &[Sample]) {
+        let now = Nanos::from_secs_f64(at_s.max(0.0));
+        for (windows, histogram) in [
+            (&mut self.ttft, POOL_TTFT_HISTOGRAM),
+            (&mut self.itl, POOL_ITL_HISTOGRAM),
+        ] {
+            for (pool, bounds, counts) in pool_buckets(samples, histogram) {
+                let span = self.span;
+                let fresh = || PoolWindow {
+                    pool: pool.clone(),
+                    bounds: bounds.clone(),
+                    window: HistogramWindow::new(&bounds, span),
+                    snapshots: 0,
+                };
+                let entry = match windows.iter().position(|w| w.pool == pool) {
+                    // New buckets (a reconfigured gateway) cannot be compared with the old.
+                    Some(i) if windows[i].bounds != bounds => {
+                        windows[i] = fresh();
+                        &mut windows[i]
+                    }
+                    Some(i) => &mut windows[i],
+                    None if windows.len() < MAX_POOLS => {
+                        windows.push(fresh());
+                        windows.last_mut().expect("just pushed")
+                    }
+                    None => continue,
+                };
+                entry.window.record(now, counts);
+                entry.snapshots = entry.snapshots.saturating_add(1);
+            }
+        }
+    }
+
+    /// Every pool seen, in the gateway's order: p50 and p95 over the window in milliseconds
+    /// on the lane clock. The gateway measures wall seconds; against a simulator sped up
+    /// `time_scale` times they are that many model seconds, as the client's figures are.
+    pub fn view(&self, time_scale: f64) -> Vec<PoolLatencyView> {
+        let to_ms = 1e3 * time_scale;
+        let quantiles = |w: Option<&PoolWindow>| {
+            let w = w.filter(|w| w.snapshots >= 2)?;
+            let q = Percentiles {
+                p50: w.window.quantile(0.5).map(|s| s * to_ms),
+                p95: w.window.quantile(0.95).map(|s| s * to_ms),
+            };
+            (q.p50.is_some() || q.p95.is_some()).then_some(q)
+        };
+        let mut pools: Vec<&str> = self.ttft.iter().map(|w| w.pool.as_str()).collect();
+        for w in &self.itl {
+            if !pools.contains(&w.pool.as_str()) {
+                pools.push(&w.pool);
+            }
+        }
+        pools
+            .into_iter()
+            .map(|pool| PoolLatencyView {
+                pool: pool.to_owned(),
+                ttft_ms: quantiles(self.ttft.iter().find(|w| w.pool == pool)),
+                itl_ms: quantiles(self.itl.iter().find(|w| w.pool == pool)),
+            })
+            .collect()
+    }
 }
 
 /// Reads a worker's DCGM-style series (`DCGM_FI_DEV_GPU_UTIL`, `DCGM_FI_DEV_FB_USED`,
-/// `DCGM_FI_DEV_FB_FREE`, labels `gpu`, `Hostname`, `modelName`) and vLLM's `model_name`.
+/// `DCGM_FI_DEV_FB_FREE`, labels `gpu`, `Hostname`, `modelName`), vLLM's `model_name` and
+/// kvroute's `kvroute_engine_role`.
 pub fn worker_view(
     fallback_name: &str,
     samples: &[Sample],
@@ -345,9 +524,14 @@ pub fn worker_view(
     let model = samples
         .iter()
         .find_map(|s| s.label("model_name").map(str::to_owned));
+    let role = samples
+        .iter()
+        .filter(|s| s.name == "kvroute_engine_role" && s.value > 0.0)
+        .find_map(|s| s.label("role").map(str::to_owned));
     (
         WorkerView {
             name: name.unwrap_or_else(|| fallback_name.to_owned()),
+            role,
             gpus,
         },
         gpu_model,
@@ -484,6 +668,83 @@ mod tests {
         assert_eq!(h.tokens_per_step(), Some(2.8));
         // Two workers add up.
         assert_eq!(p.add(p).drafts, 200.0);
+    }
+
+    /// A gateway scrape: TTFT buckets (0.1, 0.5, +Inf) per pool, two models each.
+    fn gateway_text(prefill: [u64; 3], decode: [u64; 3]) -> String {
+        let mut text = String::new();
+        for model in ["m1", "m2"] {
+            for (pool, counts) in [("prefill", prefill), ("decode", decode)] {
+                for (le, count) in ["0.1", "0.5", "+Inf"].iter().zip(counts) {
+                    text.push_str(&format!(
+                        "dynamo_frontend_time_to_first_token_seconds_bucket{{model=\"{model}\",le=\"{le}\",pool=\"{pool}\"}} {count}\n"
+                    ));
+                }
+            }
+        }
+        text
+    }
+
+    #[test]
+    fn pool_buckets_sum_by_le_and_pool() {
+        let samples = parse_text(&gateway_text([1, 2, 3], [0, 0, 5]));
+        let pools = pool_buckets(&samples, POOL_TTFT_HISTOGRAM);
+        assert_eq!(
+            pools,
+            vec![
+                ("prefill".to_owned(), vec![0.1, 0.5], vec![2, 4, 6]),
+                ("decode".to_owned(), vec![0.1, 0.5], vec![0, 0, 10]),
+            ]
+        );
+        assert!(pool_buckets(&samples, POOL_ITL_HISTOGRAM).is_empty());
+    }
+
+    #[test]
+    fn pool_latency_is_the_windowed_quantile_per_pool() {
+        let mut pools = PoolLatency::new(60.0);
+        pools.record(0.0, &parse_text(&gateway_text([0, 0, 0], [0, 0, 0])));
+        // One snapshot has no increase yet.
+        let view = pools.view(1.0);
+        assert_eq!(view.len(), 2);
+        assert!(
+            view.iter()
+                .all(|p| p.ttft_ms.is_none() && p.itl_ms.is_none())
+        );
+        // 10 s later: prefill saw 2 + 2 TTFTs under 0.1 s and 2 + 2 in (0.1, 0.5]; decode none.
+        pools.record(10.0, &parse_text(&gateway_text([2, 4, 4], [0, 0, 0])));
+        // A simulator 10 times faster than real time: wall seconds are 10 model seconds.
+        let sped_up = pools.view(10.0)[0].ttft_ms.unwrap();
+        assert!((sped_up.p50.unwrap() - 1_000.0).abs() < 1e-9, "{sped_up:?}");
+        let view = pools.view(1.0);
+        let prefill = &view[0];
+        assert_eq!(prefill.pool, "prefill");
+        let ttft = prefill.ttft_ms.unwrap();
+        // Rank 4 of 8 is the top of the first bucket: 100 ms; rank 7.6 is 90% into the second.
+        assert!((ttft.p50.unwrap() - 100.0).abs() < 1e-9, "{ttft:?}");
+        assert!(
+            (ttft.p95.unwrap() - (100.0 + 400.0 * 0.9)).abs() < 1e-9,
+            "{ttft:?}"
+        );
+        assert_eq!(prefill.itl_ms, None);
+        assert_eq!(view[1].ttft_ms, None, "no decode TTFT in the window");
+        // The window moves on: what happened before 70 s - 60 s is out of it.
+        pools.record(70.0, &parse_text(&gateway_text([2, 4, 4], [0, 0, 2])));
+        let view = pools.view(1.0);
+        assert_eq!(view[0].ttft_ms, None, "{view:?}");
+        // In +Inf: the highest finite bound, as Prometheus answers.
+        assert_eq!(view[1].ttft_ms.unwrap().p95, Some(500.0));
+        pools.clear();
+        assert!(pools.view(1.0).is_empty());
+    }
+
+    #[test]
+    fn worker_view_reads_the_role() {
+        let text = "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\",Hostname=\"worker-0\"} 10\n\
+                    kvroute_engine_role{role=\"prefill\",kv_role=\"kv_producer\"} 1\n";
+        let (view, _, _) = worker_view("w0", &parse_text(text));
+        assert_eq!(view.role.as_deref(), Some("prefill"));
+        let (view, _, _) = worker_view("w0", &parse_text("DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 1\n"));
+        assert_eq!(view.role, None);
     }
 
     #[test]

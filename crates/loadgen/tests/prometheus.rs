@@ -133,3 +133,54 @@ async fn hit_rate_queue_and_gpus_come_from_prometheus() {
     loadgen.shutdown().await;
     cluster.gateway.shutdown().await;
 }
+
+/// Seed 004's pools through Prometheus: the workers' roles (`kvroute_engine_role`, matched to
+/// their GPU series by scrape target) and each pool's TTFT and ITL from the gateway's
+/// histograms by `pool` (`histogram_quantile` over `rate(…[1m])`), on the lane clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_and_roles_come_from_prometheus() {
+    let cluster = Cluster::disaggregated(1, 1, SPEEDUP).await;
+    let mut targets = vec![cluster.gateway.local_addr().to_string()];
+    targets.extend(cluster.engines.iter().map(|e| e.local_addr().to_string()));
+    let prometheus = Prometheus::start(&targets);
+
+    let mut lane = LaneSpec::for_gateway("live", None, &cluster.gateway.url(), MODEL);
+    lane.gateway_metrics = None;
+    lane.prometheus = Some(prometheus.url.clone());
+    let mut config = loadgen_config(vec![lane], 4, SPEEDUP);
+    config.autostart = true;
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+
+    let pool = |s: &Value, name: &str| -> Value {
+        s["lanes"][0]["workers"]["pools"]
+            .as_array()
+            .and_then(|pools| pools.iter().find(|p| p["pool"] == name).cloned())
+            .unwrap_or(Value::Null)
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        let s = get_status(&url).await;
+        if pool(&s, "prefill")["ttft_ms"]["p95"].is_number()
+            && pool(&s, "decode")["itl_ms"]["p95"].is_number()
+        {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no pool figures from Prometheus: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let workers = &status["lanes"][0]["workers"];
+    assert_eq!(worker_names(workers), ["worker-0", "worker-1"]);
+    assert_eq!(
+        common::strings(&workers["list"], "role"),
+        ["prefill", "decode"]
+    );
+    // The gateway's wall-clock ITL × 50 is of the order of the client's (model time).
+    let pool_itl = pool(&status, "decode")["itl_ms"]["p50"].as_f64().unwrap();
+    assert!((1.0..500.0).contains(&pool_itl), "{pool_itl}");
+    loadgen.shutdown().await;
+    cluster.gateway.shutdown().await;
+}

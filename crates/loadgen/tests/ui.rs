@@ -4,11 +4,14 @@
 //! numbers with the formats of `web/js/format.js`.
 
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
-use loadgen::{LaneSpec, Loadgen, LoadgenConfig, PhaseReference};
+use loadgen::scenario::{BoxFuture, PoolKind, PoolSizes};
+use loadgen::{Fleet, LaneSpec, Loadgen, LoadgenConfig, PhaseReference};
 use serde_json::{Value, json};
+use workload::scenario::ScenarioConfig;
 
 mod common;
 
@@ -615,4 +618,458 @@ async fn the_booth_dashboard_shows_speculation_and_the_phases_reference_lines() 
         .unwrap();
     browser.close().await.unwrap();
     loadgen.shutdown().await;
+}
+
+/// Whether the element is shown (not `hidden`, nor inside something hidden).
+async fn shown(browser: &Client, testid: &str) -> bool {
+    browser
+        .find(id(testid))
+        .await
+        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
+        .is_displayed()
+        .await
+        .unwrap()
+}
+
+/// The worker cards' names inside the element `testid`.
+async fn cards_in(browser: &Client, testid: &str) -> Vec<String> {
+    let value = browser
+        .execute(
+            "const box = document.querySelector(`[data-testid='${arguments[0]}']`);
+             return box ? Array.from(box.querySelectorAll('[data-testid=worker-card] .worker-name'))
+                 .map((e) => e.textContent) : null;",
+            vec![json!(testid)],
+        )
+        .await
+        .unwrap();
+    serde_json::from_value(value).unwrap_or_default()
+}
+
+/// Auto mode's widgets follow the backend: shown when `/api/status` has a `scenario`, hidden
+/// (and nothing broken) when it has none.
+async fn assert_auto_mode_follows_the_backend(browser: &Client, url: &str) {
+    let has_scenario = api(&format!("{url}/api/status"))
+        .await
+        .get("scenario")
+        .is_some();
+    wait_until("auto mode's widgets", Duration::from_secs(10), async || {
+        shown(browser, "scenario-box").await == has_scenario
+    })
+    .await;
+    if !has_scenario {
+        assert!(!shown(browser, "chart-pools-card").await);
+        let markers = attrs(
+            browser,
+            "[data-testid=chart-ttft] line.event-marker",
+            "data-event",
+        )
+        .await;
+        assert!(
+            markers.is_empty(),
+            "no scaling events without a scenario: {markers:?}"
+        );
+    }
+}
+
+/// Seed 004's pools (issue 16): with one prefill and two decode workers, the GPU view groups
+/// the cards under "Prefill pool" and "Decode pool" with each pool's size, and each pool's TTFT
+/// and ITL are the gateway's per-pool histograms over the window, as `/api/status` reports them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gpu_view_groups_a_disaggregated_fleet_by_pool_with_its_latency() {
+    let cluster = Cluster::disaggregated(1, 2, SPEEDUP).await;
+    let mut config = loadgen_config(vec![cluster.lane("kv_load", Some("kv_load"))], 6, SPEEDUP);
+    // A window of a modelled hour: after Stop the pools' figures stay put while compared.
+    config.drive.window = Duration::from_secs(3_600);
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+
+    let driver = ChromeDriver::start();
+    let browser = driver.browser().await;
+    browser.goto(&url).await.unwrap();
+    wait_until("the pool groups", Duration::from_secs(20), async || {
+        cards_in(&browser, "pool-prefill").await == ["worker-0"]
+            && cards_in(&browser, "pool-decode").await == ["worker-1", "worker-2"]
+    })
+    .await;
+    assert_eq!(text(&browser, "pool-prefill-count").await, "1 worker");
+    assert_eq!(text(&browser, "pool-decode-count").await, "2 workers");
+    assert!(
+        browser.find(id("pool-aggregated")).await.is_err(),
+        "no aggregated group without aggregated workers"
+    );
+    let status = api(&format!("{url}/api/status")).await;
+    let roles: Vec<&str> = common::strings(&status["lanes"][0]["workers"]["list"], "role");
+    assert_eq!(roles, ["prefill", "decode", "decode"]);
+    assert_eq!(
+        text(&browser, "pool-prefill-ttft-p95").await,
+        "—",
+        "no data before the start"
+    );
+    assert_auto_mode_follows_the_backend(&browser, &url).await;
+
+    click(&browser, "start").await;
+    // The prefill pool computes the prompts of split routes (TTFT); the decode pool decodes
+    // (ITL).
+    let pool = |status: &Value, name: &str| -> Value {
+        status["lanes"][0]["workers"]["pools"]
+            .as_array()
+            .and_then(|pools| pools.iter().find(|p| p["pool"] == name).cloned())
+            .unwrap_or(Value::Null)
+    };
+    wait_until(
+        "both pools' latency",
+        Duration::from_secs(120),
+        async || {
+            let status = api(&format!("{url}/api/status")).await;
+            pool(&status, "prefill")["ttft_ms"]["p95"].is_number()
+                && pool(&status, "decode")["itl_ms"]["p95"].is_number()
+        },
+    )
+    .await;
+    click(&browser, "stop").await;
+    wait_until("stopped", Duration::from_secs(10), async || {
+        !disabled(&browser, "start").await
+    })
+    .await;
+    // Two scrapes after Stop: the figures no longer move.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let status = api(&format!("{url}/api/status")).await;
+    assert_eq!(status["running"], false);
+    for name in ["prefill", "decode"] {
+        let figures = pool(&status, name);
+        for (metric, key) in [("ttft", "ttft_ms"), ("itl", "itl_ms")] {
+            for q in ["p50", "p95"] {
+                let cell = format!("pool-{name}-{metric}-{q}");
+                let expected = ms(&figures[key][q]);
+                wait_until(&cell, Duration::from_secs(5), async || {
+                    text(&browser, &cell).await == expected
+                })
+                .await;
+            }
+        }
+    }
+    let (prefill, decode) = (pool(&status, "prefill"), pool(&status, "decode"));
+    assert!(
+        prefill["ttft_ms"]["p50"].as_f64().unwrap() > 0.0,
+        "{prefill}"
+    );
+    // On the lane clock, as the client's figures: the gateway's wall-clock ITL of a simulator
+    // sped up 50 times is 50 times shorter (its buckets make it approximate).
+    let pool_itl = decode["itl_ms"]["p50"].as_f64().unwrap();
+    let client_itl = status["lanes"][0]["metrics"]["itl_ms"]["p50"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (client_itl / 3.0..client_itl * 3.0).contains(&pool_itl),
+        "decode pool ITL p50 {pool_itl} ms vs the client's {client_itl} ms"
+    );
+    // The GPU boxes still show every worker's utilisation.
+    assert_eq!(browser.find_all(id("gpu-util")).await.unwrap().len(), 3);
+
+    browser.close().await.unwrap();
+    loadgen.shutdown().await;
+    cluster.gateway.shutdown().await;
+}
+
+/// The `value` of the range input `testid`, set as a hand would (input events).
+async fn slide(browser: &Client, testid: &str, value: &str) {
+    browser
+        .execute(
+            "const s = document.querySelector(`[data-testid='${arguments[0]}']`);
+             s.value = arguments[1];
+             s.dispatchEvent(new Event('input', {bubbles: true}));
+             s.dispatchEvent(new Event('change', {bubbles: true}));",
+            vec![json!(testid), json!(value)],
+        )
+        .await
+        .unwrap();
+}
+
+/// Types `value` into the number input `testid` and leaves it (a change event).
+async fn type_into(browser: &Client, testid: &str, value: &str) {
+    browser
+        .execute(
+            "const s = document.querySelector(`[data-testid='${arguments[0]}']`);
+             s.focus();
+             s.value = arguments[1];
+             s.dispatchEvent(new Event('change', {bubbles: true}));
+             s.blur();",
+            vec![json!(testid), json!(value)],
+        )
+        .await
+        .unwrap();
+}
+
+/// Seed 004's Display 1 (issue 17): the presets, the mix sliders (kept at 100 %) and the rate
+/// set the load generator's shape through `POST /api/workload/config`; an API error is shown;
+/// Start/Stop/Reset drive the workload and Reset goes back to Balanced at the default rate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_booth_controls_set_the_mix_and_rate_and_reset() {
+    let cluster = Cluster::start(0..1, SPEEDUP, "worker-").await;
+    let config = loadgen_config(vec![cluster.lane("kv_load", Some("kv_load"))], 4, SPEEDUP);
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+    let status = async || api(&format!("{url}/api/status")).await;
+
+    let driver = ChromeDriver::start();
+    let browser = driver.browser().await;
+    browser.goto(&url).await.unwrap();
+    wait_until("the WebSocket", Duration::from_secs(10), async || {
+        text(&browser, "ws-state").await == "connected"
+    })
+    .await;
+    assert_auto_mode_follows_the_backend(&browser, &url).await;
+    // No pools: the cards as before, no pool headings.
+    assert!(browser.find(id("pool-prefill")).await.is_err());
+
+    // Presets.
+    for (preset, mix, b) in [
+        ("preset-prefill", "A=0,B=80,C=20", "80%"),
+        ("preset-decode", "A=0,B=20,C=80", "20%"),
+    ] {
+        click(&browser, preset).await;
+        wait_until(preset, Duration::from_secs(5), async || {
+            status().await["mix"] == mix
+        })
+        .await;
+        wait_until("the preset shown", Duration::from_secs(5), async || {
+            text(&browser, "mix-b-value").await == b
+                && classes(&browser, preset).await.contains("active")
+        })
+        .await;
+    }
+    // A slider: A to 60 %, B and C share the other 40 % as they were (20:80).
+    slide(&browser, "mix-a", "60").await;
+    wait_until("the slid mix", Duration::from_secs(5), async || {
+        status().await["mix"] == "A=60,B=8,C=32"
+    })
+    .await;
+    let shown_mix: Vec<String> = futures::future::join_all(
+        ["mix-a-value", "mix-b-value", "mix-c-value"].map(|t| text(&browser, t)),
+    )
+    .await;
+    assert_eq!(shown_mix, ["60%", "8%", "32%"]);
+    assert!(!classes(&browser, "preset-decode").await.contains("active"));
+
+    // The rate (the open loop), then a bad one: the API's 400 is shown and nothing changes.
+    type_into(&browser, "rate-input", "0.5").await;
+    wait_until("rate 0.5", Duration::from_secs(5), async || {
+        status().await["rate"] == 0.5
+    })
+    .await;
+    assert!(!shown(&browser, "booth-error").await);
+    type_into(&browser, "rate-input", "-1").await;
+    wait_until("the error", Duration::from_secs(5), async || {
+        shown(&browser, "booth-error").await
+    })
+    .await;
+    let error = text(&browser, "booth-error").await;
+    assert!(error.contains("rate must be"), "{error}");
+    assert_eq!(status().await["rate"], 0.5);
+
+    // Start: the live counts; Stop; Start again and Reset.
+    click(&browser, "start").await;
+    wait_until("live RPS", Duration::from_secs(60), async || {
+        text(&browser, "booth-rps").await.parse::<f64>().is_ok()
+            && text(&browser, "booth-conversations")
+                .await
+                .parse::<u64>()
+                .is_ok()
+    })
+    .await;
+    assert!(
+        !shown(&browser, "booth-error").await,
+        "a success clears the error"
+    );
+    assert_eq!(status().await["running"], true);
+    click(&browser, "stop").await;
+    wait_until("stopped", Duration::from_secs(10), async || {
+        status().await["running"] == false && !disabled(&browser, "start").await
+    })
+    .await;
+    assert_eq!(text(&browser, "booth-rps").await, "—");
+    wait_until(
+        "the counts after Stop",
+        Duration::from_secs(10),
+        async || {
+            let s = status().await;
+            let lane = &s["lanes"][0]["metrics"];
+            let (in_flight, conversations) = (
+                lane["in_flight"].to_string(),
+                lane["active_conversations"].to_string(),
+            );
+            text(&browser, "booth-in-flight").await == in_flight
+                && text(&browser, "booth-conversations").await == conversations
+        },
+    )
+    .await;
+    click(&browser, "start").await;
+    wait_until("running again", Duration::from_secs(10), async || {
+        status().await["running"] == true && !disabled(&browser, "reset").await
+    })
+    .await;
+    click(&browser, "reset").await;
+    wait_until("reset", Duration::from_secs(10), async || {
+        let s = status().await;
+        s["running"] == false && s["mix"] == "A=40,B=30,C=30" && s["rate"] == 2.0
+    })
+    .await;
+    wait_until("Balanced shown", Duration::from_secs(5), async || {
+        text(&browser, "mix-a-value").await == "40%"
+            && classes(&browser, "preset-balanced")
+                .await
+                .contains("active")
+            && browser
+                .find(id("rate-input"))
+                .await
+                .unwrap()
+                .prop("value")
+                .await
+                .unwrap()
+                .as_deref()
+                == Some("2")
+    })
+    .await;
+
+    browser.close().await.unwrap();
+    loadgen.shutdown().await;
+    cluster.gateway.shutdown().await;
+}
+
+/// A fleet that resizes its pools on request and reports the sizes (the load generator's side
+/// of `kvroute demo`'s simulated fleet, whose workers the test does not need).
+struct SizedFleet(std::sync::Mutex<PoolSizes>);
+
+impl Fleet for SizedFleet {
+    fn pools(&self) -> PoolSizes {
+        *self.0.lock().unwrap()
+    }
+
+    fn scale(&self, pool: PoolKind, to: u32) -> BoxFuture<'_, Result<u32, String>> {
+        let mut sizes = self.0.lock().unwrap();
+        match pool {
+            PoolKind::Prefill => sizes.prefill = to,
+            PoolKind::Decode => sizes.decode = to,
+        }
+        Box::pin(async move { Ok(to) })
+    }
+
+    fn worker_metrics(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+}
+
+/// Seed 004's auto mode against the real scenario controller: the toggle switches it on and
+/// off, the page shows the phase, its note and a countdown that follows the scenario's clock,
+/// the pools' sizes over time, and the scaling event as a marker on the charts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_mode_shows_the_phase_countdown_pools_and_scaling_events() {
+    let cluster = Cluster::start(0..1, SPEEDUP, "worker-").await;
+    let mut config = loadgen_config(vec![cluster.lane("kv_load", Some("kv_load"))], 4, SPEEDUP);
+    // A short first phase (1.2 s at 50×), then one long enough to read its countdown, which
+    // adds a prefill worker.
+    config.scaling.scenario = ScenarioConfig::from_toml(
+        "rate_rps = 0.1\n\
+         initial = { prefill = 1, decode = 1 }\n\
+         max = { prefill = 4, decode = 5 }\n\
+         [[phase]]\nname = \"BALANCED\"\nduration_s = 60\nmix = { A = 40, B = 30, C = 30 }\n\
+         prefill = \"initial\"\ndecode = \"initial\"\nnote = \"All three workloads\"\n\
+         [[phase]]\nname = \"PREFILL_RECOVERY\"\nduration_s = 3000\nmix = { B = 80, C = 20 }\n\
+         prefill = \"+1\"\nnote = \"Add a prefill worker, show recovery\"\n",
+    )
+    .unwrap();
+    config.scaling.fleet = Some(Arc::new(SizedFleet(std::sync::Mutex::new(PoolSizes {
+        prefill: 1,
+        decode: 1,
+    }))));
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+    let status = async || api(&format!("{url}/api/status")).await;
+
+    let driver = ChromeDriver::start();
+    let browser = driver.browser().await;
+    browser.goto(&url).await.unwrap();
+    wait_until("the scenario box", Duration::from_secs(10), async || {
+        shown(&browser, "scenario-box").await
+    })
+    .await;
+    assert_eq!(text(&browser, "auto-state").await, "Manual");
+    assert_eq!(text(&browser, "scenario-phase").await, "IDLE");
+    assert!(!disabled(&browser, "mix-a").await);
+
+    click(&browser, "auto-toggle").await;
+    wait_until("the second phase", Duration::from_secs(20), async || {
+        let s = status().await;
+        s["scenario"]["mode"] == "auto" && s["scenario"]["phase"] == "PREFILL_RECOVERY"
+    })
+    .await;
+    wait_until("the phase shown", Duration::from_secs(10), async || {
+        text(&browser, "auto-state").await == "Auto"
+            && text(&browser, "scenario-phase").await == "PREFILL_RECOVERY"
+            && text(&browser, "scenario-pools").await == "Prefill 2 · Decode 1"
+    })
+    .await;
+    assert_eq!(
+        text(&browser, "scenario-note").await,
+        "Add a prefill worker, show recovery"
+    );
+    // The cycle drives the workload: the presenter's controls are off.
+    assert!(disabled(&browser, "mix-a").await && disabled(&browser, "preset-balanced").await);
+    assert!(shown(&browser, "booth-auto-note").await);
+
+    // The countdown (m:ss of scenario time) is the API's time left, and runs at the
+    // scenario's pace: 50 scenario seconds per wall second here.
+    let seconds = |t: &str| -> f64 {
+        let (m, s) = t
+            .split_once(':')
+            .unwrap_or_else(|| panic!("m:ss, got {t:?}"));
+        m.parse::<f64>().unwrap() * 60.0 + s.parse::<f64>().unwrap()
+    };
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let before = seconds(&text(&browser, "scenario-countdown").await);
+    let api_left = status().await["scenario"]["time_left_s"].as_f64().unwrap();
+    assert!(
+        (before - api_left).abs() <= 75.0,
+        "page {before} s, API {api_left} s"
+    );
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let after = seconds(&text(&browser, "scenario-countdown").await);
+    assert!(
+        (40.0..=160.0).contains(&(before - after)),
+        "2 wall seconds are about 100 scenario seconds: {before} → {after}"
+    );
+
+    // The pools over time, and the scaling event marked on the time-series charts.
+    wait_until("the event marker", Duration::from_secs(20), async || {
+        attrs(
+            &browser,
+            "[data-testid=chart-ttft] line.event-marker",
+            "data-event",
+        )
+        .await
+        .iter()
+        .any(|e| e == "prefill 1\u{2192}2")
+    })
+    .await;
+    assert!(shown(&browser, "chart-pools-card").await);
+    let lines = attrs(
+        &browser,
+        "[data-testid=chart-pools] path.series",
+        "data-lane",
+    )
+    .await;
+    assert_eq!(lines, ["prefill", "decode"]);
+
+    // Manual again: the cycle stops, the controls come back.
+    click(&browser, "auto-toggle").await;
+    wait_until("manual mode", Duration::from_secs(10), async || {
+        status().await["scenario"]["mode"] == "manual"
+            && text(&browser, "auto-state").await == "Manual"
+            && !disabled(&browser, "mix-a").await
+    })
+    .await;
+
+    browser.close().await.unwrap();
+    loadgen.shutdown().await;
+    cluster.gateway.shutdown().await;
 }

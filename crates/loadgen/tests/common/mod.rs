@@ -27,6 +27,18 @@ pub async fn engine_with_spec(
     hostname: &str,
     spec: Option<&str>,
 ) -> EngineServerHandle {
+    EngineServer::bind(engine_config(id, speedup, hostname, spec))
+        .await
+        .expect("engine starts")
+}
+
+/// The configuration of [`engine_with_spec`].
+pub fn engine_config(
+    id: u64,
+    speedup: f64,
+    hostname: &str,
+    spec: Option<&str>,
+) -> EngineServerConfig {
     let mut config = EngineServerConfig::new();
     config.engine.spec_decode = spec.map(|name| {
         config
@@ -41,7 +53,7 @@ pub async fn engine_with_spec(
     config.model = MODEL.to_owned();
     config.zmq_pub = Some("tcp://127.0.0.1:0".to_owned());
     config.hostname = hostname.to_owned();
-    EngineServer::bind(config).await.expect("engine starts")
+    config
 }
 
 /// The gateway (default router, `kv_load`) in front of `engines`, on a free port.
@@ -68,6 +80,24 @@ impl Cluster {
         let mut engines = Vec::new();
         for id in ids {
             engines.push(engine(id, speedup, &format!("{host_prefix}{id}")).await);
+        }
+        let gateway = gateway(&engines).await;
+        Cluster { engines, gateway }
+    }
+
+    /// Seed 004's disaggregated fleet: `prefill` prefill-only workers (ids first) and `decode`
+    /// decode-only ones, named `worker-{id}`, behind [`gateway`], which reads their roles from
+    /// their `/info`.
+    pub async fn disaggregated(prefill: u64, decode: u64, speedup: f64) -> Cluster {
+        let mut engines = Vec::new();
+        for id in 0..prefill + decode {
+            let mut config = engine_config(id, speedup, &format!("worker-{id}"), None);
+            config.engine.role = if id < prefill {
+                engine::Role::PrefillOnly
+            } else {
+                engine::Role::DecodeOnly
+            };
+            engines.push(EngineServer::bind(config).await.expect("engine starts"));
         }
         let gateway = gateway(&engines).await;
         Cluster { engines, gateway }
