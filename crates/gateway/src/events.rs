@@ -313,9 +313,7 @@ mod tests {
     #[test]
     fn a_flood_of_bad_messages_logs_a_few_then_a_summary_per_window() {
         let mut budget = WarnBudget::new();
-        let allowed = (0..1000)
-            .filter(|_| budget.allow(EventSource::Zmq))
-            .count();
+        let allowed = (0..1000).filter(|_| budget.allow(EventSource::Zmq)).count();
         assert_eq!(allowed, WarnBudget::PER_WINDOW as usize);
         assert_eq!(budget.suppressed, 1000 - u64::from(WarnBudget::PER_WINDOW));
         // The window passes: the summary resets the count and logging resumes.

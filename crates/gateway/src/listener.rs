@@ -75,10 +75,8 @@ pub(crate) async fn serve(
             }
         };
         let _ = tcp.set_nodelay(true);
-        let connection = http.serve_connection(
-            TokioIo::new(tcp),
-            TowerToHyperService::new(app.clone()),
-        );
+        let connection =
+            http.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()));
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
             if let Err(e) = connection.await {

@@ -359,9 +359,11 @@ async fn an_oversized_stored_event_and_a_flood_of_garbage_are_refused_and_counte
         .send(batch_array(vec![stored_array(&hashes, None, 0..tokens)]))
         .await;
     let errors = "kvroute_router_kv_event_decode_errors_total{source=\"zmq\"} ";
-    wait_for("the oversized event's error", Duration::from_secs(10), || {
-        metric(&gw, errors) == 1.0
-    })
+    wait_for(
+        "the oversized event's error",
+        Duration::from_secs(10),
+        || metric(&gw, errors) == 1.0,
+    )
     .await;
     assert_eq!(gw.dispatcher().cached_blocks(worker), 0);
 

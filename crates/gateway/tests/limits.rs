@@ -91,7 +91,11 @@ async fn connections_declaring_a_big_body_and_sending_one_byte_get_408_and_are_c
         assert_eq!(body["error"]["code"], "request_timeout", "{body}");
     }
     // The body deadline (1.2 s), not a client's patience, ended them.
-    assert!(started.elapsed() < Duration::from_secs(8), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
     gw.shutdown().await;
 }
 
@@ -116,7 +120,10 @@ async fn a_partial_header_and_an_idle_keep_alive_connection_are_closed() {
     let (response, closed) = read_until_closed(&mut idle, Duration::from_secs(5)).await;
     assert!(response.starts_with("HTTP/1.1 503"), "{response:?}");
     assert!(closed, "an idle keep-alive connection stayed open");
-    assert!(started.elapsed() >= Duration::from_millis(500), "closed before idling");
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "closed before idling"
+    );
     gw.shutdown().await;
 }
 
@@ -131,7 +138,11 @@ async fn wrong_methods_oversized_headers_and_bodies_get_openai_json() {
     let client = reqwest::Client::new();
     let error_of = |status: u16, body: &Value, code: &str| {
         assert_eq!(body["error"]["code"], code, "{status}: {body}");
-        assert!(body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
     };
 
     let response = client
@@ -152,7 +163,11 @@ async fn wrong_methods_oversized_headers_and_bodies_get_openai_json() {
     }
     let response = many.send().await.unwrap();
     assert_eq!(response.status(), 431);
-    error_of(431, &response.json().await.unwrap(), "request_headers_too_large");
+    error_of(
+        431,
+        &response.json().await.unwrap(),
+        "request_headers_too_large",
+    );
     let response = client
         .get(format!("{url}/health"))
         .header("x-filler", "v".repeat(100 << 10))
@@ -160,7 +175,11 @@ async fn wrong_methods_oversized_headers_and_bodies_get_openai_json() {
         .await
         .unwrap();
     assert_eq!(response.status(), 431);
-    error_of(431, &response.json().await.unwrap(), "request_headers_too_large");
+    error_of(
+        431,
+        &response.json().await.unwrap(),
+        "request_headers_too_large",
+    );
 
     // A chunked body (no Content-Length) over the cap: counted as it arrives, refused as
     // soon as it is over (the client has not even finished sending).
@@ -195,14 +214,19 @@ async fn a_worker_that_never_answers_costs_one_timeout_and_a_retry() {
     for stream in [false, true, false, true] {
         let started = Instant::now();
         let request = chat(&[("user", "hello")], 3, stream);
-        if stream {
-            let reply = post_stream(&gw.url(), "/v1/chat/completions", &request).await;
-            assert_eq!(reply.status, 200, "{:?}", reply.chunks);
-            assert!(reply.done && reply.error().is_none(), "{:?}", reply.chunks);
-        } else {
-            let (status, _, body) = post_json(&gw.url(), "/v1/chat/completions", &request).await;
-            assert_eq!(status, 200, "{body}");
-        }
+        let answered = tokio::time::timeout(Duration::from_secs(10), async {
+            if stream {
+                let reply = post_stream(&gw.url(), "/v1/chat/completions", &request).await;
+                assert_eq!(reply.status, 200, "{:?}", reply.chunks);
+                assert!(reply.done && reply.error().is_none(), "{:?}", reply.chunks);
+            } else {
+                let (status, _, body) =
+                    post_json(&gw.url(), "/v1/chat/completions", &request).await;
+                assert_eq!(status, 200, "{body}");
+            }
+        })
+        .await;
+        assert!(answered.is_ok(), "the client was left waiting");
         assert!(
             started.elapsed() < Duration::from_secs(5),
             "{:?}",
@@ -222,12 +246,16 @@ async fn a_stream_that_stalls_ends_with_an_error_event() {
     let stalling = FakeWorker::start(Script::StallAfter { tokens: 3 }).await;
     let gw = gateway(config(vec![WorkerSpec::new(stalling.url())])).await;
     let started = Instant::now();
-    let reply = post_stream(
-        &gw.url(),
-        "/v1/chat/completions",
-        &chat(&[("user", "hello")], 50, true),
+    let reply = tokio::time::timeout(
+        Duration::from_secs(10),
+        post_stream(
+            &gw.url(),
+            "/v1/chat/completions",
+            &chat(&[("user", "hello")], 50, true),
+        ),
     )
-    .await;
+    .await
+    .expect("the stream ended (no silent stall)");
     assert_eq!(reply.status, 200);
     assert_eq!(reply.text(), " w0 w1 w2");
     let error = reply.error().expect("an error event");
@@ -258,12 +286,16 @@ async fn a_reply_that_never_ends_gets_the_client_a_502_at_the_cap() {
         })
         .await;
         let started = Instant::now();
-        let (status, _, body) = post_json(
-            &gw.url(),
-            "/v1/chat/completions",
-            &chat(&[("user", "hello")], 4, false),
+        let (status, _, body) = tokio::time::timeout(
+            Duration::from_secs(30),
+            post_json(
+                &gw.url(),
+                "/v1/chat/completions",
+                &chat(&[("user", "hello")], 4, false),
+            ),
         )
-        .await;
+        .await
+        .expect("an answer, not a reply gathered without end");
         assert_eq!(status, 502, "{body}");
         assert_eq!(body["error"]["code"], code, "{body}");
         assert!(

@@ -25,9 +25,11 @@ fn chat(content: &str, max_tokens: u32, stream: bool) -> Value {
     })
 }
 
+/// POSTs a chat; a gateway that leaves the client waiting 30 s fails the test.
 async fn post(url: &str, body: &Value) -> reqwest::Response {
     reqwest::Client::new()
         .post(format!("{url}/v1/chat/completions"))
+        .timeout(Duration::from_secs(30))
         .json(body)
         .send()
         .await
@@ -253,7 +255,11 @@ async fn a_worker_that_accepts_and_never_answers_costs_a_retry_not_a_hang() {
         assert_eq!(served_by(&response), 1);
         let body = response.text().await.unwrap();
         assert!(!body.contains("\"error\""), "{body}");
-        assert!(sent.elapsed() < Duration::from_secs(5), "{:?}", sent.elapsed());
+        assert!(
+            sent.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            sent.elapsed()
+        );
     }
     let metrics = get_text(&format!("{url}/metrics")).await;
     assert!(metric(&metrics, "kvroute_gateway_worker_timeouts_total") >= 1.0);
