@@ -133,7 +133,7 @@ fn bad_flags_fail_with_a_message_that_says_what_to_do() {
     let err = run(&["--local-prefill-max-tokens", "lots"]);
     assert!(err.contains("--local-prefill-max-tokens"), "{err}");
     for flag in ["--stall-timeout", "--first-byte-timeout", "--body-timeout"] {
-        let err = run(&[flag, "-1"]);
+        let err = run(&[flag, "0"]);
         assert!(err.contains(flag), "{err}");
     }
 }
