@@ -203,6 +203,44 @@ pub struct GatewayConfig {
     /// Longest wait for a prefill worker's answer before the request is prefilled on its
     /// decode worker instead.
     pub prefill_timeout: Duration,
+    /// Timeouts of the gateway's calls to workers and of its clients' connections.
+    pub timeouts: Timeouts,
+    /// Largest non-streamed reply gathered from a worker (the text of all its choices); a
+    /// worker sending more gets the client a 502.
+    pub max_response_bytes: usize,
+}
+
+/// How long each phase of a connection may take, upstream (gateway to worker) and downstream
+/// (client to gateway). A worker that misses an upstream deadline is ejected from the routing
+/// set until it passes a health check again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Opening a TCP connection to a worker.
+    pub connect: Duration,
+    /// From sending a request to a worker to its first body bytes (response headers and the
+    /// first SSE event: the worker's queueing and prefill). Missed before anything reached the
+    /// client, the request is retried once on another worker.
+    pub first_byte: Duration,
+    /// Longest silence between two reads of a worker's stream once it started; a stream that
+    /// stalls longer ends with an error event.
+    pub stall: Duration,
+    /// A client's request headers, and an idle keep-alive connection's next request (hyper's
+    /// header read timeout covers both): the connection is closed after it.
+    pub header: Duration,
+    /// A client's whole request body: 408 after it.
+    pub body: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            connect: Duration::from_secs(2),
+            first_byte: Duration::from_secs(60),
+            stall: Duration::from_secs(30),
+            header: Duration::from_secs(30),
+            body: Duration::from_secs(30),
+        }
+    }
 }
 
 impl Default for GatewayConfig {
@@ -224,6 +262,8 @@ impl Default for GatewayConfig {
             max_workers: 1024,
             local_prefill_max_tokens: router::DisaggConfig::default().local_prefill_max_tokens,
             prefill_timeout: Duration::from_secs(60),
+            timeouts: Timeouts::default(),
+            max_response_bytes: 16 << 20,
         }
     }
 }

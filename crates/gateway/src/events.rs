@@ -5,10 +5,15 @@
 //! Transport-level losses get the same treatment: a vLLM batch-number gap or restart
 //! ([`protocol::vllm::Continuity`]), a frame that cannot be converted, or a NATS batch from a
 //! new worker `instance` (a restart: empty cache, sequence numbers from 0).
+//!
+//! Bad input is counted in the metrics (`decode_errors`, `resyncs`) frame by frame, but logged
+//! sparingly ([`WarnBudget`]): a flood of garbage frames writes a few lines and a periodic
+//! summary, not a line per frame. A stored event over `protocol::kv_events::MAX_STORED_BLOCKS`
+//! blocks or `MAX_STORED_TOKENS` tokens is refused like any other bad frame.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kv_index::{KvEvent, WorkerId};
@@ -40,6 +45,66 @@ impl KvEventSink {
     }
 }
 
+/// Warnings about one source's bad input: the first [`WarnBudget::PER_WINDOW`] of each
+/// [`WarnBudget::WINDOW`] are logged, the rest counted and summed up in one line when the
+/// window has passed.
+#[derive(Debug)]
+pub(crate) struct WarnBudget {
+    window_start: Instant,
+    logged: u32,
+    suppressed: u64,
+}
+
+impl WarnBudget {
+    pub(crate) const PER_WINDOW: u32 = 5;
+    pub(crate) const WINDOW: Duration = Duration::from_secs(10);
+
+    pub(crate) fn new() -> WarnBudget {
+        WarnBudget {
+            window_start: Instant::now(),
+            logged: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// Ends the window if it has passed, logging what it suppressed.
+    fn roll(&mut self, now: Instant, source: EventSource) {
+        if now.duration_since(self.window_start) < Self::WINDOW {
+            return;
+        }
+        if self.suppressed > 0 {
+            tracing::warn!(
+                ?source,
+                suppressed = self.suppressed,
+                window_s = Self::WINDOW.as_secs(),
+                "more bad KV event messages were not logged (see the decode error and resync metrics)"
+            );
+        }
+        self.window_start = now;
+        self.logged = 0;
+        self.suppressed = 0;
+    }
+
+    /// Whether to log one more bad message now.
+    pub(crate) fn allow(&mut self, source: EventSource) -> bool {
+        self.roll(Instant::now(), source);
+        if self.logged < Self::PER_WINDOW {
+            self.logged += 1;
+            true
+        } else {
+            self.suppressed += 1;
+            false
+        }
+    }
+
+    /// Called for good messages too, so a flood's summary is written once it ends.
+    fn tick(&mut self, source: EventSource) {
+        if self.suppressed > 0 {
+            self.roll(Instant::now(), source);
+        }
+    }
+}
+
 /// Consumes `kvroute.<ns>.kv.*` until cancelled.
 pub(crate) async fn run_nats_events(
     client: async_nats::Client,
@@ -59,11 +124,13 @@ pub(crate) async fn run_nats_events(
     // The last `instance` seen per worker, to notice restarts. Bounded: past the bound the
     // map is cleared, which at worst costs one unnecessary clear per worker.
     let mut instances: BTreeMap<WorkerId, u64> = BTreeMap::new();
+    let mut warnings = WarnBudget::new();
     loop {
         let message = tokio::select! {
             _ = cancel.cancelled() => break,
             m = subscriber.next() => match m { Some(m) => m, None => break },
         };
+        warnings.tick(source);
         let Some(worker) = subjects.parse_kv_events(message.subject.as_str()) else {
             dispatcher.count_decode_error(source);
             continue;
@@ -71,12 +138,16 @@ pub(crate) async fn run_nats_events(
         let batch = match KvEventBatch::decode(&message.payload) {
             Ok(batch) if batch.worker == worker.0 => batch,
             Ok(batch) => {
-                tracing::warn!(%worker, batch_worker = batch.worker, "KV batch names another worker than its subject; dropped");
+                if warnings.allow(source) {
+                    tracing::warn!(%worker, batch_worker = batch.worker, "KV batch names another worker than its subject; dropped");
+                }
                 dispatcher.count_decode_error(source);
                 continue;
             }
             Err(e) => {
-                tracing::warn!(%worker, error = %e, "undecodable KV event batch; clearing the worker's blocks");
+                if warnings.allow(source) {
+                    tracing::warn!(%worker, error = %e, "undecodable KV event batch; clearing the worker's blocks");
+                }
                 dispatcher.count_decode_error(source);
                 dispatcher.resync_worker(source, worker);
                 continue;
@@ -93,7 +164,9 @@ pub(crate) async fn run_nats_events(
         match batch.to_kv_events() {
             Ok(events) => dispatcher.apply_events(source, &events),
             Err(e) => {
-                tracing::warn!(%worker, error = %e, "bad KV event batch; clearing the worker's blocks");
+                if warnings.allow(source) {
+                    tracing::warn!(%worker, error = %e, "bad KV event batch; clearing the worker's blocks");
+                }
                 dispatcher.count_decode_error(source);
                 dispatcher.resync_worker(source, worker);
             }
@@ -135,11 +208,13 @@ pub(crate) async fn run_zmq_events(
     }
     tracing::info!(%worker, %endpoint, "subscribed to vLLM KV events");
     let mut stream = VllmEventStream::new(worker, block_size);
+    let mut warnings = WarnBudget::new();
     loop {
         let message = tokio::select! {
             _ = cancel.cancelled() => return,
             m = socket.recv() => m,
         };
+        warnings.tick(source);
         let message = match message {
             Ok(m) => m,
             Err(e) => {
@@ -154,7 +229,9 @@ pub(crate) async fn run_zmq_events(
         let frame = match decode_multipart(&parts) {
             Ok(frame) => frame,
             Err(e) => {
-                tracing::warn!(%worker, error = %e, "undecodable vLLM KV event frame; clearing the worker's blocks");
+                if warnings.allow(source) {
+                    tracing::warn!(%worker, error = %e, "undecodable vLLM KV event frame; clearing the worker's blocks");
+                }
                 dispatcher.count_decode_error(source);
                 dispatcher.resync_worker(source, worker);
                 continue;
@@ -163,13 +240,17 @@ pub(crate) async fn run_zmq_events(
         match stream.accept(&frame) {
             Ok(accepted) => {
                 if accepted.continuity.needs_clear() {
-                    tracing::warn!(%worker, continuity = ?accepted.continuity, "vLLM KV event sequence broken; clearing the worker's blocks");
+                    if warnings.allow(source) {
+                        tracing::warn!(%worker, continuity = ?accepted.continuity, "vLLM KV event sequence broken; clearing the worker's blocks");
+                    }
                     dispatcher.resync_worker(source, worker);
                 }
                 dispatcher.apply_events(source, &accepted.events);
             }
             Err(e) => {
-                tracing::warn!(%worker, error = %e, "vLLM KV events not usable; clearing the worker's blocks");
+                if warnings.allow(source) {
+                    tracing::warn!(%worker, error = %e, "vLLM KV events not usable; clearing the worker's blocks");
+                }
                 dispatcher.count_decode_error(source);
                 dispatcher.resync_worker(source, worker);
             }
@@ -222,5 +303,22 @@ impl ZmqSubscriptions {
         for (_, (_, handle)) in std::mem::take(&mut *tasks) {
             handle.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_of_bad_messages_logs_a_few_then_a_summary_per_window() {
+        let mut budget = WarnBudget::new();
+        let allowed = (0..1000).filter(|_| budget.allow(EventSource::Zmq)).count();
+        assert_eq!(allowed, WarnBudget::PER_WINDOW as usize);
+        assert_eq!(budget.suppressed, 1000 - u64::from(WarnBudget::PER_WINDOW));
+        // The window passes: the summary resets the count and logging resumes.
+        budget.roll(budget.window_start + WarnBudget::WINDOW, EventSource::Zmq);
+        assert_eq!(budget.suppressed, 0);
+        assert!(budget.allow(EventSource::Zmq));
     }
 }

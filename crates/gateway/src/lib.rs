@@ -47,6 +47,7 @@
 pub mod config;
 pub mod dispatch;
 pub mod events;
+mod listener;
 pub mod metrics;
 pub mod preprocess;
 pub mod registry;
@@ -58,11 +59,10 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::serve::ListenerExt;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use config::{GatewayConfig, PromptFormat, WorkerSpec};
+pub use config::{GatewayConfig, PromptFormat, Timeouts, WorkerSpec};
 pub use dispatch::Dispatcher;
 pub use events::KvEventSink;
 pub use metrics::Metrics;
@@ -156,7 +156,7 @@ impl Gateway {
         dispatcher.set_metrics(metrics.clone());
 
         let http = reqwest::Client::builder()
-            .connect_timeout(config.probe_timeout)
+            .connect_timeout(config.timeouts.connect)
             .pool_max_idle_per_host(4096)
             .tcp_nodelay(true)
             .build()?;
@@ -245,24 +245,20 @@ impl Gateway {
             model: config.model.as_str().into(),
             context_length: config.context_length,
             max_body_bytes: config.max_body_bytes,
+            max_response_bytes: config.max_response_bytes,
+            timeouts: config.timeouts,
             started: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             next_id: AtomicU64::new(0),
         });
         let app = server::routes(state);
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        let shutdown = cancel.clone().cancelled_owned();
-        gateway.server = Some(tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown)
-                .await
-            {
-                tracing::error!(error = %e, "gateway HTTP server failed");
-            }
-        }));
+        gateway.server = Some(tokio::spawn(listener::serve(
+            listener,
+            app,
+            config.timeouts.header,
+            cancel.clone(),
+        )));
         tracing::info!(addr = %local_addr, "gateway listening");
         Ok(gateway)
     }

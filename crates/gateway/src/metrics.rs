@@ -489,6 +489,9 @@ pub struct Metrics {
     pub output_tokens_total: Counter,
     /// Worker connections that failed (connect errors, broken streams).
     pub worker_failures: Counter,
+    /// Worker calls that missed a deadline (no first byte in time, a stream that stalled);
+    /// each ejected its worker until its next passing health check.
+    pub worker_timeouts: Counter,
     /// Time the gateway itself spends on a request before forwarding it (parse, template,
     /// tokenize, hash, route, build the worker request), queue waits excluded.
     pub overhead: AtomicHistogram,
@@ -526,6 +529,7 @@ impl Metrics {
             cached_tokens: AtomicHistogram::new(TOKEN_BUCKETS),
             output_tokens_total: Counter::default(),
             worker_failures: Counter::default(),
+            worker_timeouts: Counter::default(),
             overhead: AtomicHistogram::new(OVERHEAD_BUCKETS),
             added_ttft: AtomicHistogram::new(OVERHEAD_BUCKETS),
         };
@@ -588,6 +592,12 @@ impl Metrics {
             "kvroute_gateway_worker_failures",
             "Worker connections that failed (connect errors, broken streams)",
             m.worker_failures.clone(),
+        );
+        registry.register(
+            "kvroute_gateway_worker_timeouts",
+            "Worker calls that missed a deadline (no first byte in time, a stalled stream); \
+             each ejected its worker until its next passing health check",
+            m.worker_timeouts.clone(),
         );
         registry.register(
             "kvroute_gateway_overhead_seconds",

@@ -7,6 +7,10 @@
 //! collects everything decoded from the same network read, so the client gets one body frame
 //! per upstream read, not per token.
 //!
+//! Deadlines: one timer per relay, reset before each upstream read (no allocation per read),
+//! ends a stream whose worker goes silent for longer than the stall timeout; a non-streamed
+//! reply is gathered up to a byte cap.
+//!
 //! Whatever ends a request — `[DONE]`, a broken worker stream, the client going away (the
 //! body stream is dropped, which drops the upstream response and so cancels the worker's
 //! request) — releases its [`Ticket`] and records its metrics exactly once
@@ -173,9 +177,23 @@ pub enum Ending {
     Broken(ApiError),
 }
 
+/// Deadlines and caps of one relay.
+#[derive(Debug, Clone, Copy)]
+pub struct RelayLimits {
+    /// Longest silence between two upstream reads.
+    pub stall: Duration,
+    /// Most text bytes gathered for a non-streamed reply.
+    pub max_response_bytes: usize,
+}
+
 /// One request's relay: the worker's stream, its decoder, and what is made of it.
 pub struct Relay {
     body: BoxStream<'static, reqwest::Result<Bytes>>,
+    /// The first upstream read, made before the relay started (to retry a silent worker).
+    first: Option<Bytes>,
+    /// Reset before each read: the stream's only timer.
+    stall: std::pin::Pin<Box<tokio::time::Sleep>>,
+    stall_after: Duration,
     /// Apart from [`Output`] so that an event borrowed from it can be handled.
     decoder: SseDecoder,
     output: Output,
@@ -191,6 +209,9 @@ struct Output {
     role_sent: bool,
     usage: Option<Usage>,
     aggregate: Aggregate,
+    /// Text bytes in `aggregate`, against `max_response_bytes`.
+    aggregate_bytes: usize,
+    max_response_bytes: usize,
     ending: Option<Ending>,
     finished: bool,
     /// When the latest upstream read returned.
@@ -200,15 +221,24 @@ struct Output {
 }
 
 impl Relay {
+    /// A relay of `body`, whose `first` read (if any) was already made at `first_read`.
     pub fn new(
         ctx: OutputCtx,
         stream: bool,
-        body: BoxStream<'static, reqwest::Result<Bytes>>,
+        (first, first_read, body): (
+            Option<Bytes>,
+            Instant,
+            BoxStream<'static, reqwest::Result<Bytes>>,
+        ),
         ticket: Ticket,
         record: RequestRecord,
+        limits: RelayLimits,
     ) -> Relay {
         Relay {
             body,
+            first,
+            stall: Box::pin(tokio::time::sleep(limits.stall)),
+            stall_after: limits.stall,
             decoder: SseDecoder::new(MAX_EVENT_BYTES),
             output: Output {
                 ctx,
@@ -219,9 +249,11 @@ impl Relay {
                 role_sent: false,
                 usage: None,
                 aggregate: Aggregate::default(),
+                aggregate_bytes: 0,
+                max_response_bytes: limits.max_response_bytes,
                 ending: None,
                 finished: false,
-                last_read: None,
+                last_read: Some(first_read),
                 first_token_read: None,
             },
         }
@@ -264,10 +296,26 @@ impl Relay {
             if output.finished {
                 return None;
             }
-            match self.body.next().await {
+            // The first read was timed when it was made (`last_read`).
+            let (read, timed) = match self.first.take() {
+                Some(bytes) => (Some(Ok(bytes)), true),
+                None => {
+                    let deadline = tokio::time::Instant::now() + self.stall_after;
+                    self.stall.as_mut().reset(deadline);
+                    tokio::select! {
+                        biased;
+                        read = self.body.next() => (read, false),
+                        () = self.stall.as_mut() => {
+                            output.stalled(self.stall_after);
+                            continue;
+                        }
+                    }
+                }
+            };
+            match read {
                 Some(Ok(bytes)) => {
                     // Only the read that brings the first token is timed.
-                    if output.record.first_token.is_none() {
+                    if output.record.first_token.is_none() && !timed {
                         output.last_read = Some(Instant::now());
                     }
                     if let Err(e) = self.decoder.push(&bytes) {
@@ -315,6 +363,28 @@ impl Output {
             message,
             None,
             Some("worker_failed"),
+        )));
+    }
+
+    /// The worker went silent mid-stream: the request ends with an error and the worker is
+    /// ejected until it passes a health check (it may be stopped or wedged).
+    fn stalled(&mut self, after: Duration) {
+        let worker = self.ticket.as_ref().map(|t| t.worker.id);
+        tracing::warn!(?worker, ?after, "worker stream stalled; worker ejected");
+        if let Some(ticket) = &self.ticket {
+            ticket.worker_failed();
+        }
+        self.record.metrics.worker_timeouts.inc();
+        self.ending = Some(Ending::Broken(ApiError::new(
+            504,
+            protocol::error::kind::SERVER,
+            format!(
+                "the worker sent nothing for {:.1} s mid-stream (stall timeout); the worker \
+                 is ejected until it answers its health check",
+                after.as_secs_f64()
+            ),
+            None,
+            Some("worker_timeout"),
         )));
     }
 
@@ -446,7 +516,24 @@ impl Output {
                     self.aggregate.texts.resize_with(i + 1, String::new);
                     self.aggregate.finish.resize(i + 1, None);
                 }
-                self.aggregate.texts[i].push_str(c.content());
+                let text = c.content();
+                self.aggregate_bytes += text.len();
+                if self.aggregate_bytes > self.max_response_bytes {
+                    let limit = self.max_response_bytes;
+                    tracing::warn!(limit, "a worker's non-streamed reply is over the cap");
+                    self.ending = Some(Ending::Error(ApiError::new(
+                        502,
+                        protocol::error::kind::SERVER,
+                        format!(
+                            "the worker's reply is over the gateway's limit of {limit} bytes \
+                             (--max-response-bytes); ask for fewer tokens or stream it"
+                        ),
+                        None,
+                        Some("response_too_large"),
+                    )));
+                    return;
+                }
+                self.aggregate.texts[i].push_str(text);
                 if let Some(f) = &c.finish_reason {
                     self.aggregate.finish[i] = Some(f.to_string());
                 }

@@ -18,12 +18,12 @@ use protocol::{
 };
 use serde_json::Value;
 
-use crate::config::PromptFormat;
+use crate::config::{PromptFormat, Timeouts};
 use crate::dispatch::{AdmitError, Dispatcher, Ticket};
 use crate::metrics::{CONTENT_TYPE, Metrics, PoolLabel};
 use crate::preprocess::{Prepared, Preprocessor};
 use crate::registry::WorkerInfo;
-use crate::relay::{OutputCtx, Relay, RequestRecord, endpoint, read_error};
+use crate::relay::{OutputCtx, Relay, RelayLimits, RequestRecord, endpoint, read_error};
 
 /// Connection attempts per request: a worker that refuses the connection leaves the routing
 /// set and the request is routed again (nothing was sent, so this is safe).
@@ -38,6 +38,8 @@ pub(crate) struct AppState {
     pub model: Arc<str>,
     pub context_length: u32,
     pub max_body_bytes: usize,
+    pub max_response_bytes: usize,
+    pub timeouts: Timeouts,
     pub started: u64,
     pub next_id: AtomicU64,
 }
@@ -53,7 +55,23 @@ pub(crate) fn routes(state: Arc<AppState>) -> HttpRouter {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn(crate::listener::limit_headers))
         .with_state(state)
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let allowed = if uri.path().starts_with("/v1/") && uri.path().ends_with("completions") {
+        "POST"
+    } else {
+        "GET"
+    };
+    let mut response =
+        ApiError::method_not_allowed(method.as_str(), uri.path(), allowed).into_response();
+    response
+        .headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allowed));
+    response
 }
 
 fn unix_now() -> u64 {
@@ -337,7 +355,13 @@ async fn handle<R: Prepare>(
 ) -> Response {
     let mut record = RequestRecord::start(state.metrics.clone(), endpoint(R::API), false);
     let parsed = async {
-        let mut request: R = read_json(&headers, body, state.max_body_bytes).await?;
+        // One deadline for the whole body: a client trickling bytes cannot hold the
+        // connection (and what it sent) for longer.
+        let body_timeout = state.timeouts.body;
+        let read = read_json(&headers, body, state.max_body_bytes);
+        let mut request: R = tokio::time::timeout(body_timeout, read)
+            .await
+            .map_err(|_| ApiError::request_timeout(body_timeout.as_secs_f64()))??;
         record.set_stream(request.params().is_stream());
         check_model(&state.model, request.model())?;
         let prepared = request.prepare(&state)?;
@@ -423,6 +447,7 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
     record.prompt_tokens = Some(prompt_tokens as u64);
     let key = state.dispatcher.key(&parsed.prepared.tokens);
     let mut last_error = None;
+    let mut timeouts = 0;
     for _attempt in 0..CONNECT_ATTEMPTS {
         let admit_start = Instant::now();
         let mut ticket = match state.dispatcher.admit(key.clone()).await {
@@ -491,26 +516,54 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         let pre_forward = record.started().elapsed().saturating_sub(queue_wait);
         record.pre_forward = Some(pre_forward);
         state.metrics.overhead.observe(pre_forward.as_secs_f64());
+        // Response headers and the first body bytes, within one deadline: a worker that
+        // accepts and stays silent (stopped, wedged) is ejected and the request, of which
+        // nothing reached the client yet, goes to another worker once.
+        let deadline = tokio::time::Instant::now() + state.timeouts.first_byte;
         let sent = state
             .http
             .post(&ticket.worker.completions_url)
             .header(header::CONTENT_TYPE, "application/json")
             .body(body)
-            .send()
-            .await;
-        let response = match sent {
-            Ok(r) => r,
-            Err(e) => {
+            .send();
+        let response = match tokio::time::timeout_at(deadline, sent).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
                 tracing::warn!(worker = %ticket.worker.id, error = %e, "worker unreachable; routing again");
                 state.metrics.worker_failures.inc();
                 ticket.worker_failed();
                 last_error = Some(e.to_string());
                 continue;
             }
+            Err(_) => match silent_worker(&state, &ticket, &mut timeouts) {
+                Some(error) => return error.into_response(),
+                None => continue,
+            },
         };
         if !response.status().is_success() {
-            return read_error(response).await.into_response();
+            return match tokio::time::timeout_at(deadline, read_error(response)).await {
+                Ok(error) => error.into_response(),
+                Err(_) => match silent_worker(&state, &ticket, &mut timeouts) {
+                    Some(error) => error.into_response(),
+                    None => continue,
+                },
+            };
         }
+        let mut upstream = response.bytes_stream().boxed();
+        let first = match tokio::time::timeout_at(deadline, upstream.next()).await {
+            Ok(Some(Ok(bytes))) => Some(bytes),
+            // A broken or empty stream: the relay reports it as today.
+            Ok(Some(Err(e))) => {
+                upstream = futures::stream::once(async { Err(e) }).boxed();
+                None
+            }
+            Ok(None) => None,
+            Err(_) => match silent_worker(&state, &ticket, &mut timeouts) {
+                Some(error) => return error.into_response(),
+                None => continue,
+            },
+        };
+        let first_read = Instant::now();
         if state.dispatcher.is_disaggregated() {
             state.metrics.count_route(ticket.route_labels());
         }
@@ -527,7 +580,12 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
             prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
             predicted_cached_tokens: u32::try_from(predicted).unwrap_or(u32::MAX),
         };
-        return respond(ctx, stream, response, ticket, record).await;
+        let limits = RelayLimits {
+            stall: state.timeouts.stall,
+            max_response_bytes: state.max_response_bytes,
+        };
+        let upstream = (first, first_read, upstream);
+        return respond(ctx, stream, upstream, ticket, record, limits).await;
     }
     ApiError::service_unavailable(format!(
         "no worker could be reached after {CONNECT_ATTEMPTS} attempts (last error: {})",
@@ -536,12 +594,48 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
     .into_response()
 }
 
+/// Retries after a worker timed out before sending anything (the request goes elsewhere).
+const TIMEOUT_RETRIES: u32 = 1;
+
+/// A worker sent nothing by the first-byte deadline: it is ejected (health checks bring it
+/// back) and the request is routed again, or, past [`TIMEOUT_RETRIES`], answered with 504.
+fn silent_worker(state: &AppState, ticket: &Ticket, timeouts: &mut u32) -> Option<ApiError> {
+    let after = state.timeouts.first_byte;
+    tracing::warn!(worker = %ticket.worker.id, ?after, "worker sent nothing in time; ejected, routing again");
+    state.metrics.worker_timeouts.inc();
+    ticket.worker_failed();
+    *timeouts += 1;
+    (*timeouts > TIMEOUT_RETRIES).then(|| {
+        ApiError::new(
+            504,
+            protocol::error::kind::SERVER,
+            format!(
+                "{} workers in a row sent nothing within {:.1} s (first-byte timeout); they \
+                 are ejected until they answer their health checks. Retry later.",
+                *timeouts,
+                after.as_secs_f64()
+            ),
+            None,
+            Some("worker_timeout"),
+        )
+    })
+}
+
+/// An upstream body: its first read (made before the relay, to retry a silent worker), when
+/// that read returned, and the rest.
+type Upstream = (
+    Option<bytes::Bytes>,
+    Instant,
+    futures::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
+);
+
 async fn respond(
     ctx: OutputCtx,
     stream: bool,
-    response: reqwest::Response,
+    upstream: Upstream,
     ticket: Ticket,
     record: RequestRecord,
+    limits: RelayLimits,
 ) -> Response {
     let worker = HeaderValue::from(ticket.worker.id.0);
     let (route, reason) = ticket.route_labels();
@@ -549,8 +643,7 @@ async fn respond(
     let route = ticket
         .fleet_disaggregated()
         .then(|| HeaderValue::from_static(if route == "split" { "split" } else { reason }));
-    let upstream = response.bytes_stream().boxed();
-    let relay = Relay::new(ctx, stream, upstream, ticket, record);
+    let relay = Relay::new(ctx, stream, upstream, ticket, record, limits);
     let mut response = respond_relay(stream, relay).await;
     // Which worker served the request: for debugging and tests (not an OpenAI header).
     response.headers_mut().insert(WORKER_HEADER, worker);

@@ -324,3 +324,60 @@ async fn the_in_process_sink_feeds_the_index_with_the_same_gap_policy() {
     );
     gw.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_stored_event_and_a_flood_of_garbage_are_refused_and_counted() {
+    let mut socket = zeromq::PubSocket::new();
+    let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let http = dead_port().await;
+    let worker = WorkerId(6);
+    let gw = gateway(GatewayConfig {
+        workers: vec![
+            format!("http://{http},id=6,block_size={BLOCK},zmq={endpoint}")
+                .parse::<WorkerSpec>()
+                .unwrap(),
+        ],
+        ..config()
+    })
+    .await;
+    let mut publisher = VllmPublisher { socket, seq: 0 };
+    let received = "kvroute_router_kv_events_received_total{source=\"zmq\"} ";
+    while metric(&gw, received) == 0.0 {
+        publisher.send(batch_array(vec![removed_map(&[999])])).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    publisher
+        .send(batch_array(vec![stored_array(&[101], None, 0..4)]))
+        .await;
+    wait_for_blocks(&gw, worker, 1, "a normal event").await;
+
+    // A million tokens in one BlockStored: refused whole (counted), the worker's blocks
+    // cleared since the index now misses what it said; nothing of it is indexed.
+    let tokens = 1u64 << 20;
+    let hashes: Vec<u64> = (0..tokens / BLOCK as u64).map(|h| h + 1000).collect();
+    publisher
+        .send(batch_array(vec![stored_array(&hashes, None, 0..tokens)]))
+        .await;
+    let errors = "kvroute_router_kv_event_decode_errors_total{source=\"zmq\"} ";
+    wait_for(
+        "the oversized event's error",
+        Duration::from_secs(10),
+        || metric(&gw, errors) == 1.0,
+    )
+    .await;
+    assert_eq!(gw.dispatcher().cached_blocks(worker), 0);
+
+    // A flood of garbage frames: each counted, none applied, the gateway still serving.
+    for _ in 0..300 {
+        publisher.send(b"\xc1garbage".to_vec()).await;
+    }
+    wait_for("the flood's errors", Duration::from_secs(10), || {
+        metric(&gw, errors) == 301.0
+    })
+    .await;
+    publisher
+        .send(batch_array(vec![stored_array(&[102], None, 4..8)]))
+        .await;
+    wait_for_blocks(&gw, worker, 1, "an event after the flood").await;
+    gw.shutdown().await;
+}

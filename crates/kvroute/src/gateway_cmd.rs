@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use gateway::{Gateway, GatewayConfig, WorkerSpec};
+use gateway::{Gateway, GatewayConfig, Timeouts, WorkerSpec};
 use nanotime::Nanos;
 use router::{KvCostParams, KvSource, PolicyKind, PolicyParams, RouterConfig};
 
@@ -89,9 +89,32 @@ pub struct GatewayArgs {
     /// NATS subject namespace (`kvroute.<namespace>.…`), as the workers use.
     #[arg(long, default_value = "default")]
     namespace: String,
-    /// Largest request body accepted, in bytes (more: 413).
+    /// Largest request body accepted, in bytes (more: 413). Read as it arrives, never
+    /// reserved from a declared Content-Length.
+    #[arg(long, alias = "max-body-bytes", default_value_t = 16 << 20)]
+    max_request_bytes: usize,
+    /// Largest non-streamed reply gathered from a worker, in bytes of text (more: 502).
     #[arg(long, default_value_t = 16 << 20)]
-    max_body_bytes: usize,
+    max_response_bytes: usize,
+    /// Seconds to open a connection to a worker.
+    #[arg(long, default_value_t = Timeouts::default().connect.as_secs_f64())]
+    connect_timeout: f64,
+    /// Seconds from sending a request to a worker to its first bytes (headers and first
+    /// event: queueing and prefill). A worker that misses it is ejected until its health
+    /// check passes, and the request is retried once on another worker.
+    #[arg(long, default_value_t = Timeouts::default().first_byte.as_secs_f64())]
+    first_byte_timeout: f64,
+    /// Seconds a worker's stream may stay silent between two chunks; then the stream ends
+    /// with an error event and the worker is ejected until its health check passes.
+    #[arg(long, default_value_t = Timeouts::default().stall.as_secs_f64())]
+    stall_timeout: f64,
+    /// Seconds a client has to send its request headers; also how long an idle keep-alive
+    /// connection stays open.
+    #[arg(long, default_value_t = Timeouts::default().header.as_secs_f64())]
+    header_timeout: f64,
+    /// Seconds a client has to send its whole request body (then 408).
+    #[arg(long, default_value_t = Timeouts::default().body.as_secs_f64())]
+    body_timeout: f64,
     /// Requests in flight per worker before new ones wait in the frontend queue (0: no cap).
     #[arg(long, default_value_t = router::FrontendConfig::DEFAULT_MAX_IN_FLIGHT_PER_WORKER.get())]
     max_inflight_per_worker: u32,
@@ -174,7 +197,15 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
         router: router_config(args)?,
         nats_url: args.nats.clone(),
         namespace: args.namespace.clone(),
-        max_body_bytes: args.max_body_bytes,
+        max_body_bytes: args.max_request_bytes,
+        max_response_bytes: args.max_response_bytes,
+        timeouts: Timeouts {
+            connect: seconds("connect-timeout", args.connect_timeout)?,
+            first_byte: seconds("first-byte-timeout", args.first_byte_timeout)?,
+            stall: seconds("stall-timeout", args.stall_timeout)?,
+            header: seconds("header-timeout", args.header_timeout)?,
+            body: seconds("body-timeout", args.body_timeout)?,
+        },
         frontend: gateway::FrontendConfig {
             max_in_flight_per_worker: std::num::NonZeroU32::new(args.max_inflight_per_worker),
             queue_capacity: args.queue_capacity,

@@ -87,7 +87,13 @@ fn help_lists_router_modes_defaults_and_dynamo_variables() {
         "--no-kv-events",
         "--worker",
         "--nats",
-        "--max-body-bytes",
+        "--max-request-bytes",
+        "--max-response-bytes",
+        "--connect-timeout",
+        "--first-byte-timeout",
+        "--stall-timeout",
+        "--header-timeout",
+        "--body-timeout",
         "--queue-capacity",
         "--tokenizer-config",
     ] {
@@ -126,6 +132,10 @@ fn bad_flags_fail_with_a_message_that_says_what_to_do() {
     assert!(err.contains("--prefill-timeout"), "{err}");
     let err = run(&["--local-prefill-max-tokens", "lots"]);
     assert!(err.contains("--local-prefill-max-tokens"), "{err}");
+    for flag in ["--stall-timeout", "--first-byte-timeout", "--body-timeout"] {
+        let err = run(&[flag, "0"]);
+        assert!(err.contains(flag), "{err}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -48,6 +48,9 @@ pub mod code {
     pub const CONTEXT_LENGTH_EXCEEDED: &str = "context_length_exceeded";
     pub const MODEL_NOT_FOUND: &str = "model_not_found";
     pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
+    pub const REQUEST_TIMEOUT: &str = "request_timeout";
+    pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
+    pub const HEADERS_TOO_LARGE: &str = "request_headers_too_large";
     pub const RATE_LIMIT_EXCEEDED: &str = "rate_limit_exceeded";
     pub const NO_HEALTHY_WORKER: &str = "no_healthy_worker";
     pub const INTERNAL: &str = "internal_error";
@@ -128,6 +131,42 @@ impl ApiError {
             format!("The request body is larger than the limit of {limit_bytes} bytes."),
             None,
             Some(code::PAYLOAD_TOO_LARGE),
+        )
+    }
+
+    /// 408: the request body did not arrive within `seconds`.
+    pub fn request_timeout(seconds: f64) -> ApiError {
+        Self::new(
+            408,
+            kind::INVALID_REQUEST,
+            format!("The request body did not arrive within {seconds:.1} s."),
+            None,
+            Some(code::REQUEST_TIMEOUT),
+        )
+    }
+
+    /// 405: `method` is not served on this path; `allowed` says what is.
+    pub fn method_not_allowed(method: &str, path: &str, allowed: &str) -> ApiError {
+        Self::new(
+            405,
+            kind::INVALID_REQUEST,
+            format!("{method} is not allowed on {path}; use {allowed}."),
+            None,
+            Some(code::METHOD_NOT_ALLOWED),
+        )
+    }
+
+    /// 431: the request's headers are over `limit_bytes` in all, or more than `max_count`.
+    pub fn headers_too_large(limit_bytes: usize, max_count: usize) -> ApiError {
+        Self::new(
+            431,
+            kind::INVALID_REQUEST,
+            format!(
+                "The request headers are too large: at most {max_count} headers of \
+                 {limit_bytes} bytes in all."
+            ),
+            None,
+            Some(code::HEADERS_TOO_LARGE),
         )
     }
 

@@ -44,6 +44,9 @@ mod with_axum {
 
     /// Reads a request body of at most `limit` bytes: 413 beyond it (by `Content-Length`
     /// before reading, or by counting), 400 when the body cannot be read.
+    ///
+    /// The buffer grows with what arrives, never from the declared `Content-Length`: a
+    /// client declaring the limit and sending one byte holds one byte, not `limit`.
     pub async fn read_body(
         headers: &HeaderMap,
         mut body: Body,
@@ -56,8 +59,7 @@ mod with_axum {
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(ApiError::payload_too_large(limit));
         }
-        let capacity = declared.map_or(0, |n| n.min(limit as u64) as usize);
-        let mut buf = BytesMut::with_capacity(capacity);
+        let mut buf = BytesMut::new();
         while let Some(frame) =
             std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
         {

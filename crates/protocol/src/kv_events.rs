@@ -74,6 +74,28 @@ pub enum KvWireError {
     BadBlock { id: u64, what: &'static str },
     #[error("KV event batch from worker {batch} holds an event of worker {event}")]
     MixedWorkers { batch: u64, event: u64 },
+    #[error(
+        "KV event batch: a Stored event of {blocks} blocks and {tokens} tokens is over the \
+         limit of {} blocks and {} tokens per event",
+        MAX_STORED_BLOCKS,
+        MAX_STORED_TOKENS
+    )]
+    TooLarge { blocks: usize, tokens: usize },
+}
+
+/// Most blocks one stored event may add to the index (a 512k-token prompt in blocks of 32):
+/// a larger event is refused whole, so a bogus one cannot grow the index by itself.
+pub const MAX_STORED_BLOCKS: usize = 16_384;
+/// Most tokens one stored event may carry.
+pub const MAX_STORED_TOKENS: usize = 1 << 19;
+
+/// Refuses a stored event over [`MAX_STORED_BLOCKS`] or [`MAX_STORED_TOKENS`].
+pub fn check_stored_size(blocks: usize, tokens: usize) -> Result<(), KvWireError> {
+    if blocks > MAX_STORED_BLOCKS || tokens > MAX_STORED_TOKENS {
+        Err(KvWireError::TooLarge { blocks, tokens })
+    } else {
+        Ok(())
+    }
 }
 
 impl From<&KvEvent> for WireKvEvent {
@@ -114,7 +136,14 @@ impl WireKvEvent {
     pub fn to_kv_event(&self, worker: WorkerId) -> Result<KvEvent, KvWireError> {
         let kind = match &self.kind {
             WireKvKind::Stored { parent, blocks } => KvEventKind::Stored {
-                parent: parent.map(EngineBlockId),
+                parent: {
+                    let tokens = blocks
+                        .iter()
+                        .map(|b| b.tokens.as_ref().map_or(0, Vec::len))
+                        .sum();
+                    check_stored_size(blocks.len(), tokens)?;
+                    parent.map(EngineBlockId)
+                },
                 blocks: blocks
                     .iter()
                     .map(|block| {

@@ -576,6 +576,9 @@ pub enum VllmConvertError {
         "the worker's KV blocks hold {got} tokens but this router hashes blocks of {expected}: set the router's block size to the engine's"
     )]
     BlockSize { expected: u32, got: u32 },
+    /// Over [`crate::kv_events::MAX_STORED_BLOCKS`] or `MAX_STORED_TOKENS`.
+    #[error("{0}")]
+    TooLarge(String),
 }
 
 /// One vLLM publisher's frames turned into a worker's `kv-index` events.
@@ -670,6 +673,11 @@ impl VllmEventStream {
                         got: stored.block_size,
                     });
                 }
+                crate::kv_events::check_stored_size(
+                    stored.block_hashes.len(),
+                    stored.token_ids.len(),
+                )
+                .map_err(|e| VllmConvertError::TooLarge(e.to_string()))?;
                 let size = stored.block_size as usize;
                 if stored.token_ids.len() != stored.block_hashes.len() * size {
                     return Err(VllmConvertError::TokenCount {

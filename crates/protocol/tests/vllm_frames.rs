@@ -399,6 +399,14 @@ fn other_tiers_lora_and_wrong_sizes_are_skipped_or_refused() {
             block_size: BS
         })
     ));
+    // A million tokens in one event: refused whole, before any block is built.
+    let tokens = 1i64 << 20;
+    let huge = stored_array(ints(0..tokens / i64::from(BS)), Value::Nil, ints(0..tokens));
+    let refused = stream.accept(&decode_multipart(&frame(3, array_batch(vec![huge]))).unwrap());
+    assert!(
+        matches!(&refused, Err(VllmConvertError::TooLarge(m)) if m.contains("over the limit")),
+        "{refused:?}"
+    );
 }
 
 #[test]

@@ -28,6 +28,13 @@ pub enum Script {
     Prefill,
     /// Never answers.
     Hang,
+    /// Streams `tokens` chunks, then stays silent with the connection open (a stopped
+    /// process).
+    StallAfter { tokens: u32 },
+    /// Streams SSE chunks of 64 KiB of text each, without end (a runaway reply).
+    Flood,
+    /// Answers with one JSON body that never ends and has no line break (not SSE).
+    FloodJson,
 }
 
 #[derive(Clone)]
@@ -142,6 +149,34 @@ async fn completions(State(state): State<FakeState>, body: Bytes) -> Response {
             Response::builder()
                 .header("content-type", "text/event-stream")
                 .body(Body::from(out))
+                .unwrap()
+        }
+        Script::StallAfter { tokens } => {
+            let chunks: Vec<Result<Bytes, std::io::Error>> = (0..tokens)
+                .map(|i| Ok(Bytes::from(chunk(&format!(" w{i}"), None))))
+                .collect();
+            let stream = futures::stream::iter(chunks).chain(futures::stream::pending());
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(stream))
+                .unwrap()
+        }
+        Script::Flood => {
+            let event = Bytes::from(chunk(&"x".repeat(64 << 10), None));
+            let stream = futures::stream::repeat_with(move || Ok::<_, std::io::Error>(event.clone()));
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(stream))
+                .unwrap()
+        }
+        Script::FloodJson => {
+            let head = Bytes::from_static(b"{\"choices\": [{\"text\": \"");
+            let filler = Bytes::from("x".repeat(64 << 10));
+            let stream = futures::stream::once(async move { Ok::<_, std::io::Error>(head) })
+                .chain(futures::stream::repeat_with(move || Ok(filler.clone())));
+            Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from_stream(stream))
                 .unwrap()
         }
         Script::CrashAfter { tokens } => {
