@@ -22,7 +22,7 @@ use workload::scenario::ScenarioConfig;
 use workload::{Distribution, Mix, WorkloadConfig};
 
 use crate::demo_fleet::{DemoFleet, EngineTemplate};
-use crate::demo_prometheus::{self, DemoPrometheus};
+use crate::demo_prometheus::{self, DemoPrometheus, EngineTarget};
 use crate::{bench_cmd, gateway_cmd};
 
 /// Workload, user and dashboard settings shared by `loadgen` and `demo`.
@@ -655,7 +655,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         // The disaggregated demo of one cluster resizes its pools itself.
         let mut fleet: Option<Arc<DemoFleet>> = None;
         // What --prometheus scrapes: the first cluster's gateway and engines.
-        let mut scraped: Option<(SocketAddr, Vec<(String, SocketAddr)>)> = None;
+        let mut scraped: Option<(SocketAddr, Vec<EngineTarget>)> = None;
         if args.target.is_none() && !args.disaggregated() {
             scaling.no_fleet_reason = "the demo is aggregated (start it with \
                                        --prefill-workers/--decode-workers)"
@@ -720,8 +720,12 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                         cluster
                             .engines
                             .iter()
-                            .enumerate()
-                            .map(|(w, e)| (format!("worker-{w}"), e.local_addr()))
+                            .zip(0..)
+                            .map(|(e, w)| EngineTarget {
+                                pod: format!("worker-{w}"),
+                                addr: e.local_addr(),
+                                pool: EngineTarget::pool_of_role(args.role_of(w)),
+                            })
                             .collect(),
                     ));
                 }
@@ -771,6 +775,10 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                 };
                 let mut prometheus = DemoPrometheus::start(&args.prometheus_bin, port, &targets)?;
                 prometheus.wait_ready().await?;
+                if let Some(fleet) = &fleet {
+                    // Workers the pools gain or lose from now on are scraped or dropped.
+                    fleet.scrape_into(prometheus.engine_targets());
+                }
                 println!(
                     "kvroute demo: Prometheus on {} (configuration {}; Grafana dashboards in \
                      deploy/grafana/)",

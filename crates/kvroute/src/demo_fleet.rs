@@ -21,6 +21,7 @@ use gateway::{Gateway, WorkerSpec};
 use kv_index::WorkerId;
 use loadgen::scenario::{BoxFuture, PoolKind, PoolSizes};
 
+use crate::demo_prometheus::{EngineTarget, EngineTargetsFile};
 use crate::engine_cmd;
 
 /// The longest a leaving worker may take to finish its requests (wall time); after it, the
@@ -96,6 +97,8 @@ pub struct DemoFleet {
     view: Mutex<View>,
     /// Set by shutdown: a drain under way stops waiting, a growth stops adding.
     closing: AtomicBool,
+    /// `--prometheus`'s engine targets, rewritten with the pools.
+    scrape_targets: Mutex<Option<EngineTargetsFile>>,
 }
 
 fn role(pool: PoolKind) -> &'static str {
@@ -127,6 +130,7 @@ impl DemoFleet {
             }),
             view: Mutex::new(View::default()),
             closing: AtomicBool::new(false),
+            scrape_targets: Mutex::new(None),
         };
         if let Ok(state) = fleet.state.try_lock() {
             fleet.update_view(&state, &BTreeSet::new());
@@ -134,8 +138,40 @@ impl DemoFleet {
         fleet
     }
 
-    /// Records the sizes and endpoints, not counting the workers in `leaving`.
+    /// Has Prometheus scrape the pools' workers as they change (the file is written now and
+    /// after every change).
+    pub fn scrape_into(&self, targets: EngineTargetsFile) {
+        *self
+            .scrape_targets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(targets);
+        if let Ok(state) = self.state.try_lock() {
+            self.update_view(&state, &BTreeSet::new());
+        }
+    }
+
+    /// Records the sizes and endpoints, not counting the workers in `leaving` (a draining
+    /// worker is still scraped: its requests are still running).
     fn update_view(&self, state: &State, leaving: &BTreeSet<u32>) {
+        let scrape = self
+            .scrape_targets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(file) = scrape {
+            let engines: Vec<EngineTarget> = state
+                .workers
+                .iter()
+                .map(|w| EngineTarget {
+                    pod: format!("worker-{}", w.id),
+                    addr: w.engine.local_addr(),
+                    pool: EngineTarget::pool_of_role(role(w.pool)),
+                })
+                .collect();
+            if let Err(e) = file.write(&engines) {
+                eprintln!("kvroute demo: Prometheus will not see the pools' new size: {e:#}");
+            }
+        }
         let staying = || state.workers.iter().filter(|w| !leaving.contains(&w.id));
         let count = |pool| staying().filter(|w| w.pool == pool).count() as u32;
         let view = View {

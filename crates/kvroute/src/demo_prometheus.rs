@@ -29,8 +29,60 @@ pub struct DemoPrometheus {
 /// show.
 pub struct Targets {
     pub gateway: SocketAddr,
-    pub engines: Vec<(String, SocketAddr)>,
+    pub engines: Vec<EngineTarget>,
     pub loadgen: SocketAddr,
+}
+
+/// One simulated worker as Prometheus scrapes it.
+#[derive(Clone, Debug)]
+pub struct EngineTarget {
+    /// `worker-N`, the legends' name.
+    pub pod: String,
+    pub addr: SocketAddr,
+    /// `prefill` or `decode` in a disaggregated demo, the `pool` label that
+    /// `deploy/prometheus/kubernetes.yml` takes from a pod's `kvroute.dev/pool`; none for an
+    /// aggregated worker (whose pods carry no pool label either).
+    pub pool: Option<&'static str>,
+}
+
+impl EngineTarget {
+    /// The `pool` label of a worker started with `--role role`.
+    pub fn pool_of_role(role: &str) -> Option<&'static str> {
+        match role {
+            "prefill" => Some("prefill"),
+            "decode" => Some("decode"),
+            _ => None,
+        }
+    }
+}
+
+/// The engines' target file, rewritten when the demo's pools change size: Prometheus's
+/// file-based discovery notices the change and scrapes the new workers (and stops scraping the
+/// ones gone).
+#[derive(Clone, Debug)]
+pub struct EngineTargetsFile {
+    path: PathBuf,
+}
+
+impl EngineTargetsFile {
+    /// Replaces the file whole (written beside it, then renamed), so that Prometheus never
+    /// reads half of it.
+    pub fn write(&self, engines: &[EngineTarget]) -> Result<()> {
+        let groups: Vec<serde_json::Value> = engines.iter().map(engine_group).collect();
+        let partial = self.path.with_extension("json.partial");
+        std::fs::write(&partial, serde_json::to_string_pretty(&groups)?)
+            .with_context(|| format!("writing {}", partial.display()))?;
+        std::fs::rename(&partial, &self.path)
+            .with_context(|| format!("replacing {}", self.path.display()))
+    }
+}
+
+fn engine_group(engine: &EngineTarget) -> serde_json::Value {
+    let mut group = target_group(engine.addr, &engine.pod);
+    if let Some(pool) = engine.pool {
+        group["labels"]["pool"] = pool.into();
+    }
+    group
 }
 
 /// A port for Prometheus: `port`, or any free one for 0 (taken from the OS and released, as
@@ -70,11 +122,7 @@ impl DemoPrometheus {
             ),
             (
                 "engines.json",
-                targets
-                    .engines
-                    .iter()
-                    .map(|(pod, addr)| target_group(*addr, pod))
-                    .collect(),
+                targets.engines.iter().map(engine_group).collect(),
             ),
             (
                 "loadgen.json",
@@ -124,6 +172,13 @@ impl DemoPrometheus {
 
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The engines' target file, for a demo whose pools change size.
+    pub fn engine_targets(&self) -> EngineTargetsFile {
+        EngineTargetsFile {
+            path: self.dir.join("targets").join("engines.json"),
+        }
     }
 
     pub fn config_path(&self) -> PathBuf {

@@ -393,9 +393,61 @@ fn gateway_workers(gateway: &str) -> Vec<u64> {
     ids
 }
 
+/// The demo's Prometheus URL, from its "Prometheus on URL" line.
+fn prometheus_url(lines: &[String]) -> String {
+    lines
+        .iter()
+        .find_map(|l| l.strip_prefix("kvroute demo: Prometheus on "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect(
+            "the demo printed no Prometheus URL: is `prometheus` installed? (Debian: apt-get \
+             install prometheus; .ci/run does)",
+        )
+        .to_owned()
+}
+
+/// The workers Prometheus scrapes, as (`pod`, `pool`) of its active engine targets.
+fn scraped_workers(prometheus: &str) -> Vec<(String, String)> {
+    let targets = get(&format!("{prometheus}/api/v1/targets?state=active"));
+    let mut workers: Vec<(String, String)> = targets["data"]["activeTargets"]
+        .as_array()
+        .expect("Prometheus's targets")
+        .iter()
+        .filter(|t| t["labels"]["job"] == "kvroute-engine")
+        .map(|t| {
+            let label = |name: &str| t["labels"][name].as_str().unwrap_or("").to_owned();
+            (label("pod"), label("pool"))
+        })
+        .collect();
+    workers.sort();
+    workers
+}
+
+/// Waits up to a minute for Prometheus to scrape exactly `expected` (its file-based discovery
+/// follows the demo's target file).
+fn wait_for_scraped(prometheus: &str, expected: &[(&str, &str)]) {
+    let expected: Vec<(String, String)> = expected
+        .iter()
+        .map(|(pod, pool)| ((*pod).to_owned(), (*pool).to_owned()))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let scraped = scraped_workers(prometheus);
+        if scraped == expected {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Prometheus scrapes {scraped:?}, not {expected:?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
 /// `demo --auto` with a cycle of short phases: the scenario grows both pools (new engines
 /// start and register with the gateway), then shrinks them back (the newest workers drain
-/// and leave the gateway), with no request failing on the way.
+/// and leave the gateway), with no request failing on the way; `--prometheus` scrapes the
+/// workers as they come and go, each labelled with its pool.
 #[test]
 fn auto_mode_grows_and_drains_the_pools() {
     let scenario = scenario_file(
@@ -412,12 +464,12 @@ prefill = "initial"
 decode = "initial"
 [[phase]]
 name = "GROW"
-duration_s = 100
+duration_s = 300
 prefill = "+1"
 decode = "+1"
 [[phase]]
 name = "BACK"
-duration_s = 60
+duration_s = 600
 prefill = "initial"
 decode = "initial"
 "#,
@@ -433,9 +485,13 @@ decode = "initial"
         "--scenario",
         scenario.to_str().unwrap(),
         "--auto",
+        "--prometheus",
+        "--prometheus-port",
+        "0",
     ]);
     let gateway = gateway_url(&demo.lines);
     assert_eq!(gateway_workers(&gateway), [0, 1]);
+    let prometheus = prometheus_url(&demo.lines);
     let status = get(&format!("{}/api/status", demo.url));
     assert_eq!(status["scenario"]["mode"], "auto", "{status}");
     assert_eq!(status["scenario"]["fleet"], "demo");
@@ -457,6 +513,21 @@ decode = "initial"
             })
     });
     assert_eq!(gateway_workers(&gateway), [0, 1, 2, 3]);
+    // Every worker scraped, each with its pool's label (GROW lasts 15 wall seconds: time for
+    // Prometheus's discovery, which batches target updates over 5 s).
+    demo.wait_for_status("Prometheus scrapes the new workers", |_| {
+        let scraped = scraped_workers(&prometheus);
+        let mut new_pools: Vec<&str> = scraped
+            .iter()
+            .filter(|(pod, _)| pod == "worker-2" || pod == "worker-3")
+            .map(|(_, pool)| pool.as_str())
+            .collect();
+        new_pools.sort_unstable();
+        scraped.len() == 4
+            && scraped.contains(&("worker-0".to_owned(), "prefill".to_owned()))
+            && scraped.contains(&("worker-1".to_owned(), "decode".to_owned()))
+            && new_pools == ["decode", "prefill"]
+    });
     // The GPU view follows the fleet.
     demo.wait_for_status("four worker cards", |s| {
         s["lanes"][0]["workers"]["list"].as_array().map(Vec::len) == Some(4)
@@ -475,6 +546,10 @@ decode = "initial"
     assert!(
         !workers.contains(&2) && !workers.contains(&3),
         "the drained workers left the gateway: {workers:?}"
+    );
+    wait_for_scraped(
+        &prometheus,
+        &[("worker-0", "prefill"), ("worker-1", "decode")],
     );
     let status = get(&format!("{}/api/status", demo.url));
     let history = status["scenario"]["pool_history"].as_array().unwrap();

@@ -351,6 +351,11 @@ impl ScenarioHandle {
             .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365))
     }
 
+    /// The cycle's phase names in order, for the `loadgen_scenario_phase` gauge.
+    pub fn phase_names(&self) -> impl Iterator<Item = &str> {
+        self.config.scenario.phases.iter().map(|p| p.name.as_str())
+    }
+
     /// Checks a phase name against the cycle (`phase` is named in the error).
     pub fn check_phase(&self, name: &str) -> Result<(), String> {
         self.config

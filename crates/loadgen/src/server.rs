@@ -972,6 +972,22 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         "Target open conversations",
         &|_, _| target,
     );
+    // One series per phase of the cycle and one for manual mode, 1 on the current one: a
+    // phase's series never goes stale, so `max by (phase)` reads the phase at any time.
+    let name = "loadgen_scenario_phase";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Seed 004's auto-mode phase (1: the current one; IDLE: manual mode).\n\
+         # TYPE {name} gauge"
+    );
+    let phases = app
+        .scenario
+        .phase_names()
+        .chain([workload::scenario::IDLE_PHASE]);
+    for phase in phases {
+        let current = u8::from(phase == status.scenario.phase);
+        let _ = writeln!(out, "{name}{{phase=\"{}\"}} {current}", escape_label(phase));
+    }
     (
         [(
             header::CONTENT_TYPE,

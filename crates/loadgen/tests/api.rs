@@ -637,6 +637,31 @@ prefill = "initial"
 /// autoscalers and reports its scaling actions as not applied, with the reason; stop and
 /// manual resume the autoscalers and keep the workload as the cycle left it; bad input is a
 /// 400 naming the field.
+/// The phases `loadgen_scenario_phase` marks current (1); every phase of the cycle and IDLE
+/// must have a series.
+async fn phase_gauges(url: &str) -> Vec<String> {
+    let text = reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let samples = loadgen::parse_text(&text);
+    let phases: Vec<_> = samples
+        .iter()
+        .filter(|s| s.name == "loadgen_scenario_phase")
+        .collect();
+    let named: Vec<&str> = phases.iter().filter_map(|s| s.label("phase")).collect();
+    for phase in ["CHAT", "GROW", "BACK", "IDLE"] {
+        assert!(named.contains(&phase), "no series for {phase}:\n{text}");
+    }
+    phases
+        .iter()
+        .filter(|s| s.value == 1.0)
+        .filter_map(|s| s.label("phase").map(str::to_owned))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scenario_walks_its_phases_and_hands_back_to_the_autoscalers() {
     // Phases of 40 modelled seconds at 20× last 2 s.
@@ -729,6 +754,9 @@ async fn the_scenario_walks_its_phases_and_hands_back_to_the_autoscalers() {
         "{grow}"
     );
 
+    // Prometheus reads the phase: one series per phase and IDLE, 1 on the current one.
+    assert_eq!(phase_gauges(&url).await, vec!["GROW"]);
+
     // The cycle walks on: BACK, then CHAT (chat only) in its next cycle.
     wait_for_status(&url, "BACK", Duration::from_secs(20), |s| {
         s["scenario"]["phase"] == "BACK"
@@ -762,6 +790,7 @@ async fn the_scenario_walks_its_phases_and_hands_back_to_the_autoscalers() {
     assert_eq!(code, 200);
     assert_eq!(status["scenario"]["mode"], "manual");
     assert_eq!(status["scenario"]["autoscaler"]["decode"]["paused"], false);
+    assert_eq!(phase_gauges(&url).await, vec!["IDLE"]);
 
     // The WebSocket carries the same object.
     let (mut socket, _) =

@@ -48,6 +48,8 @@ pub const RAMP_STEP: Nanos = Nanos::from_secs(5);
 
 /// At most this many phases in a cycle.
 pub const MAX_PHASES: usize = 64;
+/// The phase the status names in manual mode; no phase of a cycle may take it.
+pub const IDLE_PHASE: &str = "IDLE";
 
 /// The longest phase: one day.
 pub const MAX_PHASE_S: f64 = 86_400.0;
@@ -235,6 +237,8 @@ pub enum ScenarioError {
     PhaseCount(usize),
     #[error("phase.name: phase {index} has an empty name")]
     EmptyName { index: usize },
+    #[error("phase.name: `{IDLE_PHASE}` names manual mode; call the phase something else")]
+    ReservedName,
     #[error("phase.name: `{0}` is used by two phases")]
     DuplicateName(String),
     #[error(
@@ -305,6 +309,9 @@ impl ScenarioConfig {
         for (index, phase) in self.phases.iter().enumerate() {
             if phase.name.trim().is_empty() {
                 return Err(ScenarioError::EmptyName { index });
+            }
+            if phase.name == IDLE_PHASE {
+                return Err(ScenarioError::ReservedName);
             }
             if self.phases[..index].iter().any(|p| p.name == phase.name) {
                 return Err(ScenarioError::DuplicateName(phase.name.clone()));
@@ -614,7 +621,7 @@ impl ScenarioController {
     pub fn status(&self, now: Nanos) -> ScenarioStatus {
         match &self.running {
             None => ScenarioStatus {
-                phase: "IDLE".to_owned(),
+                phase: IDLE_PHASE.to_owned(),
                 index: None,
                 cycle: 0,
                 time_left_s: 0.0,

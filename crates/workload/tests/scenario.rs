@@ -202,6 +202,10 @@ fn bad_files_are_refused_naming_the_field() {
         ScenarioError::DuplicateName(_)
     ));
     assert!(matches!(
+        edit("name = \"KV_CACHE_DEMO\"", "name = \"IDLE\""),
+        ScenarioError::ReservedName
+    ));
+    assert!(matches!(
         edit("prefill = \"+1\"", "prefill = \"plus one\""),
         ScenarioError::Toml(_)
     ));
