@@ -3,7 +3,9 @@
 //! nothing), then continued with `SIGCONT`; and a worker that passes its health checks but
 //! never answers a completion. Requests routed to a silent worker are retried elsewhere after
 //! the first-byte timeout, a stream whose worker stops ends with an error event after the
-//! stall timeout, and the stopped worker is ejected, then probed back in once it answers.
+//! stall timeout (with `--migration-limit 0`; tests/migration.rs has the stream go on), and
+//! the stopped worker is ejected, then probed back in once it answers and its ejection time
+//! is over.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
@@ -99,6 +101,12 @@ async fn a_stopped_engine_costs_its_clients_a_retry_or_an_error_event_never_a_ha
         "1.5",
         "--stall-timeout",
         "1",
+        // The old behaviour of a stalled stream (tests/migration.rs migrates it), and a
+        // short ejection so that a continued engine is probed back in at once.
+        "--migration-limit",
+        "0",
+        "--ejection-time",
+        "0.5",
     ];
     for engine in &engines {
         args.extend(["--worker", engine.url.as_str()]);
