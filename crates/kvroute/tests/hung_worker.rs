@@ -236,7 +236,7 @@ fn serve_silently(tcp: TcpStream) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_that_accepts_and_never_answers_costs_a_retry_not_a_hang() {
+async fn a_worker_that_accepts_and_never_answers_costs_one_retry_then_stays_ejected() {
     let engine = Server::start(&["engine", "--port", "0", "--worker-id", "1"]);
     let silent = silent_worker();
     let gateway = Server::start(&[
@@ -270,5 +270,23 @@ async fn a_worker_that_accepts_and_never_answers_costs_a_retry_not_a_hang() {
         );
     }
     let metrics = get_text(&format!("{url}/metrics")).await;
-    assert!(metric(&metrics, "kvroute_gateway_worker_timeouts_total") >= 1.0);
+    assert_eq!(
+        metric(&metrics, "kvroute_gateway_worker_timeouts_total"),
+        1.0
+    );
+    // Its health check passes every 0.2 s, yet it stays ejected (the default ejection time
+    // is 30 s): later requests do not meet it again.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let health = get_json(&format!("{url}/health")).await;
+    assert_eq!(health["routable_workers"], 1, "{health}");
+    for i in 0..4 {
+        let response = post(&url, &chat(&format!("Again {i}?"), 4, false)).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(served_by(&response), 1);
+    }
+    let metrics = get_text(&format!("{url}/metrics")).await;
+    assert_eq!(
+        metric(&metrics, "kvroute_gateway_worker_timeouts_total"),
+        1.0
+    );
 }
