@@ -92,6 +92,8 @@ fn help_lists_router_modes_defaults_and_dynamo_variables() {
         "--connect-timeout",
         "--first-byte-timeout",
         "--stall-timeout",
+        "--migration-limit",
+        "--ejection-time",
         "--header-timeout",
         "--body-timeout",
         "--queue-capacity",
