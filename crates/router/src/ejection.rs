@@ -55,7 +55,8 @@ impl Ejections {
         }
     }
 
-    /// `worker` failed at `now`: it stays out until the returned time.
+    /// `worker` failed at `now`: it stays out until the returned time. Failures while it is
+    /// out (its other requests breaking with it) are the same ejection, not new ones.
     pub fn eject(&mut self, worker: WorkerId, now: Nanos) -> Nanos {
         if !self.entries.contains_key(&worker) && self.entries.len() >= self.capacity {
             // Forget ejections that are over (their count of failures in a row goes too).
@@ -68,13 +69,16 @@ impl Ejections {
             until: now,
             in_a_row: 0,
         });
+        if entry.until > now {
+            return entry.until;
+        }
         entry.in_a_row = entry.in_a_row.saturating_add(1);
         let length = self
             .config
             .base
             .saturating_mul(u64::from(entry.in_a_row))
             .min(self.config.max);
-        entry.until = entry.until.max(now + length);
+        entry.until = now + length;
         entry.until
     }
 
@@ -125,6 +129,8 @@ mod tests {
         let w = WorkerId(1);
         assert!(e.may_return(w, Nanos::ZERO));
         assert_eq!(e.eject(w, Nanos::ZERO), Nanos::from_secs(10));
+        // Its other requests failing with it: the same ejection.
+        assert_eq!(e.eject(w, Nanos::from_secs(1)), Nanos::from_secs(10));
         assert!(!e.may_return(w, Nanos::from_secs(9)));
         assert!(e.may_return(w, Nanos::from_secs(10)));
         assert_eq!(e.eject(w, Nanos::from_secs(10)), Nanos::from_secs(30));
