@@ -95,7 +95,33 @@ impl TakePrompt for ChatCompletionRequest {
         if self.messages.is_empty() {
             return Err(ApiError::invalid_param("messages", "`messages` is empty"));
         }
-        chat_prompt(state, &self.messages)
+        let flag = |name: &str| -> Result<Option<bool>, ApiError> {
+            match self.extra.get(name) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::Bool(b)) => Ok(Some(*b)),
+                Some(_) => Err(ApiError::invalid_param(
+                    name,
+                    format!("`{name}` must be true or false"),
+                )),
+            }
+        };
+        // vLLM's defaults and rule: a generation prompt unless told otherwise, and never with
+        // an open final message.
+        let continue_final = flag("continue_final_message")?.unwrap_or(false);
+        let generation_prompt = flag("add_generation_prompt")?.unwrap_or(true);
+        let ending = match (continue_final, generation_prompt) {
+            (true, true) => {
+                return Err(ApiError::invalid_param(
+                    "continue_final_message",
+                    "`continue_final_message` and `add_generation_prompt` cannot both be true; \
+                     set `add_generation_prompt: false` to continue the final message",
+                ));
+            }
+            (true, false) => text::ChatEnding::ContinueFinal,
+            (false, true) => text::ChatEnding::GenerationPrompt,
+            (false, false) => text::ChatEnding::Closed,
+        };
+        chat_prompt(state, &self.messages, ending)
     }
 }
 
@@ -118,6 +144,7 @@ impl TakePrompt for CompletionRequest {
 fn chat_prompt(
     state: &AppState,
     messages: &[protocol::RequestMessage],
+    ending: text::ChatEnding,
 ) -> Result<Vec<u32>, ApiError> {
     let messages: Vec<text::ChatMessage> = messages
         .iter()
@@ -125,7 +152,7 @@ fn chat_prompt(
         .collect();
     state
         .assets
-        .chat_prompt(&messages)
+        .chat_prompt_ending(&messages, ending)
         .map_err(ApiError::internal)
 }
 
@@ -634,7 +661,9 @@ async fn tokenize(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
         }
         let tokens = match (request.prompt, request.messages) {
             (Some(prompt), None) => state.assets.encode(&prompt),
-            (None, Some(messages)) => chat_prompt(&state, &messages)?,
+            (None, Some(messages)) => {
+                chat_prompt(&state, &messages, text::ChatEnding::GenerationPrompt)?
+            }
             _ => {
                 return Err(ApiError::invalid_request(
                     "give exactly one of `prompt` or `messages`",

@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use text::{ChatTokens, Preprocessor, ReplyGenerator, Tokenizer};
+use text::{ChatEnding, ChatTokens, Preprocessor, ReplyGenerator, Tokenizer};
 
 use crate::config::ReplyLength;
 
@@ -79,10 +79,21 @@ impl TextAssets {
     }
 
     /// The prompt ids of a chat, as the template renders it and the tokenizer encodes it.
+    #[cfg(test)]
     pub fn chat_prompt(&self, messages: &[text::ChatMessage]) -> Result<Vec<u32>, String> {
+        self.chat_prompt_ending(messages, ChatEnding::GenerationPrompt)
+    }
+
+    /// The prompt ids of a chat ending as `ending` says (vLLM's `add_generation_prompt`,
+    /// `continue_final_message`).
+    pub fn chat_prompt_ending(
+        &self,
+        messages: &[text::ChatMessage],
+        ending: ChatEnding,
+    ) -> Result<Vec<u32>, String> {
         if let Some(custom) = &self.custom {
             return custom
-                .chat(messages, false)
+                .chat_ending(messages, ending, false)
                 .map(|prepared| prepared.tokens)
                 .map_err(|e| e.to_string());
         }
@@ -90,8 +101,18 @@ impl TextAssets {
         for message in messages {
             chat.push(message);
         }
-        chat.push_generation_prompt();
-        Ok(chat.into_ids())
+        let mut ids = match ending {
+            ChatEnding::GenerationPrompt => {
+                chat.push_generation_prompt();
+                chat.into_ids()
+            }
+            ChatEnding::Closed | ChatEnding::ContinueFinal => chat.into_ids(),
+        };
+        if ending == ChatEnding::ContinueFinal && messages.last().is_some() {
+            // Each message ends with `<|eot_id|>`: the last one is left open.
+            ids.pop();
+        }
+        Ok(ids)
     }
 
     /// A plain prompt's ids.
@@ -278,6 +299,30 @@ fn generate_in(
 mod tests {
     use super::*;
     use text::{ChatMessage, Corpus};
+
+    /// vLLM's `continue_final_message`: the chat with a partial assistant message left open is
+    /// the chat's prompt followed by that partial text, what a migrated request continues.
+    #[test]
+    fn a_final_message_continued_is_the_prompt_followed_by_its_text() {
+        let assets = &TextAssets::builtin().unwrap();
+        let question = ChatMessage::user("Tell me about caching.");
+        let prompt = assets.chat_prompt(std::slice::from_ref(&question)).unwrap();
+        let partial = "Prefix caching keeps";
+        let continued = assets
+            .chat_prompt_ending(
+                &[question.clone(), ChatMessage::assistant(partial)],
+                ChatEnding::ContinueFinal,
+            )
+            .unwrap();
+        let mut expected = prompt.clone();
+        expected.extend(assets.encode(partial));
+        assert_eq!(continued, expected);
+        // Closed: the question's turn ends, no assistant header.
+        let closed = assets
+            .chat_prompt_ending(std::slice::from_ref(&question), ChatEnding::Closed)
+            .unwrap();
+        assert!(prompt.starts_with(&closed) && prompt.len() > closed.len());
+    }
 
     #[test]
     fn a_conversation_about_a_shipped_passage_gets_replies_about_it() {

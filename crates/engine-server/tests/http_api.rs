@@ -465,3 +465,30 @@ async fn shutdown_ends_open_streams_with_an_error_event() {
     let last = events.last().unwrap();
     assert_eq!(last["error"]["code"], "no_healthy_worker", "{last}");
 }
+
+/// vLLM's `continue_final_message`: the final (assistant) message is left open, so the prompt
+/// is the chat's prompt followed by that message's text; with `add_generation_prompt` also
+/// true it is a 400, as in vLLM.
+#[tokio::test]
+async fn a_chat_can_continue_its_final_message() {
+    let (_server, base) = start(config(1_000.0)).await;
+    let question = json!({"role": "user", "content": "What is prefix caching?"});
+    let partial = "Prefix caching keeps";
+    let prompt = post_json(&base, "/tokenize", &json!({"messages": [question]})).await;
+    let partial_tokens = post_json(&base, "/tokenize", &json!({"prompt": partial})).await;
+    let request = json!({"model": MODEL, "max_tokens": 5, "ignore_eos": true,
+        "messages": [question, {"role": "assistant", "content": partial}],
+        "continue_final_message": true, "add_generation_prompt": false});
+    let response = post_ok(&base, "/v1/chat/completions", &request).await;
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(
+        body["usage"]["prompt_tokens"].as_u64().unwrap(),
+        prompt["count"].as_u64().unwrap() + partial_tokens["count"].as_u64().unwrap(),
+        "{body}"
+    );
+    let mut both = request.clone();
+    both["add_generation_prompt"] = json!(true);
+    let (status, error) = error_of(post(&base, "/v1/chat/completions", &both).await).await;
+    assert_eq!(status, 400);
+    assert_eq!(error["param"], "continue_final_message", "{error}");
+}

@@ -208,6 +208,11 @@ pub struct GatewayConfig {
     /// Largest non-streamed reply gathered from a worker (the text of all its choices); a
     /// worker sending more gets the client a 502.
     pub max_response_bytes: usize,
+    /// How long a failed worker stays out of the routing set, whatever its health checks say.
+    pub ejection: router::EjectionConfig,
+    /// Times one request may be resent to another worker after its worker broke or stalled
+    /// mid-stream (0: the stream ends with an error event).
+    pub migration_limit: u32,
 }
 
 /// How long each phase of a connection may take, upstream (gateway to worker) and downstream
@@ -264,6 +269,8 @@ impl Default for GatewayConfig {
             prefill_timeout: Duration::from_secs(60),
             timeouts: Timeouts::default(),
             max_response_bytes: 16 << 20,
+            ejection: router::EjectionConfig::default(),
+            migration_limit: 3,
         }
     }
 }

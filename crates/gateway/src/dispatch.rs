@@ -28,8 +28,8 @@ use protocol::WorkerRole;
 pub use router::AdmitError;
 pub use router::LocalReason;
 use router::{
-    DisaggConfig, DisaggEvent, DisaggFrontend, Pool, RequestId, Route, RouteDecision, RouteError,
-    RoutingKey,
+    DisaggConfig, DisaggEvent, DisaggFrontend, Ejections, Pool, RequestId, Route, RouteDecision,
+    RouteError, RoutingKey,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -92,6 +92,8 @@ pub struct Ticket {
     /// The request waited in the frontend queue.
     pub queued: bool,
     first_token_seen: bool,
+    /// The worker served the request to the end (resets its ejection count).
+    served: bool,
     /// A split route's prefill leg (its worker and decision), until it is done or failed.
     pub prefill: Option<(Arc<WorkerInfo>, RouteDecision)>,
     /// Why a local route prefills on its decode worker (`None` for a split route).
@@ -116,6 +118,11 @@ impl Ticket {
     /// The worker failed while serving this request: take it out of the routing set.
     pub fn worker_failed(&self) {
         self.dispatcher.worker_failed(self.worker.id);
+    }
+
+    /// The worker served this request to the end.
+    pub fn served(&mut self) {
+        self.served = true;
     }
 
     /// The prefill leg succeeded: its slot is free and the decode worker has no prefill of
@@ -160,7 +167,8 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.dispatcher.finish(self.id);
+        let served = self.served.then_some(self.worker.id);
+        self.dispatcher.finish(self.id, served);
     }
 }
 
@@ -190,6 +198,8 @@ struct Core {
     /// The channels of queued requests, woken from the frontend's events; bounded by its
     /// queue capacity.
     waiters: HashMap<RequestId, oneshot::Sender<Assignment>>,
+    /// Failed workers and until when each stays out, whatever its health checks say.
+    ejections: Ejections,
     /// The deadline the timer task sleeps toward; a call that makes the frontend's next
     /// timeout earlier wakes it.
     timer_at: Option<Nanos>,
@@ -247,6 +257,7 @@ impl Dispatcher {
                 frontend,
                 workers: BTreeMap::new(),
                 waiters: HashMap::new(),
+                ejections: Ejections::new(config.ejection, config.max_workers.max(1)),
                 timer_at: None,
             }),
             epoch: Instant::now(),
@@ -324,6 +335,7 @@ impl Dispatcher {
             decision: assigned.decision,
             queued,
             first_token_seen: false,
+            served: false,
             prefill: assigned.prefill,
             local_reason: assigned.reason,
         }
@@ -453,17 +465,27 @@ impl Dispatcher {
         self.deliver(&mut core, Some(id))
     }
 
-    fn finish(&self, id: RequestId) {
+    fn finish(&self, id: RequestId, served: Option<WorkerId>) {
         let now = self.now();
         let mut core = lock(&self.core);
+        if let Some(worker) = served {
+            core.ejections.succeeded(worker, now);
+        }
         core.frontend.on_finished(id, now);
         self.deliver(&mut core, None);
     }
 
-    /// Takes a worker out of the routing set after a failure (health checks bring a static
-    /// worker back; a dynamic one must announce itself again).
+    /// Takes a worker out of the routing set after a failure, for at least the ejection
+    /// time (then health checks bring a static worker back; a dynamic one must announce
+    /// itself again).
     pub fn worker_failed(&self, worker: WorkerId) {
         let mut core = lock(&self.core);
+        if !core.workers.contains_key(&worker) {
+            return;
+        }
+        let now = self.now();
+        let until = core.ejections.eject(worker, now);
+        tracing::warn!(%worker, for_s = (until - now).as_secs_f64(), "worker ejected");
         let Some(entry) = core.workers.get_mut(&worker) else {
             return;
         };
@@ -526,6 +548,8 @@ impl Dispatcher {
         }
         let limits = info.limits;
         let was_routable = core.workers.get(&id).is_some_and(|w| w.routable);
+        // An ejected worker stays out until its ejection is over, healthy or not.
+        let routable = routable && core.ejections.may_return(id, self.now());
         core.workers.insert(
             id,
             WorkerEntry {
@@ -558,6 +582,12 @@ impl Dispatcher {
         if entry.routable == routable {
             return;
         }
+        if routable && !core.ejections.may_return(worker, self.now()) {
+            return;
+        }
+        let Some(entry) = core.workers.get_mut(&worker) else {
+            return;
+        };
         entry.routable = routable;
         let limits = entry.info.limits;
         let pool = pool_of(entry.info.role);
@@ -984,6 +1014,35 @@ mod tests {
         next.await.unwrap().unwrap();
         assert_eq!(in_flight(&d), 1, "only request 2 runs; no slot leaked");
         assert_eq!(lock(&d.core).waiters.len(), 0);
+    }
+
+    /// A worker that failed a request stays out for the ejection time even though its
+    /// health check passes (Envoy's `base_ejection_time`); then it may return.
+    #[tokio::test]
+    async fn a_failed_worker_stays_out_for_the_ejection_time_whatever_its_health() {
+        let config = GatewayConfig {
+            router: router::RouterConfig {
+                block_size: 4,
+                ..Default::default()
+            },
+            ejection: router::EjectionConfig {
+                base: Nanos::from_millis(200),
+                max: Nanos::from_secs(2),
+            },
+            ..GatewayConfig::default()
+        };
+        let d = Dispatcher::new(&config).unwrap();
+        let mut info = WorkerInfo::new(WorkerId(1), "http://w1");
+        info.block_size = 4;
+        d.upsert_worker(info.clone(), Origin::Static, true).unwrap();
+        d.worker_failed(WorkerId(1));
+        // Health checks pass at once, and a fresh description arrives: still out.
+        d.set_routable(WorkerId(1), true);
+        d.upsert_worker(info, Origin::Static, true).unwrap();
+        assert!(d.routable_workers().is_empty());
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        d.set_routable(WorkerId(1), true);
+        assert_eq!(d.routable_workers(), vec![WorkerId(1)]);
     }
 
     #[tokio::test]

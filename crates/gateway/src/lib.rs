@@ -247,6 +247,7 @@ impl Gateway {
             max_body_bytes: config.max_body_bytes,
             max_response_bytes: config.max_response_bytes,
             timeouts: config.timeouts,
+            migration_limit: config.migration_limit,
             started: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),

@@ -195,6 +195,11 @@ impl PoolHistograms {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct MigrationLabels {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct RouteLabels {
     route: &'static str,
     reason: &'static str,
@@ -492,6 +497,9 @@ pub struct Metrics {
     /// Worker calls that missed a deadline (no first byte in time, a stream that stalled);
     /// each ejected its worker until its next passing health check.
     pub worker_timeouts: Counter,
+    /// Requests resent to another worker mid-stream, by why their worker failed
+    /// (`worker_failed`, `worker_timeout`).
+    migrations: Family<MigrationLabels, Counter>,
     /// Time the gateway itself spends on a request before forwarding it (parse, template,
     /// tokenize, hash, route, build the worker request), queue waits excluded.
     pub overhead: AtomicHistogram,
@@ -530,6 +538,7 @@ impl Metrics {
             output_tokens_total: Counter::default(),
             worker_failures: Counter::default(),
             worker_timeouts: Counter::default(),
+            migrations: Family::default(),
             overhead: AtomicHistogram::new(OVERHEAD_BUCKETS),
             added_ttft: AtomicHistogram::new(OVERHEAD_BUCKETS),
         };
@@ -600,6 +609,16 @@ impl Metrics {
             m.worker_timeouts.clone(),
         );
         registry.register(
+            "kvroute_gateway_migrations",
+            "Requests resent mid-stream, with their output so far, to another worker, by why \
+             their worker failed (worker_failed: broken stream; worker_timeout: stalled)",
+            m.migrations.clone(),
+        );
+        for reason in ["worker_failed", "worker_timeout"] {
+            // Present from the start, so a rate over them is defined.
+            let _ = m.migrations.get_or_create(&MigrationLabels { reason });
+        }
+        registry.register(
             "kvroute_gateway_overhead_seconds",
             "Time the gateway spends on a request before forwarding it (parse, template, \
              tokenize, hash, route), queue waits excluded",
@@ -640,6 +659,13 @@ impl Metrics {
     }
 
     /// Counts a disaggregated fleet's route: (`local`|`split`, reason).
+    /// A request was resent to another worker because its worker failed for `reason`.
+    pub fn count_migration(&self, reason: &'static str) {
+        self.migrations
+            .get_or_create(&MigrationLabels { reason })
+            .inc();
+    }
+
     pub fn count_route(&self, (route, reason): (&'static str, &'static str)) {
         self.routes
             .get_or_create(&RouteLabels { route, reason })

@@ -256,6 +256,10 @@ pub(crate) async fn run_health_checks(ctx: RegistryCtx, interval: Duration) {
                         }
                     }
                     (Origin::Static, true, false) => ctx.dispatcher.set_routable(info.id, false),
+                    // Back from an ejection (the dispatcher keeps it out until that is over).
+                    (Origin::Dynamic { .. }, false, true) => {
+                        ctx.dispatcher.set_routable(info.id, true)
+                    }
                     (Origin::Dynamic { .. }, _, false) => {
                         ctx.dispatcher.worker_failed(info.id);
                         ctx.zmq.stop(info.id);

@@ -11,6 +11,13 @@
 //! ends a stream whose worker goes silent for longer than the stall timeout; a non-streamed
 //! reply is gathered up to a byte cap.
 //!
+//! Migration: when the worker's stream breaks or stalls, a [`Migration`] resends the request,
+//! with the output so far appended to its prompt and `max_tokens` reduced by it, to another
+//! worker, and the relay goes on with that worker's stream: the client's stream keeps its
+//! `id`, `created` and `model`, the role is not sent twice, and the usage counts both workers'
+//! tokens. Only what a resend needs is kept (the text and token ids so far), and only for
+//! single-choice requests, up to the response byte cap.
+//!
 //! Whatever ends a request — `[DONE]`, a broken worker stream, the client going away (the
 //! body stream is dropped, which drops the upstream response and so cancels the worker's
 //! request) — releases its [`Ticket`] and records its metrics exactly once
@@ -21,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use protocol::sse::{self, SseDecoder, SseEvent};
 use protocol::{Api, ApiError, ChoiceOut, ChoiceView, ResponseHead, ResponseView, TokenIds, Usage};
@@ -44,6 +52,40 @@ const FRAME_CAPACITY: usize = 512;
 
 /// Longest upstream SSE event accepted.
 pub const MAX_EVENT_BYTES: usize = 1 << 20;
+
+/// An upstream body: its first read (made before the relay, to retry a silent worker), when
+/// that read returned, and the rest.
+pub type Upstream = (
+    Option<Bytes>,
+    Instant,
+    BoxStream<'static, reqwest::Result<Bytes>>,
+);
+
+/// What the workers generated for a request so far: what resending it needs.
+#[derive(Debug)]
+pub struct Generated {
+    pub text: String,
+    /// The ids, while every chunk with text carried them (`return_token_ids`); `None`
+    /// otherwise (the text is then tokenized again).
+    pub ids: Option<Vec<u32>>,
+    /// Output tokens counted so far (what `max_tokens` is reduced by).
+    pub tokens: u64,
+}
+
+/// Resends a request whose worker failed mid-stream to another worker, with its output so
+/// far; answers the new worker's ticket and stream.
+pub trait Resend: Send {
+    fn resend<'a>(
+        &'a mut self,
+        so_far: &'a Generated,
+    ) -> BoxFuture<'a, Result<(Ticket, Upstream), ApiError>>;
+}
+
+/// A relay's migrations: how to resend, and how many more times.
+pub struct Migration {
+    pub resend: Box<dyn Resend>,
+    pub attempts_left: u32,
+}
 
 /// A request's metrics, recorded once when it ends, however it ends.
 #[derive(Debug)]
@@ -191,6 +233,7 @@ pub struct Relay {
     body: BoxStream<'static, reqwest::Result<Bytes>>,
     /// The first upstream read, made before the relay started (to retry a silent worker).
     first: Option<Bytes>,
+    migration: Option<Migration>,
     /// Reset before each read: the stream's only timer.
     stall: std::pin::Pin<Box<tokio::time::Sleep>>,
     stall_after: Duration,
@@ -218,25 +261,34 @@ struct Output {
     last_read: Option<Instant>,
     /// When the read holding the first token returned, until its frame goes out.
     first_token_read: Option<Instant>,
+    /// The output so far, while the request may be migrated.
+    generated: Option<Generated>,
+    /// The choice ended (a finish reason came): nothing is left to migrate.
+    choice_finished: bool,
+    /// Output tokens of the workers before the current one (migrations).
+    tokens_before: u64,
 }
 
 impl Relay {
-    /// A relay of `body`, whose `first` read (if any) was already made at `first_read`.
+    /// A relay of `body`, whose `first` read (if any) was already made at `first_read`; with
+    /// a `migration`, a failed worker's stream is continued by another.
     pub fn new(
         ctx: OutputCtx,
         stream: bool,
-        (first, first_read, body): (
-            Option<Bytes>,
-            Instant,
-            BoxStream<'static, reqwest::Result<Bytes>>,
-        ),
-        ticket: Ticket,
+        (first, first_read, body): Upstream,
+        (ticket, migration): (Ticket, Option<Migration>),
         record: RequestRecord,
         limits: RelayLimits,
     ) -> Relay {
+        let generated = migration.as_ref().map(|_| Generated {
+            text: String::new(),
+            ids: Some(Vec::new()),
+            tokens: 0,
+        });
         Relay {
             body,
             first,
+            migration,
             stall: Box::pin(tokio::time::sleep(limits.stall)),
             stall_after: limits.stall,
             decoder: SseDecoder::new(MAX_EVENT_BYTES),
@@ -255,6 +307,9 @@ impl Relay {
                 finished: false,
                 last_read: Some(first_read),
                 first_token_read: None,
+                generated,
+                choice_finished: false,
+                tokens_before: 0,
             },
         }
     }
@@ -277,19 +332,68 @@ impl Relay {
         }
     }
 
+    /// Resends the request to another worker after its worker broke or stalled, if it may
+    /// be: attempts are left, it has one choice and that choice has not ended. On success the
+    /// relay reads the new worker's stream from now on.
+    async fn migrate(&mut self) -> bool {
+        let reason = match &self.output.ending {
+            Some(Ending::Broken(e)) if e.status == 504 => "worker_timeout",
+            Some(Ending::Broken(_)) => "worker_failed",
+            _ => return false,
+        };
+        let (Some(migration), Some(generated)) = (&mut self.migration, &self.output.generated)
+        else {
+            return false;
+        };
+        if migration.attempts_left == 0 || self.output.choice_finished {
+            return false;
+        }
+        migration.attempts_left -= 1;
+        let from = self.output.ticket.as_ref().map(|t| t.worker.id);
+        let tokens = generated.tokens;
+        // The failed worker's slot is released before routing again.
+        self.output.ticket = None;
+        match migration.resend.resend(generated).await {
+            Ok((ticket, (first, first_read, body))) => {
+                tracing::info!(?from, to = %ticket.worker.id, tokens, reason, "request migrated to another worker");
+                self.output.record.metrics.count_migration(reason);
+                self.output.tokens_before = self.output.record.output_tokens;
+                self.output.ticket = Some(ticket);
+                self.output.ending = None;
+                self.output.usage = None;
+                self.output.last_read = Some(first_read);
+                self.first = first;
+                self.body = body;
+                self.decoder = SseDecoder::new(MAX_EVENT_BYTES);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(?from, error = %e.detail.message, "could not migrate the request; it ends with its worker's error");
+                false
+            }
+        }
+    }
+
     async fn next_output(&mut self) -> Option<Bytes> {
-        let output = &mut self.output;
         loop {
-            while output.ending.is_none() {
+            while self.output.ending.is_none() {
                 match self.decoder.next_event() {
-                    Some(SseEvent::Data(data)) => output.handle(data),
-                    Some(SseEvent::Done) => output.ending = Some(Ending::Done),
+                    Some(SseEvent::Data(data)) => self.output.handle(data),
+                    Some(SseEvent::Done) => self.output.ending = Some(Ending::Done),
                     None => break,
                 }
             }
-            if output.ending.is_some() && !output.finished {
-                output.finish();
+            if self.output.ending.is_some() && !self.output.finished {
+                // What came before the failure goes out before any resend is waited for.
+                if !self.output.out.is_empty() {
+                    return Some(self.output.take_frame());
+                }
+                if self.migrate().await {
+                    continue;
+                }
+                self.output.finish();
             }
+            let output = &mut self.output;
             if !output.out.is_empty() {
                 return Some(output.take_frame());
             }
@@ -402,6 +506,9 @@ impl Output {
         match &self.ending {
             Some(Ending::Done) => {
                 self.record.success = true;
+                if let Some(ticket) = &mut self.ticket {
+                    ticket.served();
+                }
                 if self.stream {
                     if self.ctx.include_usage {
                         let usage = self.final_usage();
@@ -475,17 +582,23 @@ impl Output {
             return;
         }
         if let Some(usage) = chunk.usage {
-            self.usage = Some(usage);
+            self.usage = Some(self.with_earlier_workers(usage));
         }
         if chunk.choices.is_empty() {
             return;
         }
         let tokens = chunk.choices.iter().map(choice_tokens).sum();
         if self.record.tokens(tokens, Instant::now()) {
+            self.first_token_read = self.last_read;
+        }
+        if tokens > 0 {
+            // This worker's first token (after a migration, not the request's).
             if let Some(ticket) = &mut self.ticket {
                 ticket.first_token();
             }
-            self.first_token_read = self.last_read;
+        }
+        if self.generated.is_some() {
+            self.track(&chunk.choices, tokens);
         }
         if self.stream {
             let role = (self.ctx.head.api == Api::Chat && !self.role_sent).then_some("assistant");
@@ -538,6 +651,62 @@ impl Output {
                     self.aggregate.finish[i] = Some(f.to_string());
                 }
             }
+        }
+    }
+
+    /// Keeps what a resend needs: the text and ids of the only choice; stops (no migration)
+    /// for a second choice or past the response cap.
+    fn track(&mut self, choices: &[ChoiceView<'_>], tokens: u64) {
+        let Some(generated) = &mut self.generated else {
+            return;
+        };
+        let mut keep = true;
+        for c in choices {
+            if c.index != 0 {
+                keep = false;
+                break;
+            }
+            let text = c.content();
+            generated.text.push_str(text);
+            if let Some(ids) = &mut generated.ids {
+                let parsed = c
+                    .token_ids
+                    .map(|raw| serde_json::from_str::<Vec<u32>>(raw.get()));
+                match parsed {
+                    Some(Ok(more)) => ids.extend(more),
+                    // A chunk with only a finish reason may carry no ids.
+                    None if text.is_empty() => {}
+                    _ => generated.ids = None,
+                }
+            }
+            if c.finish_reason.is_some() {
+                self.choice_finished = true;
+            }
+        }
+        generated.tokens += tokens;
+        if !keep || generated.text.len() > self.max_response_bytes {
+            self.generated = None;
+        }
+    }
+
+    /// A worker's usage after a migration, for the whole request: the client's prompt, and
+    /// the earlier workers' tokens added to this one's.
+    fn with_earlier_workers(&self, usage: Usage) -> Usage {
+        if self.tokens_before == 0 {
+            return usage;
+        }
+        let before = u32::try_from(self.tokens_before).unwrap_or(u32::MAX);
+        let prompt = self.ctx.prompt_tokens;
+        let completion = usage.completion_tokens.saturating_add(before);
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt.saturating_add(completion),
+            prompt_tokens_details: usage.prompt_tokens_details.map(|d| {
+                protocol::PromptTokensDetails {
+                    cached_tokens: d.cached_tokens.min(prompt),
+                }
+            }),
         }
     }
 

@@ -11,6 +11,7 @@ use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use protocol::http::{check_model, json_response, read_json};
 use protocol::{
     Api, ApiError, ApiRequest, ChatCompletionRequest, CompletionRequest, KvTransferParams, Model,
@@ -23,7 +24,10 @@ use crate::dispatch::{AdmitError, Dispatcher, Ticket};
 use crate::metrics::{CONTENT_TYPE, Metrics, PoolLabel};
 use crate::preprocess::{Prepared, Preprocessor};
 use crate::registry::WorkerInfo;
-use crate::relay::{OutputCtx, Relay, RelayLimits, RequestRecord, endpoint, read_error};
+use crate::relay::{
+    Generated, Migration, OutputCtx, Relay, RelayLimits, RequestRecord, Resend, Upstream, endpoint,
+    read_error,
+};
 
 /// Connection attempts per request: a worker that refuses the connection leaves the routing
 /// set and the request is routed again (nothing was sent, so this is safe).
@@ -40,6 +44,8 @@ pub(crate) struct AppState {
     pub max_body_bytes: usize,
     pub max_response_bytes: usize,
     pub timeouts: Timeouts,
+    /// Times a request may be resent after its worker failed mid-stream.
+    pub migration_limit: u32,
     pub started: u64,
     pub next_id: AtomicU64,
 }
@@ -445,6 +451,68 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
     let include_usage = parsed.params.include_usage();
     let prompt_tokens = parsed.prepared.tokens.len();
     record.prompt_tokens = Some(prompt_tokens as u64);
+    let opened = match open(&state, &parsed, record.started()).await {
+        Ok(opened) => opened,
+        Err(e) => return e.into_response(),
+    };
+    record.pools = opened.pools;
+    record.pre_forward = Some(opened.pre_forward);
+    state
+        .metrics
+        .overhead
+        .observe(opened.pre_forward.as_secs_f64());
+    let ticket = opened.ticket;
+    let predicted = ticket.predicted_cached_tokens(prompt_tokens as u64);
+    let ctx = OutputCtx {
+        head: ResponseHead {
+            api: parsed.api,
+            id: state.request_id(parsed.api),
+            model: state.model.clone(),
+            created: unix_now(),
+        },
+        include_usage,
+        return_token_ids: parsed.params.return_token_ids(),
+        prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
+        predicted_cached_tokens: u32::try_from(predicted).unwrap_or(u32::MAX),
+    };
+    let limits = RelayLimits {
+        stall: state.timeouts.stall,
+        max_response_bytes: state.max_response_bytes,
+    };
+    // One choice only: the continuation of several is not one prompt.
+    let migration =
+        (state.migration_limit > 0 && parsed.params.n.unwrap_or(1) == 1).then(|| Migration {
+            attempts_left: state.migration_limit,
+            resend: Box::new(Migrator {
+                state: state.clone(),
+                parsed,
+            }),
+        });
+    respond(
+        ctx,
+        stream,
+        opened.upstream,
+        (ticket, migration),
+        record,
+        limits,
+    )
+    .await
+}
+
+/// A worker's stream for a request, opened.
+struct Opened {
+    ticket: Ticket,
+    upstream: Upstream,
+    /// The pools that prefill and decode it.
+    pools: (PoolLabel, PoolLabel),
+    /// The gateway's own time before forwarding (queue waits excluded).
+    pre_forward: Duration,
+}
+
+/// Routes a request and opens a worker's stream for it: up to [`CONNECT_ATTEMPTS`] workers
+/// that refuse the connection, and [`TIMEOUT_RETRIES`] that send nothing in time, are
+/// ejected and the request routed again.
+async fn open(state: &AppState, parsed: &Parsed, started: Instant) -> Result<Opened, ApiError> {
     let key = state.dispatcher.key(&parsed.prepared.tokens);
     let mut last_error = None;
     let mut timeouts = 0;
@@ -453,29 +521,25 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         let mut ticket = match state.dispatcher.admit(key.clone()).await {
             Ok(t) => t,
             Err(AdmitError::NoWorkers) if state.dispatcher.is_disaggregated() => {
-                return ApiError::service_unavailable(
+                return Err(ApiError::service_unavailable(
                     "no decode worker is available: a disaggregated fleet needs a decode (or \
                      aggregated) worker to serve a request; prefill workers cannot serve one \
                      alone",
-                )
-                .into_response();
+                ));
             }
-            Err(e) => return admit_error(e).into_response(),
+            Err(e) => return Err(admit_error(e)),
         };
         let mut leg = Leg::Whole;
         if let Some((prefill, _)) = ticket.prefill.clone() {
-            let body = match worker_body(
+            let body = worker_body(
                 &parsed.model,
                 &parsed.prepared,
                 &prefill,
                 parsed.params.clone(),
                 &parsed.extra,
                 &Leg::Prefill,
-            ) {
-                Ok(body) => body,
-                Err(e) => return e.into_response(),
-            };
-            match run_prefill(&state, &prefill, body).await {
+            )?;
+            match run_prefill(state, &prefill, body).await {
                 Ok(transfer) => {
                     ticket.prefill_done();
                     leg = Leg::Decode(transfer);
@@ -496,26 +560,20 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         } else {
             Duration::ZERO
         };
-        let body = match worker_body(
+        let body = worker_body(
             &parsed.model,
             &parsed.prepared,
             &ticket.worker,
             parsed.params.clone(),
             &parsed.extra,
             &leg,
-        ) {
-            Ok(body) => body,
-            Err(e) => return e.into_response(),
-        };
+        )?;
         let serving = PoolLabel::of_role(ticket.worker.role);
         let prefilled = match leg {
             Leg::Decode(_) => PoolLabel::Prefill,
             Leg::Whole | Leg::Prefill => serving,
         };
-        record.pools = (prefilled, serving);
-        let pre_forward = record.started().elapsed().saturating_sub(queue_wait);
-        record.pre_forward = Some(pre_forward);
-        state.metrics.overhead.observe(pre_forward.as_secs_f64());
+        let pre_forward = started.elapsed().saturating_sub(queue_wait);
         // Response headers and the first body bytes, within one deadline: a worker that
         // accepts and stays silent (stopped, wedged) is ejected and the request, of which
         // nothing reached the client yet, goes to another worker once.
@@ -535,16 +593,16 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
                 last_error = Some(e.to_string());
                 continue;
             }
-            Err(_) => match silent_worker(&state, &ticket, &mut timeouts) {
-                Some(error) => return error.into_response(),
+            Err(_) => match silent_worker(state, &ticket, &mut timeouts) {
+                Some(error) => return Err(error),
                 None => continue,
             },
         };
         if !response.status().is_success() {
             return match tokio::time::timeout_at(deadline, read_error(response)).await {
-                Ok(error) => error.into_response(),
-                Err(_) => match silent_worker(&state, &ticket, &mut timeouts) {
-                    Some(error) => error.into_response(),
+                Ok(error) => Err(error),
+                Err(_) => match silent_worker(state, &ticket, &mut timeouts) {
+                    Some(error) => Err(error),
                     None => continue,
                 },
             };
@@ -558,8 +616,8 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
                 None
             }
             Ok(None) => None,
-            Err(_) => match silent_worker(&state, &ticket, &mut timeouts) {
-                Some(error) => return error.into_response(),
+            Err(_) => match silent_worker(state, &ticket, &mut timeouts) {
+                Some(error) => return Err(error),
                 None => continue,
             },
         };
@@ -567,31 +625,82 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         if state.dispatcher.is_disaggregated() {
             state.metrics.count_route(ticket.route_labels());
         }
-        let predicted = ticket.predicted_cached_tokens(prompt_tokens as u64);
-        let ctx = OutputCtx {
-            head: ResponseHead {
-                api: parsed.api,
-                id: state.request_id(parsed.api),
-                model: state.model.clone(),
-                created: unix_now(),
-            },
-            include_usage,
-            return_token_ids: parsed.params.return_token_ids(),
-            prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
-            predicted_cached_tokens: u32::try_from(predicted).unwrap_or(u32::MAX),
-        };
-        let limits = RelayLimits {
-            stall: state.timeouts.stall,
-            max_response_bytes: state.max_response_bytes,
-        };
-        let upstream = (first, first_read, upstream);
-        return respond(ctx, stream, upstream, ticket, record, limits).await;
+        return Ok(Opened {
+            ticket,
+            upstream: (first, first_read, upstream),
+            pools: (prefilled, serving),
+            pre_forward,
+        });
     }
-    ApiError::service_unavailable(format!(
+    Err(ApiError::service_unavailable(format!(
         "no worker could be reached after {CONNECT_ATTEMPTS} attempts (last error: {})",
         last_error.unwrap_or_default()
-    ))
-    .into_response()
+    )))
+}
+
+/// Resends a request whose worker failed mid-stream, as Dynamo's request migration does: its
+/// prompt followed by the output so far (for a chat, the rendered prompt ends with the
+/// assistant header, so this is the partial assistant message continued, as vLLM's
+/// `continue_final_message`), `max_tokens` reduced by the tokens already generated, routed
+/// again (the failed worker is out of the routing set).
+struct Migrator {
+    state: Arc<AppState>,
+    parsed: Parsed,
+}
+
+impl Migrator {
+    fn continuation(&self, so_far: &Generated) -> Result<Parsed, ApiError> {
+        let parsed = &self.parsed;
+        let mut params = parsed.params.clone();
+        let generated = u32::try_from(so_far.tokens).unwrap_or(u32::MAX);
+        if let Some(max) = params.max_output_tokens() {
+            let left = max.saturating_sub(generated);
+            if left == 0 {
+                return Err(ApiError::internal(
+                    "the worker failed after its last token; nothing is left to generate",
+                ));
+            }
+            params.max_tokens = Some(left);
+            params.max_completion_tokens = None;
+        }
+        let mut tokens = parsed.prepared.tokens.clone();
+        match &so_far.ids {
+            Some(ids) if ids.len() as u64 == so_far.tokens => tokens.extend_from_slice(ids),
+            // Without the worker's ids: the text's, as the model's tokenizer writes it.
+            _ => tokens.extend(
+                self.state
+                    .preprocessor
+                    .tokenizer()
+                    .encode_ordinary(&so_far.text),
+            ),
+        }
+        let text = parsed.prepared.text.as_ref().map(|prompt| {
+            let mut text = String::with_capacity(prompt.len() + so_far.text.len());
+            text.push_str(prompt);
+            text.push_str(&so_far.text);
+            text
+        });
+        Ok(Parsed {
+            api: parsed.api,
+            model: parsed.model.clone(),
+            prepared: Prepared { tokens, text },
+            params,
+            extra: parsed.extra.clone(),
+        })
+    }
+}
+
+impl Resend for Migrator {
+    fn resend<'a>(
+        &'a mut self,
+        so_far: &'a Generated,
+    ) -> BoxFuture<'a, Result<(Ticket, Upstream), ApiError>> {
+        Box::pin(async move {
+            let continued = self.continuation(so_far)?;
+            let opened = open(&self.state, &continued, Instant::now()).await?;
+            Ok((opened.ticket, opened.upstream))
+        })
+    }
 }
 
 /// Retries after a worker timed out before sending anything (the request goes elsewhere).
@@ -621,19 +730,11 @@ fn silent_worker(state: &AppState, ticket: &Ticket, timeouts: &mut u32) -> Optio
     })
 }
 
-/// An upstream body: its first read (made before the relay, to retry a silent worker), when
-/// that read returned, and the rest.
-type Upstream = (
-    Option<bytes::Bytes>,
-    Instant,
-    futures::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
-);
-
 async fn respond(
     ctx: OutputCtx,
     stream: bool,
     upstream: Upstream,
-    ticket: Ticket,
+    (ticket, migration): (Ticket, Option<Migration>),
     record: RequestRecord,
     limits: RelayLimits,
 ) -> Response {
@@ -643,7 +744,7 @@ async fn respond(
     let route = ticket
         .fleet_disaggregated()
         .then(|| HeaderValue::from_static(if route == "split" { "split" } else { reason }));
-    let relay = Relay::new(ctx, stream, upstream, ticket, record, limits);
+    let relay = Relay::new(ctx, stream, upstream, (ticket, migration), record, limits);
     let mut response = respond_relay(stream, relay).await;
     // Which worker served the request: for debugging and tests (not an OpenAI header).
     response.headers_mut().insert(WORKER_HEADER, worker);

@@ -482,6 +482,8 @@ async fn a_worker_dying_mid_stream_gives_a_clean_error_and_leaves_the_routing_se
     let gw = gateway(GatewayConfig {
         // Health checks would hide the request-triggered removal; keep them out of the way.
         health_interval: Duration::from_secs(3600),
+        // Without migration: the stream ends with the worker's error.
+        migration_limit: 0,
         ..round_robin(vec![
             format!("{},id=1", crashing.url()).parse().unwrap(),
             format!("{},id=2", healthy.url()).parse().unwrap(),
@@ -521,11 +523,69 @@ async fn a_worker_dying_mid_stream_gives_a_clean_error_and_leaves_the_routing_se
     let crash_only = GatewayConfig {
         workers: vec![format!("{},id=1", crashing.url()).parse().unwrap()],
         health_interval: Duration::from_secs(3600),
+        migration_limit: 0,
         ..gateway_config(&[])
     };
     let (status, body) = chat_through(crash_only, &chat(&[("user", "hi")], 4, false)).await;
     assert_eq!(status, 502, "{body}");
     assert_eq!(body["error"]["code"], "worker_failed");
+    gw.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_dying_mid_stream_is_continued_by_another_with_the_output_so_far() {
+    let crashing = FakeWorker::start(Script::CrashAfter { tokens: 3 }).await;
+    let healthy = FakeWorker::start(Script::Complete { tokens: 4 }).await;
+    let workers = vec![
+        format!("{},id=1", crashing.url()).parse().unwrap(),
+        format!("{},id=2", healthy.url()).parse().unwrap(),
+    ];
+    let gw = gateway(GatewayConfig {
+        health_interval: Duration::from_secs(3600),
+        ..round_robin(workers)
+    })
+    .await;
+    // Round robin starts at worker 1, the one that crashes; worker 2 continues.
+    let mut request = chat(&[("user", "hi")], 10, true);
+    request["stream_options"] = json!({"include_usage": true});
+    let s = tokio::time::timeout(
+        Duration::from_secs(5),
+        post_stream(&gw.url(), "/v1/chat/completions", &request),
+    )
+    .await
+    .expect("no hang");
+    assert_eq!(s.status, 200);
+    assert!(s.error().is_none(), "no error event");
+    assert!(s.done);
+    // The fake worker does not continue the text; it writes its own four tokens.
+    assert_eq!(s.text(), " w0 w1 w2 w0 w1 w2 w3");
+    let first = crashing.last_request();
+    let resent = healthy.last_request();
+    assert_eq!(first["max_tokens"], 10);
+    assert_eq!(resent["max_tokens"], 7, "reduced by the 3 tokens generated");
+    let (first, resent) = (
+        first["prompt"].as_array().unwrap().clone(),
+        resent["prompt"].as_array().unwrap().clone(),
+    );
+    assert!(
+        resent.len() > first.len() && resent[..first.len()] == first[..],
+        "the prompt, then the output so far: {first:?} → {resent:?}"
+    );
+    assert_eq!(
+        gw.dispatcher().routable_workers(),
+        vec![kv_index::WorkerId(2)],
+        "the crashed worker left the routing set"
+    );
+    let metrics = reqwest::get(format!("{}/metrics", gw.url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvroute_gateway_migrations_total{reason=\"worker_failed\"} 1"),
+        "{metrics}"
+    );
     gw.shutdown().await;
 }
 

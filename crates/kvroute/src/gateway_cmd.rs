@@ -104,10 +104,21 @@ pub struct GatewayArgs {
     /// check passes, and the request is retried once on another worker.
     #[arg(long, default_value_t = Timeouts::default().first_byte.as_secs_f64())]
     first_byte_timeout: f64,
-    /// Seconds a worker's stream may stay silent between two chunks; then the stream ends
-    /// with an error event and the worker is ejected until its health check passes.
+    /// Seconds a worker's stream may stay silent between two chunks; then the worker is
+    /// ejected and the request migrated to another worker (or, past --migration-limit, the
+    /// stream ends with an error event).
     #[arg(long, default_value_t = Timeouts::default().stall.as_secs_f64())]
     stall_timeout: f64,
+    /// Times one request may be resent, with its output so far, to another worker when its
+    /// worker dies or stalls mid-stream; the client's stream goes on unbroken. 0: the stream
+    /// ends with an error event (`worker_failed`, `worker_timeout`).
+    #[arg(long, default_value_t = GatewayConfig::default().migration_limit)]
+    migration_limit: u32,
+    /// Seconds a worker that failed a request (broken stream, timeout) stays out of the
+    /// routing set even if its health check passes; each failure in a row adds as much
+    /// again, up to ten times it. A request it serves to the end resets the count.
+    #[arg(long, default_value_t = router::EjectionConfig::default().base.as_secs_f64())]
+    ejection_time: f64,
     /// Seconds a client has to send its request headers; also how long an idle keep-alive
     /// connection stays open.
     #[arg(long, default_value_t = Timeouts::default().header.as_secs_f64())]
@@ -217,6 +228,19 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
         max_workers: args.max_workers,
         local_prefill_max_tokens: args.local_prefill_max_tokens,
         prefill_timeout: seconds("prefill-timeout", args.prefill_timeout)?,
+        migration_limit: args.migration_limit,
+        ejection: {
+            // 0 turns the minimum off: health checks alone decide.
+            let base = if args.ejection_time == 0.0 {
+                Duration::ZERO
+            } else {
+                seconds("ejection-time", args.ejection_time)?
+            };
+            router::EjectionConfig {
+                base: base.into(),
+                max: (base * 10).into(),
+            }
+        },
         ..GatewayConfig::default()
     })
 }

@@ -92,6 +92,8 @@ fn help_lists_router_modes_defaults_and_dynamo_variables() {
         "--connect-timeout",
         "--first-byte-timeout",
         "--stall-timeout",
+        "--migration-limit",
+        "--ejection-time",
         "--header-timeout",
         "--body-timeout",
         "--queue-capacity",
@@ -141,9 +143,12 @@ fn bad_flags_fail_with_a_message_that_says_what_to_do() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_killed_mid_stream_gives_the_client_an_error_and_leaves_the_routing_set() {
     let mut engines = engines(&["--speedup", "20"]);
+    // Without migration (tests/migration.rs has it): the stream ends with an error event.
     let mut gateway = Server::start(&[
         "gateway",
         "--port",
+        "0",
+        "--migration-limit",
         "0",
         "--worker",
         &engines[0].url,

@@ -3,7 +3,9 @@
 //! nothing), then continued with `SIGCONT`; and a worker that passes its health checks but
 //! never answers a completion. Requests routed to a silent worker are retried elsewhere after
 //! the first-byte timeout, a stream whose worker stops ends with an error event after the
-//! stall timeout, and the stopped worker is ejected, then probed back in once it answers.
+//! stall timeout (with `--migration-limit 0`; tests/migration.rs has the stream go on), and
+//! the stopped worker is ejected, then probed back in once it answers and its ejection time
+//! is over.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
@@ -99,6 +101,12 @@ async fn a_stopped_engine_costs_its_clients_a_retry_or_an_error_event_never_a_ha
         "1.5",
         "--stall-timeout",
         "1",
+        // The old behaviour of a stalled stream (tests/migration.rs migrates it), and a
+        // short ejection so that a continued engine is probed back in at once.
+        "--migration-limit",
+        "0",
+        "--ejection-time",
+        "0.5",
     ];
     for engine in &engines {
         args.extend(["--worker", engine.url.as_str()]);
@@ -228,7 +236,7 @@ fn serve_silently(tcp: TcpStream) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_that_accepts_and_never_answers_costs_a_retry_not_a_hang() {
+async fn a_worker_that_accepts_and_never_answers_costs_one_retry_then_stays_ejected() {
     let engine = Server::start(&["engine", "--port", "0", "--worker-id", "1"]);
     let silent = silent_worker();
     let gateway = Server::start(&[
@@ -262,5 +270,23 @@ async fn a_worker_that_accepts_and_never_answers_costs_a_retry_not_a_hang() {
         );
     }
     let metrics = get_text(&format!("{url}/metrics")).await;
-    assert!(metric(&metrics, "kvroute_gateway_worker_timeouts_total") >= 1.0);
+    assert_eq!(
+        metric(&metrics, "kvroute_gateway_worker_timeouts_total"),
+        1.0
+    );
+    // Its health check passes every 0.2 s, yet it stays ejected (the default ejection time
+    // is 30 s): later requests do not meet it again.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let health = get_json(&format!("{url}/health")).await;
+    assert_eq!(health["routable_workers"], 1, "{health}");
+    for i in 0..4 {
+        let response = post(&url, &chat(&format!("Again {i}?"), 4, false)).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(served_by(&response), 1);
+    }
+    let metrics = get_text(&format!("{url}/metrics")).await;
+    assert_eq!(
+        metric(&metrics, "kvroute_gateway_worker_timeouts_total"),
+        1.0
+    );
 }

@@ -26,6 +26,8 @@
 //!   pool (one [`Frontend`] each), and the conditional-disaggregation decision: prefill on the
 //!   decode worker when little of the prompt is uncached there, on a prefill worker otherwise,
 //!   with a local fallback when no prefill worker can take it ([`Route`], [`DisaggEvent`]).
+//! - [`ejection`]: outlier ejection with a minimum ejection time growing with failures in a
+//!   row (Envoy's `base_ejection_time`), asked before a health check returns a worker.
 //! - [`autoscale`]: pool autoscaling with KEDA's and the HPA's semantics (a latency quantile
 //!   against a threshold, activation, cooldown, stabilization, bounds, pause), the same
 //!   decisions in the simulator and the demo.
@@ -97,6 +99,7 @@
 
 pub mod autoscale;
 mod disagg;
+pub mod ejection;
 mod frontend;
 mod kv_load;
 mod load;
@@ -105,6 +108,7 @@ pub mod policy;
 mod router;
 
 pub use disagg::{DisaggConfig, DisaggEvent, DisaggFrontend, LocalReason, Pool, Route};
+pub use ejection::{EjectionConfig, Ejections};
 pub use frontend::{AdmitError, Frontend, FrontendConfig, FrontendEvent};
 pub use kv_load::{KvLoad, KvLoadParamError, KvLoadParams};
 pub use load::WorkerLoad;

@@ -68,7 +68,7 @@ mod tokenizer;
 pub use assets::{Assets, DEFAULT_SYSTEM_PROMPT, TaskAssets};
 pub use chat_tokens::{ChatTokens, Llama3Format};
 pub use corpus::{Corpus, KeyTerms, Passage, Term};
-pub use preprocess::{FormatError, Prepared, Preprocessor};
+pub use preprocess::{ChatEnding, FormatError, Prepared, Preprocessor};
 pub use question::{QuestionGenerator, QuestionPlan};
 pub use reply::{Reply, ReplyConfig, ReplyGenerator};
 pub use template::{ChatMessage, ChatTemplate, TemplateError};

@@ -67,6 +67,18 @@ impl MessageCache {
     }
 }
 
+/// How a rendered chat ends (vLLM's `add_generation_prompt` and `continue_final_message`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ChatEnding {
+    /// With the assistant header, for the model to write a reply (the default).
+    #[default]
+    GenerationPrompt,
+    /// After the last message, closed.
+    Closed,
+    /// The last message left open (no end-of-turn), for the model to continue it.
+    ContinueFinal,
+}
+
 /// Tokenizer + chat template.
 #[derive(Debug)]
 pub struct Preprocessor {
@@ -105,15 +117,50 @@ impl Preprocessor {
     /// A chat's prompt, ending with the assistant header. `with_text` also returns the
     /// rendered text (for workers that take text).
     pub fn chat(&self, messages: &[ChatMessage], with_text: bool) -> Result<Prepared, FormatError> {
-        let rendered =
-            |template: &ChatTemplate| template.render(messages, true).map_err(FormatError);
+        self.chat_ending(messages, ChatEnding::GenerationPrompt, with_text)
+    }
+
+    /// A chat's prompt, ending as `ending` says. Continuing the final message renders the
+    /// chat closed and cuts it after the final message's content, as vLLM does.
+    pub fn chat_ending(
+        &self,
+        messages: &[ChatMessage],
+        ending: ChatEnding,
+        with_text: bool,
+    ) -> Result<Prepared, FormatError> {
+        let rendered = |template: &ChatTemplate| {
+            let text = template
+                .render(messages, ending == ChatEnding::GenerationPrompt)
+                .map_err(FormatError)?;
+            Ok::<_, FormatError>(match (ending, messages.last()) {
+                (ChatEnding::ContinueFinal, Some(last)) => {
+                    let content = last.content.trim();
+                    match text.rfind(content).filter(|_| !content.is_empty()) {
+                        Some(at) => text[..at + content.len()].to_string(),
+                        None => text,
+                    }
+                }
+                _ => text,
+            })
+        };
         match &self.fast {
             Some(format) => {
                 let mut tokens = vec![format.bos()];
                 for message in messages {
                     self.push_message(format, message, &mut tokens);
                 }
-                tokens.extend_from_slice(format.generation_prompt());
+                match ending {
+                    ChatEnding::GenerationPrompt => {
+                        tokens.extend_from_slice(format.generation_prompt())
+                    }
+                    ChatEnding::Closed => {}
+                    ChatEnding::ContinueFinal => {
+                        // Every message ends with `<|eot_id|>`: the last one is left open.
+                        if tokens.last() == Some(&format.eot()) {
+                            tokens.pop();
+                        }
+                    }
+                }
                 let text = if with_text {
                     Some(rendered(&self.template)?)
                 } else {
@@ -168,6 +215,29 @@ impl Preprocessor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fast Llama-3 path and the template agree for every ending; a continued final
+    /// message is open (its text is the rendered chat's end).
+    #[test]
+    fn every_chat_ending_matches_the_rendered_template() {
+        let p = Preprocessor::builtin();
+        let messages = [
+            ChatMessage::user("What is prefix caching?"),
+            ChatMessage::assistant("Prefix caching keeps"),
+        ];
+        for ending in [
+            ChatEnding::GenerationPrompt,
+            ChatEnding::Closed,
+            ChatEnding::ContinueFinal,
+        ] {
+            let prepared = p.chat_ending(&messages, ending, true).unwrap();
+            let text = prepared.text.unwrap();
+            assert_eq!(prepared.tokens, p.tokenizer().encode(&text), "{ending:?}");
+            if ending == ChatEnding::ContinueFinal {
+                assert!(text.ends_with("Prefix caching keeps"), "{text}");
+            }
+        }
+    }
 
     #[test]
     fn fast_path_equals_render_then_encode() {
