@@ -135,6 +135,7 @@ pub mod bench;
 pub mod chat;
 mod config;
 pub mod disagg;
+pub mod faults;
 mod driver;
 pub mod ladder;
 pub mod metrics;
