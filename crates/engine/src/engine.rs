@@ -525,6 +525,13 @@ impl Engine {
         }
     }
 
+    /// Brings the outputs up to `now`: a speed-mode stretch is cut at `now`, so the tokens of
+    /// every step ended by then are emitted (as `cancel` and `submit` do). For a driver that
+    /// stops driving the engine at `now` (the simulator's stopped worker).
+    pub fn sync(&mut self, now: Nanos) {
+        self.enter(now);
+    }
+
     /// Completes every step (and KV transfer) that ended at or before `now`, starting the next
     /// step whenever there is work.
     pub fn handle_timeout(&mut self, now: Nanos) {

@@ -291,7 +291,8 @@ pub struct SimArgs {
 }
 
 fn parse_faults(s: &str) -> Result<sim::faults::FaultSpec, String> {
-    s.parse().map_err(|e: sim::faults::FaultSpecError| e.to_string())
+    s.parse()
+        .map_err(|e: sim::faults::FaultSpecError| e.to_string())
 }
 
 /// `kvroute sim --scenario`: seed 004's cycle on a disaggregated fleet.
@@ -627,7 +628,10 @@ pub fn run(args: SimArgs) -> Result<()> {
 /// What the injected faults did, after the run's table.
 fn print_faults(f: &sim::faults::FaultReport) {
     println!();
-    println!("faults `{}` (seed {}): every invariant held over {} steps", f.spec, f.seed, f.checked_steps);
+    println!(
+        "faults `{}` (seed {}): every invariant held over {} steps",
+        f.spec, f.seed, f.checked_steps
+    );
     for (at, what) in &f.timeline {
         println!("  {at:>9.2} s  {what}");
     }

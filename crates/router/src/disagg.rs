@@ -259,7 +259,10 @@ impl DisaggFrontend {
     /// becomes a new baseline (`resynced` in the outcome).
     pub fn apply_event_resyncing(&mut self, event: &KvEvent) -> Result<ApplyOutcome, EventError> {
         match self.pools.get(&event.worker).copied() {
-            Some(pool) => self.pool_mut(pool).router_mut().apply_event_resyncing(event),
+            Some(pool) => self
+                .pool_mut(pool)
+                .router_mut()
+                .apply_event_resyncing(event),
             None => {
                 let prefill = self.prefill.router_mut().apply_event_resyncing(event);
                 self.decode

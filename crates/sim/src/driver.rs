@@ -1114,6 +1114,7 @@ impl<W: Workload> Simulation<W> {
         let faults = self.faults.map(|f| {
             let mut report = f.report;
             report.stale_claims = f.checker.stale_claims;
+            report.blocks_removed = f.checker.removals;
             report.max_stale_claim_s = f.checker.max_stale.as_secs_f64();
             report
         });
@@ -1410,17 +1411,16 @@ impl<W: Workload> Simulation<W> {
             EngineEvent::Cancelled { id, .. } | EngineEvent::Rejected { id, .. } => (*id, false),
             EngineEvent::Kv(_) => return true,
         };
-        let on = self
-            .in_flight
-            .get_mut(id.0)
-            .is_some_and(|f| f.worker == Some(worker));
+        let holder = self.in_flight.get_mut(id.0).map(|f| f.worker);
+        let on = holder == Some(Some(worker));
         if !on
             && output
             && let Some(f) = &mut self.faults
         {
             f.violate(format!(
-                "worker {worker} produced output for request {} that is not on it (ended, or \
-                 moved to another worker): answered twice",
+                "worker {worker} produced output for request {} that is not on it (its \
+                 worker: {holder:?}; ended, or moved to another worker): answered twice \
+                 ({ev:?})",
                 id.0
             ));
         }
@@ -1546,7 +1546,10 @@ impl<W: Workload> Simulation<W> {
         if self.dead.get(w as usize).copied().unwrap_or(true) {
             return;
         }
-        // What it produced up to now has left it.
+        // What it produced up to now has left it (in speed mode the engine emits a stretch's
+        // tokens at its end unless asked for the present).
+        let engine_now = now.saturating_sub(self.lag(w));
+        self.engines[w as usize].sync(engine_now);
         self.drain_engine(w);
         self.timers.arm(Source::Engine(w), None);
         let deadlines: Vec<(Nanos, u64)> = self
@@ -2116,8 +2119,7 @@ impl<W: Workload> Simulation<W> {
             f.checker.on_engine_kv(&ev, self.now);
             if let Some(channel) = &mut f.channel {
                 channel.send(self.now, delay, ev, &mut f.report);
-                self.timers
-                    .arm(Source::KvDelivery, channel.next_delivery());
+                self.timers.arm(Source::KvDelivery, channel.next_delivery());
                 return;
             }
         }

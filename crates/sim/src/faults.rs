@@ -91,7 +91,10 @@ pub const SCENARIOS: &[(&str, &str)] = &[
         "slow-worker[=FACTOR]",
         "one worker's steps take FACTOR (2) times as long",
     ),
-    ("event-loss[=P]", "each KV event is lost with probability P (0.02)"),
+    (
+        "event-loss[=P]",
+        "each KV event is lost with probability P (0.02)",
+    ),
     (
         "event-delay[=MS]",
         "each KV event is delayed by up to MS (500) ms, each worker's order kept",
@@ -375,6 +378,8 @@ pub struct FaultReport {
     pub timed_out_requests: u64,
     /// Requests routed again after a first-byte timeout.
     pub retried_requests: u64,
+    /// Blocks the engines evicted (removal events emitted).
+    pub blocks_removed: u64,
     /// Blocks the index claimed after their worker removed them (each counted once), and
     /// the longest such claim.
     pub stale_claims: u64,
@@ -497,6 +502,8 @@ pub(crate) struct Checker {
     suspects: FxHashMap<WorkerId, FxHashMap<EngineBlockId, Suspect>>,
     pub(crate) stale_claims: u64,
     pub(crate) max_stale: Nanos,
+    /// Blocks the engines removed (evictions), as they emitted them.
+    pub(crate) removals: u64,
 }
 
 impl Checker {
@@ -547,6 +554,7 @@ impl Checker {
                 }
             }
             KvEventKind::Removed { blocks } => {
+                self.removals += blocks.len() as u64;
                 for id in blocks {
                     if truth.remove(id) {
                         removed(*id);
