@@ -27,10 +27,12 @@ fn config(seed: u64) -> SimConfig {
 }
 
 fn run_with(cfg: SimConfig, faults: Option<&str>, seconds: u64) -> Result<RunOutput, SimError> {
-    let mut workload = WorkloadConfig::default();
-    workload.output_tokens = Distribution::Uniform {
-        min: 50.0,
-        max: 250.0,
+    let workload = WorkloadConfig {
+        output_tokens: Distribution::Uniform {
+            min: 50.0,
+            max: 250.0,
+        },
+        ..WorkloadConfig::default()
     };
     let concurrency = 16;
     let chat = Chat::new(&workload, assets(), cfg.seed, concurrency).expect("workload");
