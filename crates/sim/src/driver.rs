@@ -1522,7 +1522,26 @@ impl<W: Workload> Simulation<W> {
         if !self.fail_worker_with(w, Outcome::WorkerFailed) {
             return;
         }
+        // Requests the core had already forgotten (the worker was ejected while stopped)
+        // die with it too; a dead process never continues.
+        let forgotten: Vec<u64> = self
+            .in_flight
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, (generation, turn))| {
+                let on_it = turn.as_ref()?.worker == Some(w);
+                on_it.then_some(u64::from(*generation) << 32 | slot as u64)
+            })
+            .collect();
+        for id in forgotten {
+            self.remove_in_flight(w);
+            self.fail(id, Outcome::WorkerFailed);
+        }
         if let Some(f) = &mut self.faults {
+            if f.hang.as_ref().is_some_and(|h| h.worker == w) {
+                f.hang = None;
+            }
             f.checker.on_worker_gone(WorkerId(u64::from(w)));
             if let Some(c) = &mut f.channel {
                 c.forget(WorkerId(u64::from(w)));
