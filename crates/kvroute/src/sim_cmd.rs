@@ -532,9 +532,16 @@ pub fn run(args: SimArgs) -> Result<()> {
         Nanos::MAX
     };
     let mut t = Nanos::ZERO;
+    let reproduce = |e: sim::SimError| match (&e, &args.faults) {
+        (sim::SimError::Invariant { .. }, Some(faults)) => anyhow::anyhow!(
+            "{e}\nreproduce: kvroute sim --seed {} --faults {faults} (with the same other flags)",
+            args.cluster.seed
+        ),
+        _ => e.into(),
+    };
     while t < end {
         t = (t + step).min(end);
-        simulation.run_until(t)?;
+        simulation.run_until(t).map_err(reproduce)?;
         if let Some(bar) = &bar {
             bar.set_position(t.0 / 1_000_000_000);
         }
@@ -614,7 +621,7 @@ pub fn run(args: SimArgs) -> Result<()> {
             print_mix(&results, &cluster.workload, &workload_stats);
         }
         if let Some(faults) = &faults {
-            print_faults(faults);
+            print_faults(faults, args.cluster.seed);
         }
     }
     eprintln!(
@@ -626,11 +633,11 @@ pub fn run(args: SimArgs) -> Result<()> {
 }
 
 /// What the injected faults did, after the run's table.
-fn print_faults(f: &sim::faults::FaultReport) {
+fn print_faults(f: &sim::faults::FaultReport, seed: u64) {
     println!();
     println!(
-        "faults `{}` (seed {}): every invariant held over {} steps",
-        f.spec, f.seed, f.checked_steps
+        "faults `{}` (--seed {seed}): every invariant held over {} steps",
+        f.spec, f.checked_steps
     );
     for (at, what) in &f.timeline {
         println!("  {at:>9.2} s  {what}");

@@ -231,7 +231,7 @@ fn sim_with_faults_reports_what_happened_and_refuses_what_it_cannot_simulate() {
     let json = ok(kvroute().args(args).arg("--json").output().unwrap());
     let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     let faults = &v["faults"];
-    assert_eq!(faults["seed"], 4);
+    assert_eq!(faults["spec"], "worker-crash=10,event-loss=0.01");
     assert!(faults["kv_events_lost"].as_u64().unwrap() > 0, "{faults}");
     assert!(faults["checked_steps"].as_u64().unwrap() > 0);
     assert_eq!(

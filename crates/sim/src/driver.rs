@@ -41,7 +41,7 @@ pub enum SimError {
     Timeline(#[from] TimelineError),
     #[error(
         "invariant broken at step {step} (t = {at}) of the run seeded {seed} with faults \
-         `{spec}`: {what}. Rerun with --seed {seed} --faults {spec} to reproduce"
+         `{spec}`: {what}. The same configuration, seed and faults reproduce it"
     )]
     Invariant {
         seed: u64,

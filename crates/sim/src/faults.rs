@@ -360,6 +360,7 @@ impl FaultPlan {
 pub struct FaultReport {
     /// The spec in canonical form.
     pub spec: String,
+    /// The run's seed (`SimConfig::seed`; `kvroute sim` derives it from `--seed`).
     pub seed: u64,
     pub plan: Option<FaultPlan>,
     /// Faults and the gateway's reactions, in time order: `(seconds, what)`.
