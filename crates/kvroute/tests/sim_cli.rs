@@ -222,7 +222,7 @@ fn sim_with_faults_reports_what_happened_and_refuses_what_it_cannot_simulate() {
     let table = ok(kvroute().args(args).output().unwrap());
     let text = String::from_utf8(table.stdout).unwrap();
     for needle in [
-        "faults `worker-crash=10,event-loss=0.01` (seed 4)",
+        "faults `worker-crash=10,event-loss=0.01` (--seed 4)",
         "crashed",
         "joined",
     ] {
