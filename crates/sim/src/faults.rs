@@ -27,7 +27,7 @@
 //! - **slow-worker**: one worker's steps take `FACTOR` times as long (2: half speed), while it
 //!   declares the profile's timing, as a throttled GPU would.
 //! - **event-loss / -delay / -duplicate / -reorder**: KV events between the engines and the
-//!   index go through a seeded delivery layer ([`EventChannel`]) that drops an event with
+//!   index go through a seeded delivery layer (`EventChannel`) that drops an event with
 //!   probability `P`, delays each by up to `MS` (keeping each worker's order, as NATS does),
 //!   delivers one twice, or holds one back so the next ones overtake it. The index applies
 //!   what arrives with the gap policy the gateway uses ([`kv_index::KvIndex::apply_resyncing`]):
@@ -37,7 +37,7 @@
 //! `replica-restart` and `partition` need gateway replicas sharing state (issue 19), which
 //! do not exist yet: the parser refuses them and says so.
 //!
-//! # Invariants ([`Checker`])
+//! # Invariants (`Checker`)
 //!
 //! Checked after every step of the event loop; the first violation stops the run with
 //! [`SimError::Invariant`](crate::SimError::Invariant), naming the seed and the step:
