@@ -272,6 +272,9 @@ impl Engine {
         if !(f.is_finite() && f > 0.0 && f <= 1.0) {
             return Err(EngineConfigError::BadMemoryFraction(f));
         }
+        if !(config.slowdown.is_finite() && config.slowdown >= 1.0) {
+            return Err(EngineConfigError::BadSlowdown(config.slowdown));
+        }
         config.profile.validate()?;
         if let Some(s) = &config.spec_decode {
             if let Some(problem) = s.problem() {
@@ -520,6 +523,13 @@ impl Engine {
         if self.step.is_none() {
             self.start_step(now);
         }
+    }
+
+    /// Brings the outputs up to `now`: a speed-mode stretch is cut at `now`, so the tokens of
+    /// every step ended by then are emitted (as `cancel` and `submit` do). For a driver that
+    /// stops driving the engine at `now` (the simulator's stopped worker).
+    pub fn sync(&mut self, now: Nanos) {
+        self.enter(now);
     }
 
     /// Completes every step (and KV transfer) that ended at or before `now`, starting the next
@@ -881,7 +891,7 @@ impl Engine {
             return;
         }
         let shape = self.shape();
-        let dur = self.cfg.profile.step_time(&shape).max(Nanos(1));
+        let dur = self.step_time(&shape).max(Nanos(1));
         let draft = self.draft_time(&shape);
         let end = t + dur;
         self.step = Some(Step {
@@ -1011,7 +1021,18 @@ impl Engine {
         if self.spec.is_none() {
             return Nanos::ZERO;
         }
-        Nanos::from_secs_f64(self.cfg.profile.draft_secs(shape))
+        Nanos::from_secs_f64(self.cfg.profile.draft_secs(shape) * self.cfg.slowdown)
+    }
+
+    /// A step's duration on this GPU: the profile's, times the configured slowdown (exactly
+    /// the profile's at 1).
+    fn step_time(&self, shape: &StepShape) -> Nanos {
+        let t = self.cfg.profile.step_time(shape);
+        if self.cfg.slowdown == 1.0 {
+            t
+        } else {
+            Nanos::from_secs_f64(t.as_secs_f64() * self.cfg.slowdown)
+        }
     }
 
     /// Speed mode: the step just planned is decode-only, every running request is in it and
@@ -1061,7 +1082,7 @@ impl Engine {
             needed += new;
             shape.decode_kv_blocks += new;
             shape.decode_context_tokens += m;
-            t += self.cfg.profile.step_time(&shape).max(Nanos(1));
+            t += self.step_time(&shape).max(Nanos(1));
             bounds.push(t);
         }
         if bounds.len() >= 2 {
@@ -1145,7 +1166,7 @@ impl Engine {
             needed += new;
             shape.decode_context_tokens = context;
             shape.decode_kv_blocks = held;
-            t += self.cfg.profile.step_time(&shape).max(Nanos(1));
+            t += self.step_time(&shape).max(Nanos(1));
             bounds.push(t);
             drafts.push(self.draft_time(&shape));
         }

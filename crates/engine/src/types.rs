@@ -220,6 +220,11 @@ pub struct EngineConfig {
     /// in-process router, and cheaper in the simulator).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub kv_event_tokens: bool,
+    /// Every step takes this many times the profile's step time (1: as the profile says).
+    /// Models a degraded GPU (throttled, a bad link) that still declares the profile's
+    /// timing: the simulator's `slow-worker` fault sets 2 (half speed).
+    #[serde(default = "defaults::one", skip_serializing_if = "defaults::is_one")]
+    pub slowdown: f64,
 }
 
 mod defaults {
@@ -241,6 +246,12 @@ mod defaults {
     pub fn max_waiting() -> u32 {
         65_536
     }
+    pub fn one() -> f64 {
+        1.0
+    }
+    pub fn is_one(x: &f64) -> bool {
+        *x == 1.0
+    }
 }
 
 impl EngineConfig {
@@ -261,6 +272,7 @@ impl EngineConfig {
             max_waiting: defaults::max_waiting(),
             seed: 0,
             kv_event_tokens: false,
+            slowdown: 1.0,
         }
     }
 
@@ -295,6 +307,8 @@ pub enum EngineConfigError {
     ZeroBatchedTokens,
     #[error("free_gpu_memory_fraction must be in (0, 1], got {0}")]
     BadMemoryFraction(f64),
+    #[error("slowdown must be a finite number ≥ 1 (2 is half speed), got {0}")]
+    BadSlowdown(f64),
     #[error(
         "the KV pool has no blocks: profile {profile:?} leaves no memory for the cache (set num_gpu_blocks_override or fix the memory fields)"
     )]

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kv_index::{EventError, KvEvent, WorkerId};
+use kv_index::{KvEvent, WorkerId};
 use nanotime::Nanos;
 use protocol::WorkerRole;
 pub use router::AdmitError;
@@ -732,18 +732,14 @@ impl Dispatcher {
         }
         let mut core = lock(&self.core);
         for event in events {
-            match core.frontend.apply_event(event) {
-                Ok(_) => {}
-                Err(EventError::Gap {
-                    worker,
-                    expected,
-                    got,
-                }) => {
-                    tracing::warn!(%worker, expected, got, ?source, "KV event gap; clearing the worker's blocks and resyncing");
-                    core.frontend.clear_worker(worker);
+            // The gap policy is the index's (`KvIndex::apply_resyncing`), shared with the
+            // simulator: a gap clears the worker's blocks and re-baselines on this event.
+            match core.frontend.apply_event_resyncing(event) {
+                Ok(outcome) if outcome.resynced => {
+                    tracing::warn!(worker = %event.worker, seq = event.seq, ?source, "KV event gap; cleared the worker's blocks and resynced");
                     self.events.resyncs[s].fetch_add(1, Ordering::Relaxed);
-                    let _ = core.frontend.apply_event(event);
                 }
+                Ok(_) => {}
                 Err(e) => tracing::debug!(error = %e, "KV event not applied"),
             }
         }

@@ -80,6 +80,9 @@ pub struct ApplyOutcome {
     /// This event set the worker's sequence baseline (its first event, or the first after
     /// [`KvIndex::clear_worker`]).
     pub baseline: bool,
+    /// [`KvIndex::apply_resyncing`] found a sequence gap before this event: it dropped the
+    /// worker's blocks and applied the event as a new baseline.
+    pub resynced: bool,
 }
 
 /// Running totals of what the index did, for metrics. Monotonic except on a fresh index.
@@ -444,6 +447,42 @@ impl KvIndex {
             KvEventKind::Cleared => out.removed = self.drop_entries_of(slot),
         }
         Ok(out)
+    }
+
+    /// [`apply`](Self::apply), with the gap policy every driver uses (the gateway's event
+    /// path and the simulator's): a sequence gap means events were lost or reordered, so the
+    /// index can no longer vouch for what it holds of that worker. It drops the worker's
+    /// blocks ([`clear_worker`](Self::clear_worker)) and applies the event as a new baseline
+    /// (`resynced` in the outcome). A stale event (a duplicate, or one overtaken by a later
+    /// one) is still refused with [`EventError::Stale`] and changes nothing.
+    pub fn apply_resyncing(&mut self, event: &KvEvent) -> Result<ApplyOutcome, EventError> {
+        match self.apply(event) {
+            Err(EventError::Gap { worker, .. }) => {
+                self.clear_worker(worker);
+                let mut out = self.apply(event)?;
+                out.resynced = true;
+                Ok(out)
+            }
+            other => other,
+        }
+    }
+
+    /// Whether the index holds engine block `block` for `worker`.
+    pub fn holds(&self, worker: WorkerId, block: EngineBlockId) -> bool {
+        self.slots
+            .get(&worker)
+            .and_then(|&s| self.worker(s))
+            .is_some_and(|w| w.blocks.contains_key(&block))
+    }
+
+    /// The sequence number the index expects next from `worker` (`None`: unknown worker, or
+    /// no baseline since its last clear). Every event of a lower number has been applied or
+    /// superseded by a resync.
+    pub fn next_seq(&self, worker: WorkerId) -> Option<u64> {
+        self.slots
+            .get(&worker)
+            .and_then(|&s| self.worker(s))
+            .and_then(|w| w.next_seq)
     }
 
     /// For each worker, how many leading blocks of the request (given by its sequence hashes)

@@ -204,6 +204,73 @@ fn bad_arguments_fail_with_a_clear_error() {
     ]);
 }
 
+#[test]
+fn sim_with_faults_reports_what_happened_and_refuses_what_it_cannot_simulate() {
+    let args = [
+        "sim",
+        "--concurrency",
+        "12",
+        "--duration",
+        "90",
+        "--warmup",
+        "20",
+        "--seed",
+        "4",
+        "--faults",
+        "worker-crash=10,event-loss=0.01",
+    ];
+    let table = ok(kvroute().args(args).output().unwrap());
+    let text = String::from_utf8(table.stdout).unwrap();
+    for needle in [
+        "faults `worker-crash=10,event-loss=0.01` (--seed 4)",
+        "crashed",
+        "joined",
+    ] {
+        assert!(text.contains(needle), "{needle} missing:\n{text}");
+    }
+    let json = ok(kvroute().args(args).arg("--json").output().unwrap());
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let faults = &v["faults"];
+    assert_eq!(faults["spec"], "worker-crash=10,event-loss=0.01");
+    assert!(faults["kv_events_lost"].as_u64().unwrap() > 0, "{faults}");
+    assert!(faults["checked_steps"].as_u64().unwrap() > 0);
+    assert_eq!(
+        v["totals"]["failed"].as_u64().unwrap(),
+        faults["worker_failed_requests"].as_u64().unwrap()
+    );
+    // A fault-free run's JSON has no `faults` key (its output is unchanged).
+    let clean = ok(kvroute()
+        .args(&args[..args.len() - 2])
+        .arg("--json")
+        .output()
+        .unwrap());
+    let v: serde_json::Value = serde_json::from_slice(&clean.stdout).unwrap();
+    assert!(v.get("faults").is_none());
+    assert_failures(&[
+        (
+            &["sim", "--faults", "worker-explode"],
+            "known: worker-crash",
+        ),
+        (&["sim", "--faults", "partition"], "issue 19"),
+        (
+            &["sim", "--faults", "event-loss=1.5"],
+            "probability between 0 and 1",
+        ),
+        (
+            &[
+                "sim",
+                "--faults",
+                "event-loss",
+                "--prefill-workers",
+                "1",
+                "--decode-workers",
+                "2",
+            ],
+            "aggregated fleets only",
+        ),
+    ]);
+}
+
 /// 4 workers, 40 simulated seconds sampled every 2 s: 20 samples.
 fn sim_with_timeline(dir: &Path) -> Output {
     kvroute()

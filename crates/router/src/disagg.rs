@@ -254,6 +254,25 @@ impl DisaggFrontend {
         }
     }
 
+    /// [`apply_event`](Self::apply_event) with the index's gap policy
+    /// (`KvIndex::apply_resyncing`): a sequence gap drops the worker's blocks and the event
+    /// becomes a new baseline (`resynced` in the outcome).
+    pub fn apply_event_resyncing(&mut self, event: &KvEvent) -> Result<ApplyOutcome, EventError> {
+        match self.pools.get(&event.worker).copied() {
+            Some(pool) => self
+                .pool_mut(pool)
+                .router_mut()
+                .apply_event_resyncing(event),
+            None => {
+                let prefill = self.prefill.router_mut().apply_event_resyncing(event);
+                self.decode
+                    .router_mut()
+                    .apply_event_resyncing(event)
+                    .and(prefill)
+            }
+        }
+    }
+
     /// Drops every block the index of `worker`'s pool holds for it (both pools' indexes, for
     /// a worker not registered): its event stream lost messages, so what the index held
     /// cannot be vouched for.

@@ -417,6 +417,17 @@ impl Router {
         self.index.apply(event)
     }
 
+    /// [`apply_event`](Self::apply_event) with the index's gap policy
+    /// ([`KvIndex::apply_resyncing`]): a sequence gap drops the worker's blocks and the event
+    /// becomes a new baseline (`resynced` in the outcome). What every driver feeds workers'
+    /// events through.
+    pub fn apply_event_resyncing(
+        &mut self,
+        event: &KvEvent,
+    ) -> Result<kv_index::ApplyOutcome, kv_index::EventError> {
+        self.index.apply_resyncing(event)
+    }
+
     /// The prefix index (read-only), e.g. for metrics.
     pub fn index(&self) -> &KvIndex {
         &self.index

@@ -1,6 +1,6 @@
 //! The discrete-event loop: engines, router, frontend queue, workload and KV events.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use engine::{Engine, EngineEvent, EngineRequest, Leg, OutputSpec, Role};
@@ -15,6 +15,10 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::config::{ConfigError, Phase, SimConfig};
+use crate::faults::{
+    Checker, EventChannel, FIRST_BYTE_TIMEOUT, FaultPlan, FaultReport, FaultRng, FaultSpec,
+    HEALTH_INTERVAL, PROBE_TIMEOUT, STALL_TIMEOUT, TIMEOUT_RETRIES,
+};
 use crate::metrics::{
     KvTransfer, Metrics, Outcome, RequestRecord, RouteTag, WindowAcc, tokens_in_window,
 };
@@ -35,6 +39,19 @@ pub enum SimError {
     Livelock { turns: u64, at: Nanos },
     #[error("timeline: {0}")]
     Timeline(#[from] TimelineError),
+    #[error(
+        "invariant broken at step {step} (t = {at}) of the run seeded {seed} with faults \
+         `{spec}`: {what}. The same configuration, seed and faults reproduce it"
+    )]
+    Invariant {
+        seed: u64,
+        spec: String,
+        step: u64,
+        at: Nanos,
+        what: String,
+    },
+    #[error("faults: {0}")]
+    Faults(&'static str),
 }
 
 /// Most turns issued at one instant before the run is declared stuck: far above any real
@@ -56,6 +73,8 @@ pub fn derive_seed(seed: u64, stream: u64) -> u64 {
 pub mod streams {
     pub const ROUTER: u64 = 1;
     pub const WORKLOAD: u64 = 2;
+    /// Where and when faults strike, and the KV event delivery layer's draws.
+    pub const FAULTS: u64 = 3;
     /// Engine `i` uses `ENGINE + i`.
     pub const ENGINE: u64 = 1 << 32;
 }
@@ -420,6 +439,17 @@ impl Admission {
         }
     }
 
+    /// The gateway's gap policy (`KvIndex::apply_resyncing`).
+    fn apply_event_resyncing(
+        &mut self,
+        ev: &KvEvent,
+    ) -> Result<kv_index::ApplyOutcome, kv_index::EventError> {
+        match self {
+            Admission::One(f) => f.router_mut().apply_event_resyncing(ev),
+            Admission::Two(d) => d.apply_event_resyncing(ev),
+        }
+    }
+
     /// The router of the aggregated fleet, or of the decode pool.
     fn router(&self) -> &Router {
         match self {
@@ -451,6 +481,136 @@ pub struct RunOutput {
     /// The per-worker timeline, when [`Simulation::with_timeline`] turned it on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeline: Option<Timeline>,
+    /// What the injected faults did, with [`Simulation::with_faults`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub faults: Option<FaultReport>,
+}
+
+/// A fault action or a gateway timeout it sets off, due at a virtual instant.
+#[derive(Debug, Clone, Copy)]
+enum FaultAction {
+    Crash(u32),
+    Restart,
+    HangStart(u32),
+    HangEnd(u32),
+    /// The health check that finds the stopped worker down.
+    Eject(u32),
+    /// The first passing health check after the worker continued.
+    Readmit(u32),
+    /// A request's first-byte or stall deadline on the stopped worker.
+    Deadline(u64, u32),
+}
+
+/// The stopped worker of a `worker-hang` fault.
+#[derive(Debug)]
+struct Hang {
+    worker: u32,
+    since: Nanos,
+    stopped: bool,
+    ejected: bool,
+    /// Requests sent to it while stopped: it reads them when it continues.
+    inbox: Vec<EngineRequest>,
+    /// Requests whose clients gave up on it: cancelled when it continues.
+    abandoned: Vec<RequestId>,
+}
+
+/// A faulty run's state ([`Simulation::with_faults`]).
+#[derive(Debug)]
+struct FaultState {
+    spec: FaultSpec,
+    seed: u64,
+    channel: Option<EventChannel>,
+    checker: Checker,
+    report: FaultReport,
+    /// Due actions by (time, order); a handful plus one deadline per request on a stopped
+    /// worker.
+    actions: BTreeMap<(Nanos, u64), FaultAction>,
+    order: u64,
+    /// Per worker: how far its engine's clock lags the run's (the time it spent stopped).
+    lag: Vec<Nanos>,
+    hang: Option<Hang>,
+    /// First-byte timeouts so far, per request handle; bounded by the requests in flight.
+    timeouts: rustc_hash::FxHashMap<u64, u32>,
+    step: u64,
+    /// The first invariant violation seen inside an event handler.
+    violation: Option<String>,
+}
+
+impl FaultState {
+    fn schedule(&mut self, at: Nanos, action: FaultAction) {
+        self.order += 1;
+        self.actions.insert((at, self.order), action);
+    }
+
+    fn next_action(&self) -> Option<Nanos> {
+        self.actions.keys().next().map(|k| k.0)
+    }
+
+    fn violate(&mut self, what: String) {
+        self.violation.get_or_insert(what);
+    }
+
+    fn stopped(&self, worker: u32) -> bool {
+        self.hang
+            .as_ref()
+            .is_some_and(|h| h.stopped && h.worker == worker)
+    }
+
+    fn ejected(&self, worker: u32) -> bool {
+        self.hang
+            .as_ref()
+            .is_some_and(|h| h.ejected && h.worker == worker)
+    }
+}
+
+/// The first health check at or after `t` (checks run every [`HEALTH_INTERVAL`] from zero).
+fn next_health_check(t: Nanos) -> Nanos {
+    let i = HEALTH_INTERVAL.0.max(1);
+    Nanos(t.0.div_ceil(i) * i)
+}
+
+/// `ev` with its instants moved `lag` later (a worker's engine clock to the run's).
+fn shifted(ev: EngineEvent, lag: Nanos) -> EngineEvent {
+    if lag == Nanos::ZERO {
+        return ev;
+    }
+    match ev {
+        EngineEvent::FirstToken { id, at } => EngineEvent::FirstToken { id, at: at + lag },
+        EngineEvent::Tokens { id, start, end, at } => EngineEvent::Tokens {
+            id,
+            start,
+            end,
+            at: at + lag,
+        },
+        EngineEvent::Finished {
+            id,
+            at,
+            prompt_tokens,
+            cached_prompt_tokens,
+            output_tokens,
+            preemptions,
+        } => EngineEvent::Finished {
+            id,
+            at: at + lag,
+            prompt_tokens,
+            cached_prompt_tokens,
+            output_tokens,
+            preemptions,
+        },
+        EngineEvent::PrefillDone {
+            id,
+            at,
+            prompt_tokens,
+            cached_prompt_tokens,
+        } => EngineEvent::PrefillDone {
+            id,
+            at: at + lag,
+            prompt_tokens,
+            cached_prompt_tokens,
+        },
+        EngineEvent::Cancelled { id, at } => EngineEvent::Cancelled { id, at: at + lag },
+        other => other,
+    }
 }
 
 /// A deterministic virtual-time cluster: see the crate docs.
@@ -503,6 +663,8 @@ pub struct Simulation<W: Workload> {
     /// a run without a timeline pays one comparison per event).
     timeline: Option<Recorder>,
     next_sample: Nanos,
+    /// Injected faults and the invariant checker, with [`Simulation::with_faults`].
+    faults: Option<Box<FaultState>>,
 }
 
 impl<W: Workload> std::fmt::Debug for Simulation<W> {
@@ -660,6 +822,7 @@ impl<W: Workload> Simulation<W> {
             fatal: None,
             timeline: None,
             next_sample: Nanos::MAX,
+            faults: None,
             engines,
             cfg,
         };
@@ -687,6 +850,85 @@ impl<W: Workload> Simulation<W> {
     /// The timeline so far, when on.
     pub fn timeline(&self) -> Option<&Timeline> {
         self.timeline.as_ref().map(Recorder::timeline)
+    }
+
+    /// Injects `spec`'s faults ([`crate::faults`]), placed by a plan drawn from the run's
+    /// seed, and checks the invariants after every step: the first violation ends the run
+    /// with [`SimError::Invariant`]. An empty spec changes nothing but the checks. Call it
+    /// before the run starts; aggregated fleets only, without a timeline (a restarted worker
+    /// is a new column).
+    pub fn with_faults(mut self, spec: &FaultSpec) -> Result<Self, SimError> {
+        if self.cfg.disagg.is_some() {
+            return Err(SimError::Faults(
+                "fault injection runs on aggregated fleets only (not with prefill and decode \
+                 pools yet)",
+            ));
+        }
+        if self.timeline.is_some() && spec.worker_crash.is_some() {
+            return Err(SimError::Faults(
+                "worker-crash cannot run with a timeline: the restarted worker would be a new \
+                 column",
+            ));
+        }
+        if self.now != Nanos::ZERO || self.totals.issued > 0 {
+            return Err(SimError::Faults("faults are set before the run starts"));
+        }
+        let seed = self.cfg.seed;
+        let mut rng = FaultRng::new(derive_seed(seed, streams::FAULTS));
+        let plan = FaultPlan::draw(spec, self.cfg.workers, self.end(), &mut rng);
+        let mut state = FaultState {
+            spec: spec.clone(),
+            seed,
+            channel: spec
+                .touches_events()
+                .then(|| EventChannel::new(spec, FaultRng::new(rng.next_u64()))),
+            checker: Checker::default(),
+            report: FaultReport {
+                spec: spec.to_string(),
+                seed,
+                plan: (!spec.is_empty()).then(|| plan.clone()),
+                ..FaultReport::default()
+            },
+            actions: BTreeMap::new(),
+            order: 0,
+            lag: vec![Nanos::ZERO; self.engines.len()],
+            hang: None,
+            timeouts: rustc_hash::FxHashMap::default(),
+            step: 0,
+            violation: None,
+        };
+        if let Some((w, factor)) = plan.slow {
+            // The slow engine declares the profile's timing, as a throttled GPU would: its
+            // limits stay those the frontend registered.
+            let mut cfg = self.cfg.clone();
+            cfg.engine.slowdown = factor;
+            self.engines[w as usize] = new_engine(&cfg, w, None)?;
+            state
+                .report
+                .note(Nanos::ZERO, format!("worker {w} runs {factor}x slower"));
+        }
+        if let Some((w, at, restart)) = plan.crash {
+            state.schedule(at, FaultAction::Crash(w));
+            state.schedule(restart, FaultAction::Restart);
+            // Room for the replacement (a new id, as a new instance).
+            let limit = self.cfg.max_workers.unwrap_or(self.cfg.workers);
+            self.cfg.max_workers = Some(limit.max(self.engines.len() as u32 + 1));
+        }
+        if let Some((w, at, until)) = plan.hang {
+            state.schedule(at, FaultAction::HangStart(w));
+            state.schedule(until, FaultAction::HangEnd(w));
+        }
+        self.timers.arm(Source::Fault, state.next_action());
+        self.faults = Some(Box::new(state));
+        Ok(self)
+    }
+
+    /// How far worker `w`'s engine clock lags the run's (zero unless it was stopped).
+    fn lag(&self, w: u32) -> Nanos {
+        match &self.faults {
+            Some(f) => f.lag.get(w as usize).copied().unwrap_or(Nanos::ZERO),
+            None => Nanos::ZERO,
+        }
     }
 
     /// Virtual time reached.
@@ -759,7 +1001,8 @@ impl<W: Workload> Simulation<W> {
             self.now = at;
             match source {
                 Source::Engine(i) => {
-                    self.engines[i as usize].handle_timeout(at);
+                    let engine_now = at.saturating_sub(self.lag(i));
+                    self.engines[i as usize].handle_timeout(engine_now);
                     self.mark_dirty(i);
                 }
                 Source::Workload => self.workload.handle_timeout(at),
@@ -769,8 +1012,12 @@ impl<W: Workload> Simulation<W> {
                 }
                 Source::KvDelivery => self.deliver_kv(at),
                 Source::Schedule => self.run_schedule(at),
+                Source::Fault => self.run_faults(at),
             }
             self.pump();
+            if self.faults.is_some() {
+                self.check_step();
+            }
             if let Some(e) = self.fatal.take() {
                 return Err(e);
             }
@@ -864,11 +1111,19 @@ impl<W: Workload> Simulation<W> {
         totals.engine_steps = self.engines.iter().map(|e| e.metrics().steps).sum();
         totals.oracle_blocks = self.oracle.as_ref().map_or(0, |o| o.len() as u64);
         totals.simulated = self.now;
+        let faults = self.faults.map(|f| {
+            let mut report = f.report;
+            report.stale_claims = f.checker.stale_claims;
+            report.blocks_removed = f.checker.removals;
+            report.max_stale_claim_s = f.checker.max_stale.as_secs_f64();
+            report
+        });
         RunOutput {
             phases,
             totals,
             records: self.records,
             timeline: self.timeline.map(Recorder::into_timeline),
+            faults,
         }
     }
 
@@ -909,15 +1164,17 @@ impl<W: Workload> Simulation<W> {
     }
 
     fn drain_engine(&mut self, i: u32) {
-        if self.dead[i as usize] {
+        let stopped = self.faults.as_ref().is_some_and(|f| f.stopped(i));
+        if self.dead[i as usize] || stopped {
             self.is_dirty[i as usize] = false;
             return;
         }
+        let lag = self.lag(i);
         while let Some(ev) = self.engines[i as usize].poll_event() {
-            self.on_engine_event(i, ev);
+            self.on_engine_event(i, shifted(ev, lag));
         }
         self.is_dirty[i as usize] = false;
-        let next = self.engines[i as usize].poll_timeout();
+        let next = self.engines[i as usize].poll_timeout().map(|t| t + lag);
         self.timers.arm(Source::Engine(i), next);
     }
 
@@ -979,6 +1236,23 @@ impl<W: Workload> Simulation<W> {
     }
 
     fn deliver_kv(&mut self, at: Nanos) {
+        if self.faults.as_ref().is_some_and(|f| f.channel.is_some()) {
+            while let Some(ev) = self
+                .faults
+                .as_mut()
+                .and_then(|f| f.channel.as_mut())
+                .and_then(|c| c.pop_due(at))
+            {
+                self.apply_kv(&ev);
+            }
+            let next = self
+                .faults
+                .as_ref()
+                .and_then(|f| f.channel.as_ref())
+                .and_then(EventChannel::next_delivery);
+            self.timers.arm(Source::KvDelivery, next);
+            return;
+        }
         while self.kv_queue.front().is_some_and(|e| e.0 <= at) {
             if let Some((_, ev)) = self.kv_queue.pop_front() {
                 self.apply_kv(&ev);
@@ -997,6 +1271,15 @@ impl<W: Workload> Simulation<W> {
             .copied()
             .unwrap_or(false)
         {
+            return;
+        }
+        if let Some(f) = &mut self.faults {
+            match self.admission.apply_event_resyncing(ev) {
+                Ok(out) if out.resynced => f.report.kv_resyncs += 1,
+                Ok(_) => {}
+                Err(kv_index::EventError::Stale { .. }) => f.report.kv_stale_events += 1,
+                Err(_) => self.totals.kv_event_errors += 1,
+            }
             return;
         }
         if !self.admission.apply_event(ev) {
@@ -1023,6 +1306,11 @@ impl<W: Workload> Simulation<W> {
         let seq = self.next_id;
         self.next_id += 1;
         self.totals.issued += 1;
+        if let Some(f) = &mut self.faults
+            && let Err(what) = f.checker.on_issue(turn.key)
+        {
+            f.violate(what);
+        }
         let key = self.admission.key(&turn.prompt);
         let oracle_cached = match &mut self.oracle {
             Some(o) => o.issue(now, turn.prompt.len(), &key.seq),
@@ -1109,6 +1397,341 @@ impl<W: Workload> Simulation<W> {
         self.mark_dirty(target);
     }
 
+    // ---- faults ------------------------------------------------------------------------------
+
+    /// Whether an engine event of `worker` concerns a request that is on it. One that is
+    /// not is dropped: a cancellation of a request given up on (it was routed again, or
+    /// failed); output for it would be a request answered twice, an invariant violation.
+    fn is_on(&mut self, worker: u32, ev: &EngineEvent) -> bool {
+        let (id, output) = match ev {
+            EngineEvent::FirstToken { id, .. }
+            | EngineEvent::Tokens { id, .. }
+            | EngineEvent::Finished { id, .. }
+            | EngineEvent::PrefillDone { id, .. } => (*id, true),
+            EngineEvent::Cancelled { id, .. } | EngineEvent::Rejected { id, .. } => (*id, false),
+            EngineEvent::Kv(_) => return true,
+        };
+        let holder = self.in_flight.get_mut(id.0).map(|f| f.worker);
+        let on = holder == Some(Some(worker));
+        if !on
+            && output
+            && let Some(f) = &mut self.faults
+        {
+            f.violate(format!(
+                "worker {worker} produced output for request {} that is not on it (its \
+                 worker: {holder:?}; ended, or moved to another worker): answered twice \
+                 ({ev:?})",
+                id.0
+            ));
+        }
+        on
+    }
+
+    /// The invariants after one step of the loop (see [`crate::faults`]).
+    fn check_step(&mut self) {
+        let Some(f) = self.faults.as_mut() else {
+            return;
+        };
+        f.step += 1;
+        f.report.checked_steps += 1;
+        let mut broken = f.violation.take();
+        let t = &self.totals;
+        let in_flight = self.in_flight.len() as u64;
+        if broken.is_none() && t.issued != t.finished + t.failed + in_flight {
+            broken = Some(format!(
+                "{} turns issued but {} finished + {} failed + {in_flight} in flight: a request \
+                 was lost or counted twice",
+                t.issued, t.finished, t.failed
+            ));
+        }
+        if broken.is_none() && f.checker.open_turns() as u64 != in_flight {
+            broken = Some(format!(
+                "{} turns open for the checker, {in_flight} in flight for the driver",
+                f.checker.open_turns()
+            ));
+        }
+        if broken.is_none() {
+            for turn in self.in_flight.iter() {
+                if let Some(w) = turn.worker
+                    && self.dead.get(w as usize).copied().unwrap_or(true)
+                {
+                    broken = Some(format!(
+                        "turn {} of conversation {} is still on worker {w}, which is gone: lost",
+                        turn.turn.turn, turn.turn.conversation
+                    ));
+                    break;
+                }
+            }
+        }
+        if broken.is_none() && self.cfg.router.kv_source == KvSource::Events {
+            let index = self.admission.router().index();
+            if let Err(what) = f.checker.check_index(self.now, index) {
+                broken = Some(what);
+            }
+        }
+        if let Some(what) = broken {
+            self.fatal = Some(SimError::Invariant {
+                seed: f.seed,
+                spec: f.spec.to_string(),
+                step: f.step,
+                at: self.now,
+                what,
+            });
+        }
+    }
+
+    /// Runs the fault actions due at `at`.
+    fn run_faults(&mut self, at: Nanos) {
+        loop {
+            let Some(f) = self.faults.as_mut() else {
+                return;
+            };
+            let Some((&key, _)) = f.actions.iter().next() else {
+                break;
+            };
+            if key.0 > at {
+                break;
+            }
+            let Some(action) = f.actions.remove(&key) else {
+                break;
+            };
+            match action {
+                FaultAction::Crash(w) => self.crash(w),
+                FaultAction::Restart => self.restart(),
+                FaultAction::HangStart(w) => self.hang_start(w),
+                FaultAction::HangEnd(w) => self.hang_end(w),
+                FaultAction::Eject(w) => self.eject(w, "its health check timed out"),
+                FaultAction::Readmit(w) => self.readmit(w),
+                FaultAction::Deadline(id, w) => self.deadline(id, w),
+            }
+        }
+        let next = self.faults.as_ref().and_then(|f| f.next_action());
+        self.timers.arm(Source::Fault, next);
+    }
+
+    fn note(&mut self, what: String) {
+        let now = self.now;
+        if let Some(f) = &mut self.faults {
+            f.report.note(now, what);
+        }
+    }
+
+    /// The worker's process dies: its requests end with `worker_failed`, its engine and
+    /// cache are gone, the index forgets it.
+    fn crash(&mut self, w: u32) {
+        if !self.fail_worker_with(w, Outcome::WorkerFailed) {
+            return;
+        }
+        // Requests the core had already forgotten (the worker was ejected while stopped)
+        // die with it too; a dead process never continues.
+        let forgotten: Vec<u64> = self
+            .in_flight
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, (generation, turn))| {
+                let on_it = turn.as_ref()?.worker == Some(w);
+                on_it.then_some(u64::from(*generation) << 32 | slot as u64)
+            })
+            .collect();
+        for id in forgotten {
+            self.remove_in_flight(w);
+            self.fail(id, Outcome::WorkerFailed);
+        }
+        if let Some(f) = &mut self.faults {
+            if f.hang.as_ref().is_some_and(|h| h.worker == w) {
+                f.hang = None;
+            }
+            f.checker.on_worker_gone(WorkerId(u64::from(w)));
+            if let Some(c) = &mut f.channel {
+                c.forget(WorkerId(u64::from(w)));
+            }
+        }
+        self.note(format!("worker {w} crashed"));
+    }
+
+    /// The crashed worker's replacement joins with an empty cache, as a new instance.
+    fn restart(&mut self) {
+        match self.add_worker(None) {
+            Ok(id) => self.note(format!("worker {id} joined (restart, empty cache)")),
+            Err(e) => self.note(format!("restart refused: {e}")),
+        }
+    }
+
+    /// The worker's process stops: nothing leaves it; every request on it gets its deadline,
+    /// and the next health check finds it down.
+    fn hang_start(&mut self, w: u32) {
+        let now = self.now;
+        if self.dead.get(w as usize).copied().unwrap_or(true) {
+            return;
+        }
+        // What it produced up to now has left it (in speed mode the engine emits a stretch's
+        // tokens at its end unless asked for the present).
+        let engine_now = now.saturating_sub(self.lag(w));
+        self.engines[w as usize].sync(engine_now);
+        self.drain_engine(w);
+        self.timers.arm(Source::Engine(w), None);
+        let deadlines: Vec<(Nanos, u64)> = self
+            .in_flight
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, (generation, turn))| {
+                let turn = turn.as_ref()?;
+                (turn.worker == Some(w)).then(|| {
+                    let due = match turn.last_token_at {
+                        Some(last) => last + STALL_TIMEOUT,
+                        None => turn.routed_at.unwrap_or(now) + FIRST_BYTE_TIMEOUT,
+                    };
+                    (due.max(now), u64::from(*generation) << 32 | slot as u64)
+                })
+            })
+            .collect();
+        let Some(f) = &mut self.faults else {
+            return;
+        };
+        f.hang = Some(Hang {
+            worker: w,
+            since: now,
+            stopped: true,
+            ejected: false,
+            inbox: Vec::new(),
+            abandoned: Vec::new(),
+        });
+        for (due, id) in deadlines {
+            f.schedule(due, FaultAction::Deadline(id, w));
+        }
+        f.schedule(
+            next_health_check(now) + PROBE_TIMEOUT,
+            FaultAction::Eject(w),
+        );
+        self.note(format!("worker {w} stopped answering"));
+    }
+
+    /// The stopped worker leaves the routing set and the index (the gateway's ejection);
+    /// its requests keep waiting for their own deadlines.
+    fn eject(&mut self, w: u32, why: &str) {
+        let now = self.now;
+        let Some(f) = &mut self.faults else {
+            return;
+        };
+        match &mut f.hang {
+            Some(h) if h.worker == w && h.stopped && !h.ejected => h.ejected = true,
+            _ => return,
+        }
+        // The core forgets its requests; the driver still holds them until their deadlines.
+        let _orphans = self.admission.remove_worker(WorkerId(u64::from(w)), now);
+        self.note(format!("worker {w} ejected: {why}"));
+        self.drain_frontend();
+    }
+
+    /// A request's deadline on the stopped worker: routed again once before any token (the
+    /// gateway's first-byte retry), failed otherwise.
+    fn deadline(&mut self, id: u64, w: u32) {
+        let now = self.now;
+        let Some(f) = self.faults.as_ref() else {
+            return;
+        };
+        if !f.stopped(w) {
+            return;
+        }
+        let Some(turn) = self.in_flight.get_mut(id) else {
+            return;
+        };
+        if turn.worker != Some(w) {
+            return;
+        }
+        let first_byte = turn.first_token_at.is_none();
+        turn.worker = None;
+        let prompt = Arc::clone(&turn.prompt);
+        let why = if first_byte {
+            "first-byte timeout"
+        } else {
+            "stall timeout"
+        };
+        self.eject(w, why);
+        self.remove_in_flight(w);
+        self.admission.on_finished(RequestId(id), now);
+        let Some(f) = self.faults.as_mut() else {
+            return;
+        };
+        if let Some(h) = &mut f.hang {
+            // Never read: drop it from the inbox; read: cancelled when the worker continues.
+            let before = h.inbox.len();
+            h.inbox.retain(|r| r.id != RequestId(id));
+            if h.inbox.len() == before {
+                h.abandoned.push(RequestId(id));
+            }
+        }
+        let timeouts = f.timeouts.entry(id).or_insert(0);
+        *timeouts += 1;
+        if first_byte && *timeouts <= TIMEOUT_RETRIES {
+            f.report.retried_requests += 1;
+            let key = self.admission.key(&prompt);
+            self.admission.submit(RequestId(id), key, now);
+            self.drain_frontend();
+        } else {
+            self.fail(id, Outcome::WorkerTimeout);
+        }
+    }
+
+    /// The stopped worker continues where it stopped (its engine clock now lags by the
+    /// pause), reads what was sent to it, cancels what was given up on.
+    fn hang_end(&mut self, w: u32) {
+        let now = self.now;
+        let Some(f) = &mut self.faults else {
+            return;
+        };
+        let Some(h) = &mut f.hang else {
+            return;
+        };
+        if h.worker != w || !h.stopped {
+            return;
+        }
+        h.stopped = false;
+        let inbox = std::mem::take(&mut h.inbox);
+        let abandoned = std::mem::take(&mut h.abandoned);
+        let ejected = h.ejected;
+        if let Some(lag) = f.lag.get_mut(w as usize) {
+            *lag += now.saturating_sub(h.since);
+        }
+        if ejected {
+            f.schedule(next_health_check(now), FaultAction::Readmit(w));
+        }
+        let engine_now = now.saturating_sub(self.lag(w));
+        let engine = &mut self.engines[w as usize];
+        for id in abandoned {
+            engine.cancel(id, engine_now);
+        }
+        for req in inbox {
+            engine.submit(req, engine_now);
+        }
+        engine.handle_timeout(engine_now);
+        self.mark_dirty(w);
+        self.note(format!("worker {w} answers again"));
+    }
+
+    /// A passing health check puts the worker back in the routing set.
+    fn readmit(&mut self, w: u32) {
+        let now = self.now;
+        let Some(f) = &mut self.faults else {
+            return;
+        };
+        match &mut f.hang {
+            Some(h) if h.worker == w && h.ejected && !h.stopped => h.ejected = false,
+            _ => return,
+        }
+        let limits = self.engines[w as usize].limits();
+        if let Admission::One(frontend) = &mut self.admission
+            && let Err(e) = frontend.add_worker(WorkerId(u64::from(w)), limits, now)
+        {
+            self.note(format!("worker {w} not readmitted: {e}"));
+            return;
+        }
+        self.note(format!("worker {w} back in the routing set"));
+        self.drain_frontend();
+    }
+
     fn disagg_mut(&mut self) -> Option<&mut DisaggFrontend> {
         match &mut self.admission {
             Admission::One(_) => None,
@@ -1122,6 +1745,11 @@ impl<W: Workload> Simulation<W> {
     /// decode or aggregated worker fails, and its prefill leg elsewhere is cancelled. `false`
     /// when there is no such live worker.
     pub fn fail_worker(&mut self, worker: u32) -> bool {
+        self.fail_worker_with(worker, Outcome::Dropped)
+    }
+
+    /// [`fail_worker`](Self::fail_worker), its lost requests ending with `outcome`.
+    fn fail_worker_with(&mut self, worker: u32, outcome: Outcome) -> bool {
         let w = worker as usize;
         if self.dead.get(w).copied().unwrap_or(true) {
             return false;
@@ -1156,7 +1784,7 @@ impl<W: Workload> Simulation<W> {
                 _ => self.remove_in_flight(worker),
             }
             self.admission.on_finished(id, now);
-            self.fail(id.0, Outcome::Dropped);
+            self.fail(id.0, outcome);
         }
         self.drain_frontend();
         self.pump();
@@ -1200,6 +1828,9 @@ impl<W: Workload> Simulation<W> {
         self.in_flight_area.push((0, now));
         self.is_dirty.push(false);
         self.marks.push(metrics);
+        if let Some(f) = &mut self.faults {
+            f.lag.push(Nanos::ZERO);
+        }
         if let Some(k) = self.measuring {
             self.worker_stats[k].push(WorkerStats {
                 worker: id,
@@ -1326,7 +1957,23 @@ impl<W: Workload> Simulation<W> {
             leg: Leg::ByRole,
         };
         self.add_in_flight(w);
-        self.engines[w as usize].submit(req, now);
+        if let Some(f) = &mut self.faults {
+            if self.dead.get(w as usize).copied().unwrap_or(true) || f.ejected(w) {
+                f.violate(format!("request {id} was routed to worker {w}, known dead"));
+            }
+            if f.stopped(w) {
+                // The stopped process reads it when it continues; the client waits for the
+                // first-byte deadline.
+                f.schedule(now + FIRST_BYTE_TIMEOUT, FaultAction::Deadline(id, w));
+                self.timers.arm(Source::Fault, f.next_action());
+                if let Some(h) = &mut f.hang {
+                    h.inbox.push(req);
+                }
+                return;
+            }
+        }
+        let engine_now = now.saturating_sub(self.lag(w));
+        self.engines[w as usize].submit(req, engine_now);
         self.mark_dirty(w);
     }
 
@@ -1368,6 +2015,9 @@ impl<W: Workload> Simulation<W> {
     }
 
     fn on_engine_event(&mut self, worker: u32, ev: EngineEvent) {
+        if self.faults.is_some() && !self.is_on(worker, &ev) {
+            return;
+        }
         if matches!(self.admission, Admission::Two(_)) {
             self.on_leg_event(worker, ev);
             return;
@@ -1435,6 +2085,11 @@ impl<W: Workload> Simulation<W> {
         let Some(f) = self.in_flight.remove(id.0) else {
             return;
         };
+        if let Some(faults) = &mut self.faults
+            && let Err(what) = faults.checker.on_end(f.turn)
+        {
+            faults.violate(what);
+        }
         self.admission.on_finished(id, at);
         self.remove_in_flight(worker);
         if let Some(o) = &mut self.oracle {
@@ -1479,6 +2134,14 @@ impl<W: Workload> Simulation<W> {
             return;
         }
         let delay = self.cfg.router.kv_event_delay;
+        if let Some(f) = &mut self.faults {
+            f.checker.on_engine_kv(&ev, self.now);
+            if let Some(channel) = &mut f.channel {
+                channel.send(self.now, delay, ev, &mut f.report);
+                self.timers.arm(Source::KvDelivery, channel.next_delivery());
+                return;
+            }
+        }
         if delay == Nanos::ZERO {
             self.apply_kv(&ev);
         } else {
@@ -1641,6 +2304,17 @@ impl<W: Workload> Simulation<W> {
         let Some(f) = self.in_flight.remove(id) else {
             return;
         };
+        if let Some(faults) = &mut self.faults {
+            if let Err(what) = faults.checker.on_end(f.turn) {
+                faults.violate(what);
+            }
+            faults.timeouts.remove(&id);
+            match outcome {
+                Outcome::WorkerFailed => faults.report.worker_failed_requests += 1,
+                Outcome::WorkerTimeout => faults.report.timed_out_requests += 1,
+                _ => {}
+            }
+        }
         self.totals.failed += 1;
         let record = f.record(self.now, outcome);
         self.keep(record);

@@ -40,6 +40,13 @@
 //! [`Simulation::fail_worker`] takes a worker away mid-run: a prefill leg lost with it is
 //! re-issued locally by the core, a request on a lost decode worker fails.
 //!
+//! # Faults ([`faults`])
+//!
+//! [`Simulation::with_faults`] injects seeded faults (`kvroute sim --faults`): a crashed,
+//! stopped or slow worker, KV events lost, delayed, duplicated or reordered on their way to
+//! the index, with the gateway's timeouts and gap policy; invariants are checked after every
+//! step and the first violation ends the run with [`SimError::Invariant`].
+//!
 //! # Measuring ([`Phase`], [`metrics`])
 //!
 //! A run is a sequence of phases (concurrency levels) back to back, as the seed's operator
@@ -65,7 +72,8 @@
 //! The modules form a DAG; each uses only those above it (and the `report` crate for the
 //! percentile type, the results rows and the SVG charts):
 //!
-//! 1. [`timers`], [`oracle`], `workload`, `config`: leaves;
+//! 1. [`timers`], [`oracle`], `workload`, `config`, [`faults`] (fault specs, the KV event
+//!    delivery layer and the invariant checker): leaves;
 //! 2. [`metrics`]: request records and window metrics;
 //! 3. [`timeline`]: per-worker samples and their charts;
 //! 4. `driver`: the event loop ([`Simulation`]), over 1–3;
@@ -136,6 +144,7 @@ pub mod chat;
 mod config;
 pub mod disagg;
 mod driver;
+pub mod faults;
 pub mod ladder;
 pub mod metrics;
 pub mod mix;

@@ -46,6 +46,11 @@ pub enum Outcome {
     Rejected,
     /// The frontend queue was full, or the router could not place it.
     Dropped,
+    /// Its worker crashed under it: the gateway's `worker_failed` error (fault runs).
+    WorkerFailed,
+    /// Its worker stopped answering: a stall timeout's `worker_timeout` error event, or a
+    /// 504 after a second first-byte timeout (fault runs).
+    WorkerTimeout,
 }
 
 /// Where a request of a disaggregated fleet ran (`router::Route`, as a record keeps it).

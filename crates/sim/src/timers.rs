@@ -20,6 +20,9 @@ pub enum Source {
     Router,
     Workload,
     Schedule,
+    /// Injected faults and the gateway's timeouts they set off (`kvroute sim --faults`);
+    /// last, so a fault at `t` sees everything else that happened at `t`.
+    Fault,
 }
 
 /// Deadlines by source, with a heap ordered by (time, source).
@@ -27,8 +30,8 @@ pub enum Source {
 pub struct Timers {
     heap: BinaryHeap<Reverse<(Nanos, Source)>>,
     engines: Vec<Option<Nanos>>,
-    /// KvDelivery, Router, Workload, Schedule.
-    others: [Option<Nanos>; 4],
+    /// KvDelivery, Router, Workload, Schedule, Fault.
+    others: [Option<Nanos>; 5],
 }
 
 impl Timers {
@@ -36,7 +39,7 @@ impl Timers {
         Self {
             heap: BinaryHeap::new(),
             engines: vec![None; engines],
-            others: [None; 4],
+            others: [None; 5],
         }
     }
 
@@ -52,6 +55,7 @@ impl Timers {
             Source::Router => &mut self.others[1],
             Source::Workload => &mut self.others[2],
             Source::Schedule => &mut self.others[3],
+            Source::Fault => &mut self.others[4],
         }
     }
 
@@ -112,6 +116,7 @@ impl Timers {
             Source::Router,
             Source::Workload,
             Source::Schedule,
+            Source::Fault,
         ];
         for (d, s) in self.others.iter().zip(others) {
             if let Some(t) = d {
@@ -153,7 +158,7 @@ mod tests {
         let mut t = Timers::new(2);
         for i in 0..100_000u64 {
             t.arm(Source::Engine(0), Some(Nanos(1_000_000 - i)));
-            assert!(t.heap_len() <= 2 * 6 + 1024 + 1);
+            assert!(t.heap_len() <= 2 * 7 + 1024 + 1);
         }
         assert_eq!(
             t.pop(),

@@ -430,3 +430,35 @@ fn worker_bound_refuses_new_workers() {
     assert_eq!(scores(&idx, &[1, 2]), vec![(1, 2), (3, 1)]);
     idx.check_invariants();
 }
+
+#[test]
+fn apply_resyncing_clears_on_a_gap_and_refuses_stale_events() {
+    let mut index = index();
+    index
+        .apply_resyncing(&stored(1, 0, None, &[10, 11], &[1, 2]))
+        .unwrap();
+    assert!(index.holds(WorkerId(1), EngineBlockId(11)));
+    assert_eq!(index.next_seq(WorkerId(1)), Some(1));
+    // Event 1 (which removed block 11) is lost: event 2 reveals the gap.
+    let out = index
+        .apply_resyncing(&stored(1, 2, None, &[20], &[9]))
+        .unwrap();
+    assert!(out.resynced && out.baseline);
+    assert!(!index.holds(WorkerId(1), EngineBlockId(10)));
+    assert!(!index.holds(WorkerId(1), EngineBlockId(11)));
+    assert!(index.holds(WorkerId(1), EngineBlockId(20)));
+    assert_eq!(index.next_seq(WorkerId(1)), Some(3));
+    // The late event 1, or a duplicate of 2, is stale and changes nothing.
+    for late in [removed(1, 1, &[20]), stored(1, 2, None, &[30], &[7])] {
+        assert!(matches!(
+            index.apply_resyncing(&late),
+            Err(EventError::Stale { .. })
+        ));
+    }
+    assert!(index.holds(WorkerId(1), EngineBlockId(20)));
+    assert!(!index.holds(WorkerId(1), EngineBlockId(30)));
+    // In sequence, nothing is resynced.
+    let out = index.apply_resyncing(&removed(1, 3, &[20])).unwrap();
+    assert!(!out.resynced && out.removed == 1);
+    assert_eq!(index.next_seq(WorkerId(7)), None);
+}

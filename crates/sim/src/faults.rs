@@ -1,0 +1,672 @@
+//! Seeded fault injection (`kvroute sim --faults SPEC`) and the invariants checked at every
+//! step of a faulty run.
+//!
+//! A [`FaultSpec`] names scenarios, combinable: `worker-crash`, `worker-hang`, `slow-worker`,
+//! `event-loss`, `event-delay`, `event-duplicate`, `event-reorder`, each with an optional
+//! parameter (`event-loss=0.05`). [`Simulation::with_faults`](crate::Simulation::with_faults)
+//! turns it into a plan drawn from the run's seed (which worker, when), so a faulty run is
+//! as reproducible as a clean one.
+//!
+//! What each fault does, and what the simulated gateway does about it, is modelled on the
+//! gateway's behaviour and defaults (docs/RELIABILITY.md):
+//!
+//! - **worker-crash**: the worker's engine is gone with its cache; every request on it ends
+//!   with a reported error (the gateway's `worker_failed` error event: a broken stream is
+//!   not retried), the worker leaves the routing set and the index at once. After the
+//!   restart delay an engine with an empty cache joins under a new id (a new instance).
+//! - **worker-hang**: the worker's process stops (`SIGSTOP`) for the hang's duration: no
+//!   step advances, no event leaves it. The gateway's health check (every
+//!   [`HEALTH_INTERVAL`], answered within [`PROBE_TIMEOUT`]) ejects it; each request routed
+//!   to it waits its own deadline: [`FIRST_BYTE_TIMEOUT`] before any token (then it is
+//!   routed again, at most [`TIMEOUT_RETRIES`] time; a second timeout fails it, the
+//!   gateway's 504), [`STALL_TIMEOUT`] after its last token (then it fails: the error event
+//!   `worker_timeout`). When the process continues, its engine picks up where it stopped
+//!   (it is shifted in time by the hang), cancels the requests whose clients gave up, and
+//!   the next passing health check puts it back in the routing set (its blocks come back
+//!   through its events).
+//! - **slow-worker**: one worker's steps take `FACTOR` times as long (2: half speed), while it
+//!   declares the profile's timing, as a throttled GPU would.
+//! - **event-loss / -delay / -duplicate / -reorder**: KV events between the engines and the
+//!   index go through a seeded delivery layer (`EventChannel`) that drops an event with
+//!   probability `P`, delays each by up to `MS` (keeping each worker's order, as NATS does),
+//!   delivers one twice, or holds one back so the next ones overtake it. The index applies
+//!   what arrives with the gap policy the gateway uses ([`kv_index::KvIndex::apply_resyncing`]):
+//!   a gap clears the worker's blocks and re-baselines; duplicates and overtaken events are
+//!   refused as stale.
+//!
+//! `replica-restart` and `partition` need gateway replicas sharing state (issue 19), which
+//! do not exist yet: the parser refuses them and says so.
+//!
+//! # Invariants (`Checker`)
+//!
+//! Checked after every step of the event loop; the first violation stops the run with
+//! [`SimError::Invariant`](crate::SimError::Invariant), naming the seed and the step:
+//!
+//! 1. every issued turn ends exactly once (finished or failed with a reported error), and
+//!    `issued = finished + failed + in flight` at every step; a turn in flight is queued or
+//!    on a worker that is alive (no request lost with a dead worker);
+//! 2. no request is routed to a worker known dead (crashed, or ejected while hung), and no
+//!    request gets output from a worker it is not on (no duplicate answer);
+//! 3. the index never claims a block a worker lacks once it has applied, or resynchronised
+//!    past, that worker's event removing it: a stale claim lasts at most until the worker's
+//!    next event after a lost one is delivered (the event delay after the worker's next KV
+//!    event). The longest stale claim seen is reported.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use kv_index::{EngineBlockId, KvEvent, KvEventKind, KvIndex, WorkerId};
+use nanotime::Nanos;
+use rustc_hash::{FxHashMap, FxHashSet};
+use serde::Serialize;
+use thiserror::Error;
+use workload::TurnKey;
+
+/// The gateway's first-byte timeout (`kvroute gateway --first-byte-timeout`'s default).
+pub const FIRST_BYTE_TIMEOUT: Nanos = Nanos::from_secs(60);
+/// The gateway's stall timeout between two chunks (`--stall-timeout`'s default).
+pub const STALL_TIMEOUT: Nanos = Nanos::from_secs(30);
+/// The gateway's health check interval (`--health-interval`'s default).
+pub const HEALTH_INTERVAL: Nanos = Nanos::from_secs(2);
+/// How long one health probe may take before it counts as failed.
+pub const PROBE_TIMEOUT: Nanos = Nanos::from_secs(2);
+/// Retries after a first-byte timeout before the client gets a 504.
+pub const TIMEOUT_RETRIES: u32 = 1;
+/// Most KV events in transit at once; past it an event is dropped (and the gap policy
+/// resynchronises), so a delay fault cannot grow memory without bound.
+pub const MAX_EVENTS_IN_TRANSIT: usize = 1 << 20;
+
+/// The scenarios by name, with their parameter and its default, for help texts.
+pub const SCENARIOS: &[(&str, &str)] = &[
+    (
+        "worker-crash[=SECONDS]",
+        "a worker dies at a seeded time; it restarts with an empty cache after SECONDS (30)",
+    ),
+    (
+        "worker-hang[=SECONDS]",
+        "a worker stops answering for SECONDS (90): health check, first-byte and stall timeouts",
+    ),
+    (
+        "slow-worker[=FACTOR]",
+        "one worker's steps take FACTOR (2) times as long",
+    ),
+    (
+        "event-loss[=P]",
+        "each KV event is lost with probability P (0.02)",
+    ),
+    (
+        "event-delay[=MS]",
+        "each KV event is delayed by up to MS (500) ms, each worker's order kept",
+    ),
+    (
+        "event-duplicate[=P]",
+        "each KV event is delivered twice with probability P (0.02)",
+    ),
+    (
+        "event-reorder[=P]",
+        "each KV event is held back 20 ms with probability P (0.02), so later ones overtake it",
+    ),
+];
+
+/// How long a reordered event is held back.
+pub const REORDER_HOLD: Nanos = Nanos::from_millis(20);
+
+/// Which faults a run injects (all off: [`FaultSpec::default`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FaultSpec {
+    /// Crash one worker; restart it after this long.
+    pub worker_crash: Option<Nanos>,
+    /// Hang one worker for this long.
+    pub worker_hang: Option<Nanos>,
+    /// One worker's slowdown factor (2: half speed).
+    pub slow_worker: Option<f64>,
+    pub event_loss: f64,
+    /// Largest extra delay of a KV event.
+    pub event_delay: Option<Nanos>,
+    pub event_duplicate: f64,
+    pub event_reorder: f64,
+}
+
+/// A `--faults` value the simulator cannot run.
+#[derive(Debug, Error, PartialEq)]
+pub enum FaultSpecError {
+    #[error(
+        "unknown fault `{0}`; known: worker-crash, worker-hang, slow-worker, event-loss, \
+         event-delay, event-duplicate, event-reorder (or none), combined with commas"
+    )]
+    Unknown(String),
+    #[error(
+        "`{0}` needs gateway replicas sharing state (issue 19), which do not exist yet; it \
+         is not simulated"
+    )]
+    NeedsReplicas(String),
+    #[error("`{name}={value}`: {why}")]
+    BadValue {
+        name: String,
+        value: String,
+        why: &'static str,
+    },
+    #[error("`{0}` is given twice")]
+    Twice(String),
+}
+
+impl FaultSpec {
+    /// Whether any fault is on.
+    pub fn is_empty(&self) -> bool {
+        *self == FaultSpec::default()
+    }
+
+    /// Whether KV events go through the faulty delivery layer.
+    pub fn touches_events(&self) -> bool {
+        self.event_loss > 0.0
+            || self.event_delay.is_some()
+            || self.event_duplicate > 0.0
+            || self.event_reorder > 0.0
+    }
+}
+
+fn probability(name: &str, value: &str) -> Result<f64, FaultSpecError> {
+    match value.parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(FaultSpecError::BadValue {
+            name: name.into(),
+            value: value.into(),
+            why: "expected a probability between 0 and 1",
+        }),
+    }
+}
+
+fn positive(name: &str, value: &str, why: &'static str) -> Result<f64, FaultSpecError> {
+    match value.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(FaultSpecError::BadValue {
+            name: name.into(),
+            value: value.into(),
+            why,
+        }),
+    }
+}
+
+impl FromStr for FaultSpec {
+    type Err = FaultSpecError;
+
+    /// `name[=value]` items separated by commas; `none` alone is the fault-free run.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut spec = FaultSpec::default();
+        let mut seen = FxHashSet::default();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (name, value) = match item.split_once('=') {
+                Some((n, v)) => (n.trim(), Some(v.trim())),
+                None => (item, None),
+            };
+            if !seen.insert(name.to_string()) {
+                return Err(FaultSpecError::Twice(name.into()));
+            }
+            let secs = |default: f64| -> Result<Nanos, FaultSpecError> {
+                let s = match value {
+                    Some(v) => positive(name, v, "expected a number of seconds > 0")?,
+                    None => default,
+                };
+                Ok(Nanos::from_secs_f64(s))
+            };
+            let prob = |default: f64| match value {
+                Some(v) => probability(name, v),
+                None => Ok(default),
+            };
+            match name {
+                "none" => {}
+                "worker-crash" => spec.worker_crash = Some(secs(30.0)?),
+                "worker-hang" => spec.worker_hang = Some(secs(90.0)?),
+                "slow-worker" => {
+                    let f = match value {
+                        Some(v) => positive(name, v, "expected a factor ≥ 1 (2: half speed)")?,
+                        None => 2.0,
+                    };
+                    if f < 1.0 {
+                        return Err(FaultSpecError::BadValue {
+                            name: name.into(),
+                            value: value.unwrap_or_default().into(),
+                            why: "expected a factor ≥ 1 (2: half speed)",
+                        });
+                    }
+                    spec.slow_worker = Some(f);
+                }
+                "event-loss" => spec.event_loss = prob(0.02)?,
+                "event-duplicate" => spec.event_duplicate = prob(0.02)?,
+                "event-reorder" => spec.event_reorder = prob(0.02)?,
+                "event-delay" => {
+                    let ms = match value {
+                        Some(v) => positive(name, v, "expected milliseconds > 0")?,
+                        None => 500.0,
+                    };
+                    spec.event_delay = Some(Nanos::from_secs_f64(ms / 1e3));
+                }
+                "replica-restart" | "partition" => {
+                    return Err(FaultSpecError::NeedsReplicas(name.into()));
+                }
+                other => return Err(FaultSpecError::Unknown(other.into())),
+            }
+        }
+        Ok(spec)
+    }
+}
+
+impl fmt::Display for FaultSpec {
+    /// The canonical form, every parameter spelled out (`none` when empty).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut items = Vec::new();
+        if let Some(d) = self.worker_crash {
+            items.push(format!("worker-crash={}", d.as_secs_f64()));
+        }
+        if let Some(d) = self.worker_hang {
+            items.push(format!("worker-hang={}", d.as_secs_f64()));
+        }
+        if let Some(x) = self.slow_worker {
+            items.push(format!("slow-worker={x}"));
+        }
+        if self.event_loss > 0.0 {
+            items.push(format!("event-loss={}", self.event_loss));
+        }
+        if let Some(d) = self.event_delay {
+            items.push(format!("event-delay={}", d.as_secs_f64() * 1e3));
+        }
+        if self.event_duplicate > 0.0 {
+            items.push(format!("event-duplicate={}", self.event_duplicate));
+        }
+        if self.event_reorder > 0.0 {
+            items.push(format!("event-reorder={}", self.event_reorder));
+        }
+        if items.is_empty() {
+            f.write_str("none")
+        } else {
+            f.write_str(&items.join(","))
+        }
+    }
+}
+
+/// SplitMix64: the fault layer's own seeded stream (no dependency, same on every platform).
+#[derive(Debug, Clone)]
+pub(crate) struct FaultRng(u64);
+
+impl FaultRng {
+    pub(crate) fn new(seed: u64) -> Self {
+        FaultRng(seed)
+    }
+
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    pub(crate) fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && self.unit() < p
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub(crate) fn below(&mut self, n: u32) -> u32 {
+        (self.unit() * f64::from(n)) as u32 % n.max(1)
+    }
+}
+
+/// Where and when a run's faults strike, drawn from the run's seed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FaultPlan {
+    /// The crashing worker, when, and when its replacement joins.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub crash: Option<(u32, Nanos, Nanos)>,
+    /// The hanging worker, from when, until when.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hang: Option<(u32, Nanos, Nanos)>,
+    /// The slow worker and its slowdown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slow: Option<(u32, f64)>,
+}
+
+impl FaultPlan {
+    /// Crash and hang strike at a seeded instant between 20% and 50% of the run, on distinct
+    /// workers when there are several; the slow worker is drawn too.
+    pub(crate) fn draw(spec: &FaultSpec, workers: u32, end: Nanos, rng: &mut FaultRng) -> Self {
+        let at = |rng: &mut FaultRng| Nanos((end.0 as f64 * (0.2 + 0.3 * rng.unit())) as u64);
+        let crash_worker = rng.below(workers);
+        let crash = spec.worker_crash.map(|down| {
+            let t = at(rng);
+            (crash_worker, t, t + down)
+        });
+        let hang = spec.worker_hang.map(|d| {
+            let w = if workers > 1 && crash.is_some() {
+                (crash_worker + 1 + rng.below(workers - 1)) % workers
+            } else {
+                rng.below(workers)
+            };
+            let t = at(rng);
+            (w, t, t + d)
+        });
+        let slow = spec.slow_worker.map(|f| (rng.below(workers), f));
+        FaultPlan { crash, hang, slow }
+    }
+}
+
+/// What a faulty run did and what the invariant checker saw (in `RunOutput::faults`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct FaultReport {
+    /// The spec in canonical form.
+    pub spec: String,
+    /// The run's seed (`SimConfig::seed`; `kvroute sim` derives it from `--seed`).
+    pub seed: u64,
+    pub plan: Option<FaultPlan>,
+    /// Faults and the gateway's reactions, in time order: `(seconds, what)`.
+    pub timeline: Vec<(f64, String)>,
+    pub kv_events_lost: u64,
+    pub kv_events_delayed: u64,
+    pub kv_events_duplicated: u64,
+    pub kv_events_reordered: u64,
+    /// Gaps the index resynchronised after (the worker's blocks cleared).
+    pub kv_resyncs: u64,
+    /// Events refused as stale (duplicates, overtaken events).
+    pub kv_stale_events: u64,
+    /// Requests that ended with the error of a crashed worker (`worker_failed`).
+    pub worker_failed_requests: u64,
+    /// Requests that ended with a timeout error (`worker_timeout`, or a 504 after a retry).
+    pub timed_out_requests: u64,
+    /// Requests routed again after a first-byte timeout.
+    pub retried_requests: u64,
+    /// Blocks the engines evicted (removal events emitted).
+    pub blocks_removed: u64,
+    /// Blocks the index claimed after their worker removed them (each counted once), and
+    /// the longest such claim.
+    pub stale_claims: u64,
+    pub max_stale_claim_s: f64,
+    /// Steps the invariants were checked after.
+    pub checked_steps: u64,
+}
+
+impl FaultReport {
+    pub(crate) fn note(&mut self, at: Nanos, what: String) {
+        // Bounded: a run has a handful of fault actions, far fewer than this.
+        if self.timeline.len() < 1024 {
+            self.timeline.push((at.as_secs_f64(), what));
+        }
+    }
+}
+
+/// The seeded delivery layer between the engines and the index.
+#[derive(Debug)]
+pub(crate) struct EventChannel {
+    rng: FaultRng,
+    loss: f64,
+    delay: Option<Nanos>,
+    duplicate: f64,
+    reorder: f64,
+    /// Events in transit by (delivery time, send order).
+    in_transit: BTreeMap<(Nanos, u64), KvEvent>,
+    sent: u64,
+    /// Each worker's latest in-order delivery time (order is kept per worker).
+    last_at: FxHashMap<WorkerId, Nanos>,
+}
+
+impl EventChannel {
+    pub(crate) fn new(spec: &FaultSpec, rng: FaultRng) -> Self {
+        EventChannel {
+            rng,
+            loss: spec.event_loss,
+            delay: spec.event_delay,
+            duplicate: spec.event_duplicate,
+            reorder: spec.event_reorder,
+            in_transit: BTreeMap::new(),
+            sent: 0,
+            last_at: FxHashMap::default(),
+        }
+    }
+
+    fn push(&mut self, at: Nanos, ev: KvEvent, report: &mut FaultReport) {
+        if self.in_transit.len() >= MAX_EVENTS_IN_TRANSIT {
+            report.kv_events_lost += 1;
+            return;
+        }
+        self.sent += 1;
+        self.in_transit.insert((at, self.sent), ev);
+    }
+
+    /// Sends `ev`, emitted at `now`, with the plane's own `base` delay.
+    pub(crate) fn send(&mut self, now: Nanos, base: Nanos, ev: KvEvent, report: &mut FaultReport) {
+        if self.rng.chance(self.loss) {
+            report.kv_events_lost += 1;
+            return;
+        }
+        let mut at = now + base;
+        if let Some(max) = self.delay {
+            at += Nanos((max.0 as f64 * self.rng.unit()) as u64);
+            report.kv_events_delayed += 1;
+        }
+        if self.rng.chance(self.reorder) {
+            // Held back, without moving the worker's in-order cursor: what follows overtakes it.
+            report.kv_events_reordered += 1;
+            let at = at + REORDER_HOLD;
+            self.push(at, ev, report);
+            return;
+        }
+        let last = self.last_at.entry(ev.worker).or_insert(Nanos::ZERO);
+        at = at.max(*last);
+        *last = at;
+        if self.rng.chance(self.duplicate) {
+            report.kv_events_duplicated += 1;
+            self.push(at, ev.clone(), report);
+        }
+        self.push(at, ev, report);
+    }
+
+    pub(crate) fn next_delivery(&self) -> Option<Nanos> {
+        self.in_transit.keys().next().map(|k| k.0)
+    }
+
+    /// The next event due at or before `at`.
+    pub(crate) fn pop_due(&mut self, at: Nanos) -> Option<KvEvent> {
+        let (&key, _) = self.in_transit.iter().next()?;
+        if key.0 > at {
+            return None;
+        }
+        self.in_transit.remove(&key)
+    }
+
+    /// Forgets a worker that is gone (its events still in transit are dropped on arrival).
+    pub(crate) fn forget(&mut self, worker: WorkerId) {
+        self.last_at.remove(&worker);
+    }
+}
+
+/// A block the engine removed that the index may still claim: the removal's sequence
+/// number and when it happened.
+#[derive(Debug, Clone, Copy)]
+struct Suspect {
+    seq: u64,
+    since: Nanos,
+    counted: bool,
+}
+
+/// The invariants of a faulty run, fed by the driver at every step (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct Checker {
+    /// Turns issued and not ended; bounded by the turns in flight.
+    open: FxHashSet<TurnKey>,
+    /// What each live worker's engine holds, from its own KV events (the truth).
+    truth: FxHashMap<WorkerId, FxHashSet<EngineBlockId>>,
+    /// Blocks each worker removed that the index had not yet caught up with.
+    suspects: FxHashMap<WorkerId, FxHashMap<EngineBlockId, Suspect>>,
+    pub(crate) stale_claims: u64,
+    pub(crate) max_stale: Nanos,
+    /// Blocks the engines removed (evictions), as they emitted them.
+    pub(crate) removals: u64,
+}
+
+impl Checker {
+    pub(crate) fn on_issue(&mut self, key: TurnKey) -> Result<(), String> {
+        if self.open.insert(key) {
+            Ok(())
+        } else {
+            Err(format!(
+                "turn {} of conversation {} was issued while already in flight (duplicated)",
+                key.turn, key.conversation
+            ))
+        }
+    }
+
+    pub(crate) fn on_end(&mut self, key: TurnKey) -> Result<(), String> {
+        if self.open.remove(&key) {
+            Ok(())
+        } else {
+            Err(format!(
+                "turn {} of conversation {} ended twice, or ended without being issued",
+                key.turn, key.conversation
+            ))
+        }
+    }
+
+    pub(crate) fn open_turns(&self) -> usize {
+        self.open.len()
+    }
+
+    /// An event as the engine emitted it, before the delivery layer.
+    pub(crate) fn on_engine_kv(&mut self, ev: &KvEvent, now: Nanos) {
+        let truth = self.truth.entry(ev.worker).or_default();
+        let suspects = self.suspects.entry(ev.worker).or_default();
+        let mut removed = |id: EngineBlockId| {
+            suspects
+                .entry(id)
+                .and_modify(|s| s.seq = ev.seq)
+                .or_insert(Suspect {
+                    seq: ev.seq,
+                    since: now,
+                    counted: false,
+                });
+        };
+        match &ev.kind {
+            KvEventKind::Stored { blocks, .. } => {
+                for b in blocks {
+                    truth.insert(b.id);
+                }
+            }
+            KvEventKind::Removed { blocks } => {
+                self.removals += blocks.len() as u64;
+                for id in blocks {
+                    if truth.remove(id) {
+                        removed(*id);
+                    }
+                }
+            }
+            KvEventKind::Cleared => {
+                for id in truth.drain() {
+                    removed(id);
+                }
+            }
+        }
+    }
+
+    /// A worker whose engine is gone: the index must hold nothing of it.
+    pub(crate) fn on_worker_gone(&mut self, worker: WorkerId) {
+        self.truth.remove(&worker);
+        self.suspects.remove(&worker);
+    }
+
+    /// Invariant 3 for every worker with blocks the index may still claim.
+    pub(crate) fn check_index(&mut self, now: Nanos, index: &KvIndex) -> Result<(), String> {
+        let mut broken = None;
+        for (worker, suspects) in &mut self.suspects {
+            if suspects.is_empty() {
+                continue;
+            }
+            let truth = self.truth.get(worker);
+            let next = index.next_seq(*worker);
+            let stale_claims = &mut self.stale_claims;
+            let max_stale = &mut self.max_stale;
+            suspects.retain(|id, s| {
+                if truth.is_some_and(|t| t.contains(id)) {
+                    return false;
+                }
+                let caught_up = next.is_some_and(|n| n > s.seq);
+                if !index.holds(*worker, *id) {
+                    return !caught_up;
+                }
+                if !s.counted {
+                    s.counted = true;
+                    *stale_claims += 1;
+                }
+                *max_stale = (*max_stale).max(now.saturating_sub(s.since));
+                if caught_up && broken.is_none() {
+                    broken = Some(format!(
+                        "the index claims block {:#x} of {worker}, which the worker removed at \
+                         {} (event seq {}), after applying its events up to seq {}",
+                        id.0,
+                        s.since,
+                        s.seq,
+                        next.unwrap_or_default().saturating_sub(1)
+                    ));
+                }
+                true
+            });
+        }
+        broken.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_combine_and_print_canonically() {
+        let s: FaultSpec = "worker-crash,event-loss=0.05".parse().unwrap();
+        assert_eq!(s.worker_crash, Some(Nanos::from_secs(30)));
+        assert_eq!(s.event_loss, 0.05);
+        assert_eq!(s.to_string(), "worker-crash=30,event-loss=0.05");
+        assert_eq!(s.to_string().parse::<FaultSpec>().unwrap(), s);
+        assert!("none".parse::<FaultSpec>().unwrap().is_empty());
+        let all: FaultSpec = "worker-crash,worker-hang,slow-worker,event-loss,event-delay,\
+                              event-duplicate,event-reorder"
+            .parse()
+            .unwrap();
+        assert!(all.touches_events() && all.worker_hang.is_some() && all.slow_worker == Some(2.0));
+    }
+
+    #[test]
+    fn bad_specs_say_what_is_wrong() {
+        let e = |s: &str| s.parse::<FaultSpec>().unwrap_err().to_string();
+        assert!(e("worker-explode").contains("known: worker-crash"));
+        assert!(e("partition").contains("issue 19"));
+        assert!(e("replica-restart").contains("replicas"));
+        assert!(e("event-loss=2").contains("probability"));
+        assert!(e("event-loss=x").contains("probability"));
+        assert!(e("slow-worker=0.5").contains("≥ 1"));
+        assert!(e("worker-crash=-1").contains("seconds"));
+        assert!(e("event-loss,event-loss=0.1").contains("twice"));
+    }
+
+    #[test]
+    fn the_channel_keeps_each_workers_order_under_delay() {
+        let spec: FaultSpec = "event-delay=100".parse().unwrap();
+        let mut ch = EventChannel::new(&spec, FaultRng::new(7));
+        let mut report = FaultReport::default();
+        for seq in 0..200 {
+            let ev = KvEvent {
+                worker: WorkerId(1),
+                seq,
+                kind: KvEventKind::Cleared,
+            };
+            ch.send(Nanos::from_millis(seq), Nanos::ZERO, ev, &mut report);
+        }
+        let mut got = Vec::new();
+        while let Some(ev) = ch.pop_due(Nanos::MAX) {
+            got.push(ev.seq);
+        }
+        assert_eq!(got, (0..200).collect::<Vec<_>>());
+        assert_eq!(report.kv_events_delayed, 200);
+    }
+}
