@@ -492,6 +492,9 @@ pub struct Metrics {
     /// Worker calls that missed a deadline (no first byte in time, a stream that stalled);
     /// each ejected its worker until its next passing health check.
     pub worker_timeouts: Counter,
+    /// NATS worker messages ignored: a wrong or missing registration token, or an
+    /// announcement whose URL did not answer `/info` with the announced identity.
+    pub registrations_refused: Counter,
     /// Time the gateway itself spends on a request before forwarding it (parse, template,
     /// tokenize, hash, route, build the worker request), queue waits excluded.
     pub overhead: AtomicHistogram,
@@ -530,6 +533,7 @@ impl Metrics {
             output_tokens_total: Counter::default(),
             worker_failures: Counter::default(),
             worker_timeouts: Counter::default(),
+            registrations_refused: Counter::default(),
             overhead: AtomicHistogram::new(OVERHEAD_BUCKETS),
             added_ttft: AtomicHistogram::new(OVERHEAD_BUCKETS),
         };
@@ -592,6 +596,12 @@ impl Metrics {
             "kvroute_gateway_worker_failures",
             "Worker connections that failed (connect errors, broken streams)",
             m.worker_failures.clone(),
+        );
+        registry.register(
+            "kvroute_gateway_worker_registrations_refused",
+            "NATS worker messages ignored: a wrong or missing registration token, or an \
+             announced URL that did not answer /info with the announced worker id and instance",
+            m.registrations_refused.clone(),
         );
         registry.register(
             "kvroute_gateway_worker_timeouts",
