@@ -20,6 +20,8 @@ KUBECTL ?= kubectl
 # Rendered manifests (with IMAGE applied) land here; target/ is git-ignored.
 BUILD := target/deploy/$(OVERLAY)
 PF := deploy/scripts/port-forward.sh $(NAMESPACE)
+# The load generator's API token (Secret kvroute-loadgen, made by `make deploy`), as a curl header.
+LOADGEN_AUTH = -H "authorization: Bearer $$($(KUBECTL) -n $(NAMESPACE) get secret kvroute-loadgen -o jsonpath='{.data.api-token}' | base64 -d)"
 
 .PHONY: help image push manifests validate deploy teardown demo-local demo-start demo-stop \
 	demo-status demo-ui test-inference test-kv-cache validate-all dashboards
@@ -49,9 +51,13 @@ validate: ## Check every overlay as CI does: render, schemas, kvroute command li
 
 deploy: manifests ## Apply OVERLAY to the cluster and wait for it to be ready
 	$(KUBECTL) apply -f $(BUILD)/all.yaml
+	@# The load generator listens on the pod's address: its control API needs a token.
+	@$(KUBECTL) -n $(NAMESPACE) get secret kvroute-loadgen >/dev/null 2>&1 || \
+		$(KUBECTL) -n $(NAMESPACE) create secret generic kvroute-loadgen \
+		--from-literal=api-token=$$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
 	$(KUBECTL) -n $(NAMESPACE) rollout status deployment/gateway --timeout=10m
 	$(KUBECTL) -n $(NAMESPACE) rollout status deployment/loadgen --timeout=10m
-	@echo "make demo-ui opens the dashboard; make demo-start starts the workload"
+	@echo "make demo-ui opens the dashboard (it prints the URL with the token); make demo-start starts the workload"
 
 teardown: manifests ## Delete everything OVERLAY created (the NFS volume's data stays)
 	$(KUBECTL) delete --ignore-not-found -f $(BUILD)/all.yaml
@@ -61,20 +67,21 @@ demo-local: ## The whole demo on this machine, with Prometheus for the Grafana d
 
 demo-start: ## Start the workload at CONCURRENCY conversations
 	@$(PF) loadgen 18080:8080 -- curl -fsS -X POST http://127.0.0.1:18080/api/workload/start \
-		-H 'content-type: application/json' -d '{"concurrency": $(CONCURRENCY)}' >/dev/null
+		$(LOADGEN_AUTH) -H 'content-type: application/json' -d '{"concurrency": $(CONCURRENCY)}' >/dev/null
 	@echo "demo-start: $(CONCURRENCY) conversations"
 
 demo-stop: ## Stop the workload
-	@$(PF) loadgen 18080:8080 -- curl -fsS -X POST http://127.0.0.1:18080/api/workload/stop >/dev/null
+	@$(PF) loadgen 18080:8080 -- curl -fsS -X POST http://127.0.0.1:18080/api/workload/stop $(LOADGEN_AUTH) >/dev/null
 	@echo "demo-stop: stopped"
 
 demo-status: ## Pods, GPU allocation and the load generator's live figures
 	$(KUBECTL) -n $(NAMESPACE) get pods -o wide
 	@$(KUBECTL) get nodes -o custom-columns='NODE:.metadata.name,GPUS:.status.allocatable.nvidia\.com/gpu'
-	@$(PF) loadgen 18080:8080 -- curl -fsS http://127.0.0.1:18080/api/status | python3 -c \
+	@$(PF) loadgen 18080:8080 -- curl -fsS $(LOADGEN_AUTH) http://127.0.0.1:18080/api/status | python3 -c \
 		'import json,sys; s=json.load(sys.stdin); print("running:", s["running"], "concurrency:", s["concurrency"]); [print(l["name"], {k: l["metrics"][k] for k in ("ttft_ms", "tpot_ms", "kv_hit_rate", "queued", "errors")}) for l in s["lanes"]]'
 
-demo-ui: ## Port-forward the load generator's dashboard to http://127.0.0.1:8080
+demo-ui: ## Port-forward the load generator's dashboard to http://127.0.0.1:8080/?token=…
+	@echo "open http://127.0.0.1:8080/?token=$$($(KUBECTL) -n $(NAMESPACE) get secret kvroute-loadgen -o jsonpath='{.data.api-token}' | base64 -d)"
 	$(KUBECTL) -n $(NAMESPACE) port-forward svc/loadgen 8080:8080
 
 test-inference: ## Send one chat completion through the gateway

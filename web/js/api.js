@@ -9,12 +9,16 @@ export class ApiError extends Error {
   }
 }
 
+// The API token of a load generator started with --api-token: the page is opened as
+// /?token=TOKEN and sends it with every API request and the WebSocket (docs/LOADGEN-API.md).
+const API_TOKEN = new URLSearchParams(location.search).get('token');
+
 async function request(method, path, body) {
   const init = { method, headers: { Accept: 'application/json' } };
-  if (body !== undefined) {
-    init.headers['Content-Type'] = 'application/json';
-    init.body = JSON.stringify(body);
-  }
+  if (API_TOKEN) init.headers.Authorization = `Bearer ${API_TOKEN}`;
+  // The server takes POST bodies only as JSON.
+  if (method === 'POST') init.headers['Content-Type'] = 'application/json';
+  if (body !== undefined) init.body = JSON.stringify(body);
   let response;
   try {
     response = await fetch(path, init);
@@ -81,7 +85,9 @@ export class StatusSocket {
 
   static defaultUrl() {
     const scheme = location.protocol === 'https:' ? 'wss' : 'ws';
-    return `${scheme}://${location.host}/ws`;
+    // A browser's WebSocket cannot send an Authorization header: the token goes in the query.
+    const query = API_TOKEN ? `?token=${encodeURIComponent(API_TOKEN)}` : '';
+    return `${scheme}://${location.host}/ws${query}`;
   }
 
   open() {

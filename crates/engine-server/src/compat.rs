@@ -14,7 +14,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use protocol::ApiError;
-use protocol::http::{check_model, json_response, read_json};
+use protocol::http::{check_model, json_response, read_json_within};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -123,7 +123,8 @@ async fn detokenize(
     body: Body,
 ) -> Response {
     let result = async {
-        let request: DetokenizeRequest = read_json(&headers, body, state.body_limit).await?;
+        let request: DetokenizeRequest =
+            read_json_within(&headers, body, state.body_limit, state.body_timeout).await?;
         if let Some(model) = &request.model {
             check_model(&state.info.model, model)?;
         }

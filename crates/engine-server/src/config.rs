@@ -37,6 +37,9 @@ pub struct NatsConfig {
     pub namespace: String,
     /// Lease of each announcement; heartbeats go out every third of it.
     pub lease_ms: u64,
+    /// The shared registration token carried in announcements, heartbeats and goodbyes
+    /// (`--registration-token`); gateways with a token ignore workers without it.
+    pub registration_token: Option<String>,
 }
 
 /// Everything an engine server needs. [`EngineServerConfig::new`] gives seed 002's worker
@@ -61,6 +64,11 @@ pub struct EngineServerConfig {
     pub reply_length: ReplyLength,
     /// Largest request body accepted (bigger: 413).
     pub body_limit_bytes: usize,
+    /// A client's request headers, and an idle keep-alive connection's wait for its next
+    /// request: the connection is closed after it (the gateway's listener, shared).
+    pub header_timeout: std::time::Duration,
+    /// A client's whole request body: 408 after it.
+    pub body_timeout: std::time::Duration,
     /// Submissions and cancellations waiting for the engine task (full: 429).
     pub command_queue: usize,
     /// KV event batches waiting for the publishers; when full, batches are dropped, counted
@@ -98,6 +106,8 @@ impl EngineServerConfig {
             seed: 0,
             reply_length: ReplyLength::default(),
             body_limit_bytes: 32 << 20,
+            header_timeout: std::time::Duration::from_secs(30),
+            body_timeout: std::time::Duration::from_secs(30),
             command_queue: 4096,
             kv_event_queue: 4096,
             nats: None,

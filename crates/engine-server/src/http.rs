@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::{Bytes, BytesMut};
 use engine::{EngineRequest, Leg, OutputSpec, RejectReason, RequestId};
-use protocol::http::{check_model, json_response, read_json};
+use protocol::http::{check_model, json_response, read_json_within};
 use protocol::{
     Api, ApiError, ApiRequest, ChatCompletionRequest, ChoiceOut, CompletionRequest, FinishReason,
     KvTransferParams, Model, ModelList, Prompt, ResponseHead, SamplingParams, TokenIds, Usage,
@@ -36,6 +36,8 @@ pub struct AppState {
     pub reply_length: ReplyLength,
     pub seed: u64,
     pub body_limit: usize,
+    /// A client's whole request body (408 after it).
+    pub body_timeout: std::time::Duration,
     pub metrics: Arc<ServerMetrics>,
     pub snapshot: Arc<Mutex<Snapshot>>,
     pub clock: Clock,
@@ -57,6 +59,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics));
     crate::compat::routes(api)
         .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(axum::middleware::from_fn(protocol::listener::limit_headers))
         .with_state(state)
 }
 
@@ -81,7 +84,8 @@ async fn handle<R: TakePrompt>(
     body: Body,
 ) -> Response {
     let result = async {
-        let mut request: R = read_json(&headers, body, state.body_limit).await?;
+        let mut request: R =
+            read_json_within(&headers, body, state.body_limit, state.body_timeout).await?;
         check_model(&state.info.model, request.model())?;
         let prompt = request.take_prompt(&state)?;
         serve(&state, prompt, request.params(), R::API, request.model()).await
@@ -655,7 +659,8 @@ struct TokenizeRequest {
 
 async fn tokenize(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let result = async {
-        let request: TokenizeRequest = read_json(&headers, body, state.body_limit).await?;
+        let request: TokenizeRequest =
+            read_json_within(&headers, body, state.body_limit, state.body_timeout).await?;
         if let Some(model) = &request.model {
             check_model(&state.info.model, model)?;
         }

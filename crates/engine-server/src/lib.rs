@@ -53,7 +53,6 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::serve::ListenerExt;
 use engine::{Engine, EngineConfigError};
 use protocol::{WorkerAnnounce, WorkerCard};
 use tokio::sync::{mpsc, watch};
@@ -191,6 +190,7 @@ impl EngineServer {
                 publish::Registration::new(WorkerAnnounce {
                     card: card.clone(),
                     lease_ms: settings.lease_ms,
+                    token: settings.registration_token.clone(),
                 })?,
             )),
             _ => None,
@@ -242,6 +242,7 @@ impl EngineServer {
             reply_length: config.reply_length,
             seed: config.seed,
             body_limit: config.body_limit_bytes,
+            body_timeout: config.body_timeout,
             metrics,
             snapshot,
             clock,
@@ -252,23 +253,15 @@ impl EngineServer {
         });
         let app = http::router(state);
         let mut server_shutdown = shutdown_rx;
-        // Streams are many small writes: without TCP_NODELAY, Nagle holds a token chunk back
-        // until the previous one is acknowledged (uvicorn, vLLM's server, sets it too).
-        let listener = listener.tap_io(|tcp| {
-            if let Err(err) = tcp.set_nodelay(true) {
-                tracing::debug!(%err, "TCP_NODELAY not set");
-            }
-        });
-        let server = tokio::spawn(async move {
-            let result = axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = server_shutdown.wait_for(|stop| *stop).await;
-                })
-                .await;
-            if let Err(err) = result {
-                tracing::error!(%err, "HTTP server failed");
-            }
-        });
+        // The gateway's listener (shared): header, idle and body deadlines, TCP_NODELAY.
+        let server = tokio::spawn(protocol::listener::serve(
+            listener,
+            app,
+            config.header_timeout,
+            async move {
+                let _ = server_shutdown.wait_for(|stop| *stop).await;
+            },
+        ));
         tracing::info!(%local_addr, worker = config.worker_id.0, "engine server listening");
         Ok(EngineServerHandle {
             local_addr,

@@ -149,10 +149,12 @@ impl Registration {
     pub fn new(announce: WorkerAnnounce) -> Result<Registration, PublishError> {
         let period = Duration::from_millis((announce.lease_ms / 3).max(1));
         let instance = announce.card.instance;
+        let token = announce.token.clone();
         let hello = WorkerMessage::Announce(announce);
         let goodbye = WorkerMessage::Goodbye {
             worker: hello.worker().0,
             instance,
+            token,
         };
         Ok(Registration {
             hello: Bytes::from(hello.encode()?),

@@ -79,6 +79,7 @@ async fn nats_events_rebuild_the_engines_cache_and_registration_has_a_lease() {
         url: nats.url(),
         namespace: "kvtest".into(),
         lease_ms: 300,
+        registration_token: None,
     });
     let (server, base) = start(cfg).await;
     assert_eq!(

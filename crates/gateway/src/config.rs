@@ -179,6 +179,11 @@ pub struct GatewayConfig {
     pub nats_url: Option<String>,
     /// Namespace of NATS subjects (`kvroute.<namespace>.…`).
     pub namespace: String,
+    /// The shared registration token: NATS worker messages without it are ignored
+    /// (`--registration-token`; the engines' must match).
+    pub registration_token: Option<String>,
+    /// Per-client rate limit of `/v1/*` (429 with `Retry-After` beyond); `None`: none.
+    pub rate_limit: Option<crate::rate_limit::RateLimit>,
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
     /// Admission: requests in flight per worker before new ones queue, requests that may wait
@@ -258,6 +263,8 @@ impl Default for GatewayConfig {
             router: RouterConfig::default(),
             nats_url: None,
             namespace: "default".to_string(),
+            registration_token: None,
+            rate_limit: None,
             max_body_bytes: 16 << 20,
             frontend: router::FrontendConfig::default(),
             health_interval: Duration::from_secs(2),

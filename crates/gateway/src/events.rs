@@ -68,7 +68,7 @@ impl WarnBudget {
     }
 
     /// Ends the window if it has passed, logging what it suppressed.
-    fn roll(&mut self, now: Instant, source: EventSource) {
+    fn roll(&mut self, now: Instant, source: impl std::fmt::Debug) {
         if now.duration_since(self.window_start) < Self::WINDOW {
             return;
         }
@@ -77,7 +77,7 @@ impl WarnBudget {
                 ?source,
                 suppressed = self.suppressed,
                 window_s = Self::WINDOW.as_secs(),
-                "more bad KV event messages were not logged (see the decode error and resync metrics)"
+                "more bad messages were not logged (see the gateway's metrics)"
             );
         }
         self.window_start = now;
@@ -86,7 +86,7 @@ impl WarnBudget {
     }
 
     /// Whether to log one more bad message now.
-    pub(crate) fn allow(&mut self, source: EventSource) -> bool {
+    pub(crate) fn allow(&mut self, source: impl std::fmt::Debug) -> bool {
         self.roll(Instant::now(), source);
         if self.logged < Self::PER_WINDOW {
             self.logged += 1;
@@ -98,7 +98,7 @@ impl WarnBudget {
     }
 
     /// Called for good messages too, so a flood's summary is written once it ends.
-    fn tick(&mut self, source: EventSource) {
+    pub(crate) fn tick(&mut self, source: impl std::fmt::Debug) {
         if self.suppressed > 0 {
             self.roll(Instant::now(), source);
         }

@@ -47,9 +47,9 @@
 pub mod config;
 pub mod dispatch;
 pub mod events;
-mod listener;
 pub mod metrics;
 pub mod preprocess;
+pub mod rate_limit;
 pub mod registry;
 pub mod relay;
 mod server;
@@ -180,6 +180,7 @@ impl Gateway {
             zmq: zmq.clone(),
             cancel: cancel.clone(),
             probe_timeout: config.probe_timeout,
+            metrics: metrics.clone(),
         };
         let mut gateway = Gateway {
             local_addr,
@@ -223,6 +224,7 @@ impl Gateway {
                 client,
                 subjects,
                 config.max_workers,
+                config.registration_token.clone(),
             )));
             gateway.tasks.push(tokio::spawn(registry::run_lease_expiry(
                 registry.clone(),
@@ -253,12 +255,19 @@ impl Gateway {
                 .map_or(0, |d| d.as_secs()),
             next_id: AtomicU64::new(0),
         });
-        let app = server::routes(state);
-        gateway.server = Some(tokio::spawn(listener::serve(
+        let mut app = server::routes(state);
+        if let Some(limit) = config.rate_limit {
+            let buckets = rate_limit::ClientBuckets::new(limit, rate_limit::MAX_CLIENTS);
+            app = app.layer(axum::middleware::from_fn_with_state(
+                Arc::new(std::sync::Mutex::new(buckets)),
+                rate_limit::limit,
+            ));
+        }
+        gateway.server = Some(tokio::spawn(protocol::listener::serve(
             listener,
             app,
             config.timeouts.header,
-            cancel.clone(),
+            cancel.clone().cancelled_owned(),
         )));
         tracing::info!(addr = %local_addr, "gateway listening");
         Ok(gateway)

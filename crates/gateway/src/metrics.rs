@@ -500,6 +500,9 @@ pub struct Metrics {
     /// Requests resent to another worker mid-stream, by why their worker failed
     /// (`worker_failed`, `worker_timeout`).
     migrations: Family<MigrationLabels, Counter>,
+    /// NATS worker messages ignored: a wrong or missing registration token, or an
+    /// announcement whose URL did not answer `/info` with the announced identity.
+    pub registrations_refused: Counter,
     /// Time the gateway itself spends on a request before forwarding it (parse, template,
     /// tokenize, hash, route, build the worker request), queue waits excluded.
     pub overhead: AtomicHistogram,
@@ -539,6 +542,7 @@ impl Metrics {
             worker_failures: Counter::default(),
             worker_timeouts: Counter::default(),
             migrations: Family::default(),
+            registrations_refused: Counter::default(),
             overhead: AtomicHistogram::new(OVERHEAD_BUCKETS),
             added_ttft: AtomicHistogram::new(OVERHEAD_BUCKETS),
         };
@@ -601,6 +605,12 @@ impl Metrics {
             "kvroute_gateway_worker_failures",
             "Worker connections that failed (connect errors, broken streams)",
             m.worker_failures.clone(),
+        );
+        registry.register(
+            "kvroute_gateway_worker_registrations_refused",
+            "NATS worker messages ignored: a wrong or missing registration token, or an \
+             announced URL that did not answer /info with the announced worker id and instance",
+            m.registrations_refused.clone(),
         );
         registry.register(
             "kvroute_gateway_worker_timeouts",

@@ -14,20 +14,20 @@
 //! Leaving the routing set drops the worker's blocks from the prefix index
 //! ([`router::Router::remove_worker`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kv_index::WorkerId;
-use protocol::{Subjects, WorkerCard, WorkerMessage, WorkerRole};
+use protocol::{Subjects, WorkerAnnounce, WorkerCard, WorkerMessage, WorkerRole};
 use router::WorkerLimits;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{PromptFormat, WorkerSpec};
 use crate::dispatch::{Dispatcher, Origin, RegistryError};
-use crate::events::ZmqSubscriptions;
-use crate::metrics::EventSource;
+use crate::events::{WarnBudget, ZmqSubscriptions};
+use crate::metrics::{EventSource, Metrics};
 
 /// What the gateway knows about a worker: its [`WorkerCard`] resolved against the flags and
 /// the router's settings, and how to reach it.
@@ -143,14 +143,27 @@ pub async fn probe_info(http: &reqwest::Client, url: &str, timeout: Duration) ->
     if !response.status().is_success() {
         return Probe::NoInfo;
     }
-    match response.bytes().await {
-        Ok(body) => match serde_json::from_slice::<WorkerCard>(&body) {
-            Ok(card) => Probe::Described(Box::new(card)),
-            Err(_) => Probe::NoInfo,
-        },
-        Err(e) => Probe::Down(e.to_string()),
+    // Any URL may be announced: its answer is read within a cap, never whole.
+    let mut body = Vec::new();
+    let mut response = response;
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) if body.len() + chunk.len() <= MAX_INFO_BYTES => {
+                body.extend_from_slice(&chunk)
+            }
+            Ok(Some(_)) => return Probe::NoInfo,
+            Ok(None) => break,
+            Err(e) => return Probe::Down(e.to_string()),
+        }
+    }
+    match serde_json::from_slice::<WorkerCard>(&body) {
+        Ok(card) => Probe::Described(Box::new(card)),
+        Err(_) => Probe::NoInfo,
     }
 }
+
+/// Largest `/info` answer read; a card is about 1 KiB.
+const MAX_INFO_BYTES: usize = 1 << 20;
 
 pub async fn check_health(http: &reqwest::Client, url: &str, timeout: Duration) -> bool {
     match http
@@ -175,6 +188,7 @@ pub(crate) struct RegistryCtx {
     pub zmq: Arc<ZmqSubscriptions>,
     pub cancel: CancellationToken,
     pub probe_timeout: Duration,
+    pub metrics: Arc<Metrics>,
 }
 
 impl RegistryCtx {
@@ -289,12 +303,84 @@ pub(crate) async fn run_lease_expiry(ctx: RegistryCtx, every: Duration) {
 /// Longest lease honoured, so a bad announcement cannot pin a dead worker for long.
 const MAX_LEASE: Duration = Duration::from_secs(300);
 
+/// Most announcements whose identity is checked at once; others wait for their next
+/// heartbeat, so a flood of announcements costs a bounded number of probes.
+const MAX_PENDING_CHECKS: usize = 32;
+
+/// A dynamic (or also static) worker as its last accepted announcement described it.
+#[derive(Debug, Clone)]
+struct Registered {
+    instance: u64,
+    url: String,
+}
+
+/// What probing an announced worker found.
+#[derive(Debug)]
+enum Identity {
+    /// Its URL answered `/info` with the announced worker id and instance.
+    Confirmed,
+    /// It did not; why (for the log).
+    Refused(String),
+}
+
+/// Whether `url` answers `/info` as worker `id`, run `instance`.
+async fn confirm_identity(ctx: &RegistryCtx, url: &str, id: WorkerId, instance: u64) -> Identity {
+    match probe_info(&ctx.http, url, ctx.probe_timeout).await {
+        Probe::Described(card) if card.worker == Some(id) && card.instance == instance => {
+            Identity::Confirmed
+        }
+        Probe::Described(card) => Identity::Refused(format!(
+            "{url}/info answers as worker {:?} instance {}, not {id} instance {instance}",
+            card.worker.map(|w| w.0),
+            card.instance
+        )),
+        Probe::NoInfo => Identity::Refused(format!("{url}/info has no worker card")),
+        Probe::Down(why) => Identity::Refused(format!("{url} does not answer: {why}")),
+    }
+}
+
+/// Checks an announcement that changes what the gateway knows (a new worker, a new URL, a
+/// new instance) before it takes any traffic: the announced URL must answer `/info` with the
+/// announced id and instance, and a worker id already served at another URL keeps it while
+/// that URL still answers as that worker.
+async fn check_announcement(
+    ctx: RegistryCtx,
+    id: WorkerId,
+    instance: u64,
+    url: String,
+    registered_at: Option<String>,
+) -> Identity {
+    if let Identity::Refused(why) = confirm_identity(&ctx, &url, id, instance).await {
+        return Identity::Refused(why);
+    }
+    if let Some(current) = registered_at.filter(|current| *current != url) {
+        if let Probe::Described(card) = probe_info(&ctx.http, &current, ctx.probe_timeout).await {
+            if card.worker == Some(id) {
+                return Identity::Refused(format!(
+                    "worker {id} is served at {current}, which still answers as it; {url} does \
+                     not take its place"
+                ));
+            }
+        }
+    }
+    Identity::Confirmed
+}
+
+/// The source named in the log's summary of refused worker messages.
+const REGISTRATIONS: &str = "NATS worker registrations";
+
 /// Consumes worker announcements, heartbeats and goodbyes until cancelled.
+///
+/// With a registration `token`, messages without it are ignored (counted, logged
+/// sparingly). With or without one, an announcement that changes what the gateway knows
+/// takes traffic only once [`check_announcement`] confirms it, and a goodbye removes a worker
+/// only if it names the worker's current instance.
 pub(crate) async fn run_discovery(
     ctx: RegistryCtx,
     client: async_nats::Client,
     subjects: Subjects,
     max_workers: usize,
+    token: Option<String>,
 ) {
     let subscribed = client.subscribe(subjects.workers()).await.inspect_err(
         |e| tracing::error!(error = %e, "cannot subscribe to worker announcements over NATS"),
@@ -302,79 +388,157 @@ pub(crate) async fn run_discovery(
     let Ok(mut subscriber) = subscribed else {
         return;
     };
-    // Each dynamic worker's current instance; bounded like the worker table.
-    let mut instances: BTreeMap<WorkerId, u64> = BTreeMap::new();
+    // Each accepted worker's instance and URL; bounded like the worker table.
+    let mut registered: BTreeMap<WorkerId, Registered> = BTreeMap::new();
+    // Announcements being checked, by worker; their outcomes come back on `checked`.
+    let mut pending: BTreeSet<WorkerId> = BTreeSet::new();
+    let (checked_tx, mut checked) =
+        tokio::sync::mpsc::channel::<(WorkerAnnounce, Identity)>(MAX_PENDING_CHECKS);
+    let mut warnings = WarnBudget::new();
+    let refuse = |warnings: &mut WarnBudget, why: &str, worker: WorkerId| {
+        ctx.metrics.registrations_refused.inc();
+        if warnings.allow(REGISTRATIONS) {
+            tracing::warn!(worker = %worker, "worker message ignored: {why}");
+        }
+    };
     loop {
         let message = tokio::select! {
             _ = ctx.cancel.cancelled() => return,
+            Some((announce, identity)) = checked.recv() => {
+                let id = announce.card.worker.unwrap_or_default();
+                pending.remove(&id);
+                match identity {
+                    Identity::Confirmed => accept(&ctx, &mut registered, max_workers, &announce),
+                    Identity::Refused(why) => refuse(&mut warnings, &why, id),
+                }
+                continue;
+            }
             m = subscriber.next() => match m { Some(m) => m, None => return },
         };
         let message = match WorkerMessage::decode(&message.payload) {
             Ok(m) => m,
             Err(e) => {
-                tracing::warn!(error = %e, "undecodable worker message; ignored");
+                refuse(&mut warnings, &format!("undecodable: {e}"), WorkerId(0));
                 continue;
             }
         };
+        if !message.has_token(token.as_deref()) {
+            refuse(
+                &mut warnings,
+                "wrong or missing registration token (--registration-token)",
+                message.worker(),
+            );
+            continue;
+        }
         match message {
             WorkerMessage::Announce(a) => {
-                let info = describe(
-                    &WorkerSpec::new(a.card.url.as_str()),
-                    &a.card,
-                    ctx.dispatcher.block_size(),
-                );
-                let id = info.id;
-                let lease = Duration::from_millis(a.lease_ms).min(MAX_LEASE);
-                let deadline = Instant::now() + lease;
-                let restarted = instances.get(&id).is_some_and(|i| *i != a.card.instance);
-                if ctx.dispatcher.origin(id) == Some(Origin::Static) {
-                    // Also a `--worker`: the flag's entry stays; a restart still drops
-                    // what the index held for it.
-                    if restarted {
-                        ctx.dispatcher.resync_worker(EventSource::Nats, id);
-                    }
-                    instances.insert(id, a.card.instance);
-                    continue;
-                }
-                if !restarted
-                    && instances.contains_key(&id)
-                    && ctx.dispatcher.renew_lease(id, deadline)
-                {
-                    continue;
-                }
-                if restarted {
-                    tracing::info!(worker = %id, "worker restarted (new instance); its cached blocks are dropped");
-                    ctx.dispatcher.remove_worker(id);
-                    ctx.zmq.stop(id);
-                }
-                match ctx.dispatcher.upsert_worker(
-                    info.clone(),
-                    Origin::Dynamic {
-                        lease_deadline: deadline,
-                    },
-                    true,
-                ) {
-                    Ok(()) => {
-                        if instances.len() >= max_workers && !instances.contains_key(&id) {
-                            instances.clear();
+                let id = message_worker(&a);
+                let url = WorkerInfo::new(id, &a.card.url).url;
+                let known = registered.get(&id).cloned();
+                if let Some(known) = &known {
+                    if known.instance == a.card.instance && known.url == url {
+                        if ctx.dispatcher.origin(id) == Some(Origin::Static) {
+                            continue;
                         }
-                        instances.insert(id, a.card.instance);
-                        ctx.start_zmq(&info);
-                        tracing::info!(worker = %id, url = %info.url, "worker registered");
-                    }
-                    Err(e) => {
-                        tracing::error!(worker = %id, url = %info.url, error = %e, "announced worker refused")
+                        let lease = Duration::from_millis(a.lease_ms).min(MAX_LEASE);
+                        if ctx.dispatcher.renew_lease(id, Instant::now() + lease) {
+                            continue;
+                        }
+                        // Gone from the table (failed, expired): checked again below.
                     }
                 }
+                if pending.contains(&id) || pending.len() >= MAX_PENDING_CHECKS {
+                    continue;
+                }
+                pending.insert(id);
+                let (ctx, done) = (ctx.clone(), checked_tx.clone());
+                tokio::spawn(async move {
+                    let identity =
+                        check_announcement(ctx, id, a.card.instance, url, known.map(|k| k.url))
+                            .await;
+                    let _ = done.send((a, identity)).await;
+                });
             }
-            WorkerMessage::Goodbye { worker, .. } => {
+            WorkerMessage::Goodbye {
+                worker, instance, ..
+            } => {
                 let id = WorkerId(worker);
-                instances.remove(&id);
+                if registered.get(&id).is_none_or(|r| r.instance != instance) {
+                    refuse(
+                        &mut warnings,
+                        "a goodbye for another instance than the registered one",
+                        id,
+                    );
+                    continue;
+                }
+                registered.remove(&id);
                 if ctx.dispatcher.remove_worker(id) {
                     tracing::info!(worker = %id, "worker said goodbye; removed");
                 }
                 ctx.zmq.stop(id);
             }
+        }
+        warnings.tick(REGISTRATIONS);
+    }
+}
+
+/// The worker an announcement names ([`WorkerMessage::decode`] checked that it names one).
+fn message_worker(announce: &WorkerAnnounce) -> WorkerId {
+    announce.card.worker.unwrap_or_default()
+}
+
+/// Puts a confirmed announcement into the routing set (replacing what the gateway knew of
+/// the worker: a restart, a new URL).
+fn accept(
+    ctx: &RegistryCtx,
+    registered: &mut BTreeMap<WorkerId, Registered>,
+    max_workers: usize,
+    a: &WorkerAnnounce,
+) {
+    let info = describe(
+        &WorkerSpec::new(a.card.url.as_str()),
+        &a.card,
+        ctx.dispatcher.block_size(),
+    );
+    let id = info.id;
+    let known = registered.get(&id);
+    let replaced = known.is_some_and(|k| k.instance != a.card.instance || k.url != info.url);
+    let entry = Registered {
+        instance: a.card.instance,
+        url: info.url.clone(),
+    };
+    if ctx.dispatcher.origin(id) == Some(Origin::Static) {
+        // Also a `--worker`: the flag's entry stays; a restart still drops what the index
+        // held for it.
+        if replaced {
+            ctx.dispatcher.resync_worker(EventSource::Nats, id);
+        }
+        registered.insert(id, entry);
+        return;
+    }
+    if replaced {
+        tracing::info!(worker = %id, url = %info.url, "worker restarted or moved; its cached blocks are dropped");
+        ctx.dispatcher.remove_worker(id);
+        ctx.zmq.stop(id);
+    }
+    let lease = Duration::from_millis(a.lease_ms).min(MAX_LEASE);
+    match ctx.dispatcher.upsert_worker(
+        info.clone(),
+        Origin::Dynamic {
+            lease_deadline: Instant::now() + lease,
+        },
+        true,
+    ) {
+        Ok(()) => {
+            if registered.len() >= max_workers && !registered.contains_key(&id) {
+                registered.clear();
+            }
+            registered.insert(id, entry);
+            ctx.start_zmq(&info);
+            tracing::info!(worker = %id, url = %info.url, "worker registered");
+        }
+        Err(e) => {
+            tracing::error!(worker = %id, url = %info.url, error = %e, "announced worker refused")
         }
     }
 }

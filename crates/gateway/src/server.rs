@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use protocol::http::{check_model, json_response, read_json};
+use protocol::http::{check_model, json_response, read_json_within};
 use protocol::{
     Api, ApiError, ApiRequest, ChatCompletionRequest, CompletionRequest, KvTransferParams, Model,
     ModelList, Prompt, ResponseHead, StreamOptions,
@@ -62,7 +62,7 @@ pub(crate) fn routes(state: Arc<AppState>) -> HttpRouter {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::middleware::from_fn(crate::listener::limit_headers))
+        .layer(axum::middleware::from_fn(protocol::listener::limit_headers))
         .with_state(state)
 }
 
@@ -361,13 +361,8 @@ async fn handle<R: Prepare>(
 ) -> Response {
     let mut record = RequestRecord::start(state.metrics.clone(), endpoint(R::API), false);
     let parsed = async {
-        // One deadline for the whole body: a client trickling bytes cannot hold the
-        // connection (and what it sent) for longer.
-        let body_timeout = state.timeouts.body;
-        let read = read_json(&headers, body, state.max_body_bytes);
-        let mut request: R = tokio::time::timeout(body_timeout, read)
-            .await
-            .map_err(|_| ApiError::request_timeout(body_timeout.as_secs_f64()))??;
+        let mut request: R =
+            read_json_within(&headers, body, state.max_body_bytes, state.timeouts.body).await?;
         record.set_stream(request.params().is_stream());
         check_model(&state.model, request.model())?;
         let prepared = request.prepare(&state)?;

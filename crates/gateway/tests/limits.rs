@@ -306,3 +306,41 @@ async fn a_reply_that_never_ends_gets_the_client_a_502_at_the_cap() {
         gw.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_over_its_rate_limit_gets_429_with_retry_after() {
+    // Slow enough (one request per 100 s after a burst of 3) that the test's own pace
+    // cannot refill a token.
+    let limit = gateway::rate_limit::RateLimit::new(0.01, Some(3)).unwrap();
+    let gw = gateway(GatewayConfig {
+        rate_limit: Some(limit),
+        ..config(vec![])
+    })
+    .await;
+    let url = gw.url();
+    let client = reqwest::Client::new();
+    for _ in 0..3 {
+        let response = client.get(format!("{url}/v1/models")).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+    }
+    let refused = client.get(format!("{url}/v1/models")).send().await.unwrap();
+    assert_eq!(refused.status(), 429);
+    let retry_after: u64 = refused.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=100).contains(&retry_after), "{retry_after}");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+    assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+    // A completion is refused the same way, before its body is read.
+    let (status, _, body) = short_chat_json(&url).await;
+    assert_eq!(status, 429, "{body}");
+    // Probes and Prometheus are not limited.
+    for path in ["/health", "/metrics"] {
+        let response = client.get(format!("{url}{path}")).send().await.unwrap();
+        assert_ne!(response.status(), 429, "{path}");
+    }
+    gw.shutdown().await;
+}

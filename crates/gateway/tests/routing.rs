@@ -175,9 +175,11 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
 
     // A worker that stops heartbeating leaves when its lease runs out (it stays healthy, so
     // only the lease can remove it).
-    let silent =
-        common::fake_worker::FakeWorker::start(common::fake_worker::Script::Complete { tokens: 1 })
-            .await;
+    let silent = common::fake_worker::FakeWorker::start_with_info(
+        common::fake_worker::Script::Complete { tokens: 1 },
+        Some(serde_json::json!({"worker": 99, "instance": 1})),
+    )
+    .await;
     let client = async_nats::connect(nats.url()).await.unwrap();
     let announce = protocol::WorkerMessage::Announce(protocol::WorkerAnnounce {
         card: protocol::WorkerCard {
@@ -196,6 +198,7 @@ async fn workers_register_over_nats_and_leave_by_goodbye_or_lease() {
             ..protocol::WorkerCard::default()
         },
         lease_ms: 300,
+        token: None,
     });
     client
         .publish("kvroute.dyn.workers", announce.encode().unwrap().into())

@@ -278,6 +278,10 @@ pub struct LoadgenArgs {
     host: IpAddr,
     #[arg(long, default_value_t = 8080)]
     port: u16,
+    /// Bearer token of the dashboard's control API and WebSocket; required when --host is
+    /// not a loopback address. Open the dashboard as http://HOST:PORT/?token=TOKEN.
+    #[arg(long, env = "KVROUTE_API_TOKEN", hide_env_values = true)]
+    api_token: Option<String>,
     /// Base URL of the OpenAI-compatible endpoint to load (a gateway, vLLM, …), without /v1.
     #[arg(long)]
     target: String,
@@ -320,6 +324,10 @@ pub struct DemoArgs {
     /// Dashboard port.
     #[arg(long, default_value_t = 8080)]
     port: u16,
+    /// Bearer token of the dashboard's control API and WebSocket; required when --host is
+    /// not a loopback address. Open the dashboard as http://HOST:PORT/?token=TOKEN.
+    #[arg(long, env = "KVROUTE_API_TOKEN", hide_env_values = true)]
+    api_token: Option<String>,
     /// The gateway's port (with --compare, the second gateway takes the next one).
     #[arg(long, default_value_t = 8000)]
     gateway_port: u16,
@@ -472,12 +480,19 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
         phase_reference: args.drive.phase_reference(|| None)?,
         autostart: args.drive.start,
         scaling,
+        api_token: args.api_token.clone(),
         ..LoadgenConfig::new(vec![lane])
     };
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let loadgen = Loadgen::bind(config).await?;
         println!("kvroute loadgen: dashboard on {}", loadgen.url());
+        if args.api_token.is_some() {
+            println!(
+                "kvroute loadgen: the API needs its token: open {}/?token=TOKEN",
+                loadgen.url()
+            );
+        }
         println!("kvroute loadgen: driving {target}; Ctrl-C stops");
         run_or_wait(&loadgen, &args.drive, args.speedup).await?;
         println!("kvroute loadgen: shutting down");
@@ -761,6 +776,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             phase_reference,
             autostart: args.drive.start,
             scaling,
+            api_token: args.api_token.clone(),
             ..LoadgenConfig::new(lanes)
         };
         let loadgen = Loadgen::bind(config).await?;
@@ -790,6 +806,12 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             _ => None,
         };
         println!("kvroute demo: open {} (Ctrl-C stops)", loadgen.url());
+        if args.api_token.is_some() {
+            println!(
+                "kvroute demo: the API needs its token: open {}/?token=TOKEN",
+                loadgen.url()
+            );
+        }
         run_or_wait(&loadgen, &args.drive, args.speedup).await?;
         println!("kvroute demo: shutting down");
         loadgen.shutdown().await;

@@ -51,6 +51,10 @@ pub struct EngineArgs {
     /// Registration lease in milliseconds; heartbeats go out every third of it.
     #[arg(long, default_value_t = 10_000)]
     lease_ms: u64,
+    /// A shared secret carried in this worker's NATS announcements, heartbeats and goodbyes;
+    /// gateways started with the same --registration-token ignore workers without it.
+    #[arg(long, env = "KVROUTE_REGISTRATION_TOKEN", hide_env_values = true)]
+    registration_token: Option<String>,
     /// Publish KV events in vLLM's ZMQ format on this endpoint, e.g. tcp://127.0.0.1:5557.
     /// `auto` (the default) binds a free port on --host and announces it in /info, where
     /// gateways subscribe by themselves; `off` publishes none.
@@ -98,6 +102,13 @@ pub struct EngineArgs {
     /// Largest request body accepted, in bytes (more: 413).
     #[arg(long, default_value_t = 32 << 20)]
     body_limit: usize,
+    /// Seconds a client has to send its request headers; also how long an idle keep-alive
+    /// connection stays open.
+    #[arg(long, default_value_t = 30.0)]
+    header_timeout: f64,
+    /// Seconds a client has to send its whole request body (then 408).
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
     /// The `Hostname` label of the simulated DCGM metrics (default: $HOSTNAME).
     #[arg(long)]
     hostname: Option<String>,
@@ -184,10 +195,13 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
         spread: args.reply_spread,
     };
     config.body_limit_bytes = args.body_limit;
+    config.header_timeout = crate::gateway_cmd::seconds("header-timeout", args.header_timeout)?;
+    config.body_timeout = crate::gateway_cmd::seconds("body-timeout", args.body_timeout)?;
     config.nats = args.nats.as_ref().map(|url| NatsConfig {
         url: url.clone(),
         namespace: args.namespace.clone(),
         lease_ms: args.lease_ms,
+        registration_token: args.registration_token.clone(),
     });
     config.zmq_pub = match args.zmq_pub.as_str() {
         "off" => None,

@@ -89,6 +89,20 @@ pub struct GatewayArgs {
     /// NATS subject namespace (`kvroute.<namespace>.…`), as the workers use.
     #[arg(long, default_value = "default")]
     namespace: String,
+    /// A shared secret that NATS worker messages must carry (the engines'
+    /// --registration-token); others are ignored and counted
+    /// (kvroute_gateway_worker_registrations_refused_total). Without one, announced workers
+    /// are still routed to only once their /info answers with the announced identity.
+    #[arg(long, env = "KVROUTE_REGISTRATION_TOKEN", hide_env_values = true)]
+    registration_token: Option<String>,
+    /// Per-client rate limit of /v1/* requests, per second per client address (IPv6: per
+    /// /64); beyond it: 429 with Retry-After. Default: no limit.
+    #[arg(long, value_name = "RPS")]
+    rate_limit: Option<f64>,
+    /// Requests a client may send at once before --rate-limit applies (default: one
+    /// second's worth).
+    #[arg(long, value_name = "N", requires = "rate_limit")]
+    rate_limit_burst: Option<u32>,
     /// Largest request body accepted, in bytes (more: 413). Read as it arrives, never
     /// reserved from a declared Content-Length.
     #[arg(long, alias = "max-body-bytes", default_value_t = 16 << 20)]
@@ -158,7 +172,7 @@ pub struct GatewayArgs {
     prefill_timeout: f64,
 }
 
-fn seconds(flag: &str, value: f64) -> Result<Duration> {
+pub(crate) fn seconds(flag: &str, value: f64) -> Result<Duration> {
     if !(value.is_finite() && value > 0.0) {
         bail!("--{flag} must be a positive number of seconds, got {value}");
     }
@@ -208,6 +222,12 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
         router: router_config(args)?,
         nats_url: args.nats.clone(),
         namespace: args.namespace.clone(),
+        registration_token: args.registration_token.clone(),
+        rate_limit: args
+            .rate_limit
+            .map(|rps| gateway::rate_limit::RateLimit::new(rps, args.rate_limit_burst))
+            .transpose()
+            .map_err(anyhow::Error::msg)?,
         max_body_bytes: args.max_request_bytes,
         max_response_bytes: args.max_response_bytes,
         timeouts: Timeouts {

@@ -48,6 +48,7 @@
 //! # Ok(()) }
 //! ```
 
+mod access;
 mod baseline;
 mod client;
 mod lane;
@@ -149,6 +150,9 @@ pub struct LoadgenConfig {
     /// Seed 004's scenario (auto mode), the pools' autoscalers (manual mode) and the fleet
     /// they resize.
     pub scaling: ScalingConfig,
+    /// The bearer token of the control API and the WebSocket (`access.rs`); required when
+    /// `listen` is not a loopback address.
+    pub api_token: Option<String>,
 }
 
 impl LoadgenConfig {
@@ -164,6 +168,7 @@ impl LoadgenConfig {
             slo: Slo::default(),
             autostart: false,
             scaling: ScalingConfig::default(),
+            api_token: None,
         }
     }
 }
@@ -222,6 +227,24 @@ impl Loadgen {
             return Err(LoadgenError::Config(
                 "the request timeout must be positive".into(),
             ));
+        }
+        let loopback = config.listen.ip().is_loopback();
+        match config.api_token.as_deref() {
+            Some(token) if token.trim().is_empty() || token.chars().any(char::is_whitespace) => {
+                return Err(LoadgenError::Config(
+                    "the API token must be non-empty and contain no spaces".into(),
+                ));
+            }
+            None if !loopback => {
+                return Err(LoadgenError::Config(format!(
+                    "{} is not a loopback address: anyone who reaches it could start and stop \
+                     the workload. Set a token with --api-token TOKEN or KVROUTE_API_TOKEN=TOKEN \
+                     (then open the dashboard as http://HOST:PORT/?token=TOKEN), or listen on \
+                     127.0.0.1",
+                    config.listen.ip()
+                )));
+            }
+            _ => {}
         }
         let scenario =
             scenario::ScenarioHandle::new(config.scaling.clone(), config.drive.time_scale)
@@ -290,7 +313,10 @@ impl Loadgen {
             config.lanes[0].gateway_metrics.clone(),
             shutdown.clone(),
         ));
-        let router = server::router(app.clone());
+        let router = server::router(
+            app.clone(),
+            access::Access::new(config.api_token.as_deref(), loopback),
+        );
         let stop = shutdown.clone();
         let server = tokio::spawn(async move {
             let serve = axum::serve(listener, router)

@@ -425,8 +425,8 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The router of every endpoint.
-pub fn router(app: Arc<App>) -> Router {
+/// The router of every endpoint, behind the access checks of `access` (`access.rs`).
+pub fn router(app: Arc<App>, access: crate::access::Access) -> Router {
     Router::new()
         .route("/api/status", get(get_status))
         .route("/api/workload/start", post(post_start))
@@ -444,6 +444,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/{*rest}", get(api_not_found).post(api_not_found))
         .fallback(get(asset))
         .with_state(app)
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::new(access),
+            crate::access::check,
+        ))
 }
 
 async fn api_not_found(Path(rest): Path<String>) -> ApiError {

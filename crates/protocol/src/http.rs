@@ -30,7 +30,7 @@ pub fn check_model(served: &str, requested: &str) -> Result<(), ApiError> {
 }
 
 #[cfg(feature = "axum")]
-pub use with_axum::{json_response, read_body, read_json};
+pub use with_axum::{json_response, read_body, read_json, read_json_within};
 
 #[cfg(feature = "axum")]
 mod with_axum {
@@ -85,6 +85,19 @@ mod with_axum {
         limit: usize,
     ) -> Result<T, ApiError> {
         super::parse_json(&read_body(headers, body, limit).await?)
+    }
+
+    /// [`read_json`] with one deadline for the whole body (408 after it): a client trickling
+    /// bytes cannot hold the connection, and what it sent, for longer.
+    pub async fn read_json_within<T: serde::de::DeserializeOwned>(
+        headers: &HeaderMap,
+        body: Body,
+        limit: usize,
+        deadline: std::time::Duration,
+    ) -> Result<T, ApiError> {
+        tokio::time::timeout(deadline, read_json(headers, body, limit))
+            .await
+            .map_err(|_| ApiError::request_timeout(deadline.as_secs_f64()))?
     }
 
     /// A JSON response. A value that cannot be serialized (a bug) becomes a 500 that says so,

@@ -59,6 +59,8 @@
 pub mod error;
 pub mod http;
 pub mod kv_events;
+#[cfg(feature = "axum")]
+pub mod listener;
 pub mod openai;
 pub mod sse;
 pub mod subjects;

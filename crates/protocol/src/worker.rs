@@ -153,7 +153,13 @@ impl std::str::FromStr for WorkerRole {
 #[allow(clippy::large_enum_variant)]
 pub enum WorkerMessage {
     Announce(WorkerAnnounce),
-    Goodbye { worker: u64, instance: u64 },
+    Goodbye {
+        worker: u64,
+        instance: u64,
+        /// The registration token (see [`WorkerAnnounce::token`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+    },
 }
 
 /// A worker's card, valid for `lease_ms`. Sent on start-up and then every `lease_ms / 3` or
@@ -164,6 +170,11 @@ pub struct WorkerAnnounce {
     pub card: WorkerCard,
     /// How long this announcement is valid.
     pub lease_ms: u64,
+    /// The shared registration token (`--registration-token`), when the cluster has one: a
+    /// gateway with a token ignores messages without it. Never part of the card (`/info`
+    /// is public).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 /// A worker message that cannot be read.
@@ -207,6 +218,30 @@ impl WorkerMessage {
             WorkerMessage::Goodbye { worker, .. } => WorkerId(*worker),
         }
     }
+
+    /// The registration token the message carries.
+    pub fn token(&self) -> Option<&str> {
+        match self {
+            WorkerMessage::Announce(announce) => announce.token.as_deref(),
+            WorkerMessage::Goodbye { token, .. } => token.as_deref(),
+        }
+    }
+
+    /// Whether the message carries `expected` (compared without an early exit, so the time
+    /// taken hints nothing about the token); any message passes when `expected` is `None`.
+    pub fn has_token(&self, expected: Option<&str>) -> bool {
+        let Some(expected) = expected else {
+            return true;
+        };
+        self.token().is_some_and(|given| {
+            given.len() == expected.len()
+                && given
+                    .bytes()
+                    .zip(expected.bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0
+        })
+    }
 }
 
 #[cfg(test)]
@@ -249,6 +284,7 @@ mod tests {
         let announce = WorkerMessage::Announce(WorkerAnnounce {
             card: card(),
             lease_ms: 3_000,
+            token: None,
         });
         let bytes = announce.encode().unwrap();
         let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
@@ -261,10 +297,41 @@ mod tests {
         let bye = WorkerMessage::Goodbye {
             worker: 3,
             instance: 77,
+            token: None,
         };
         assert_eq!(WorkerMessage::decode(&bye.encode().unwrap()).unwrap(), bye);
         assert_eq!(bye.worker(), WorkerId(3));
         assert!(WorkerMessage::decode(b"{\"type\":\"hello\"}").is_err());
+        assert!(announce.has_token(None));
+        assert!(
+            !announce.has_token(Some("s")),
+            "no token where one is expected"
+        );
+    }
+
+    #[test]
+    fn tokens_travel_beside_the_card_and_are_checked() {
+        let announce = WorkerMessage::Announce(WorkerAnnounce {
+            card: card(),
+            lease_ms: 3_000,
+            token: Some("secret".into()),
+        });
+        let json: serde_json::Value = serde_json::from_slice(&announce.encode().unwrap()).unwrap();
+        assert_eq!(json["token"], "secret");
+        let back = WorkerMessage::decode(&announce.encode().unwrap()).unwrap();
+        assert_eq!(back, announce);
+        assert!(back.has_token(Some("secret")));
+        assert!(!back.has_token(Some("secres")));
+        assert!(!back.has_token(Some("secret2")));
+        let card_json = serde_json::to_value(card()).unwrap();
+        assert!(
+            card_json.get("token").is_none(),
+            "the card never carries it"
+        );
+        let bye: WorkerMessage =
+            WorkerMessage::decode(br#"{"type":"goodbye","worker":3,"instance":1,"token":"t"}"#)
+                .unwrap();
+        assert!(bye.has_token(Some("t")) && !bye.has_token(Some("u")));
     }
 
     #[test]

@@ -51,15 +51,23 @@ pub struct FakeWorker {
 
 impl FakeWorker {
     pub async fn start(script: Script) -> FakeWorker {
+        FakeWorker::start_with_info(script, None).await
+    }
+
+    /// A fake worker whose `/info` answers `info` (a worker card), when given.
+    pub async fn start_with_info(script: Script, info: Option<Value>) -> FakeWorker {
         let requests = Arc::new(Mutex::new(Vec::new()));
         let state = FakeState {
             script,
             requests: requests.clone(),
         };
-        let app = Router::new()
+        let mut app = Router::new()
             .route("/v1/completions", post(completions))
-            .route("/health", get(|| async { "ok" }))
-            .with_state(state);
+            .route("/health", get(|| async { "ok" }));
+        if let Some(info) = info {
+            app = app.route("/info", get(move || async move { axum::Json(info) }));
+        }
+        let app = app.with_state(state);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move {

@@ -49,6 +49,7 @@ pub async fn engine(id: u64, nats: Option<(&str, &str)>) -> EngineServerHandle {
             url: url.to_string(),
             namespace: namespace.to_string(),
             lease_ms: 1_000,
+            registration_token: None,
         }),
         ..engine_config(id)
     })

@@ -1,30 +1,33 @@
-//! The gateway's HTTP listener: hyper's HTTP/1 server with its own timers, so that no phase of
-//! a client connection can hold resources forever.
+//! The HTTP listener of both servers (the gateway, the engine server): hyper's HTTP/1 server
+//! with its own timers, so that no phase of a client connection can hold resources forever.
 //!
 //! `axum::serve` offers no connection settings, so connections are served here by hyper's
 //! `http1::Builder` (the same server underneath), with:
 //!
 //! - hyper's header read timeout, which also bounds how long an idle keep-alive connection
 //!   waits for its next request (hyper starts the timer whenever it waits for a request head);
-//! - request bodies read within a total deadline (`server.rs`: 408) and grown as they arrive
-//!   up to the size cap (`protocol::http::read_body`: 413);
+//! - request bodies read within a total deadline and grown as they arrive up to the size cap
+//!   ([`crate::http::read_json_within`]: 408 and 413);
+//! - the client's address in each request's extensions (axum's `ConnectInfo<SocketAddr>`),
+//!   for per-client limits;
 //! - request headers bounded by count and size, answered with OpenAI-style JSON (431) below
 //!   hyper's own, body-less limits ([`MAX_HEADERS`], [`MAX_HEADER_BYTES`]).
 //!
 //! Shutdown stops accepting and lets open connections finish (hyper-util's graceful
 //! shutdown); the caller bounds the wait.
 
+use std::future::Future;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::Request;
+use axum::extract::{ConnectInfo, Request};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
-use protocol::ApiError;
-use tokio_util::sync::CancellationToken;
+use tower_service::Service;
+
+use crate::ApiError;
 
 /// Most request headers answered; more get a JSON 431.
 pub const MAX_HEADERS: usize = 100;
@@ -35,7 +38,7 @@ pub const MAX_HEADER_BYTES: usize = 64 << 10;
 const HYPER_MAX_HEADERS: usize = 4 * MAX_HEADERS;
 
 /// Answers 431 with OpenAI's error JSON for requests with too many or too large headers.
-pub(crate) async fn limit_headers(request: Request, next: Next) -> Response {
+pub async fn limit_headers(request: Request, next: Next) -> Response {
     let headers = request.headers();
     let bytes: usize = headers
         .iter()
@@ -47,25 +50,27 @@ pub(crate) async fn limit_headers(request: Request, next: Next) -> Response {
     next.run(request).await
 }
 
-/// Serves `app` on `listener` until `cancel`, then waits for open connections to finish.
-pub(crate) async fn serve(
+/// Serves `app` on `listener` until `shutdown` completes, then waits for open connections to
+/// finish (the caller bounds that wait). Requests carry `ConnectInfo<SocketAddr>`.
+pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Router,
     header_timeout: Duration,
-    cancel: CancellationToken,
+    shutdown: impl Future<Output = ()>,
 ) {
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(header_timeout)
         .max_headers(HYPER_MAX_HEADERS);
     let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
-            _ = cancel.cancelled() => break,
+            () = &mut shutdown => break,
             accepted = listener.accept() => accepted,
         };
-        let tcp = match accepted {
-            Ok((tcp, _)) => tcp,
+        let (tcp, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // Out of file descriptors and the like: wait for connections to close
                 // rather than spin.
@@ -74,9 +79,16 @@ pub(crate) async fn serve(
                 continue;
             }
         };
+        // Streams are many small writes: without TCP_NODELAY, Nagle holds a token chunk back
+        // until the previous one is acknowledged.
         let _ = tcp.set_nodelay(true);
-        let connection =
-            http.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()));
+        let app = app.clone();
+        let service =
+            hyper::service::service_fn(move |mut request: Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(ConnectInfo(peer));
+                app.clone().call(request.map(axum::body::Body::new))
+            });
+        let connection = http.serve_connection(TokioIo::new(tcp), service);
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
             if let Err(e) = connection.await {
