@@ -1022,8 +1022,9 @@ mod tests {
                 ..Default::default()
             },
             ejection: router::EjectionConfig {
-                base: Nanos::from_millis(200),
-                max: Nanos::from_secs(2),
+                // Long enough that a loaded machine still checks "still out" within it.
+                base: Nanos::from_secs(1),
+                max: Nanos::from_secs(10),
             },
             ..GatewayConfig::default()
         };
@@ -1036,7 +1037,7 @@ mod tests {
         d.set_routable(WorkerId(1), true);
         d.upsert_worker(info, Origin::Static, true).unwrap();
         assert!(d.routable_workers().is_empty());
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(1_100)).await;
         d.set_routable(WorkerId(1), true);
         assert_eq!(d.routable_workers(), vec![WorkerId(1)]);
     }
