@@ -70,14 +70,17 @@ fn argv(container: &Value) -> Vec<String> {
     let mut vars = Vec::new();
     for env in container["env"].as_array().into_iter().flatten() {
         let name = env["name"].as_str().expect("env name").to_owned();
-        let value = match env["value"].as_str() {
-            Some(v) => v.to_owned(),
-            None => field_sample(
-                env["valueFrom"]["fieldRef"]["fieldPath"]
-                    .as_str()
-                    .unwrap_or_else(|| panic!("env {name}: only value and fieldRef are used")),
-            )
-            .to_owned(),
+        let from = &env["valueFrom"];
+        let value = if let Some(v) = env["value"].as_str() {
+            v.to_owned()
+        } else if let Some(secret) = from["secretKeyRef"]["name"].as_str() {
+            // A Secret's value is not in the manifests; what a flag gets is a stand-in.
+            format!("secret-{secret}")
+        } else {
+            field_sample(from["fieldRef"]["fieldPath"].as_str().unwrap_or_else(|| {
+                panic!("env {name}: only value, fieldRef and secretKeyRef are used")
+            }))
+            .to_owned()
         };
         vars.push((name, value));
     }
@@ -99,8 +102,21 @@ fn argv(container: &Value) -> Vec<String> {
     argv
 }
 
-/// Every container running the kvroute image: (where, argv).
-fn kvroute_containers() -> Option<Vec<(String, Vec<String>)>> {
+/// The names of a container's environment variables.
+fn env_names(container: &Value) -> Vec<String> {
+    container["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|env| env["name"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// A container running the kvroute image: where it is, its argv, its environment's names.
+type KvrouteContainer = (String, Vec<String>, Vec<String>);
+
+/// Every container running the kvroute image.
+fn kvroute_containers() -> Option<Vec<KvrouteContainer>> {
     let mut out = Vec::new();
     for (dir, objects) in rendered()? {
         for object in &objects {
@@ -114,7 +130,7 @@ fn kvroute_containers() -> Option<Vec<(String, Vec<String>)>> {
                         object["kind"].as_str().unwrap_or("?"),
                         object["metadata"]["name"].as_str().unwrap_or("?")
                     );
-                    out.push((place, argv(container)));
+                    out.push((place, argv(container), env_names(container)));
                 }
             }
         }
@@ -131,7 +147,7 @@ fn deploy_every_kvroute_command_line_parses_and_configures() {
     // doks: gateway, loadgen.
     assert!(containers.len() >= 11, "{containers:?}");
     let mut seen = std::collections::BTreeSet::new();
-    for (place, argv) in &containers {
+    for (place, argv, env) in &containers {
         assert_eq!(argv.first().map(String::as_str), Some("kvroute"), "{place}");
         let cli = Cli::try_parse_from(argv)
             .unwrap_or_else(|e| panic!("{place}: `{}` does not parse:\n{e}", argv.join(" ")));
@@ -146,6 +162,17 @@ fn deploy_every_kvroute_command_line_parses_and_configures() {
                 seen.insert("gateway");
             }
             Command::Loadgen(_) => {
+                // Off loopback the load generator refuses to start without an API token: the
+                // manifest must give it one.
+                let off_loopback = argv
+                    .iter()
+                    .any(|w| w.starts_with("--host=") && w != "--host=127.0.0.1");
+                let token = argv.iter().any(|w| w.starts_with("--api-token"))
+                    || env.iter().any(|name| name == "KVROUTE_API_TOKEN");
+                assert!(
+                    !off_loopback || token,
+                    "{place}: the load generator binds off loopback without an API token"
+                );
                 seen.insert("loadgen");
             }
             other => panic!("{place}: unexpected subcommand {other:?}"),
@@ -162,9 +189,9 @@ fn deploy_a_renamed_flag_fails_the_check() {
     let Some(containers) = kvroute_containers() else {
         return;
     };
-    let (place, argv) = containers
+    let (place, argv, _) = containers
         .iter()
-        .find(|(_, argv)| argv.get(1).is_some_and(|s| s == "gateway"))
+        .find(|(_, argv, _)| argv.get(1).is_some_and(|s| s == "gateway"))
         .expect("a gateway container");
     let renamed: Vec<String> = argv
         .iter()
