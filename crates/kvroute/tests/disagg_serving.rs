@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use common::{Server, get_text};
+use common::{Server, get_text, wait_routable};
 use serde_json::{Value, json};
 
 mod common;
@@ -84,22 +84,6 @@ fn sample(metrics: &str, series: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-async fn wait_routable(gateway: &str, n: u64) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let health: Value =
-            serde_json::from_str(&get_text(&format!("{gateway}/health")).await).unwrap_or_default();
-        if health["routable_workers"] == n {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never {n} routable workers: {health}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chat_is_split_its_next_turn_hits_the_decode_worker_and_a_dead_prefill_worker_costs_no_answer()
  {
@@ -141,7 +125,7 @@ async fn a_chat_is_split_its_next_turn_hits_the_decode_worker_and_a_dead_prefill
         "0.2",
     ]);
     let url = gateway.url.clone();
-    wait_routable(&url, 2).await;
+    wait_routable(&url, 2, Duration::from_secs(20)).await;
 
     // Turn 1: a long prompt, nothing cached → split.
     let question = "The harbour master logs every ship that enters the bay at dawn. ".repeat(80);
@@ -234,7 +218,7 @@ async fn a_chat_is_split_its_next_turn_hits_the_decode_worker_and_a_dead_prefill
 
     // No decode worker: a clear OpenAI error at once.
     decode.running.kill();
-    wait_routable(&url, 0).await;
+    wait_routable(&url, 0, Duration::from_secs(20)).await;
     let (status, _, _, body) = post_chat(&url, &chat(&[user(&other)], false)).await;
     assert_eq!(status, 503, "{body}");
     let error: Value = serde_json::from_str(&body).unwrap();

@@ -11,7 +11,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use common::{Server, get_json, get_text};
+use common::{Server, get_json, get_text, wait_routable};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
@@ -44,27 +44,6 @@ fn served_by(response: &reqwest::Response) -> u64 {
         .unwrap()
         .parse()
         .unwrap()
-}
-
-async fn wait_routable(url: &str, routable: u64, within: Duration) {
-    let deadline = Instant::now() + within;
-    loop {
-        let health = get_json(&format!("{url}/health")).await;
-        if health["routable_workers"] == routable {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never {routable} routable workers: {health}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn signal(server: &Server, signal: libc::c_int) {
-    // SAFETY: kill(2) on our own child's pid.
-    let rc = unsafe { libc::kill(server.running.0.id() as libc::pid_t, signal) };
-    assert_eq!(rc, 0, "kill({signal})");
 }
 
 fn metric(metrics: &str, name: &str) -> f64 {
@@ -117,7 +96,7 @@ async fn a_stopped_engine_costs_its_clients_a_retry_or_an_error_event_never_a_ha
 
     // Stop engine 2 while it is still routable (its health check takes 2 s to fail): the
     // requests routed to it get nothing, time out and are served by another engine.
-    signal(&engines[1], libc::SIGSTOP);
+    engines[1].signal(libc::SIGSTOP);
     let started = Instant::now();
     let replies = futures::future::join_all((0..6).map(|i| {
         let url = url.clone();
@@ -146,7 +125,7 @@ async fn a_stopped_engine_costs_its_clients_a_retry_or_an_error_event_never_a_ha
     wait_routable(&url, 2, Duration::from_secs(10)).await;
 
     // Continued, it answers its health check and is probed back in.
-    signal(&engines[1], libc::SIGCONT);
+    engines[1].signal(libc::SIGCONT);
     wait_routable(&url, 3, Duration::from_secs(10)).await;
 
     // A long stream; stop its engine after a few chunks: the client gets an error event
@@ -162,7 +141,7 @@ async fn a_stopped_engine_costs_its_clients_a_retry_or_an_error_event_never_a_ha
         while let Some(chunk) = stream.next().await {
             body.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
             if stopped_at.is_none() && body.matches("data: ").count() >= 3 {
-                signal(stopped, libc::SIGSTOP);
+                stopped.signal(libc::SIGSTOP);
                 stopped_at = Some(Instant::now());
             }
         }
@@ -184,7 +163,7 @@ async fn a_stopped_engine_costs_its_clients_a_retry_or_an_error_event_never_a_ha
         assert_eq!(response.status(), 200);
         assert_ne!(served_by(&response), worker);
     }
-    signal(stopped, libc::SIGCONT);
+    stopped.signal(libc::SIGCONT);
     wait_routable(&url, 3, Duration::from_secs(10)).await;
 }
 

@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use common::{Server, get_json, get_text};
+use common::{Server, get_text, wait_routable};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
@@ -52,27 +52,6 @@ fn gateway(engines: &[Server], extra: &[&str]) -> Server {
     }
     args.extend(extra);
     Server::start(&args)
-}
-
-async fn wait_routable(url: &str, routable: u64) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let health = get_json(&format!("{url}/health")).await;
-        if health["routable_workers"] == routable {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never {routable} routable: {health}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-fn signal(server: &Server, signal: libc::c_int) {
-    // SAFETY: kill(2) on our own child's pid.
-    let rc = unsafe { libc::kill(server.running.0.id() as libc::pid_t, signal) };
-    assert_eq!(rc, 0, "kill({signal})");
 }
 
 fn long_chat(stream: bool) -> Value {
@@ -127,7 +106,7 @@ async fn stream_with_fault(url: &str, engines: &[Server], fault: libc::c_int) ->
         while let Some(chunk) = stream.next().await {
             body.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
             if !hit && body.matches("data: ").count() >= 5 {
-                signal(&engines[worker - 1], fault);
+                engines[worker - 1].signal(fault);
                 hit = true;
             }
         }
@@ -185,7 +164,7 @@ async fn a_stream_whose_engine_is_killed_or_stopped_goes_on_on_another_engine() 
     let engines = engines(3);
     let gateway = gateway(&engines, &[]);
     let url = gateway.url.clone();
-    wait_routable(&url, 3).await;
+    wait_routable(&url, 3, Duration::from_secs(10)).await;
     // A short request first: the prompt's length, as a whole request reports it.
     let reply: Value = reqwest::Client::new()
         .post(format!("{url}/v1/chat/completions"))
@@ -219,7 +198,7 @@ async fn a_stream_whose_engine_is_killed_or_stopped_goes_on_on_another_engine() 
     assert_eq!(continued, 1.0, "one other engine finished the request");
     let metrics = get_text(&format!("{url}/metrics")).await;
     assert_eq!(migrations(&metrics, "worker_failed"), 1.0);
-    wait_routable(&url, 2).await;
+    wait_routable(&url, 2, Duration::from_secs(10)).await;
 
     // Stopped mid-stream: after the stall timeout, the stream goes on elsewhere.
     let (body, stopped) = stream_with_fault(&url, &engines, libc::SIGSTOP).await;
@@ -227,9 +206,9 @@ async fn a_stream_whose_engine_is_killed_or_stopped_goes_on_on_another_engine() 
     assert_whole_stream(&body);
     let metrics = get_text(&format!("{url}/metrics")).await;
     assert_eq!(migrations(&metrics, "worker_timeout"), 1.0);
-    signal(&engines[stopped - 1], libc::SIGCONT);
+    engines[stopped - 1].signal(libc::SIGCONT);
     // Back after its (short) ejection and a passing health check.
-    wait_routable(&url, 2).await;
+    wait_routable(&url, 2, Duration::from_secs(10)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,7 +216,7 @@ async fn a_non_streamed_request_whose_engine_dies_gets_one_whole_reply() {
     let engines = engines(2);
     let gateway = gateway(&engines, &[]);
     let url = gateway.url.clone();
-    wait_routable(&url, 2).await;
+    wait_routable(&url, 2, Duration::from_secs(10)).await;
     let request = tokio::spawn({
         let url = url.clone();
         async move {
@@ -268,7 +247,7 @@ async fn a_non_streamed_request_whose_engine_dies_gets_one_whole_reply() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
-    signal(&engines[victim], libc::SIGKILL);
+    engines[victim].signal(libc::SIGKILL);
     let response = request.await.unwrap();
     assert_eq!(response.status(), 200);
     let reply: Value = response.json().await.unwrap();

@@ -151,7 +151,30 @@ pub struct Server {
     pub lines: mpsc::Receiver<String>,
 }
 
+/// Polls a gateway's `/health` until it counts `routable` routable workers, for up to `within`.
+pub async fn wait_routable(url: &str, routable: u64, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let health = get_json(&format!("{url}/health")).await;
+        if health["routable_workers"] == routable {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never {routable} routable workers: {health}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 impl Server {
+    /// Sends `signal` to the server's process (SIGSTOP, SIGCONT, SIGKILL: a fault to survive).
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: kill(2) on our own child's pid.
+        let rc = unsafe { libc::kill(self.running.0.id() as libc::pid_t, signal) };
+        assert_eq!(rc, 0, "kill({signal})");
+    }
+
     /// Starts `kvroute ARGS` and waits up to 120 s (a debug build's engine builds its text
     /// assets first, slower still on a busy machine) for its "listening on" line. Its stderr
     /// goes to the test's, so a server that fails to start says why.
