@@ -11,7 +11,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use common::{Server, get_json, get_text, wait_routable};
+use common::{Server, engines, get_json, get_text, wait_routable};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
@@ -55,19 +55,7 @@ fn metric(metrics: &str, name: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_engine_costs_its_clients_a_retry_or_an_error_event_never_a_hang() {
-    let engines: Vec<Server> = (1..=3)
-        .map(|id| {
-            Server::start(&[
-                "engine",
-                "--port",
-                "0",
-                "--worker-id",
-                &id.to_string(),
-                "--speedup",
-                "20",
-            ])
-        })
-        .collect();
+    let engines = engines(3);
     let mut args = vec![
         "gateway",
         "--port",

@@ -8,29 +8,13 @@
 
 use std::time::{Duration, Instant};
 
-use common::{Server, get_text, wait_routable};
+use common::{Server, engines, get_text, wait_routable};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
 mod common;
 
 const MAX_TOKENS: u64 = 400;
-
-fn engines(n: usize) -> Vec<Server> {
-    (1..=n)
-        .map(|id| {
-            Server::start(&[
-                "engine",
-                "--port",
-                "0",
-                "--worker-id",
-                &id.to_string(),
-                "--speedup",
-                "20",
-            ])
-        })
-        .collect()
-}
 
 /// A gateway over `engines` with short health checks, stall timeout and ejection time.
 fn gateway(engines: &[Server], extra: &[&str]) -> Server {

@@ -151,6 +151,23 @@ pub struct Server {
     pub lines: mpsc::Receiver<String>,
 }
 
+/// Starts `kvroute engine` workers 1..=n on free ports at 20× speed.
+pub fn engines(n: u32) -> Vec<Server> {
+    (1..=n)
+        .map(|id| {
+            Server::start(&[
+                "engine",
+                "--port",
+                "0",
+                "--worker-id",
+                &id.to_string(),
+                "--speedup",
+                "20",
+            ])
+        })
+        .collect()
+}
+
 /// Polls a gateway's `/health` until it counts `routable` routable workers, for up to `within`.
 pub async fn wait_routable(url: &str, routable: u64, within: Duration) {
     let deadline = Instant::now() + within;
