@@ -175,6 +175,10 @@ pub struct GatewayConfig {
     /// The router core's settings (policy and its parameters, block size, seed, KV events or
     /// approximate mode), as `kvroute gateway` builds them from its flags.
     pub router: RouterConfig,
+    /// Take the router's block size from the static workers (their flags, else their
+    /// `/info`) instead of `router.block_size`, which stays the default when none declares
+    /// one. Workers that disagree are an error.
+    pub block_size_from_workers: bool,
     /// NATS server for KV events in our format and dynamic worker registration.
     pub nats_url: Option<String>,
     /// Namespace of NATS subjects (`kvroute.<namespace>.…`).
@@ -261,6 +265,7 @@ impl Default for GatewayConfig {
             context_length: 131_072,
             workers: Vec::new(),
             router: RouterConfig::default(),
+            block_size_from_workers: false,
             nats_url: None,
             namespace: "default".to_string(),
             registration_token: None,

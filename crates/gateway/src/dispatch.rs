@@ -28,8 +28,8 @@ use protocol::WorkerRole;
 pub use router::AdmitError;
 pub use router::LocalReason;
 use router::{
-    DisaggConfig, DisaggEvent, DisaggFrontend, Ejections, Pool, RequestId, Route, RouteDecision,
-    RouteError, RoutingKey,
+    CacheView, DisaggConfig, DisaggEvent, DisaggFrontend, Ejections, Pool, RequestId, Route,
+    RouteDecision, RouteError, RoutingKey,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -53,6 +53,20 @@ struct WorkerEntry {
     info: Arc<WorkerInfo>,
     origin: Origin,
     routable: bool,
+    /// When its last KV event was applied (`None`: none yet).
+    last_event: Option<Instant>,
+    /// Event gaps that cleared its blocks.
+    resyncs: u64,
+}
+
+/// Where the router's view of a worker's cache comes from: its events when it announced an
+/// endpoint or registered over NATS (where it publishes them), else the router's own
+/// predictions until an event arrives (a static worker's events may still come over NATS).
+fn initial_cache_view(info: &WorkerInfo, origin: Origin) -> CacheView {
+    match (&info.zmq, origin) {
+        (Some(_), _) | (None, Origin::Dynamic { .. }) => CacheView::Events,
+        (None, Origin::Static) => CacheView::Predicted,
+    }
 }
 
 /// Why a worker could not be registered.
@@ -113,6 +127,12 @@ impl Ticket {
     pub fn predicted_cached_tokens(&self, prompt_tokens: u64) -> u64 {
         let block = self.worker.block_size as u64;
         (u64::from(self.decision.overlap_blocks) * block).min(prompt_tokens)
+    }
+
+    /// Tokens of the longest prefix the router knew cached on any worker it could pick.
+    pub fn available_cached_tokens(&self, prompt_tokens: u64) -> u64 {
+        let block = self.worker.block_size as u64;
+        (u64::from(self.decision.available_blocks) * block).min(prompt_tokens)
     }
 
     /// The worker failed while serving this request: take it out of the routing set.
@@ -548,6 +568,11 @@ impl Dispatcher {
         }
         let limits = info.limits;
         let was_routable = core.workers.get(&id).is_some_and(|w| w.routable);
+        let (last_event, resyncs) = core
+            .workers
+            .get(&id)
+            .map_or((None, 0), |w| (w.last_event, w.resyncs));
+        let view = initial_cache_view(&info, origin);
         // An ejected worker stays out until its ejection is over, healthy or not.
         let routable = routable && core.ejections.may_return(id, self.now());
         core.workers.insert(
@@ -556,6 +581,8 @@ impl Dispatcher {
                 info: Arc::new(info),
                 origin,
                 routable,
+                last_event,
+                resyncs,
             },
         );
         if routable {
@@ -565,6 +592,11 @@ impl Dispatcher {
                 }
                 self.deliver(&mut core, None);
                 return Err(RegistryError::Router(e));
+            }
+            // Only when it enters the router: a later description must not undo the switch
+            // its first event made.
+            if !was_routable && self.kv_events {
+                core.frontend.set_cache_view(id, view);
             }
         } else if was_routable {
             core.frontend.remove_worker(id, self.now());
@@ -591,6 +623,7 @@ impl Dispatcher {
         entry.routable = routable;
         let limits = entry.info.limits;
         let pool = pool_of(entry.info.role);
+        let view = initial_cache_view(&entry.info, entry.origin);
         if routable {
             if core
                 .frontend
@@ -601,6 +634,9 @@ impl Dispatcher {
                     entry.routable = false;
                 }
             } else {
+                if self.kv_events {
+                    core.frontend.set_cache_view(worker, view);
+                }
                 tracing::info!(%worker, "worker healthy; back in the routing set");
             }
         } else {
@@ -731,11 +767,18 @@ impl Dispatcher {
             return;
         }
         let mut core = lock(&self.core);
+        let now = Instant::now();
         for event in events {
             // The gap policy is the index's (`KvIndex::apply_resyncing`), shared with the
             // simulator: a gap clears the worker's blocks and re-baselines on this event.
-            match core.frontend.apply_event_resyncing(event) {
-                Ok(outcome) if outcome.resynced => {
+            let outcome = core.frontend.apply_event_resyncing(event);
+            let resynced = matches!(outcome, Ok(o) if o.resynced);
+            if let Some(w) = core.workers.get_mut(&event.worker) {
+                w.last_event = Some(now);
+                w.resyncs += u64::from(resynced);
+            }
+            match outcome {
+                Ok(_) if resynced => {
                     tracing::warn!(worker = %event.worker, seq = event.seq, ?source, "KV event gap; cleared the worker's blocks and resynced");
                     self.events.resyncs[s].fetch_add(1, Ordering::Relaxed);
                 }
@@ -749,8 +792,12 @@ impl Dispatcher {
     /// sequence gap): drop its blocks and count a resync.
     pub fn resync_worker(&self, source: EventSource, worker: WorkerId) {
         self.events.resyncs[source as usize].fetch_add(1, Ordering::Relaxed);
+        let mut core = lock(&self.core);
+        if let Some(w) = core.workers.get_mut(&worker) {
+            w.resyncs += 1;
+        }
         if self.kv_events {
-            lock(&self.core).frontend.clear_worker(worker);
+            core.frontend.clear_worker(worker);
         }
     }
 
@@ -812,6 +859,9 @@ impl Dispatcher {
                     pending_prefill_tokens: load.pending_prefill_tokens,
                     active_blocks: load.active_blocks,
                     cached_blocks: index.blocks_of(w.info.id),
+                    cache_view: core.frontend.cache_view(w.info.id),
+                    event_age: w.last_event.map(|t| t.elapsed()),
+                    resyncs: w.resyncs,
                 }
             })
             .collect();
@@ -1109,7 +1159,10 @@ mod disagg_tests {
         assert_eq!(local.route_labels(), ("local", "short_prefill"));
         drop(local);
 
-        let mut done = d.admit(long.clone()).await.unwrap();
+        // Another long prompt: the first one was prefilled on the decode worker, which the
+        // router (predicting a worker without events) now sends there locally.
+        let other = d.key(&(100..164).collect::<Vec<_>>());
+        let mut done = d.admit(other).await.unwrap();
         done.prefill_done();
         assert!(done.prefill.is_none());
         assert_eq!(done.route_labels(), ("split", "remote_prefill"));

@@ -117,6 +117,18 @@ pub struct Gateway {
     tasks: Vec<JoinHandle<()>>,
     zmq: Arc<ZmqSubscriptions>,
     registry: RegistryCtx,
+    block_size_source: BlockSizeSource,
+}
+
+/// Where the router's KV block size came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockSizeSource {
+    /// The configuration (`--kv-block-size`).
+    Flag,
+    /// The static workers, which agreed.
+    Workers,
+    /// No worker declared one: the default.
+    Default,
 }
 
 /// How long [`Gateway::shutdown`] waits for in-flight requests.
@@ -148,6 +160,34 @@ impl Gateway {
         .await
         .map_err(|e| GatewayError::Config(format!("loading the tokenizer panicked: {e}")))??;
 
+        let http = reqwest::Client::builder()
+            .connect_timeout(config.timeouts.connect)
+            .pool_max_idle_per_host(4096)
+            .tcp_nodelay(true)
+            .build()?;
+        // Every static worker is probed once, before the router exists: its block size may
+        // be the router's.
+        let probes = futures::future::join_all(
+            config
+                .workers
+                .iter()
+                .map(|spec| registry::probe_info(&http, &spec.url, config.probe_timeout)),
+        )
+        .await;
+        let mut config = config;
+        let block_size_source = if config.block_size_from_workers {
+            match registry::agreed_block_size(&config.workers, &probes)
+                .map_err(GatewayError::Config)?
+            {
+                Some(size) => {
+                    config.router.block_size = size;
+                    BlockSizeSource::Workers
+                }
+                None => BlockSizeSource::Default,
+            }
+        } else {
+            BlockSizeSource::Flag
+        };
         let dispatcher = Dispatcher::new(&config)?;
         let weak = Arc::downgrade(&dispatcher);
         let metrics = Arc::new(Metrics::new(&config.model, move || {
@@ -155,11 +195,6 @@ impl Gateway {
         }));
         dispatcher.set_metrics(metrics.clone());
 
-        let http = reqwest::Client::builder()
-            .connect_timeout(config.timeouts.connect)
-            .pool_max_idle_per_host(4096)
-            .tcp_nodelay(true)
-            .build()?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|source| GatewayError::Bind {
@@ -191,11 +226,17 @@ impl Gateway {
             tasks: Vec::new(),
             zmq,
             registry: registry.clone(),
+            block_size_source,
         };
 
-        let added =
-            futures::future::join_all(config.workers.iter().map(|spec| registry.add_static(spec)))
-                .await;
+        let added = futures::future::join_all(
+            config
+                .workers
+                .iter()
+                .zip(probes)
+                .map(|(spec, probe)| registry.add_probed(spec, probe)),
+        )
+        .await;
         for (spec, result) in config.workers.iter().zip(added) {
             result.map_err(|source| GatewayError::Worker {
                 url: spec.url.clone(),
@@ -276,6 +317,11 @@ impl Gateway {
     /// The address it listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// The router's KV block size, and where it came from.
+    pub fn block_size(&self) -> (usize, BlockSizeSource) {
+        (self.dispatcher.block_size(), self.block_size_source)
     }
 
     /// `http://ADDR`.

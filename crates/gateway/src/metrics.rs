@@ -195,6 +195,22 @@ impl PoolHistograms {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReuseLabels {
+    kind: &'static str,
+}
+
+/// A finished request's prefix reuse, in prompt tokens: what the router's index said any
+/// worker held (`available`), what it predicted on the worker it chose (`predicted`), and what
+/// that worker reported it reused (`reused`, its `cached_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Reuse {
+    pub prompt: u64,
+    pub available: u64,
+    pub predicted: u64,
+    pub reused: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct MigrationLabels {
     reason: &'static str,
 }
@@ -256,6 +272,12 @@ pub struct WorkerSnapshot {
     pub pending_prefill_tokens: u64,
     pub active_blocks: u64,
     pub cached_blocks: usize,
+    /// Where the router's view of its cache comes from (`None` while out of the router).
+    pub cache_view: Option<router::CacheView>,
+    /// Time since its last KV event was applied (`None`: none yet).
+    pub event_age: Option<std::time::Duration>,
+    /// Event gaps that cleared its blocks.
+    pub resyncs: u64,
 }
 
 /// Counts of KV event ingestion, by source.
@@ -334,6 +356,12 @@ impl Collector for RouterCollector {
                 "kvroute_router_overlap_blocks",
                 "Sum over routed requests of the chosen worker's cached prefix, in blocks",
                 s.counters.overlap_blocks,
+            ),
+            (
+                "kvroute_router_available_blocks",
+                "Sum over routed requests of the longest cached prefix on any worker the policy \
+                 could pick, in blocks (overlap_blocks below it: reuse traded for balance)",
+                s.counters.available_blocks,
             ),
             (
                 "kvroute_router_prompt_blocks",
@@ -456,6 +484,51 @@ impl Collector for RouterCollector {
                 ConstGauge::new(1).encode(family.encode_family(&labels)?)?;
             }
         }
+        {
+            let mut family = encoder.encode_descriptor(
+                "kvroute_worker_cache_view",
+                "1 on where the router's view of each routable worker's cache comes from: its KV \
+                 events, or the router's own predictions (a worker that announced no event \
+                 source, until its first event)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for w in &s.workers {
+                let Some(view) = w.cache_view else { continue };
+                let labels = [
+                    ("worker_id", w.id.to_string()),
+                    ("worker", w.url.clone()),
+                    ("view", view.label().to_string()),
+                ];
+                ConstGauge::new(1).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let mut family = encoder.encode_descriptor(
+                "kvroute_worker_kv_event_age_seconds",
+                "Seconds since each worker's last KV event was applied (absent before its first): \
+                 a growing age under load means its cache view is going stale",
+                None,
+                MetricType::Gauge,
+            )?;
+            for w in &s.workers {
+                let Some(age) = w.event_age else { continue };
+                let labels = [("worker_id", w.id.to_string()), ("worker", w.url.clone())];
+                ConstGauge::new(age.as_secs_f64()).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let mut family = encoder.encode_descriptor(
+                "kvroute_worker_kv_resyncs",
+                "Event gaps that cleared each worker's blocks from the index",
+                None,
+                MetricType::Counter,
+            )?;
+            for w in &s.workers {
+                let labels = [("worker_id", w.id.to_string()), ("worker", w.url.clone())];
+                ConstCounter::new(w.resyncs).encode(family.encode_family(&labels)?)?;
+            }
+        }
         for (name, help, value) in per_worker {
             let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
             for w in &s.workers {
@@ -484,6 +557,8 @@ pub struct Metrics {
     pub itl: PoolHistograms,
     /// Disaggregated fleets: requests by route (`local`, `split`) and reason.
     routes: Family<RouteLabels, Counter>,
+    /// Prompt tokens of finished requests by reuse kind ([`Reuse`]), plus `prompt`.
+    reuse: Family<ReuseLabels, Counter>,
     /// Prefill legs that failed (worker unreachable, an error, no KV parameters, timeout)
     /// and were served by a local prefill on the decode worker instead.
     pub prefill_failures: Counter,
@@ -533,6 +608,7 @@ impl Metrics {
             ttft: PoolHistograms::new(ttft_histogram),
             itl: PoolHistograms::new(itl_histogram),
             routes: Family::default(),
+            reuse: Family::default(),
             prefill_failures: Counter::default(),
             duration: AtomicHistogram::new(DURATION_BUCKETS),
             input_tokens: AtomicHistogram::new(TOKEN_BUCKETS),
@@ -647,6 +723,20 @@ impl Metrics {
             m.routes.clone(),
         );
         registry.register(
+            "kvroute_gateway_reuse_tokens",
+            "Prompt tokens of successful requests whose worker reported its cached tokens, and \
+             of them: the longest prefix any worker \
+             held as the router's index knew it (available), the prefix the router predicted on \
+             the worker it chose (predicted), and what that worker reused (reused, from its \
+             cached_tokens). reused/available is reuse achieved of what was there; predicted \
+             below available is routing trading reuse for balance; reused below predicted is a \
+             stale index",
+            m.reuse.clone(),
+        );
+        for kind in ["prompt", "available", "predicted", "reused"] {
+            let _ = m.reuse.get_or_create(&ReuseLabels { kind });
+        }
+        registry.register(
             "kvroute_gateway_prefill_failures",
             "Prefill legs that failed and were served by a local prefill on the decode worker",
             m.prefill_failures.clone(),
@@ -674,6 +764,20 @@ impl Metrics {
         self.migrations
             .get_or_create(&MigrationLabels { reason })
             .inc();
+    }
+
+    /// Counts a successful request's reuse.
+    pub fn count_reuse(&self, reuse: Reuse) {
+        for (kind, tokens) in [
+            ("prompt", reuse.prompt),
+            ("available", reuse.available),
+            ("predicted", reuse.predicted),
+            ("reused", reuse.reused),
+        ] {
+            self.reuse
+                .get_or_create(&ReuseLabels { kind })
+                .inc_by(tokens);
+        }
     }
 
     pub fn count_route(&self, (route, reason): (&'static str, &'static str)) {
@@ -746,12 +850,21 @@ mod tests {
                 pending_prefill_tokens: 0,
                 active_blocks: 0,
                 cached_blocks: 5,
+                cache_view: Some(router::CacheView::Predicted),
+                event_age: Some(std::time::Duration::from_millis(1500)),
+                resyncs: 2,
             }],
             ..RouterSnapshot::default()
         });
         m.count_request(Endpoint::ChatCompletions, true, true);
         m.cached_tokens.observe(64.0);
         m.output_tokens_total.inc_by(10);
+        m.count_reuse(Reuse {
+            prompt: 1000,
+            available: 800,
+            predicted: 600,
+            reused: 500,
+        });
         let text = m.encode();
         assert_exposes(
             &text,
@@ -771,6 +884,14 @@ mod tests {
                 "dynamo_component_inflight_requests{worker_id=\"3\",worker=\"http://w:1\",dynamo_component=\"backend\",dynamo_endpoint=\"generate\"} 2",
                 "kvroute_router_decisions_total{policy=\"kv\"} 0",
                 "kvroute_router_kv_resyncs_total{source=\"zmq\"} 0",
+                "kvroute_worker_cache_view{worker_id=\"3\",worker=\"http://w:1\",view=\"predicted\"} 1",
+                "kvroute_worker_kv_event_age_seconds{worker_id=\"3\",worker=\"http://w:1\"} 1.5",
+                "kvroute_worker_kv_resyncs_total{worker_id=\"3\",worker=\"http://w:1\"} 2",
+                "kvroute_gateway_reuse_tokens_total{kind=\"available\"} 800",
+                "kvroute_gateway_reuse_tokens_total{kind=\"predicted\"} 600",
+                "kvroute_gateway_reuse_tokens_total{kind=\"reused\"} 500",
+                "kvroute_gateway_reuse_tokens_total{kind=\"prompt\"} 1000",
+                "kvroute_router_available_blocks_total 0",
             ],
         );
     }

@@ -130,6 +130,40 @@ pub enum Probe {
     Down(String),
 }
 
+/// The block size the static workers agree on: each one's `block_size=` flag, else the one
+/// its `/info` declared (`probes`, in the same order). `None` when none declares one; an
+/// error, naming each worker's size, when they disagree.
+pub fn agreed_block_size(specs: &[WorkerSpec], probes: &[Probe]) -> Result<Option<usize>, String> {
+    let declared: Vec<(&str, usize)> = specs
+        .iter()
+        .zip(probes)
+        .filter_map(|(spec, probe)| {
+            let card = match probe {
+                Probe::Described(card) => card.block_size.map(|b| b as usize),
+                Probe::NoInfo | Probe::Down(_) => None,
+            };
+            spec.block_size
+                .or(card)
+                .map(|size| (spec.url.as_str(), size))
+        })
+        .collect();
+    let Some(&(_, first)) = declared.first() else {
+        return Ok(None);
+    };
+    if declared.iter().all(|&(_, size)| size == first) {
+        return Ok(Some(first));
+    }
+    let sizes: Vec<String> = declared
+        .iter()
+        .map(|(url, size)| format!("{url}: {size} tokens"))
+        .collect();
+    Err(format!(
+        "the workers use different KV block sizes ({}); one router needs one size: start the \
+         engines with the same block size, or run one gateway per block size",
+        sizes.join(", ")
+    ))
+}
+
 pub async fn probe_info(http: &reqwest::Client, url: &str, timeout: Duration) -> Probe {
     let response = match http
         .get(format!("{url}/info"))
@@ -208,7 +242,17 @@ impl RegistryCtx {
     /// Registers a static worker: routable if it answers, otherwise known and waiting for
     /// its health check. A block size that cannot work is an error.
     pub async fn add_static(&self, spec: &WorkerSpec) -> Result<WorkerInfo, RegistryError> {
-        let (card, up) = match probe_info(&self.http, &spec.url, self.probe_timeout).await {
+        let probe = probe_info(&self.http, &spec.url, self.probe_timeout).await;
+        self.add_probed(spec, probe).await
+    }
+
+    /// [`add_static`](Self::add_static) with the worker's `/info` already probed.
+    pub async fn add_probed(
+        &self,
+        spec: &WorkerSpec,
+        probe: Probe,
+    ) -> Result<WorkerInfo, RegistryError> {
+        let (card, up) = match probe {
             Probe::Described(card) => (*card, true),
             Probe::NoInfo => (WorkerCard::default(), true),
             Probe::Down(why) => {

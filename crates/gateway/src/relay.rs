@@ -34,7 +34,7 @@ use protocol::sse::{self, SseDecoder, SseEvent};
 use protocol::{Api, ApiError, ChoiceOut, ChoiceView, ResponseHead, ResponseView, TokenIds, Usage};
 
 use crate::dispatch::Ticket;
-use crate::metrics::{Endpoint, Metrics, PoolLabel};
+use crate::metrics::{Endpoint, Metrics, PoolLabel, Reuse};
 
 /// The metrics label of the API the client called.
 pub fn endpoint(api: Api) -> Endpoint {
@@ -100,6 +100,10 @@ pub struct RequestRecord {
     /// Set once the prompt is known (routing happened).
     pub prompt_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
+    /// The router's view at routing: (available, predicted) prefix tokens ([`Reuse`]).
+    pub routed_reuse: Option<(u64, u64)>,
+    /// `cached_tokens` came from the worker (not the router's estimate).
+    pub cached_reported: bool,
     pub success: bool,
     /// The gateway's own time before forwarding (queue waits excluded), once forwarded.
     pub pre_forward: Option<Duration>,
@@ -121,6 +125,8 @@ impl RequestRecord {
             output_tokens: 0,
             prompt_tokens: None,
             cached_tokens: None,
+            routed_reuse: None,
+            cached_reported: false,
             success: false,
             pre_forward: None,
             pools: (PoolLabel::Aggregated, PoolLabel::Aggregated),
@@ -176,6 +182,21 @@ impl Drop for RequestRecord {
             m.cached_tokens
                 .observe(self.cached_tokens.unwrap_or(0) as f64);
             m.output_tokens.observe(self.output_tokens as f64);
+            // Only requests whose worker reported what it reused: guessing it would hide
+            // the stale index the counters are there to show.
+            if let (true, true, Some((available, predicted)), Some(reused)) = (
+                self.success,
+                self.cached_reported,
+                self.routed_reuse,
+                self.cached_tokens,
+            ) {
+                m.count_reuse(Reuse {
+                    prompt,
+                    available,
+                    predicted,
+                    reused: reused.min(prompt),
+                });
+            }
         }
     }
 }
@@ -538,6 +559,9 @@ impl Output {
                 self.record.output_tokens = reported;
             }
         }
+        self.record.cached_reported = self
+            .usage
+            .is_some_and(|u| u.prompt_tokens_details.is_some());
         let usage = self.final_usage();
         self.record.cached_tokens = usage
             .prompt_tokens_details

@@ -458,6 +458,10 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         .observe(opened.pre_forward.as_secs_f64());
     let ticket = opened.ticket;
     let predicted = ticket.predicted_cached_tokens(prompt_tokens as u64);
+    record.routed_reuse = Some((
+        ticket.available_cached_tokens(prompt_tokens as u64),
+        predicted,
+    ));
     let ctx = OutputCtx {
         head: ResponseHead {
             api: parsed.api,

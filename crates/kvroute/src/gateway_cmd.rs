@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use gateway::{Gateway, GatewayConfig, Timeouts, WorkerSpec};
+use gateway::{BlockSizeSource, Gateway, GatewayConfig, Timeouts, WorkerSpec};
 use nanotime::Nanos;
 use router::{KvCostParams, KvSource, PolicyKind, PolicyParams, RouterConfig};
 
@@ -59,9 +59,10 @@ pub struct GatewayArgs {
     /// `round_robin` or `random`.
     #[arg(long, env = "DYN_ROUTER_MODE", default_value_t = PolicyKind::DEFAULT, value_parser = router_mode())]
     router_mode: PolicyKind,
-    /// Tokens per KV block; must match the workers'.
-    #[arg(long, env = "DYN_KV_CACHE_BLOCK_SIZE", default_value_t = kv_index::DEFAULT_BLOCK_SIZE)]
-    kv_block_size: usize,
+    /// Tokens per KV block; must match the workers'. Default: the block size the workers
+    /// declare (their `,block_size=` or their `/info`), else 16.
+    #[arg(long, env = "DYN_KV_CACHE_BLOCK_SIZE")]
+    kv_block_size: Option<usize>,
     /// Weight of prefill blocks against decode blocks in the kv policy's cost (0 ignores the
     /// cache).
     #[arg(long, default_value_t = 1.0)]
@@ -77,7 +78,8 @@ pub struct GatewayArgs {
     /// mode).
     #[arg(long)]
     no_kv_events: bool,
-    /// Approximate mode: seconds a routed prompt is assumed to stay cached.
+    /// Seconds a routed prompt is assumed to stay cached where the router predicts caches
+    /// (approximate mode, and workers that announce no KV events).
     #[arg(long, default_value_t = 120.0)]
     router_ttl: f64,
     /// Seed of the router's random choices (random policy, tie breaks).
@@ -182,7 +184,7 @@ pub(crate) fn seconds(flag: &str, value: f64) -> Result<Duration> {
 /// The router core's settings from the routing flags (Dynamo's names); the router checks
 /// the values when the gateway starts.
 fn router_config(args: &GatewayArgs) -> Result<RouterConfig> {
-    if args.kv_block_size == 0 {
+    if args.kv_block_size == Some(0) {
         bail!("--kv-block-size must be at least 1");
     }
     let ttl = seconds("router-ttl", args.router_ttl)?;
@@ -200,7 +202,7 @@ fn router_config(args: &GatewayArgs) -> Result<RouterConfig> {
             )?,
             ..PolicyParams::default()
         },
-        block_size: args.kv_block_size,
+        block_size: args.kv_block_size.unwrap_or(kv_index::DEFAULT_BLOCK_SIZE),
         seed: args.router_seed,
         kv_source: if args.no_kv_events {
             KvSource::Approximate {
@@ -209,6 +211,8 @@ fn router_config(args: &GatewayArgs) -> Result<RouterConfig> {
         } else {
             KvSource::Events
         },
+        // Also for workers without an event source, predicted under KV events.
+        predicted_ttl: Nanos(u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX)),
         ..RouterConfig::default()
     })
 }
@@ -220,6 +224,7 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
         context_length: args.context_length,
         workers: args.workers.clone(),
         router: router_config(args)?,
+        block_size_from_workers: args.kv_block_size.is_none(),
         nats_url: args.nats.clone(),
         namespace: args.namespace.clone(),
         registration_token: args.registration_token.clone(),
@@ -292,9 +297,10 @@ pub fn run(args: GatewayArgs) -> Result<()> {
                 (None, None) => {
                     eprintln!(
                         "kvroute gateway: warning: worker {} ({}) announces no KV events, so \
-                         the router sees none of its cache; start kvroute engines with \
-                         --zmq-pub auto (the default), give a vLLM worker \
-                         `,zmq=tcp://HOST:PORT`, use --nats, or route with --no-kv-events",
+                         the router predicts its cache from its own routing decisions \
+                         (entries expire after --router-ttl); for an exact view start kvroute \
+                         engines with --zmq-pub auto (the default), give a vLLM worker \
+                         `,zmq=tcp://HOST:PORT`, or use --nats",
                         info.id.0, info.url
                     );
                     continue;
@@ -305,6 +311,13 @@ pub fn run(args: GatewayArgs) -> Result<()> {
                 info.id.0, info.url
             );
         }
+        let (block_size, source) = gateway.block_size();
+        let source = match source {
+            BlockSizeSource::Flag => "--kv-block-size",
+            BlockSizeSource::Workers => "the workers",
+            BlockSizeSource::Default => "the default: no worker declared one",
+        };
+        println!("kvroute gateway: KV blocks of {block_size} tokens (from {source})");
         tokio::select! {
             _ = shutdown_signal() => {}
             _ = gateway.stopped() => {}

@@ -76,3 +76,146 @@ fn engines_started_alike_behind_a_plain_gateway_give_cache_hits() {
         "turns 2 and 3 found {later_cached} cached tokens: the gateway routed blind"
     );
 }
+
+/// Three turns of one conversation; the cached tokens of turns 2 and 3 together.
+fn conversation_cached_tokens(gateway: &Server, topic: &str) -> u64 {
+    let mut messages = vec![json!({
+        "role": "system",
+        "content": format!("You answer questions about {topic}, patiently and with examples, \
+                            for as long as the student keeps asking, in plain words."),
+    })];
+    let mut later_cached = 0;
+    for turn in 0..3 {
+        messages.push(json!({"role": "user", "content": format!("Question {turn}, please.")}));
+        let reply = chat(gateway.addr(), &messages);
+        if turn > 0 {
+            later_cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no cached_tokens: {reply}"));
+        }
+        let text = reply["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        messages.push(json!({"role": "assistant", "content": text}));
+    }
+    later_cached
+}
+
+/// The value of the exposition line that starts with `series` (labels included).
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+}
+
+fn gateway_over(engines: &[Server]) -> Server {
+    let mut args = vec!["gateway", "--port", "0"];
+    for e in engines {
+        args.extend(["--worker", e.url.as_str()]);
+    }
+    Server::start(&args)
+}
+
+#[test]
+fn the_block_size_comes_from_the_workers() {
+    // dynamo-mocker engines use blocks of 64 tokens; the gateway is not told.
+    let engines: Vec<Server> = (0..2)
+        .map(|_| {
+            Server::start(&[
+                "engine",
+                "--port",
+                "0",
+                "--speedup",
+                "100",
+                "--profile",
+                "dynamo-mocker",
+            ])
+        })
+        .collect();
+    let gateway = gateway_over(&engines);
+    gateway.line_with("KV blocks of 64 tokens (from the workers)");
+    assert!(
+        conversation_cached_tokens(&gateway, "lighthouses") >= 64,
+        "later turns found their history"
+    );
+
+    // Engines that disagree: one clear error, printed once, naming both sizes.
+    let other = Server::start(&["engine", "--port", "0", "--block-size", "32"]);
+    let stderr = common::failure(&[
+        "gateway",
+        "--port",
+        "0",
+        "--worker",
+        &engines[0].url,
+        "--worker",
+        &other.url,
+    ]);
+    assert_eq!(
+        stderr.matches("different KV block sizes").count(),
+        1,
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("64 tokens") && stderr.contains("32 tokens"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn workers_without_events_are_predicted_and_reuse_is_attributed() {
+    // Engines that publish no KV events: the router predicts their caches from its own
+    // decisions instead of routing blind.
+    let engines: Vec<Server> = (0..2)
+        .map(|_| {
+            Server::start(&[
+                "engine",
+                "--port",
+                "0",
+                "--speedup",
+                "100",
+                "--zmq-pub",
+                "off",
+            ])
+        })
+        .collect();
+    let gateway = gateway_over(&engines);
+    gateway.line_with("KV blocks of");
+    let cached = conversation_cached_tokens(&gateway, "tides")
+        + conversation_cached_tokens(&gateway, "canals");
+    assert!(
+        cached >= 4 * 32,
+        "later turns found their history: {cached}"
+    );
+
+    let (status, text) = common::http(gateway.addr(), "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    for e in &engines {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("kvroute_worker_cache_view")
+                    && l.contains(e.url.as_str())
+                    && l.contains("view=\"predicted\"")),
+            "{}: {text}",
+            e.url
+        );
+    }
+    let kind = |k: &str| {
+        metric(
+            &text,
+            &format!("kvroute_gateway_reuse_tokens_total{{kind=\"{k}\"}}"),
+        )
+    };
+    let (prompt, available, predicted, reused) = (
+        kind("prompt"),
+        kind("available"),
+        kind("predicted"),
+        kind("reused"),
+    );
+    assert!(
+        reused >= cached as f64,
+        "every cached token counted: {reused} < {cached}"
+    );
+    assert!(reused <= prompt && predicted <= available && available <= prompt);
+    assert!(predicted > 0.0, "the router predicted the histories");
+}

@@ -32,7 +32,9 @@ use worker_limits::WorkerLimits;
 
 use crate::RequestId;
 use crate::frontend::{AdmitError, Frontend, FrontendConfig, FrontendEvent};
-use crate::router::{RouteDecision, RouteError, RouterConfig, RouterConfigError, RoutingKey};
+use crate::router::{
+    CacheView, RouteDecision, RouteError, RouterConfig, RouterConfigError, RoutingKey,
+};
 
 /// The pool a worker serves in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -233,6 +235,23 @@ impl DisaggFrontend {
         let drained = self.pool_mut(pool).drain_worker(worker, now);
         self.pump(now);
         drained
+    }
+
+    /// Sets where the router's view of `worker`'s cache comes from, in its pool
+    /// ([`Router::set_cache_view`]); `false` for an unknown worker.
+    pub fn set_cache_view(&mut self, worker: WorkerId, view: CacheView) -> bool {
+        let Some(pool) = self.pools.get(&worker).copied() else {
+            return false;
+        };
+        self.pool_mut(pool)
+            .router_mut()
+            .set_cache_view(worker, view)
+    }
+
+    /// Where the router's view of `worker`'s cache comes from (`None`: unknown worker).
+    pub fn cache_view(&self, worker: WorkerId) -> Option<CacheView> {
+        let pool = self.pools.get(&worker).copied()?;
+        self.pool(pool).router().cache_view(worker)
     }
 
     /// A draining worker of either pool whose last leg has finished.

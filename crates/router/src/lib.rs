@@ -117,6 +117,6 @@ pub use policy::{
     RoutingPolicy, SelectionContext, UnknownPolicy, WorkerLimits, WorkerTiming,
 };
 pub use router::{
-    KvSource, RequestId, RouteDecision, RouteError, Router, RouterConfig, RouterConfigError,
-    RouterCounters, RoutingKey,
+    CacheView, KvSource, RequestId, RouteDecision, RouteError, Router, RouterConfig,
+    RouterConfigError, RouterCounters, RoutingKey,
 };

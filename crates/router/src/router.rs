@@ -27,6 +27,27 @@ pub enum KvSource {
     Approximate { ttl: Nanos },
 }
 
+/// Where the router's view of one worker's cache comes from, under [`KvSource::Events`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheView {
+    /// The worker's KV events.
+    #[default]
+    Events,
+    /// The router's own predictions (as in approximate mode), for a worker that announced no
+    /// event source: routing blind to its cache would be worse. Its first KV event switches
+    /// it to [`CacheView::Events`] and drops the predictions.
+    Predicted,
+}
+
+impl CacheView {
+    pub fn label(self) -> &'static str {
+        match self {
+            CacheView::Events => "events",
+            CacheView::Predicted => "predicted",
+        }
+    }
+}
+
 /// Router settings. [`Default`] gives Dynamo's defaults with kvroute's `kv_load` policy.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
@@ -46,8 +67,12 @@ pub struct RouterConfig {
     /// Most requests tracked in flight at once; routing more is refused with
     /// [`RouteError::TooManyInFlight`] rather than growing without bound.
     pub max_in_flight: usize,
-    /// Approximate mode only: most (worker, block) predictions kept; the oldest go first.
+    /// Most (worker, block) predictions kept (approximate mode, and workers whose
+    /// [`CacheView`] is predicted); the oldest go first.
     pub max_predicted_blocks: usize,
+    /// Under [`KvSource::Events`]: how long a prediction lasts for a worker whose
+    /// [`CacheView`] is predicted (Dynamo's `--router-ttl` default, 120 s).
+    pub predicted_ttl: Nanos,
 }
 
 impl Default for RouterConfig {
@@ -61,6 +86,7 @@ impl Default for RouterConfig {
             index: IndexConfig::default(),
             max_in_flight: 1 << 20,
             max_predicted_blocks: 1 << 20,
+            predicted_ttl: Nanos::from_secs(120),
         }
     }
 }
@@ -169,6 +195,10 @@ pub struct RouteDecision {
     pub worker: WorkerId,
     /// Leading blocks of the prompt the router believes are cached on `worker`.
     pub overlap_blocks: u32,
+    /// The longest cached prefix the router knew of on any worker it could pick, in blocks
+    /// (≥ `overlap_blocks`): what routing could have reused. Below it, the policy traded
+    /// reuse for balance; the engine's own count below `overlap_blocks` means a stale index.
+    pub available_blocks: u32,
     /// Full blocks in the prompt.
     pub prompt_blocks: u32,
     /// Tokens `worker` is expected to prefill (prompt minus the cached prefix).
@@ -182,6 +212,9 @@ pub struct RouterCounters {
     pub refused: u64,
     /// Sum over routed requests of the chosen worker's overlap, in blocks.
     pub overlap_blocks: u64,
+    /// Sum over routed requests of the longest overlap on any candidate worker, in blocks
+    /// (see [`RouteDecision::available_blocks`]).
+    pub available_blocks: u64,
     /// Sum over routed requests of their full prompt blocks.
     pub prompt_blocks: u64,
     pub first_tokens: u64,
@@ -202,6 +235,7 @@ struct WorkerEntry {
     account: WorkerAccount,
     /// Leaving: no new requests, its in-flight ones finish (see [`Router::set_draining`]).
     draining: bool,
+    cache_view: CacheView,
 }
 
 #[derive(Debug)]
@@ -230,7 +264,11 @@ pub struct Router {
     requests: FxHashMap<RequestId, Tracked>,
     policy: Box<dyn RoutingPolicy>,
     rng: PolicyRng,
-    approx: Option<Predictions>,
+    /// Cache predictions: for every worker in approximate mode, otherwise for workers whose
+    /// [`CacheView`] is predicted (empty when there are none).
+    predictions: Predictions,
+    /// Approximate mode: every worker is predicted and workers' events are not expected.
+    approximate: bool,
     max_in_flight: usize,
     counters: RouterCounters,
     /// Scratch space reused by every decision so routing does not allocate per worker.
@@ -270,12 +308,11 @@ impl Router {
             .kv_load
             .validate()
             .map_err(RouterConfigError::InvalidKvLoad)?;
-        let approx = match config.kv_source {
-            KvSource::Events => None,
-            KvSource::Approximate { ttl } => {
-                Some(Predictions::new(ttl, config.max_predicted_blocks.max(1)))
-            }
+        let (ttl, approximate) = match config.kv_source {
+            KvSource::Events => (config.predicted_ttl, false),
+            KvSource::Approximate { ttl } => (ttl, true),
         };
+        let predictions = Predictions::new(ttl, config.max_predicted_blocks.max(1));
         Ok(Self {
             hasher,
             block_size,
@@ -284,7 +321,8 @@ impl Router {
             requests: FxHashMap::default(),
             policy,
             rng: PolicyRng::seed_from_u64(config.seed),
-            approx,
+            predictions,
+            approximate,
             max_in_flight: config.max_in_flight.max(1),
             counters: RouterCounters::default(),
             candidates: Vec::new(),
@@ -327,6 +365,7 @@ impl Router {
                         limits,
                         account: WorkerAccount::default(),
                         draining: false,
+                        cache_view: CacheView::Events,
                     },
                 );
             }
@@ -343,9 +382,7 @@ impl Router {
             entry.account.forget(worker, &mut self.fleet_active);
         }
         self.index.remove_worker(worker);
-        if let Some(approx) = &mut self.approx {
-            approx.forget_worker(worker);
-        }
+        self.predictions.forget_worker(worker);
         let mut orphans: Vec<RequestId> = self
             .requests
             .iter()
@@ -407,6 +444,43 @@ impl Router {
             .map(|i| self.workers[i].account.load)
     }
 
+    /// Sets where the router's view of `worker`'s cache comes from (see [`CacheView`]);
+    /// `false` for an unknown worker. Leaving [`CacheView::Predicted`] drops the worker's
+    /// predicted blocks, and entering it the blocks its events had stored. Approximate mode
+    /// predicts every worker whatever its view.
+    pub fn set_cache_view(&mut self, worker: WorkerId, view: CacheView) -> bool {
+        let Some(entry) = find_worker(&mut self.workers, worker) else {
+            return false;
+        };
+        let was = std::mem::replace(&mut entry.cache_view, view);
+        // Predictions and events are two sequence streams for the index: whichever it held
+        // of the other cannot continue, so the worker starts from an empty baseline.
+        if was != view && !self.approximate {
+            self.predictions.forget_worker(worker);
+            self.index.clear_worker(worker);
+        }
+        true
+    }
+
+    /// Where the router's view of `worker`'s cache comes from (`None`: unknown worker).
+    pub fn cache_view(&self, worker: WorkerId) -> Option<CacheView> {
+        if self.approximate {
+            return self.load(worker).map(|_| CacheView::Predicted);
+        }
+        self.workers
+            .binary_search_by_key(&worker, |w| w.id)
+            .ok()
+            .map(|i| self.workers[i].cache_view)
+    }
+
+    /// A worker whose view was predicted sends its first event: from now on its events
+    /// describe its cache.
+    fn on_worker_event(&mut self, worker: WorkerId) {
+        if !self.approximate && self.cache_view(worker) == Some(CacheView::Predicted) {
+            self.set_cache_view(worker, CacheView::Events);
+        }
+    }
+
     /// Feeds one KV event into the index. Events for unknown workers are indexed too (the
     /// worker may register just after its first events). In approximate mode the router
     /// writes its own predicted events into the index; do not feed workers' events as well.
@@ -414,6 +488,7 @@ impl Router {
         &mut self,
         event: &KvEvent,
     ) -> Result<kv_index::ApplyOutcome, kv_index::EventError> {
+        self.on_worker_event(event.worker);
         self.index.apply(event)
     }
 
@@ -425,6 +500,7 @@ impl Router {
         &mut self,
         event: &KvEvent,
     ) -> Result<kv_index::ApplyOutcome, kv_index::EventError> {
+        self.on_worker_event(event.worker);
         self.index.apply_resyncing(event)
     }
 
@@ -484,13 +560,21 @@ impl Router {
             let policy = self.policy.name();
             return refused(self, RouteError::PolicyOutOfRange { policy, index });
         };
+        let available_blocks = self
+            .candidates
+            .iter()
+            .map(|c| c.overlap_blocks)
+            .max()
+            .unwrap_or(0);
         self.account(id, chosen.worker, key, chosen.new_prefill_tokens, now);
         self.counters.routed += 1;
         self.counters.overlap_blocks += u64::from(chosen.overlap_blocks);
+        self.counters.available_blocks += u64::from(available_blocks);
         self.counters.prompt_blocks += u64::from(key.num_blocks());
         Ok(RouteDecision {
             worker: chosen.worker,
             overlap_blocks: chosen.overlap_blocks,
+            available_blocks,
             prompt_blocks: key.num_blocks(),
             new_prefill_tokens: chosen.new_prefill_tokens,
         })
@@ -517,10 +601,13 @@ impl Router {
         }
         self.can_track(id)?;
         self.expire_predictions(now);
-        let overlap = self
-            .index
-            .find_matches(&key.seq)
-            .get(worker)
+        let matches = self.index.find_matches(&key.seq);
+        let overlap = matches.get(worker).min(key.num_blocks());
+        let available_blocks = matches
+            .iter()
+            .map(|(_, blocks)| blocks)
+            .max()
+            .unwrap_or(0)
             .min(key.num_blocks());
         let cached_tokens = (u64::from(overlap) * u64::from(self.block_size)).min(key.num_tokens);
         let new_prefill_tokens = key.num_tokens - cached_tokens;
@@ -528,6 +615,7 @@ impl Router {
         Ok(RouteDecision {
             worker,
             overlap_blocks: overlap,
+            available_blocks,
             prompt_blocks: key.num_blocks(),
             new_prefill_tokens,
         })
@@ -590,7 +678,7 @@ impl Router {
 
     /// When the next prediction expires (approximate mode); `None` otherwise.
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        self.approx.as_ref().and_then(Predictions::next_expiry)
+        self.predictions.next_expiry()
     }
 
     /// Expires predictions due at or before `now` (approximate mode).
@@ -606,7 +694,9 @@ impl Router {
         new_prefill_tokens: u64,
         now: Nanos,
     ) {
+        let mut predict = self.approximate;
         if let Some(entry) = find_worker(&mut self.workers, worker) {
+            predict |= entry.cache_view == CacheView::Predicted;
             entry.account.load.in_flight += 1;
             entry.account.load.pending_prefill_tokens += new_prefill_tokens;
             entry.account.load.context_tokens += key.num_tokens;
@@ -623,15 +713,13 @@ impl Router {
                 prompt_tokens: key.num_tokens,
             },
         );
-        if let Some(approx) = &mut self.approx {
-            approx.predict(&mut self.index, worker, key, now);
+        if predict {
+            self.predictions.predict(&mut self.index, worker, key, now);
         }
     }
 
     fn expire_predictions(&mut self, now: Nanos) {
-        if let Some(approx) = &mut self.approx {
-            self.counters.predictions_expired += approx.expire(&mut self.index, now);
-        }
+        self.counters.predictions_expired += self.predictions.expire(&mut self.index, now);
     }
 
     fn fill_candidates(&mut self, key: &RoutingKey) {
@@ -838,7 +926,7 @@ mod tests {
             let now = Nanos::from_millis(i);
             router.route(RequestId(i), &key, now).unwrap();
             router.on_finished(RequestId(i), now);
-            let approx = router.approx.as_ref().unwrap();
+            let approx = &router.predictions;
             assert!(approx.queue.len() <= 2 * 100 + 50, "{}", approx.queue.len());
         }
         // Still predicted, and it expires a TTL after the last refresh, not the first.

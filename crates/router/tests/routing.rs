@@ -5,8 +5,8 @@ use kv_index::{KvEvent, KvEventKind, WorkerId};
 use nanotime::Nanos;
 use proptest::prelude::*;
 use router::{
-    KvSource, PolicyKind, RequestId, RouteError, Router, RouterConfig, RoutingKey, WorkerLimits,
-    WorkerLoad,
+    CacheView, KvSource, PolicyKind, RequestId, RouteError, Router, RouterConfig, RoutingKey,
+    WorkerLimits, WorkerLoad,
 };
 
 const BLOCK: usize = 32;
@@ -202,6 +202,97 @@ fn approximate_mode_predicts_from_routing_and_expires() {
     assert!(router.overlaps(&key2).is_empty(), "expired after the TTL");
     assert_eq!(router.poll_timeout(), None);
     assert_eq!(router.counters().predictions_expired, 70);
+}
+
+#[test]
+fn a_worker_without_events_is_predicted_until_its_first_event() {
+    let mut router = router_with_workers(config(PolicyKind::Kv), 2);
+    assert!(router.set_cache_view(WorkerId(1), CacheView::Predicted));
+    assert!(
+        !router.set_cache_view(WorkerId(9), CacheView::Predicted),
+        "unknown worker"
+    );
+    assert_eq!(router.cache_view(WorkerId(0)), Some(CacheView::Events));
+
+    // Pin turn 1 on the predicted worker: the router remembers what it sent there.
+    let turn1 = prompt(11, 40);
+    let key1 = router.key(&turn1);
+    router
+        .on_routed(RequestId(1), WorkerId(1), &key1, Nanos::ZERO)
+        .unwrap();
+    router.on_finished(RequestId(1), Nanos::from_secs(1));
+    let mut turn2 = turn1.clone();
+    turn2.extend(prompt(12, 5));
+    let key2 = router.key(&turn2);
+    assert_eq!(router.overlaps(&key2).get(WorkerId(1)), 40, "predicted");
+    let decision = router
+        .route(RequestId(2), &key2, Nanos::from_secs(2))
+        .unwrap();
+    assert_eq!(
+        decision.worker,
+        WorkerId(1),
+        "the history is found without events"
+    );
+    router.on_finished(RequestId(2), Nanos::from_secs(3));
+    assert!(router.poll_timeout().is_some(), "predictions expire");
+
+    // Worker 0 (events) routes without predictions: nothing appears for it.
+    let other = router.key(&prompt(13, 20));
+    router
+        .on_routed(RequestId(3), WorkerId(0), &other, Nanos::from_secs(3))
+        .unwrap();
+    assert_eq!(router.overlaps(&other).get(WorkerId(0)), 0, "events only");
+
+    // Worker 1's first real event: its view becomes its events, predictions dropped.
+    let event = stored_event(&router, 1, 0, &prompt(14, 3));
+    router.apply_event_resyncing(&event).unwrap();
+    assert_eq!(router.cache_view(WorkerId(1)), Some(CacheView::Events));
+    assert_eq!(
+        router.overlaps(&key2).get(WorkerId(1)),
+        0,
+        "predictions gone"
+    );
+    assert_eq!(
+        router.index().blocks_of(WorkerId(1)),
+        3,
+        "the event is the baseline"
+    );
+    router.on_finished(RequestId(3), Nanos::from_secs(4));
+    let turn3 = router.key(&prompt(15, 4));
+    router
+        .on_routed(RequestId(4), WorkerId(1), &turn3, Nanos::from_secs(5))
+        .unwrap();
+    assert_eq!(
+        router.index().blocks_of(WorkerId(1)),
+        3,
+        "no more predictions"
+    );
+}
+
+#[test]
+fn the_decision_says_how_much_reuse_was_available() {
+    // Worker 1 holds 30 blocks of the prompt; round-robin sends it to worker 0.
+    let mut router = router_with_workers(config(PolicyKind::RoundRobin), 2);
+    let tokens = prompt(21, 30);
+    let event = stored_event(&router, 1, 0, &tokens);
+    router.apply_event(&event).unwrap();
+    let key = router.key(&tokens);
+    let decision = router.route(RequestId(1), &key, Nanos::ZERO).unwrap();
+    assert_eq!(decision.worker, WorkerId(0));
+    assert_eq!(
+        (decision.overlap_blocks, decision.available_blocks),
+        (0, 30)
+    );
+    let pinned = router
+        .on_routed(RequestId(2), WorkerId(1), &key, Nanos::ZERO)
+        .unwrap();
+    assert_eq!((pinned.overlap_blocks, pinned.available_blocks), (30, 30));
+    let c = router.counters();
+    assert_eq!(
+        (c.overlap_blocks, c.available_blocks),
+        (0, 30),
+        "routed requests only"
+    );
 }
 
 #[test]
