@@ -40,6 +40,14 @@ const SPEC_KPIS = [
   { key: 'tokens-per-step', label: 'Tokens per Step', value: (m) => fmt.perStep(m.tokens_per_step), live: true },
 ];
 
+// Shown when the gateway attributes reuse (kvroute's gateway): of the prompt tokens some
+// worker held, the share the workers reused, and that share of the prompt (what was there to
+// reuse). A low hit rate with a low "available" is the workload; with a high one, routing.
+const REUSE_KPIS = [
+  { key: 'reuse-achieved', label: 'Reuse / Available', value: (m) => fmt.kvHit(m.reuse_achieved), live: true },
+  { key: 'reuse-available', label: 'Reuse Available', value: (m) => fmt.kvHit(m.reuse_available), live: true },
+];
+
 // Seed 004's pools, in display order: the gateway's `pool` label and the workers' role.
 const POOLS = [
   { key: 'prefill', title: 'Prefill pool' },
@@ -80,6 +88,11 @@ function scalingMarkers(status) {
 function reportsSpec(status) {
   return (status?.lanes || []).some((l) => typeof l.metrics?.acceptance_rate === 'number'
     || typeof l.metrics?.tokens_per_step === 'number');
+}
+
+/** Whether any lane's gateway attributes reuse. */
+function reportsReuse(status) {
+  return (status?.lanes || []).some((l) => typeof l.metrics?.reuse_available === 'number');
 }
 
 const $ = (id) => document.getElementById(id);
@@ -346,7 +359,7 @@ export class Dashboard {
     const lanes = status?.lanes?.length ? status.lanes : [null];
     const compare = isCompare(status);
     // The acceptance and tokens-per-step cards appear once the workers report them.
-    const kpis = reportsSpec(status) ? KPIS.concat(SPEC_KPIS) : KPIS;
+    const kpis = KPIS.concat(reportsSpec(status) ? SPEC_KPIS : [], reportsReuse(status) ? REUSE_KPIS : []);
     const layoutKey = `${compare ? lanes.map((l, i) => laneLabel(l, i)).join('|') : 'single'}|${kpis.length}`;
     if (this.kpiLayout !== layoutKey) {
       this.kpiLayout = layoutKey;

@@ -480,6 +480,7 @@ pub fn run(args: SimArgs) -> Result<()> {
     // A single run reports TTFT by turn and decode tokens per step too (a benchmark keeps
     // seed 002's fields unless --phases).
     cluster.base.extended_metrics = true;
+    cluster.base.reuse_attribution = true;
     let spec = BenchSpec {
         routers: vec![args.router],
         levels: vec![args.concurrency],
@@ -860,6 +861,17 @@ pub fn print_latencies(r: &Row) {
         opt(m.oracle_hit_rate.map(|h| h * 100.0), 1) + "%",
         m.errors
     );
+    if let Some(reuse) = &m.reuse {
+        // Where a low hit rate comes from: the workload (little available), the routing
+        // (predicted below available) or a stale index (reused below predicted).
+        println!(
+            "  reuse of prompt tokens: available on some worker {}   predicted on the chosen \
+             worker {}   reused by the engine {}",
+            opt(Some(reuse.available * 100.0), 1) + "%",
+            opt(Some(reuse.predicted * 100.0), 1) + "%",
+            opt(m.kv_hit_rate.map(|h| h * 100.0), 1) + "%",
+        );
+    }
     if let Some(s) = &m.serving {
         println!(
             "  goodput {:.2} req/s ({} of finished requests met TTFT and ITL SLOs)",

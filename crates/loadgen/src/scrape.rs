@@ -95,6 +95,18 @@ pub fn sum(samples: &[Sample], name: &str) -> Option<f64> {
     found.then_some(total)
 }
 
+/// The sum of the series of `name` whose label `key` is `value` (`None` when there is none).
+pub fn sum_where(samples: &[Sample], name: &str, (key, value): (&str, &str)) -> Option<f64> {
+    let mut found = false;
+    let total = samples
+        .iter()
+        .filter(|s| s.name == name && s.labels.iter().any(|(k, v)| k == key && v == value))
+        .inspect(|_| found = true)
+        .map(|s| s.value)
+        .sum();
+    found.then_some(total)
+}
+
 /// The gateway's counters at one moment.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GatewayPoint {
@@ -102,15 +114,43 @@ pub struct GatewayPoint {
     pub cached_tokens: f64,
     pub input_tokens: f64,
     pub queued: Option<f64>,
+    /// kvroute's reuse attribution (`kvroute_gateway_reuse_tokens_total`), when the gateway
+    /// exports it.
+    pub reuse: Option<ReusePoint>,
+}
+
+/// Prompt tokens of requests whose worker reported its reuse: all of them, the prefix some
+/// worker held, and what the worker reused.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ReusePoint {
+    pub prompt: f64,
+    pub available: f64,
+    pub reused: f64,
 }
 
 impl GatewayPoint {
     pub fn from_samples(at_s: f64, samples: &[Sample]) -> Option<GatewayPoint> {
+        let kind = |kind| {
+            sum_where(
+                samples,
+                "kvroute_gateway_reuse_tokens_total",
+                ("kind", kind),
+            )
+        };
+        // Another router's gateway has no such counters: the point stands without them.
+        let reuse = || {
+            Some(ReusePoint {
+                prompt: kind("prompt")?,
+                available: kind("available")?,
+                reused: kind("reused")?,
+            })
+        };
         Some(GatewayPoint {
             at_s,
             cached_tokens: sum(samples, "dynamo_frontend_cached_tokens_sum")?,
             input_tokens: sum(samples, "dynamo_frontend_input_sequence_tokens_sum")?,
             queued: sum(samples, "dynamo_frontend_queued_requests"),
+            reuse: reuse(),
         })
     }
 }
@@ -200,6 +240,20 @@ impl GatewayHistory {
 
     pub fn queued(&self) -> Option<f64> {
         self.points.back()?.queued
+    }
+
+    /// Over the window: the share of prompt tokens some worker held (reuse available), and
+    /// the share of that the workers reused (reuse achieved / available). `None` without
+    /// the gateway's reuse counters or without traffic in between.
+    pub fn reuse(&self) -> Option<(f64, Option<f64>)> {
+        let (first, last) = (self.points.front()?.reuse?, self.points.back()?.reuse?);
+        let prompt = last.prompt - first.prompt;
+        let available = last.available - first.available;
+        let reused = last.reused - first.reused;
+        (prompt > 0.0).then(|| {
+            let achieved = (available > 0.0).then(|| (reused / available).clamp(0.0, 1.0));
+            ((available / prompt).clamp(0.0, 1.0), achieved)
+        })
     }
 }
 
@@ -619,7 +673,40 @@ mod tests {
             cached_tokens: cached,
             input_tokens: input,
             queued: Some(2.0),
+            reuse: None,
         }
+    }
+
+    #[test]
+    fn reuse_available_and_achieved_come_from_the_gateways_attribution() {
+        let scrape = |at_s, prompt, available, reused| {
+            let text = format!(
+                "dynamo_frontend_cached_tokens_sum{{model=\"m\"}} 0\n\
+                 dynamo_frontend_input_sequence_tokens_sum{{model=\"m\"}} 0\n\
+                 kvroute_gateway_reuse_tokens_total{{kind=\"prompt\"}} {prompt}\n\
+                 kvroute_gateway_reuse_tokens_total{{kind=\"available\"}} {available}\n\
+                 kvroute_gateway_reuse_tokens_total{{kind=\"predicted\"}} 0\n\
+                 kvroute_gateway_reuse_tokens_total{{kind=\"reused\"}} {reused}\n"
+            );
+            GatewayPoint::from_samples(at_s, &parse_text(&text)).expect("a gateway point")
+        };
+        let mut h = GatewayHistory::new(Duration::from_secs(60), 100);
+        h.push(scrape(0.0, 1_000.0, 500.0, 400.0));
+        assert_eq!(h.reuse(), None, "one point: no window");
+        h.push(scrape(10.0, 3_000.0, 2_100.0, 1_600.0));
+        // 2,000 prompt tokens: 1,600 available, 1,200 of them reused.
+        assert_eq!(h.reuse(), Some((0.8, Some(0.75))));
+
+        // A gateway without kvroute's counters still gives its hit rate, and no reuse.
+        let plain = GatewayPoint::from_samples(
+            0.0,
+            &parse_text(
+                "dynamo_frontend_cached_tokens_sum 1\n\
+                 dynamo_frontend_input_sequence_tokens_sum 2\n",
+            ),
+        )
+        .expect("a gateway point");
+        assert_eq!(plain.reuse, None);
     }
 
     #[test]

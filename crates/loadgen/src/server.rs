@@ -307,6 +307,10 @@ pub struct LaneMetrics {
     pub requests: u64,
     pub errors: u64,
     pub kv_hit_rate: Option<f64>,
+    /// Reuse attribution over the window (a kvroute gateway's counters): the share of prompt
+    /// tokens some worker held, and the share of that the workers reused.
+    pub reuse_available: Option<f64>,
+    pub reuse_achieved: Option<f64>,
     pub queued: Option<f64>,
     pub in_flight: u64,
     pub active_conversations: u32,
@@ -350,6 +354,10 @@ fn lane_status(lane: &Lane) -> LaneStatus {
                 (true, Some((hit_rate, _))) => hit_rate,
                 (true, None) => s.gateway.hit_rate(),
             },
+            reuse_available: running.then(|| s.gateway.reuse().map(|r| r.0)).flatten(),
+            reuse_achieved: running
+                .then(|| s.gateway.reuse().and_then(|r| r.1))
+                .flatten(),
             queued: match (running, s.prometheus_figures) {
                 (false, _) => None,
                 (true, Some((_, queued))) => queued,

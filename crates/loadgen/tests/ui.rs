@@ -237,6 +237,15 @@ async fn the_dashboard_shows_the_api_numbers_in_headless_chromium() {
         "one card per worker"
     );
     assert!(text(&browser, "gpu-util").await.ends_with('%'));
+    // The gateway attributes reuse: its cards appear, in the API's numbers.
+    wait_until("reuse cards", Duration::from_secs(30), async || {
+        text(&browser, "kpi-reuse-achieved").await.ends_with('%')
+            && text(&browser, "kpi-reuse-available").await.ends_with('%')
+    })
+    .await;
+    let available = text(&browser, "kpi-reuse-available").await;
+    let available: f64 = available.trim_end_matches('%').parse().unwrap();
+    assert!((0.0..=100.0).contains(&available), "{available}");
     let series = browser
         .find_all(Locator::Css("[data-testid=chart-tops] path.series"))
         .await

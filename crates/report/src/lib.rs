@@ -35,6 +35,6 @@ pub use percentiles::Percentiles;
 pub use plots::plots;
 pub use results::{
     Balance, BenchMeta, BenchResults, ClassRow, DisaggMeta, Layout, Metrics, PERCENTILES_METHOD,
-    PhaseMeta, Row, ServingMetrics, Setup, Slo, WorkerRow,
+    PhaseMeta, ReuseRates, Row, ServingMetrics, Setup, Slo, WorkerRow,
 };
 pub use seed002::{SLO_TPOT_P95_MS, SLO_TTFT_P95_MS};

@@ -55,6 +55,23 @@ pub struct Metrics {
     /// every other file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serving: Option<ServingMetrics>,
+    /// Reuse attribution (`kvroute sim`; absent from the bench files): beside
+    /// `kv_hit_rate`, what the engines reused, the share of prompt tokens the router's index
+    /// said some worker held and the share it predicted on the worker it chose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reuse: Option<ReuseRates>,
+}
+
+/// Reuse attribution over finished requests, as shares of their prompt tokens: the longest
+/// prefix any worker held when the request was routed (as the router's index knew it), and
+/// the prefix it predicted on the chosen worker. With `kv_hit_rate` (what the engine reused)
+/// they tell a workload that offers little (`available` low) from routing that traded reuse
+/// for balance (`predicted` below `available`) and from a stale index (`kv_hit_rate` below
+/// `predicted`).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct ReuseRates {
+    pub available: f64,
+    pub predicted: f64,
 }
 
 impl Metrics {
@@ -81,6 +98,13 @@ impl Metrics {
             acceptance_rate: avg_some(|m| m.acceptance_rate),
             tokens_per_step: avg_some(|m| m.tokens_per_step),
             serving: ServingMetrics::mean(all.iter().filter_map(|m| m.serving.as_ref())),
+            reuse: {
+                let some: Vec<ReuseRates> = all.iter().filter_map(|m| m.reuse).collect();
+                (!some.is_empty()).then(|| ReuseRates {
+                    available: mean_some(some.iter().map(|r| Some(r.available))).unwrap_or(0.0),
+                    predicted: mean_some(some.iter().map(|r| Some(r.predicted))).unwrap_or(0.0),
+                })
+            },
         }
     }
 
@@ -105,6 +129,10 @@ impl Metrics {
             acceptance_rate: round_opt(self.acceptance_rate, 5),
             tokens_per_step: round_opt(self.tokens_per_step, 4),
             serving: self.serving.as_ref().map(ServingMetrics::rounded),
+            reuse: self.reuse.map(|r| ReuseRates {
+                available: round(r.available, 5),
+                predicted: round(r.predicted, 5),
+            }),
         }
     }
 }

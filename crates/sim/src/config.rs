@@ -60,6 +60,10 @@ pub struct SimConfig {
     /// figures). Off, the metrics are exactly seed 002's, so its results files stay as they
     /// are; acceptance and tokens per step are measured whenever speculative decoding is on.
     pub extended_metrics: bool,
+    /// Also measure reuse attribution ([`report::ReuseRates`]: the prefix any worker held
+    /// and the one the router predicted, beside the engines' hit rate). Off, the results
+    /// files stay as they are.
+    pub reuse_attribution: bool,
     /// Prefill and decode pools instead of aggregated workers (`None`: every worker does
     /// both, as the seeds' fleets).
     pub disagg: Option<DisaggSetup>,
@@ -122,6 +126,7 @@ impl SimConfig {
             oracle_horizon: None,
             keep_all_records: false,
             extended_metrics: false,
+            reuse_attribution: false,
             disagg: None,
             slo: None,
             max_workers: None,

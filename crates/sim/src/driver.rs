@@ -107,6 +107,7 @@ struct InFlight {
     spans: u32,
     oracle_cached: u32,
     overlap_blocks: u32,
+    available_blocks: u32,
     /// Sequence hash of the prompt's last full block (the oracle chains the output from it).
     prompt_last_block: Option<SequenceHash>,
     /// Disaggregated fleets: its route, its prefill worker (split routes), whether its
@@ -135,6 +136,7 @@ impl InFlight {
             cached_prompt_tokens: 0,
             oracle_cached_tokens: self.oracle_cached,
             router_overlap_blocks: self.overlap_blocks,
+            router_available_blocks: self.available_blocks,
             output_tokens: self.tokens,
             token_spans: self.spans,
             preemptions: 0,
@@ -785,6 +787,9 @@ impl<W: Workload> Simulation<W> {
                 let mut w = WindowAcc::new(a, b);
                 w.split_turns = cfg.extended_metrics;
                 w.slo = cfg.slo;
+                w.reuse_block_size = cfg
+                    .reuse_attribution
+                    .then(|| u32::try_from(admission.hasher().block_size()).unwrap_or(u32::MAX));
                 w
             }));
             t += p.duration();
@@ -1332,6 +1337,7 @@ impl<W: Workload> Simulation<W> {
             spans: 0,
             oracle_cached,
             overlap_blocks: 0,
+            available_blocks: 0,
             route: None,
             prefill_worker: None,
             prefilling: false,
@@ -1369,19 +1375,18 @@ impl<W: Workload> Simulation<W> {
         // A retry keeps the instant it was first routed.
         f.routed_at.get_or_insert(now);
         f.worker = Some(decode);
-        let (tag, leg, target, overlap) = match &route {
+        let (tag, leg, target, prefix) = match &route {
             Route::Split { prefill, .. } => {
                 let p = prefill.worker.0 as u32;
                 f.prefill_worker = Some(p);
-                (RouteTag::Split, Leg::Prefill, p, prefill.overlap_blocks)
+                (RouteTag::Split, Leg::Prefill, p, prefill)
             }
-            Route::Local { decode: d, reason } => {
-                (RouteTag::of(reason), Leg::Whole, decode, d.overlap_blocks)
-            }
+            Route::Local { decode: d, reason } => (RouteTag::of(reason), Leg::Whole, decode, d),
         };
         f.route = Some(tag);
         f.prefilling = leg == Leg::Prefill;
-        f.overlap_blocks = overlap;
+        f.overlap_blocks = prefix.overlap_blocks;
+        f.available_blocks = prefix.available_blocks;
         let req = EngineRequest {
             id: RequestId(id),
             prompt: Arc::clone(&f.prompt),
@@ -1950,6 +1955,7 @@ impl<W: Workload> Simulation<W> {
         f.routed_at = Some(now);
         f.worker = Some(w);
         f.overlap_blocks = decision.overlap_blocks;
+        f.available_blocks = decision.available_blocks;
         let req = EngineRequest {
             id: RequestId(id),
             prompt: Arc::clone(&f.prompt),

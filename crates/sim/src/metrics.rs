@@ -108,6 +108,8 @@ pub struct RequestRecord {
     pub oracle_cached_tokens: u32,
     /// Leading prompt blocks the router believed cached on the chosen worker.
     pub router_overlap_blocks: u32,
+    /// The longest cached prefix, in blocks, the router knew of on any worker it could pick.
+    pub router_available_blocks: u32,
     pub output_tokens: u32,
     /// Token events received (one per step, or per coalesced stretch in speed mode).
     pub token_spans: u32,
@@ -195,6 +197,10 @@ pub struct WindowAcc {
     /// Goodput against these objectives (and routes, per-route TTFT, transfers).
     pub slo: Option<Slo>,
     serving: ServingAcc,
+    /// Reuse attribution in tokens of this block size (`None`: not kept).
+    pub reuse_block_size: Option<u32>,
+    available: u64,
+    predicted: u64,
 }
 
 impl WindowAcc {
@@ -241,6 +247,13 @@ impl WindowAcc {
         self.prompt += u64::from(r.prompt_tokens);
         self.cached += u64::from(r.cached_prompt_tokens);
         self.oracle_cached += u64::from(r.oracle_cached_tokens);
+        if let Some(block) = self.reuse_block_size {
+            let tokens = |blocks: u32| {
+                (u64::from(blocks) * u64::from(block)).min(u64::from(r.prompt_tokens))
+            };
+            self.available += tokens(r.router_available_blocks);
+            self.predicted += tokens(r.router_overlap_blocks);
+        }
         self.output += u64::from(r.output_tokens);
         if let Some(e) = r.e2e() {
             self.e2e_s.push(e.as_secs_f64());
@@ -318,6 +331,10 @@ impl WindowAcc {
                     prefill_utilisation: None,
                     decode_utilisation: None,
                 }
+            }),
+            reuse: self.reuse_block_size.map(|_| report::ReuseRates {
+                available: ratio(self.available, self.prompt).unwrap_or(0.0),
+                predicted: ratio(self.predicted, self.prompt).unwrap_or(0.0),
             }),
         }
     }

@@ -203,3 +203,37 @@ fn delayed_kv_events_are_applied_after_the_delay() {
     let late = make(1000);
     assert_eq!(late[1].router_overlap_blocks, 0, "events still in flight");
 }
+
+/// Reuse attribution: round-robin sends a conversation's second turn away from the worker
+/// holding its history. The router knew the history was available (on worker A), predicted
+/// none of it on the chosen worker B, and B reused none.
+#[test]
+fn reuse_attribution_separates_available_from_predicted_and_reused() {
+    let history: Vec<u32> = (0..640).collect();
+    let mut cfg = one_worker(true);
+    cfg.workers = 2;
+    cfg.router.policy = PolicyKind::RoundRobin;
+    cfg.reuse_attribution = true;
+    let mut p2 = history.clone();
+    p2.extend(9000..9010u32);
+    let script = Script::new(vec![
+        turn(0, 0, history, (0..50).collect(), Nanos::ZERO),
+        turn(1, 0, p2, (0..5).collect(), Nanos::from_secs(1)),
+    ]);
+    let sim = Simulation::new(cfg, script, vec![phase(3, 1)]).unwrap();
+    let out = sim.run(|_| {}).unwrap();
+    let mut records = out.records.clone();
+    records.sort_by_key(|r| r.id);
+    assert_ne!(records[1].worker, records[0].worker, "round-robin moved it");
+    assert_eq!(
+        records[1].router_available_blocks, 20,
+        "the history, on worker A"
+    );
+    assert_eq!(records[1].router_overlap_blocks, 0);
+    assert_eq!(records[1].cached_prompt_tokens, 0);
+    let m = &out.phases[0].snapshots[0];
+    let reuse = m.reuse.expect("kept when asked");
+    assert!((reuse.available - 640.0 / 1290.0).abs() < 1e-9, "{reuse:?}");
+    assert_eq!(reuse.predicted, 0.0);
+    assert_eq!(m.kv_hit_rate, Some(0.0));
+}
