@@ -114,6 +114,7 @@ export class Dashboard {
     this.visible = false;
     this.liveLayout = null;
     this.kpiLayout = null;
+    this.showsReuse = false;
     this.workersLayout = null;
     this.history = new HistoryStore();
     this.slider = $('concurrency-slider');
@@ -359,7 +360,10 @@ export class Dashboard {
     const lanes = status?.lanes?.length ? status.lanes : [null];
     const compare = isCompare(status);
     // The acceptance and tokens-per-step cards appear once the workers report them.
-    const kpis = KPIS.concat(reportsSpec(status) ? SPEC_KPIS : [], reportsReuse(status) ? REUSE_KPIS : []);
+    // Once the gateway has shown it attributes reuse, its cards stay (a dash while stopped)
+    // rather than come and go with every start and stop.
+    this.showsReuse = this.showsReuse || reportsReuse(status);
+    const kpis = KPIS.concat(reportsSpec(status) ? SPEC_KPIS : [], this.showsReuse ? REUSE_KPIS : []);
     const layoutKey = `${compare ? lanes.map((l, i) => laneLabel(l, i)).join('|') : 'single'}|${kpis.length}`;
     if (this.kpiLayout !== layoutKey) {
       this.kpiLayout = layoutKey;

@@ -179,6 +179,9 @@ pub struct GatewayConfig {
     /// `/info`) instead of `router.block_size`, which stays the default when none declares
     /// one. Workers that disagree are an error.
     pub block_size_from_workers: bool,
+    /// With `block_size_from_workers`: how long to wait at start-up for one static worker
+    /// to answer `/info` when none does yet.
+    pub block_size_wait: Duration,
     /// NATS server for KV events in our format and dynamic worker registration.
     pub nats_url: Option<String>,
     /// Namespace of NATS subjects (`kvroute.<namespace>.…`).
@@ -266,6 +269,7 @@ impl Default for GatewayConfig {
             workers: Vec::new(),
             router: RouterConfig::default(),
             block_size_from_workers: false,
+            block_size_wait: Duration::from_secs(30),
             nats_url: None,
             namespace: "default".to_string(),
             registration_token: None,

@@ -167,13 +167,29 @@ impl Gateway {
             .build()?;
         // Every static worker is probed once, before the router exists: its block size may
         // be the router's.
-        let probes = futures::future::join_all(
-            config
-                .workers
-                .iter()
-                .map(|spec| registry::probe_info(&http, &spec.url, config.probe_timeout)),
-        )
-        .await;
+        let probe_all = || {
+            futures::future::join_all(
+                config
+                    .workers
+                    .iter()
+                    .map(|spec| registry::probe_info(&http, &spec.url, config.probe_timeout)),
+            )
+        };
+        let mut probes = probe_all().await;
+        // Workers started with the gateway may not listen yet: rather than pick a default
+        // block size a worker then contradicts, give them a while to answer.
+        let deadline = tokio::time::Instant::now() + config.block_size_wait;
+        while config.block_size_from_workers
+            && probes.iter().all(|p| matches!(p, registry::Probe::Down(_)))
+            && !probes.is_empty()
+            && tokio::time::Instant::now() < deadline
+        {
+            tracing::info!(
+                "no worker answers /info yet; waiting for one to learn the KV block size"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            probes = probe_all().await;
+        }
         let mut config = config;
         let block_size_source = if config.block_size_from_workers {
             match registry::agreed_block_size(&config.workers, &probes)

@@ -289,7 +289,15 @@ pub fn run(args: GatewayArgs) -> Result<()> {
         );
         // Where each worker's cache view comes from: a KV-aware policy without events for a
         // worker routes as if its cache were empty, so say so rather than route blind quietly.
-        for (info, _, _) in &workers {
+        for (info, _, reachable) in &workers {
+            if !reachable {
+                println!(
+                    "kvroute gateway: worker {} ({}): not reachable yet; routed once its health \
+                     check passes, with the cache view its /info announces then",
+                    info.id.0, info.url
+                );
+                continue;
+            }
             let view = match (&info.zmq, &nats) {
                 _ if approximate => "the router's own predictions (--no-kv-events)".to_string(),
                 (Some(endpoint), _) => format!("KV events over ZMQ from {endpoint}"),

@@ -81,7 +81,7 @@ fn help_lists_router_modes_defaults_and_dynamo_variables() {
         "random",
         "--kv-block-size",
         "[env: DYN_KV_CACHE_BLOCK_SIZE=]",
-        "[default: 32]",
+        "Default: the block size the workers declare",
         "--kv-overlap-score-weight",
         "--router-temperature",
         "--no-kv-events",

@@ -81,15 +81,25 @@ fn id(testid: &str) -> Locator<'_> {
 }
 
 async fn text(browser: &Client, testid: &str) -> String {
-    browser
-        .wait()
-        .at_most(Duration::from_secs(10))
-        .for_element(id(testid))
-        .await
-        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
-        .text()
-        .await
-        .unwrap()
+    // The cards are rebuilt when their set changes (speculation or reuse cards appear), so
+    // an element found just before may be gone when read: find it again.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let found = browser
+            .wait()
+            .at_most(Duration::from_secs(10))
+            .for_element(id(testid))
+            .await
+            .unwrap_or_else(|e| panic!("element {testid}: {e}"));
+        match found.text().await {
+            Ok(text) => return text,
+            Err(e) if std::time::Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("element {testid}: {e}"),
+        }
+    }
 }
 
 async fn classes(browser: &Client, testid: &str) -> String {
