@@ -286,6 +286,20 @@ pub struct SimArgs {
     /// checks the invariants of a fault-free run. Aggregated fleets only.
     #[arg(long, value_name = "SPEC", value_parser = parse_faults)]
     pub faults: Option<sim::faults::FaultSpec>,
+    /// Gateway replicas behind one address: each turn goes to the next replica (round
+    /// robin, as a client spreading requests would); every replica applies every worker's KV
+    /// events and learns its peers' routing decisions and completions --replica-sync-ms late
+    /// (or never, with --no-replica-sync). Aggregated fleets only (docs/ROUTING.md, "Gateway
+    /// replicas").
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub gateway_replicas: u32,
+    /// Delay before a replica's routing decisions and completions reach its peers: the
+    /// staleness bound of each replica's view of the others' load (NATS in the gateway).
+    #[arg(long, default_value_t = 5.0, value_name = "MS")]
+    pub replica_sync_ms: f64,
+    /// Replicas share nothing: each sees only the requests it routed itself.
+    #[arg(long, conflicts_with = "replica_sync_ms")]
+    pub no_replica_sync: bool,
     #[command(flatten)]
     pub cluster: ClusterArgs,
 }
@@ -438,9 +452,15 @@ impl DisaggArgs {
 }
 
 pub fn run(args: SimArgs) -> Result<()> {
+    if args.gateway_replicas == 0 {
+        bail!("--gateway-replicas must be at least 1");
+    }
     if let Some(scenario) = args.scenario.scenario.clone() {
         if args.faults.is_some() {
             bail!("--faults does not run with --scenario yet; drop one of them");
+        }
+        if args.gateway_replicas > 1 {
+            bail!("--gateway-replicas does not run with --scenario yet; drop one of them");
         }
         return run_scenario(&args, &scenario);
     }
@@ -467,6 +487,14 @@ pub fn run(args: SimArgs) -> Result<()> {
         cluster.base.disagg = Some(setup);
         cluster.base.slo = Some(report::Slo::SEED_004);
     }
+    cluster.base.replicas = sim::ReplicaSetup {
+        count: args.gateway_replicas,
+        sync: if args.no_replica_sync {
+            None
+        } else {
+            Some(seconds(args.replica_sync_ms / 1e3, "--replica-sync-ms")?)
+        },
+    };
     let duration = seconds(args.duration, "--duration")?;
     let warmup = seconds(args.warmup, "--warmup")?;
     if warmup >= duration {
@@ -614,6 +642,11 @@ pub fn run(args: SimArgs) -> Result<()> {
         }
         if let Some(faults) = &faults {
             doc["faults"] = serde_json::to_value(faults)?;
+        }
+        if let (Some(replicas), Some(row)) = (&totals.replicas, results.runs.first()) {
+            let mut value = serde_json::to_value(replicas)?;
+            value["busiest_peak_in_flight"] = busiest_peak(row).into();
+            doc["gateway_replicas"] = value;
         }
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
@@ -771,6 +804,9 @@ fn print_run(results: &BenchResults, totals: &sim::RunTotals) {
             d.kv_transfer_bytes as f64 / 1e9
         );
     }
+    if let Some(replicas) = &totals.replicas {
+        print_replicas(replicas, r);
+    }
     println!(
         "\nturns: {} issued, {} finished, {} failed, {} in flight at the end; {} engine steps, {} KV events",
         totals.issued,
@@ -779,6 +815,36 @@ fn print_run(results: &BenchResults, totals: &sim::RunTotals) {
         totals.in_flight_at_end,
         totals.engine_steps,
         totals.kv_events
+    );
+}
+
+/// The largest peak in-flight count of any worker over the measurement window.
+fn busiest_peak(r: &Row) -> u32 {
+    r.per_worker
+        .iter()
+        .map(|w| w.peak_in_flight)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The replicas' line: their sync, the busiest worker's peak and what the updates did.
+fn print_replicas(replicas: &sim::ReplicaTotals, r: &Row) {
+    let sync = match replicas.sync_delay {
+        Some(d) => format!("sync {} ms", d.as_secs_f64() * 1e3),
+        None => "no sync".to_string(),
+    };
+    println!(
+        "gateway replicas: {} ({sync}); busiest worker's peak in flight {}; turns per replica {:?}; \
+         updates {} sent, {} applied, {} stale, {} reordered, {} skipped, {} refused",
+        replicas.replicas,
+        busiest_peak(r),
+        replicas.turns,
+        replicas.updates_sent,
+        replicas.updates_applied,
+        replicas.updates_stale,
+        replicas.updates_reordered,
+        replicas.updates_skipped,
+        replicas.updates_refused
     );
 }
 

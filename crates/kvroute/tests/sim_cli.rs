@@ -669,3 +669,64 @@ fn bench_disagg_compares_layouts_of_equal_gpus_byte_identically() {
         "{report}"
     );
 }
+
+#[test]
+fn sim_with_gateway_replicas_reports_them_and_refuses_what_it_cannot_simulate() {
+    let args = [
+        "sim",
+        "--concurrency",
+        "12",
+        "--duration",
+        "40",
+        "--warmup",
+        "10",
+        "--gateway-replicas",
+        "3",
+        "--replica-sync-ms",
+        "5",
+    ];
+    let table = ok(kvroute().args(args).output().unwrap());
+    let text = String::from_utf8(table.stdout).unwrap();
+    assert!(
+        text.contains("gateway replicas: 3 (sync 5 ms); busiest worker's peak in flight"),
+        "{text}"
+    );
+    let json = ok(kvroute().args(args).arg("--json").output().unwrap());
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let r = &v["gateway_replicas"];
+    assert_eq!(r["replicas"], 3);
+    assert_eq!(r["sync_delay"], 5_000_000);
+    assert!(r["busiest_peak_in_flight"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["updates_applied"].as_u64().unwrap() > 0, "{r}");
+    // One replica adds nothing to the report.
+    let single = ok(kvroute().args(&args[..7]).arg("--json").output().unwrap());
+    let v: serde_json::Value = serde_json::from_slice(&single.stdout).unwrap();
+    assert!(v.get("gateway_replicas").is_none());
+    assert!(v["totals"].get("replicas").is_none());
+    assert_failures(&[
+        (
+            &["sim", "--gateway-replicas", "0"],
+            "--gateway-replicas must be at least 1",
+        ),
+        (
+            &["sim", "--gateway-replicas", "2", "--faults", "none"],
+            "behind one gateway only",
+        ),
+        (
+            &[
+                "sim",
+                "--gateway-replicas",
+                "2",
+                "--prefill-workers",
+                "1",
+                "--decode-workers",
+                "2",
+            ],
+            "aggregated fleet only",
+        ),
+        (
+            &["sim", "--no-replica-sync", "--replica-sync-ms", "5"],
+            "cannot be used with",
+        ),
+    ]);
+}

@@ -258,6 +258,19 @@ impl Frontend {
         self.router.on_first_token(id, now);
     }
 
+    /// Counts a request another router replica sent to `worker` (see [`Router::on_routed`]);
+    /// it leaves the accounting through [`on_finished`](Frontend::on_finished) like a routed
+    /// one. It takes a slot without waiting: the peer has already sent it.
+    pub fn on_peer_routed(
+        &mut self,
+        id: RequestId,
+        worker: WorkerId,
+        key: &RoutingKey,
+        now: Nanos,
+    ) -> Result<RouteDecision, RouteError> {
+        self.router.on_routed(id, worker, key, now)
+    }
+
     /// The request finished, failed or was cancelled after routing: its slot goes to the
     /// queue's head.
     pub fn on_finished(&mut self, id: RequestId, now: Nanos) {

@@ -26,6 +26,9 @@
 //!   pool (one [`Frontend`] each), and the conditional-disaggregation decision: prefill on the
 //!   decode worker when little of the prompt is uncached there, on a prefill worker otherwise,
 //!   with a local fallback when no prefill worker can take it ([`Route`], [`DisaggEvent`]).
+//! - [`replica`]: router replicas that route as one — each tells its peers what it routed
+//!   and when it ended ([`ReplicaSync`], [`PeerUpdate`]), and counts their requests in its
+//!   own load accounting, in order, deduplicated and bounded.
 //! - [`ejection`]: outlier ejection with a minimum ejection time growing with failures in a
 //!   row (Envoy's `base_ejection_time`), asked before a health check returns a worker.
 //! - [`autoscale`]: pool autoscaling with KEDA's and the HPA's semantics (a latency quantile
@@ -105,6 +108,7 @@ mod kv_load;
 mod load;
 pub mod peers;
 pub mod policy;
+pub mod replica;
 mod router;
 
 pub use disagg::{DisaggConfig, DisaggEvent, DisaggFrontend, LocalReason, Pool, Route};
@@ -116,6 +120,7 @@ pub use policy::{
     Candidate, KvCost, KvCostParams, PolicyKind, PolicyParams, PolicyRng, Random, RoundRobin,
     RoutingPolicy, SelectionContext, UnknownPolicy, WorkerLimits, WorkerTiming,
 };
+pub use replica::{PeerChange, PeerUpdate, ReplicaId, ReplicaSync, ReplicaSyncConfig};
 pub use router::{
     CacheView, KvSource, RequestId, RouteDecision, RouteError, Router, RouterConfig,
     RouterConfigError, RouterCounters, RoutingKey,

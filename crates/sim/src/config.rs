@@ -75,6 +75,32 @@ pub struct SimConfig {
     /// [`crate::Simulation::add_worker`] (ids are never reused); sizes the router's index.
     /// `None`: [`SimConfig::workers`], a fleet that never grows.
     pub max_workers: Option<u32>,
+    /// Router replicas in front of the fleet, and how they share their routing decisions.
+    /// One replica (the default) is a single gateway, exactly as before replicas existed.
+    pub replicas: ReplicaSetup,
+}
+
+/// Several gateway replicas behind one address (`kvroute sim --gateway-replicas`): each turn
+/// goes to the next replica in turn (a client spreading requests round-robin), every replica
+/// applies every worker's KV events, and each counts its peers' requests in its load only as
+/// `router::ReplicaSync` updates reach it, `sync` after they happen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaSetup {
+    /// Replicas, at least one.
+    pub count: u32,
+    /// Delivery delay of a replica's updates to its peers (the staleness bound of each
+    /// replica's view of the others' load); `None`: no sync, each replica sees only its own
+    /// requests.
+    pub sync: Option<Nanos>,
+}
+
+impl Default for ReplicaSetup {
+    fn default() -> Self {
+        Self {
+            count: 1,
+            sync: Some(Nanos::ZERO),
+        }
+    }
 }
 
 /// A disaggregated fleet: `prefill_workers` engines of role prefill-only (ids
@@ -130,6 +156,7 @@ impl SimConfig {
             disagg: None,
             slo: None,
             max_workers: None,
+            replicas: ReplicaSetup::default(),
         }
     }
 
@@ -246,6 +273,10 @@ pub enum ConfigError {
          aggregated fleet none"
     )]
     PoolMismatch,
+    #[error("gateway replicas must be at least 1")]
+    NoReplicas,
+    #[error("gateway replicas run an aggregated fleet only; drop the prefill/decode pools")]
+    ReplicasWithPools,
     // These carry the cause in their message, not as a `source` too, so an error chain does
     // not print it twice.
     #[error("engine: {0}")]

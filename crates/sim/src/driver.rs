@@ -23,6 +23,7 @@ use crate::metrics::{
     KvTransfer, Metrics, Outcome, RequestRecord, RouteTag, WindowAcc, tokens_in_window,
 };
 use crate::oracle::Oracle;
+use crate::replicas::{ReplicaTotals, Replicas};
 use crate::timeline::{Recorder, Timeline, TimelineConfig, TimelineError, WorkerSample};
 use crate::timers::{Source, Timers};
 use crate::workload::{Turn, TurnKey, Workload};
@@ -77,6 +78,9 @@ pub mod streams {
     pub const FAULTS: u64 = 3;
     /// Engine `i` uses `ENGINE + i`.
     pub const ENGINE: u64 = 1 << 32;
+    /// Gateway replica `r ≥ 1`'s router uses `REPLICA + r` (replica 0 uses `ROUTER`, as a
+    /// single gateway does).
+    pub const REPLICA: u64 = 2 << 32;
 }
 
 /// A turn between issue and end.
@@ -316,6 +320,9 @@ pub struct RunTotals {
     /// Disaggregated fleets: routes taken and KV moved over the whole run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disagg: Option<DisaggTotals>,
+    /// Gateway replicas (more than one): turns per replica and the updates they exchanged.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<ReplicaTotals>,
 }
 
 /// A disaggregated run's routes (counted when assigned; a retry counts once more as
@@ -355,6 +362,8 @@ enum Admission {
     One(Frontend),
     /// Prefill and decode pools behind a [`DisaggFrontend`].
     Two(DisaggFrontend),
+    /// Aggregated workers behind several gateway replicas, a [`Frontend`] each.
+    Many(Replicas),
 }
 
 /// An outcome of either core.
@@ -368,6 +377,7 @@ impl Admission {
         match self {
             Admission::One(f) => f.router().key(tokens),
             Admission::Two(d) => d.key(tokens),
+            Admission::Many(m) => m.first().router().key(tokens),
         }
     }
 
@@ -375,13 +385,16 @@ impl Admission {
         match self {
             Admission::One(f) => f.submit(id, key, now),
             Admission::Two(d) => d.submit(id, key, now),
+            Admission::Many(m) => m.submit(id, key, now),
         }
     }
 
-    fn poll_event(&mut self) -> Option<Admitted> {
+    /// The next outcome; `now` stamps the update a replica sends its peers.
+    fn poll_event(&mut self, now: Nanos) -> Option<Admitted> {
         match self {
             Admission::One(f) => f.poll_event().map(Admitted::One),
             Admission::Two(d) => d.poll_event().map(Admitted::Two),
+            Admission::Many(m) => m.poll_event(now).map(Admitted::One),
         }
     }
 
@@ -389,6 +402,7 @@ impl Admission {
         match self {
             Admission::One(f) => f.poll_timeout(),
             Admission::Two(d) => d.poll_timeout(),
+            Admission::Many(m) => m.poll_timeout(),
         }
     }
 
@@ -396,6 +410,7 @@ impl Admission {
         match self {
             Admission::One(f) => f.handle_timeout(now),
             Admission::Two(d) => d.handle_timeout(now),
+            Admission::Many(m) => m.handle_timeout(now),
         }
     }
 
@@ -403,6 +418,7 @@ impl Admission {
         match self {
             Admission::One(f) => f.queued(),
             Admission::Two(d) => d.queued(),
+            Admission::Many(m) => m.queued(),
         }
     }
 
@@ -410,6 +426,7 @@ impl Admission {
         match self {
             Admission::One(f) => f.on_first_token(id, now),
             Admission::Two(d) => d.on_first_token(id, now),
+            Admission::Many(m) => m.on_first_token(id, now),
         }
     }
 
@@ -417,6 +434,7 @@ impl Admission {
         match self {
             Admission::One(f) => f.on_finished(id, now),
             Admission::Two(d) => d.on_finished(id, now),
+            Admission::Many(m) => m.on_finished(id, now),
         }
     }
 
@@ -424,6 +442,7 @@ impl Admission {
         match self {
             Admission::One(f) => f.remove_worker(worker, now),
             Admission::Two(d) => d.remove_worker(worker, now),
+            Admission::Many(m) => m.remove_worker(worker, now),
         }
     }
 
@@ -431,6 +450,7 @@ impl Admission {
         match self {
             Admission::One(f) => f.take_drained(),
             Admission::Two(d) => d.take_drained(),
+            Admission::Many(m) => m.take_drained(),
         }
     }
 
@@ -438,6 +458,7 @@ impl Admission {
         match self {
             Admission::One(f) => f.router_mut().apply_event(ev).is_ok(),
             Admission::Two(d) => d.apply_event(ev).is_ok(),
+            Admission::Many(m) => m.apply_event(ev),
         }
     }
 
@@ -449,6 +470,8 @@ impl Admission {
         match self {
             Admission::One(f) => f.router_mut().apply_event_resyncing(ev),
             Admission::Two(d) => d.apply_event_resyncing(ev),
+            // Runs with faults have one replica (`with_faults` refuses more).
+            Admission::Many(m) => m.first_mut().router_mut().apply_event_resyncing(ev),
         }
     }
 
@@ -457,6 +480,7 @@ impl Admission {
         match self {
             Admission::One(f) => f.router(),
             Admission::Two(d) => d.pool(Pool::Decode).router(),
+            Admission::Many(m) => m.first().router(),
         }
     }
 
@@ -465,6 +489,8 @@ impl Admission {
         match self {
             Admission::One(f) => f.router().load(worker),
             Admission::Two(d) => d.pool(d.pool_of(worker)?).router().load(worker),
+            // Replica 0's view: with sync, the fleet's load as it stood `sync` ago.
+            Admission::Many(m) => m.first().router().load(worker),
         }
     }
 
@@ -743,7 +769,28 @@ impl<W: Workload> Simulation<W> {
             },
             ..RouterConfig::default()
         };
+        if cfg.replicas.count == 0 {
+            return Err(ConfigError::NoReplicas.into());
+        }
+        if cfg.replicas.count > 1 && cfg.disagg.is_some() {
+            return Err(ConfigError::ReplicasWithPools.into());
+        }
         let admission = match &cfg.disagg {
+            None if cfg.replicas.count > 1 => {
+                let seed = cfg.seed;
+                let mut replicas =
+                    Replicas::new(router_cfg, cfg.frontend, cfg.replicas, |r| match r {
+                        0 => derive_seed(seed, streams::ROUTER),
+                        r => derive_seed(seed, streams::REPLICA + u64::from(r)),
+                    })
+                    .map_err(ConfigError::from)?;
+                for (i, e) in engines.iter().enumerate() {
+                    replicas
+                        .add_worker(WorkerId(i as u64), e.limits(), Nanos::ZERO)
+                        .map_err(ConfigError::from)?;
+                }
+                Admission::Many(replicas)
+            }
             None => {
                 let mut frontend =
                     Frontend::new(router_cfg, cfg.frontend).map_err(ConfigError::from)?;
@@ -863,6 +910,11 @@ impl<W: Workload> Simulation<W> {
     /// before the run starts; aggregated fleets only, without a timeline (a restarted worker
     /// is a new column).
     pub fn with_faults(mut self, spec: &FaultSpec) -> Result<Self, SimError> {
+        if self.cfg.replicas.count > 1 {
+            return Err(SimError::Faults(
+                "fault injection runs behind one gateway only (not with gateway replicas yet)",
+            ));
+        }
         if self.cfg.disagg.is_some() {
             return Err(SimError::Faults(
                 "fault injection runs on aggregated fleets only (not with prefill and decode \
@@ -968,7 +1020,7 @@ impl<W: Workload> Simulation<W> {
     /// A disaggregated fleet's admission (both pools), `None` for an aggregated fleet.
     pub fn disagg(&self) -> Option<&DisaggFrontend> {
         match &self.admission {
-            Admission::One(_) => None,
+            Admission::One(_) | Admission::Many(_) => None,
             Admission::Two(d) => Some(d),
         }
     }
@@ -1116,6 +1168,9 @@ impl<W: Workload> Simulation<W> {
         totals.engine_steps = self.engines.iter().map(|e| e.metrics().steps).sum();
         totals.oracle_blocks = self.oracle.as_ref().map_or(0, |o| o.len() as u64);
         totals.simulated = self.now;
+        if let Admission::Many(m) = &self.admission {
+            totals.replicas = Some(m.totals());
+        }
         let faults = self.faults.map(|f| {
             let mut report = f.report;
             report.stale_claims = f.checker.stale_claims;
@@ -1350,7 +1405,7 @@ impl<W: Workload> Simulation<W> {
     /// Acts on the frontend's outcomes: an assigned turn goes to its engine(s), a refused or
     /// timed-out one fails.
     fn drain_frontend(&mut self) {
-        while let Some(event) = self.admission.poll_event() {
+        while let Some(event) = self.admission.poll_event(self.now) {
             match event {
                 Admitted::One(FrontendEvent::Assigned { id, decision, .. }) => {
                     self.start(id.0, decision)
@@ -1739,7 +1794,7 @@ impl<W: Workload> Simulation<W> {
 
     fn disagg_mut(&mut self) -> Option<&mut DisaggFrontend> {
         match &mut self.admission {
-            Admission::One(_) => None,
+            Admission::One(_) | Admission::Many(_) => None,
             Admission::Two(d) => Some(d),
         }
     }
@@ -1819,6 +1874,7 @@ impl<W: Workload> Simulation<W> {
         let worker = WorkerId(u64::from(id));
         match (&mut self.admission, pool) {
             (Admission::One(f), _) => f.add_worker(worker, limits, now),
+            (Admission::Many(m), _) => m.add_worker(worker, limits, now),
             (Admission::Two(d), Some(p)) => d.add_worker(worker, p, limits, now),
             (Admission::Two(_), None) => return Err(ConfigError::PoolMismatch.into()),
         }
@@ -1863,6 +1919,7 @@ impl<W: Workload> Simulation<W> {
         let accepted = match &mut self.admission {
             Admission::One(f) => f.drain_worker(id, now),
             Admission::Two(d) => d.drain_worker(id, now),
+            Admission::Many(m) => m.drain_worker(id, now),
         };
         if accepted {
             self.draining[w] = true;

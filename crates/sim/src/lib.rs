@@ -149,17 +149,19 @@ pub mod ladder;
 pub mod metrics;
 pub mod mix;
 pub mod oracle;
+mod replicas;
 pub mod scenario;
 pub mod timeline;
 pub mod timers;
 mod workload;
 
-pub use config::{ConfigError, DisaggSetup, Phase, RouterSetup, SimConfig};
+pub use config::{ConfigError, DisaggSetup, Phase, ReplicaSetup, RouterSetup, SimConfig};
 pub use driver::{
     PhaseResult, PoolMetrics, RunOutput, RunTotals, SimError, Simulation, WorkerStats, derive_seed,
     streams,
 };
 pub use metrics::{Metrics, Outcome, RequestRecord};
+pub use replicas::ReplicaTotals;
 pub use report::Percentiles;
 pub use router::FrontendConfig;
 pub use timeline::{Timeline, TimelineConfig, TimelineError};
