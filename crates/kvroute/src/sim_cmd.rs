@@ -16,7 +16,7 @@ use serde::de::DeserializeOwned;
 use sim::ServingPath;
 use sim::bench::{BenchSpec, JobResult};
 use sim::chat::Chat;
-use sim::trace::{TraceStats, TraceWorkload};
+use sim::trace::{ReplayStats, TraceWorkload};
 use sim::{DisaggSetup, FrontendConfig, SimConfig, Simulation, Timeline, TimelineConfig};
 use workload::{Assets, MAX_RATE, Mix, PromptSynth, WorkloadConfig};
 
@@ -654,7 +654,7 @@ enum Traffic<'a> {
     },
     Trace {
         loaded: &'a LoadedTrace,
-        stats: TraceStats,
+        stats: ReplayStats,
     },
 }
 
@@ -680,7 +680,7 @@ struct TraceReport {
 }
 
 impl TraceReport {
-    fn new(loaded: &LoadedTrace, stats: TraceStats, results: &BenchResults) -> TraceReport {
+    fn new(loaded: &LoadedTrace, stats: ReplayStats, results: &BenchResults) -> TraceReport {
         let kv_hit_rate = results.summary.first().and_then(|r| r.metrics.kv_hit_rate);
         let bound = report::percentiles::round(loaded.trace.oracle_prefix_hit_rate(), 4);
         TraceReport {

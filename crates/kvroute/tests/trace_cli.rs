@@ -1,13 +1,13 @@
 //! Public trace replay as a user runs it: `kvroute sim --trace` on a slice of the shipped
 //! Mooncake conversation trace (KV-aware routing beats round-robin, no run beats the trace's
 //! oracle bound, same seed ⇒ same JSON), closed-loop sessions, and one clear error per bad
-//! input.
+//! input; `kvroute loadgen --trace` against a gateway over real `kvroute engine` processes.
 
 use std::path::PathBuf;
 
 mod common;
 
-use common::{assert_failures, failure, stdout_of};
+use common::{Server, assert_failures, engines, failure, http, stdout_of};
 
 fn shipped() -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -179,4 +179,69 @@ fn bad_traces_and_flags_get_one_clear_error() {
             "--trace and --scenario",
         ),
     ]);
+}
+
+#[test]
+fn loadgen_replays_a_trace_against_real_engines_with_cache_hits_and_no_errors() {
+    let engines = engines(2);
+    let mut args = vec!["gateway", "--port", "0", "--health-interval", "0.2"];
+    for e in &engines {
+        args.extend(["--worker", e.url.as_str()]);
+    }
+    let gateway = Server::start(&args);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !http(gateway.addr(), "GET", "/health", "")
+        .1
+        .contains("\"routable_workers\":2")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "workers never routable"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // The trace's first 40 requests (12 s recorded) at 20×, as fast as the engines run.
+    let trace = shipped();
+    let out = stdout_of(&[
+        "loadgen",
+        "--target",
+        &gateway.url,
+        "--trace",
+        &trace,
+        "--trace-limit",
+        "40",
+        "--trace-speed",
+        "20",
+        "--json",
+    ]);
+    let status: serde_json::Value = serde_json::from_str(&out).expect("--json prints JSON");
+    assert_eq!(status["requests"], 40, "{status}");
+    assert_eq!(status["issued"], 40, "{status}");
+    assert_eq!(status["finished"], 40, "{status}");
+    assert_eq!(
+        (&status["failed"], &status["dropped"]),
+        (&0.into(), &0.into()),
+        "{status}"
+    );
+    assert_eq!(status["errors"], serde_json::json!([]), "{status}");
+    // Requests sharing leading hash ids reuse the engines' cached blocks: the server reports
+    // cached prompt tokens, and every prompt had the record's length.
+    assert!(status["cached_tokens"].as_u64().unwrap() > 0, "{status}");
+    let records = std::fs::read_to_string(&trace).unwrap();
+    let prompt_tokens: u64 = records
+        .lines()
+        .take(40)
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["input_length"]
+                .as_u64()
+                .unwrap()
+        })
+        .sum();
+    assert_eq!(
+        status["prompt_tokens"].as_u64(),
+        Some(prompt_tokens),
+        "{status}"
+    );
+    assert!(status["oracle_prefix_hit_rate"].as_f64().unwrap() > 0.0);
+    assert!(status["ttft_ms"]["p50"].is_number(), "{status}");
 }
