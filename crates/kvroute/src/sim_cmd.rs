@@ -233,7 +233,7 @@ pub struct SimArgs {
     /// Routing policy.
     #[arg(long, default_value_t = PolicyKind::DEFAULT, value_parser = parse_router, help = format!("Routing policy: {}", router_names()))]
     pub router: PolicyKind,
-    /// Concurrent conversations (the closed loop; ignored with --rate).
+    /// Concurrent conversations (the closed loop; ignored with --rate and --trace).
     #[arg(long, default_value_t = 60)]
     pub concurrency: u32,
     /// Seed 004's workload mix: weights of A (multi-turn chat), B (summarisation of a 4k–18k

@@ -215,3 +215,34 @@ impl TraceReplay {
         self.ended(record, now);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_request_releases_its_session_and_the_replay_ends_when_all_ended() {
+        let text = [
+            r#"{"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [], "session_id": 7}"#,
+            r#"{"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [], "session_id": 7, "delay": 10}"#,
+        ]
+        .join("\n");
+        let mut replay = TraceReplay::new(Arc::new(Trace::parse(&text).unwrap()), Speed::REAL_TIME);
+        let first = replay.poll_request().unwrap();
+        assert_eq!((first.record, first.turn), (0, 0));
+        assert!(replay.poll_request().is_none());
+        replay.on_dropped(0, Nanos::from_millis(1));
+        assert_eq!(replay.poll_timeout(), Some(Nanos::from_millis(11)));
+        replay.handle_timeout(Nanos::from_millis(11));
+        let second = replay.poll_request().unwrap();
+        assert_eq!(
+            (second.record, second.turn, second.at),
+            (1, 1, Nanos::from_millis(11))
+        );
+        assert!(!replay.is_done());
+        replay.on_finished(1, Nanos::from_millis(20));
+        assert!(replay.is_done());
+        let s = replay.stats();
+        assert_eq!((s.issued, s.finished, s.dropped, s.open()), (2, 1, 1, 0));
+    }
+}
