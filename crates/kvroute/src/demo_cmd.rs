@@ -23,6 +23,7 @@ use workload::{Distribution, Mix, WorkloadConfig};
 
 use crate::demo_fleet::{DemoFleet, EngineTemplate};
 use crate::demo_prometheus::{self, DemoPrometheus, EngineTarget};
+use crate::trace_args::LoadedTrace;
 use crate::{bench_cmd, gateway_cmd};
 
 /// Workload, user and dashboard settings shared by `loadgen` and `demo`.
@@ -314,6 +315,17 @@ pub struct LoadgenArgs {
     speedup: f64,
     #[command(flatten)]
     drive: DriveArgs,
+    /// With --trace: replay it headless (no dashboard), printing progress to stderr every 5 s
+    /// and the summary to stdout; this many requests in flight at most (more due at once are
+    /// dropped and counted).
+    #[arg(long, value_name = "N", default_value_t = 1024, requires = "trace",
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    trace_max_open: u64,
+    /// With --trace: print the summary as JSON.
+    #[arg(long, requires = "trace")]
+    json: bool,
+    #[command(flatten)]
+    trace: crate::trace_args::TraceArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -463,6 +475,9 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
     if !(target.starts_with("http://") || target.starts_with("https://")) {
         bail!("--target must be an http:// or https:// URL, got {target:?}");
     }
+    if let Some(loaded) = args.trace.load()? {
+        return replay_trace(&args, &target, &loaded);
+    }
     let mut lane = LaneSpec::for_gateway(&args.name, None, &target, &args.model);
     lane.api_key = std::env::var(&args.api_key_env).ok();
     if args.no_gateway_metrics {
@@ -499,6 +514,82 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
         loadgen.shutdown().await;
         Ok(())
     })
+}
+
+/// `kvroute loadgen --trace`: the trace in real time against --target, headless.
+fn replay_trace(args: &LoadgenArgs, target: &str, loaded: &LoadedTrace) -> Result<()> {
+    use loadgen::trace::{TraceReplayConfig, TraceReplayStatus, replay_trace};
+
+    let mut config =
+        TraceReplayConfig::new(target, &args.model, Arc::clone(&loaded.trace), loaded.speed);
+    config.api_key = std::env::var(&args.api_key_env).ok();
+    config.max_open = usize::try_from(args.trace_max_open).unwrap_or(usize::MAX);
+    let bound = loaded.trace.oracle_prefix_hit_rate();
+    eprintln!(
+        "kvroute loadgen: replaying trace {} against {target}/v1/completions; the trace's \
+         oracle prefix-hit bound is {:.1}%; Ctrl-C stops",
+        loaded.describe(),
+        bound * 100.0
+    );
+    let hit = |s: &TraceReplayStatus| {
+        s.kv_hit_rate
+            .map_or("–".to_string(), |h| format!("{:.1}%", h * 100.0))
+    };
+    let runtime = crate::server_runtime()?;
+    let status = runtime.block_on(async {
+        let cancel = loadgen::trace::CancellationToken::new();
+        let on_signal = cancel.clone();
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                on_signal.cancel();
+            }
+        });
+        replay_trace(config, cancel, Duration::from_secs(5), |s| {
+            eprintln!(
+                "kvroute loadgen: {:.0} s: {} of {} sent, {} finished, {} failed, {} dropped; \
+                 prefix-hit {} (bound {:.1}%)",
+                s.elapsed_s,
+                s.stats.issued,
+                s.stats.requests,
+                s.stats.finished,
+                s.stats.failed,
+                s.stats.dropped,
+                hit(s),
+                bound * 100.0
+            );
+        })
+        .await
+    });
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        let s = &status.stats;
+        println!(
+            "trace {}: {} of {} requests sent in {:.0} s; {} finished, {} failed, {} dropped \
+             (over {} open)",
+            loaded.describe(),
+            s.issued,
+            s.requests,
+            status.elapsed_s,
+            s.finished,
+            s.failed,
+            s.dropped,
+            args.trace_max_open
+        );
+        let ms = |v: Option<f64>| v.map_or("–".to_string(), |x| format!("{x:.1}"));
+        println!(
+            "  TTFT p50 {} ms p95 {} ms; prefix-hit rate {} of prompt tokens (the server's \
+             cached_tokens); the trace's oracle bound {:.1}%",
+            ms(status.ttft_ms.p50),
+            ms(status.ttft_ms.p95),
+            hit(&status),
+            bound * 100.0
+        );
+        for e in &status.errors {
+            println!("  error: {e}");
+        }
+    }
+    Ok(())
 }
 
 /// Round-robin and the demo's routers on the demo's cluster, simulated by `kvroute bench` at

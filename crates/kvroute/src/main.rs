@@ -23,6 +23,7 @@ mod gateway_cmd;
 mod profiles;
 mod sim_cmd;
 mod spec_args;
+mod trace_args;
 
 /// KV-cache-aware routing for LLM fleets.
 #[derive(Debug, Parser)]

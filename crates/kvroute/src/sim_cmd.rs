@@ -16,8 +16,11 @@ use serde::de::DeserializeOwned;
 use sim::ServingPath;
 use sim::bench::{BenchSpec, JobResult};
 use sim::chat::Chat;
+use sim::trace::{ReplayStats, TraceWorkload};
 use sim::{DisaggSetup, FrontendConfig, SimConfig, Simulation, Timeline, TimelineConfig};
-use workload::{Assets, MAX_RATE, Mix, WorkloadConfig};
+use workload::{Assets, MAX_RATE, Mix, PromptSynth, WorkloadConfig};
+
+use crate::trace_args::LoadedTrace;
 
 /// The router names the router crate knows, for help texts.
 pub fn router_names() -> String {
@@ -230,7 +233,7 @@ pub struct SimArgs {
     /// Routing policy.
     #[arg(long, default_value_t = PolicyKind::DEFAULT, value_parser = parse_router, help = format!("Routing policy: {}", router_names()))]
     pub router: PolicyKind,
-    /// Concurrent conversations (the closed loop; ignored with --rate).
+    /// Concurrent conversations (the closed loop; ignored with --rate and --trace).
     #[arg(long, default_value_t = 60)]
     pub concurrency: u32,
     /// Seed 004's workload mix: weights of A (multi-turn chat), B (summarisation of a 4k–18k
@@ -244,12 +247,13 @@ pub struct SimArgs {
     /// and counted.
     #[arg(long, value_name = "RPS", value_parser = parse_rate)]
     pub rate: Option<f64>,
-    /// Simulated seconds in all (warmup included).
-    #[arg(long, default_value_t = 360.0)]
-    pub duration: f64,
-    /// Simulated seconds before measuring.
-    #[arg(long, default_value_t = 60.0)]
-    pub warmup: f64,
+    /// Simulated seconds in all, warmup included [default: 360; with --trace, the trace's
+    /// span divided by --trace-speed, plus 60 s for the last requests to finish].
+    #[arg(long, value_name = "SECONDS")]
+    pub duration: Option<f64>,
+    /// Simulated seconds before measuring [default: 60; with --trace, 0].
+    #[arg(long, value_name = "SECONDS")]
+    pub warmup: Option<f64>,
     /// Snapshots the measurement window is read as (averaged).
     #[arg(long, default_value_t = 1)]
     pub snapshots: u32,
@@ -267,6 +271,8 @@ pub struct SimArgs {
     /// DIR/timeline.csv and DIR/timeline.svg.
     #[arg(long, value_name = "DIR")]
     pub timeline: Option<PathBuf>,
+    #[command(flatten)]
+    pub trace: crate::trace_args::TraceArgs,
     #[command(flatten)]
     pub disagg: DisaggArgs,
     #[command(flatten)]
@@ -462,9 +468,23 @@ pub fn run(args: SimArgs) -> Result<()> {
         if args.gateway_replicas > 1 {
             bail!("--gateway-replicas does not run with --scenario yet; drop one of them");
         }
+        if args.trace.trace.is_some() {
+            bail!("--trace and --scenario each bring their own traffic; drop one of them");
+        }
         return run_scenario(&args, &scenario);
     }
     let started = Instant::now();
+    let trace = args.trace.load()?;
+    if trace.is_some()
+        && (args.mix.is_some()
+            || args.rate.is_some()
+            || args.cluster.workload_file.is_some()
+            || !args.cluster.workload_set.is_empty())
+    {
+        bail!(
+            "--trace brings its own requests: drop --mix, --rate, --workload-file and --workload-set"
+        );
+    }
     let disagg = args.disagg.setup()?;
     let mut cluster_args = args.cluster.clone();
     if let Some((setup, profile)) = &disagg {
@@ -481,7 +501,8 @@ pub fn run(args: SimArgs) -> Result<()> {
         cluster.workload.rate_rps = Some(rate);
     }
     // A mix or an open loop reports per workload, from every request's record.
-    let mixed = !cluster.workload.mix.is_chat_only() || cluster.workload.rate_rps.is_some();
+    let mixed = trace.is_none()
+        && (!cluster.workload.mix.is_chat_only() || cluster.workload.rate_rps.is_some());
     if let Some((setup, _)) = disagg {
         cluster.base.workers = setup.workers();
         cluster.base.disagg = Some(setup);
@@ -495,13 +516,24 @@ pub fn run(args: SimArgs) -> Result<()> {
             Some(seconds(args.replica_sync_ms / 1e3, "--replica-sync-ms")?)
         },
     };
-    let duration = seconds(args.duration, "--duration")?;
-    let warmup = seconds(args.warmup, "--warmup")?;
+    // A replay runs its whole span (plus a drain) and measures all of it by default.
+    let (default_duration, default_warmup) = match &trace {
+        Some(t) => (sim::trace::replay_span(&t.trace, t.speed), Nanos::ZERO),
+        None => (Nanos::from_secs(360), Nanos::from_secs(60)),
+    };
+    let duration = match args.duration {
+        Some(d) => seconds(d, "--duration")?,
+        None => default_duration,
+    };
+    let warmup = match args.warmup {
+        Some(w) => seconds(w, "--warmup")?,
+        None => default_warmup,
+    };
     if warmup >= duration {
         bail!(
             "--warmup ({} s) must be shorter than --duration ({} s)",
-            args.warmup,
-            args.duration
+            warmup.as_secs_f64(),
+            duration.as_secs_f64()
         );
     }
     cluster.base.keep_all_records = args.records.is_some() || mixed;
@@ -511,7 +543,8 @@ pub fn run(args: SimArgs) -> Result<()> {
     cluster.base.reuse_attribution = true;
     let spec = BenchSpec {
         routers: vec![args.router],
-        levels: vec![args.concurrency],
+        // A trace sets its own load: its level is 0 (no conversations held open).
+        levels: vec![if trace.is_some() { 0 } else { args.concurrency }],
         sweeps: 1,
         warmup,
         window: duration - warmup,
@@ -525,16 +558,210 @@ pub fn run(args: SimArgs) -> Result<()> {
         base: cluster.base.clone(),
     };
     let job = spec.jobs().remove(0);
-    let workload = Chat::new(
-        &cluster.workload,
-        Arc::clone(&cluster.assets),
-        job.seed,
-        args.concurrency,
-    )?;
-    let workload = ServingPath::new(workload, spec.base.path_latency);
-    let mut simulation = Simulation::new(spec.config(&job), workload, spec.phases(&job))?;
+    let latency = spec.base.path_latency;
+    let (out, traffic) = match &trace {
+        None => {
+            let workload = Chat::new(
+                &cluster.workload,
+                Arc::clone(&cluster.assets),
+                job.seed,
+                args.concurrency,
+            )?;
+            let workload = ServingPath::new(workload, latency);
+            let simulation = Simulation::new(spec.config(&job), workload, spec.phases(&job))?;
+            let simulation = drive(simulation, &args, started)?;
+            let chat = &simulation.workload().inner().0;
+            let traffic = Traffic::Chat {
+                mix: chat.mix(),
+                seed: chat.seed(),
+                stats: chat.stats(),
+            };
+            (simulation.finish(), traffic)
+        }
+        Some(loaded) => {
+            let workload = TraceWorkload::new(
+                Arc::clone(&loaded.trace),
+                loaded.speed,
+                PromptSynth::default(),
+            );
+            let workload = ServingPath::new(workload, latency);
+            let simulation = Simulation::new(spec.config(&job), workload, spec.phases(&job))?;
+            let simulation = drive(simulation, &args, started)?;
+            let stats = simulation.workload().inner().stats();
+            (simulation.finish(), Traffic::Trace { loaded, stats })
+        }
+    };
+    if let Some(path) = &args.records {
+        write_records(path, &out.records)?;
+    }
+    if let (Some(dir), Some(timeline)) = (&args.timeline, &out.timeline) {
+        let load = match &traffic {
+            Traffic::Chat { .. } => format!("{} conversations", args.concurrency),
+            Traffic::Trace { loaded, .. } => format!("trace at {}×", loaded.speed.factor()),
+        };
+        let title = format!("{}, {} workers, {load}", args.router, cluster.base.workers);
+        write_timeline(dir, timeline, &title, args.timeline_window)?;
+    }
+    let totals = out.totals.clone();
+    let faults = out.faults.clone();
+    let snapshots = out.phases[0].snapshots.clone();
+    let result = JobResult {
+        job,
+        phases: out.phases,
+        totals: out.totals,
+    };
+    let mut results = sim::bench::aggregate(&spec, vec![result], &cluster.profile_name);
+    if let (true, Traffic::Chat { mix, seed, .. }) = (mixed, &traffic) {
+        let per_class =
+            sim::mix::per_class(&out.records, warmup, duration, spec.base.oracle, |c| {
+                mix.class_of(*seed, c)
+            });
+        for row in results.runs.iter_mut().chain(results.summary.iter_mut()) {
+            row.per_class = per_class.clone();
+        }
+    }
+    let replay = match &traffic {
+        Traffic::Trace { loaded, stats } => Some(TraceReport::new(loaded, *stats, &results)),
+        Traffic::Chat { .. } => None,
+    };
+    let wall = started.elapsed().as_secs_f64();
+    if args.json {
+        let doc = serde_json::json!({
+            "summary": results.summary,
+            "runs": results.runs,
+            "bench": results.bench,
+            "snapshots": snapshots,
+            "totals": totals,
+        });
+        let mut doc = doc;
+        if let (true, Traffic::Chat { mix, stats, .. }) = (mixed, &traffic) {
+            doc["workload"] = serde_json::json!({
+                "mix": mix.to_string(),
+                "rate_rps": cluster.workload.rate_rps,
+                "sessions_by_class": stats.sessions_by_class,
+                "arrivals_dropped": stats.arrivals_dropped,
+            });
+        }
+        if let Some(replay) = &replay {
+            doc["trace"] = serde_json::to_value(replay)?;
+        }
+        if let Some(faults) = &faults {
+            doc["faults"] = serde_json::to_value(faults)?;
+        }
+        if let (Some(replicas), Some(row)) = (&totals.replicas, results.runs.first()) {
+            let mut value = serde_json::to_value(replicas)?;
+            value["busiest_peak_in_flight"] = busiest_peak(row).into();
+            doc["gateway_replicas"] = value;
+        }
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        let load = match &traffic {
+            Traffic::Chat { .. } => None,
+            Traffic::Trace { loaded, .. } => Some(format!("trace {}", loaded.describe())),
+        };
+        print_run(&results, &totals, load.as_deref());
+        if let (true, Traffic::Chat { stats, .. }) = (mixed, &traffic) {
+            print_mix(&results, &cluster.workload, stats);
+        }
+        if let Some(replay) = &replay {
+            replay.print();
+        }
+        if let Some(faults) = &faults {
+            print_faults(faults, args.cluster.seed);
+        }
+    }
+    let end = duration;
+    eprintln!(
+        "sim: {:.0} simulated s in {wall:.1} s wall ({:.0}× real time)",
+        end.as_secs_f64(),
+        end.as_secs_f64() / wall.max(1e-9)
+    );
+    Ok(())
+}
+
+/// The traffic a run replayed, and what it reports beside the fleet's metrics.
+enum Traffic<'a> {
+    Chat {
+        mix: workload::Mix,
+        seed: u64,
+        stats: workload::WorkloadStats,
+    },
+    Trace {
+        loaded: &'a LoadedTrace,
+        stats: ReplayStats,
+    },
+}
+
+/// A trace replay's summary: how close routing came to the trace's oracle bound.
+#[derive(Debug, Serialize)]
+struct TraceReport {
+    file: String,
+    /// Requests replayed (after --trace-limit) and in the file.
+    requests: usize,
+    requests_in_file: usize,
+    speed: f64,
+    /// The last arrival at this speed, in seconds.
+    span_s: f64,
+    issued: u64,
+    finished: u64,
+    failed: u64,
+    /// The engines' prefix-hit rate over the requests finished in the measurement window.
+    kv_hit_rate: Option<f64>,
+    /// The trace's bound: an infinite cache shared by all workers, in 512-token blocks.
+    oracle_prefix_hit_rate: f64,
+    /// `kv_hit_rate / oracle_prefix_hit_rate`.
+    share_of_bound: Option<f64>,
+}
+
+impl TraceReport {
+    fn new(loaded: &LoadedTrace, stats: ReplayStats, results: &BenchResults) -> TraceReport {
+        let kv_hit_rate = results.summary.first().and_then(|r| r.metrics.kv_hit_rate);
+        let bound = report::percentiles::round(loaded.trace.oracle_prefix_hit_rate(), 4);
+        TraceReport {
+            file: loaded.path.display().to_string(),
+            requests: loaded.trace.len(),
+            requests_in_file: loaded.requests_in_file,
+            speed: loaded.speed.factor(),
+            span_s: report::percentiles::round(
+                loaded.speed.scale(loaded.trace.duration()).as_secs_f64(),
+                3,
+            ),
+            issued: stats.issued,
+            finished: stats.finished,
+            failed: stats.failed,
+            kv_hit_rate,
+            oracle_prefix_hit_rate: bound,
+            share_of_bound: kv_hit_rate
+                .filter(|_| bound > 0.0)
+                .map(|h| report::percentiles::round(h / bound, 4)),
+        }
+    }
+
+    fn print(&self) {
+        println!(
+            "\ntrace: {} of {} requests issued ({} finished, {} failed) over {:.0} s at {}× speed",
+            self.issued, self.requests, self.finished, self.failed, self.span_s, self.speed
+        );
+        println!(
+            "  prefix-hit rate {} of prompt tokens; the trace's oracle bound {:.1}% (infinite \
+             cache, any worker): {} of the bound",
+            opt(self.kv_hit_rate.map(|h| h * 100.0), 1) + "%",
+            self.oracle_prefix_hit_rate * 100.0,
+            opt(self.share_of_bound.map(|s| s * 100.0), 0) + "%"
+        );
+    }
+}
+
+/// Runs `simulation` to its end, with a progress bar on a terminal (or a line every tenth of
+/// a long run without one).
+fn drive<W: sim::Workload>(
+    mut simulation: Simulation<W>,
+    args: &SimArgs,
+    started: Instant,
+) -> Result<Simulation<W>> {
     if let Some((from, _)) = args.timeline_window {
-        if args.timeline.is_none() || from >= args.duration {
+        let end = simulation.end().as_secs_f64();
+        if args.timeline.is_none() || from >= end {
             bail!("--timeline-window needs --timeline and must start before --duration ends");
         }
     }
@@ -587,83 +814,7 @@ pub fn run(args: SimArgs) -> Result<()> {
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    let chat = &simulation.workload().inner().0;
-    let (mix, workload_seed, workload_stats) = (chat.mix(), chat.seed(), chat.stats());
-    let out = simulation.finish();
-    if let Some(path) = &args.records {
-        write_records(path, &out.records)?;
-    }
-    if let (Some(dir), Some(timeline)) = (&args.timeline, &out.timeline) {
-        let title = format!(
-            "{}, {} workers, {} conversations",
-            args.router, cluster.base.workers, args.concurrency
-        );
-        write_timeline(dir, timeline, &title, args.timeline_window)?;
-    }
-    let totals = out.totals.clone();
-    let faults = out.faults.clone();
-    let snapshots = out.phases[0].snapshots.clone();
-    let result = JobResult {
-        job,
-        phases: out.phases,
-        totals: out.totals,
-    };
-    let mut results = sim::bench::aggregate(&spec, vec![result], &cluster.profile_name);
-    if mixed {
-        let per_class = sim::mix::per_class(
-            &out.records,
-            warmup,
-            duration,
-            spec.base.oracle,
-            |conversation| mix.class_of(workload_seed, conversation),
-        );
-        for row in results.runs.iter_mut().chain(results.summary.iter_mut()) {
-            row.per_class = per_class.clone();
-        }
-    }
-    let open_loop = serde_json::json!({
-        "mix": mix.to_string(),
-        "rate_rps": cluster.workload.rate_rps,
-        "sessions_by_class": workload_stats.sessions_by_class,
-        "arrivals_dropped": workload_stats.arrivals_dropped,
-    });
-    let wall = started.elapsed().as_secs_f64();
-    if args.json {
-        let doc = serde_json::json!({
-            "summary": results.summary,
-            "runs": results.runs,
-            "bench": results.bench,
-            "snapshots": snapshots,
-            "totals": totals,
-        });
-        let mut doc = doc;
-        if mixed {
-            doc["workload"] = open_loop;
-        }
-        if let Some(faults) = &faults {
-            doc["faults"] = serde_json::to_value(faults)?;
-        }
-        if let (Some(replicas), Some(row)) = (&totals.replicas, results.runs.first()) {
-            let mut value = serde_json::to_value(replicas)?;
-            value["busiest_peak_in_flight"] = busiest_peak(row).into();
-            doc["gateway_replicas"] = value;
-        }
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-    } else {
-        print_run(&results, &totals);
-        if mixed {
-            print_mix(&results, &cluster.workload, &workload_stats);
-        }
-        if let Some(faults) = &faults {
-            print_faults(faults, args.cluster.seed);
-        }
-    }
-    eprintln!(
-        "sim: {:.0} simulated s in {wall:.1} s wall ({:.0}× real time)",
-        end.as_secs_f64(),
-        end.as_secs_f64() / wall.max(1e-9)
-    );
-    Ok(())
+    Ok(simulation)
 }
 
 /// What the injected faults did, after the run's table.
@@ -751,14 +902,19 @@ fn opt(v: Option<f64>, decimals: usize) -> String {
     v.map_or("–".to_string(), |x| format!("{x:.decimals$}"))
 }
 
-fn print_run(results: &BenchResults, totals: &sim::RunTotals) {
+/// The run's tables; `load` names the traffic when it is not the chat's conversations.
+fn print_run(results: &BenchResults, totals: &sim::RunTotals, load: Option<&str>) {
     let b = &results.bench;
     let Some(r) = results.runs.first() else {
         return;
     };
+    let load = load.map_or_else(
+        || format!("{} conversations", r.concurrency),
+        str::to_string,
+    );
     println!(
-        "{} router, {} × {}, {} conversations: {} s measured after {} s warmup, seed {}",
-        r.router, b.workers, b.profile, r.concurrency, b.window_s, b.warmup_s, b.seed
+        "{} router, {} × {}, {load}: {} s measured after {} s warmup, seed {}",
+        r.router, b.workers, b.profile, b.window_s, b.warmup_s, b.seed
     );
     print_latencies(r);
     println!("\nper worker (measurement window):");

@@ -58,6 +58,7 @@ pub mod scenario;
 mod scrape;
 mod server;
 mod store;
+pub mod trace;
 mod window;
 
 use std::net::SocketAddr;

@@ -80,7 +80,8 @@
 //! 5. [`bench`](mod@bench): sweeps as jobs, aggregated into results rows;
 //! 6. [`chat`]: the seed's chat workload (and seed 004's mix of chat, summarisation and
 //!    reasoning, closed or open loop: `workload::WorkloadConfig::mix`, `rate_rps`) run as
-//!    bench jobs; [`mix`]: a run's metrics per workload from its records;
+//!    bench jobs; [`mix`]: a run's metrics per workload from its records; [`trace`](mod@trace):
+//!    a public trace (Mooncake's FAST'25 format) replayed open loop, run as a bench job;
 //! 7. [`ladder`]: seed 003's phase ladder (baseline → KV routing → draft model → EAGLE-3) as
 //!    a set of benchmarks, merged into one results file; [`disagg`](mod@disagg): seed 004's
 //!    named disaggregated layouts, and aggregated vs disaggregated fleets of equal GPU count
@@ -153,6 +154,7 @@ mod replicas;
 pub mod scenario;
 pub mod timeline;
 pub mod timers;
+pub mod trace;
 mod workload;
 
 pub use config::{ConfigError, DisaggSetup, Phase, ReplicaSetup, RouterSetup, SimConfig};

@@ -68,6 +68,7 @@
 mod config;
 mod content;
 mod mix;
+pub mod replay;
 pub mod scenario;
 mod schedule;
 mod script;

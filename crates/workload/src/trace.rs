@@ -551,6 +551,27 @@ impl Trace {
         }
     }
 
+    /// The trace's first `n` requests (all of them when `n` is at least [`Trace::len`]); `None`
+    /// when `n` is 0, since a trace has at least one request. A session keeps the requests
+    /// that fall inside, so the slice replays as the start of the whole trace.
+    pub fn first(&self, n: usize) -> Option<Trace> {
+        if n == 0 {
+            return None;
+        }
+        let records = self.records[..n.min(self.records.len())].to_vec();
+        // Sessions are numbered in order of first appearance, so those seen in the slice are
+        // a prefix of the names.
+        let sessions = records
+            .iter()
+            .filter_map(|r| r.session.map(|s| s.session + 1))
+            .max()
+            .unwrap_or(0);
+        Some(Trace {
+            records,
+            session_names: self.session_names[..sessions].to_vec(),
+        })
+    }
+
     /// The requests with their arrival times divided by `speed` (2.0 replays twice as fast).
     /// `speed` must be finite and greater than 0.
     pub fn scaled(&self, speed: f64) -> Result<Scaled<'_>, TraceError> {
@@ -650,6 +671,7 @@ pub struct PromptSynth {
 /// Domain tags that keep block streams and tail streams apart.
 const BLOCK_DOMAIN: u64 = 0x6b76_726f_7574_6531; // "kvroute1"
 const TAIL_DOMAIN: u64 = 0x7461_696c_7374_726d; // "tailstrm"
+const REPLY_DOMAIN: u64 = 0x7265_706c_7973_746d; // "replystm"
 const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// SplitMix64's finalizer: a bijection on u64 with good avalanche.
@@ -715,6 +737,19 @@ impl PromptSynth {
     pub fn prompt_tokens(&self, record: &TraceRecord) -> Vec<u32> {
         let mut out = Vec::with_capacity(record.input_length as usize);
         self.prompt_tokens_into(record, &mut out);
+        out
+    }
+
+    /// `record`'s reply: `output_length` tokens unique to the request (keyed by
+    /// [`TraceRecord::index`], in a domain of their own), for a simulated engine to generate.
+    pub fn reply_tokens(&self, record: &TraceRecord) -> Vec<u32> {
+        let mut out = Vec::with_capacity(record.output_length as usize);
+        self.stream(
+            REPLY_DOMAIN,
+            record.index as u64,
+            record.output_length as usize,
+            &mut out,
+        );
         out
     }
 

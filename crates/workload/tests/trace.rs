@@ -17,8 +17,10 @@ fn shipped_bytes() -> Vec<u8> {
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-fn shipped() -> Trace {
-    Trace::parse_bytes(&shipped_bytes()).unwrap()
+/// The shipped trace, parsed once per test binary (it is 3 MB).
+fn shipped() -> &'static Trace {
+    static TRACE: std::sync::OnceLock<Trace> = std::sync::OnceLock::new();
+    TRACE.get_or_init(|| Trace::parse_bytes(&shipped_bytes()).unwrap())
 }
 
 fn line(ts: u64, input: u64, output: u64, ids: &[u64]) -> String {
@@ -76,7 +78,7 @@ fn the_shipped_conversation_trace_parses() {
     }
     // A pure function of the bytes.
     assert_eq!(
-        trace,
+        *trace,
         Trace::parse(std::str::from_utf8(&shipped_bytes()).unwrap()).unwrap()
     );
 }
@@ -489,4 +491,37 @@ fn speed_factor() {
     assert_eq!(tiny.scale(Nanos::ZERO), Nanos::ZERO);
     assert_eq!(Speed::default(), Speed::REAL_TIME);
     assert_eq!(trace.scaled_by(Speed::REAL_TIME).count(), trace.len());
+}
+
+#[test]
+fn the_first_requests_of_a_trace_replay_as_its_start() {
+    let trace = shipped();
+    assert!(trace.first(0).is_none());
+    assert_eq!(trace.first(usize::MAX).as_ref(), Some(trace));
+    let head = trace.first(300).unwrap();
+    assert_eq!(head.records(), &trace.records()[..300]);
+    assert_eq!(head.duration(), trace.records()[299].timestamp());
+    // Sessions seen in the slice keep their names; later ones are gone.
+    let text = [
+        "{\"timestamp\": 0, \"input_length\": 9, \"output_length\": 1, \"hash_ids\": [], \"session_id\": \"a\"}",
+        "{\"timestamp\": 1, \"input_length\": 9, \"output_length\": 1, \"hash_ids\": [], \"session_id\": \"a\", \"delay\": 5}",
+        "{\"timestamp\": 2, \"input_length\": 9, \"output_length\": 1, \"hash_ids\": [], \"session_id\": \"b\"}",
+    ]
+    .join("\n");
+    let sessions = Trace::parse(&text).unwrap();
+    let two = sessions.first(2).unwrap();
+    assert_eq!((two.len(), two.session_count()), (2, 1));
+    assert_eq!(two.session_name(0), Some("a"));
+    assert_eq!(sessions.first(3).unwrap().session_count(), 2);
+}
+
+#[test]
+fn replies_are_the_output_length_and_unique_to_the_request() {
+    let trace = shipped();
+    let synth = PromptSynth::default();
+    let (a, b) = (&trace.records()[0], &trace.records()[1]);
+    let (ra, rb) = (synth.reply_tokens(a), synth.reply_tokens(b));
+    assert_eq!((ra.len(), rb.len()), (500, 490));
+    assert_ne!(ra[..32], rb[..32]);
+    assert_eq!(ra, synth.reply_tokens(a));
 }

@@ -1,0 +1,247 @@
+//! Public trace replay as a user runs it: `kvroute sim --trace` on a slice of the shipped
+//! Mooncake conversation trace (KV-aware routing beats round-robin, no run beats the trace's
+//! oracle bound, same seed ⇒ same JSON), closed-loop sessions, and one clear error per bad
+//! input; `kvroute loadgen --trace` against a gateway over real `kvroute engine` processes.
+
+use std::path::PathBuf;
+
+mod common;
+
+use common::{Server, assert_failures, engines, failure, http, stdout_of};
+
+fn shipped() -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../traces/mooncake_conversation_trace.jsonl")
+        .display()
+        .to_string()
+}
+
+/// A file in the temp directory with `text`, for one test.
+fn temp_file(name: &str, text: &str) -> String {
+    let path = std::env::temp_dir().join(format!(
+        "kvroute-trace-cli-{}-{name}.jsonl",
+        std::process::id()
+    ));
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+/// `kvroute sim --trace` on the shipped trace's first 300 requests (102 s) on 8 workers.
+fn replay(router: &str) -> serde_json::Value {
+    let trace = shipped();
+    let out = stdout_of(&[
+        "sim",
+        "--trace",
+        &trace,
+        "--trace-limit",
+        "300",
+        "--workers",
+        "8",
+        "--router",
+        router,
+        "--seed",
+        "3",
+        "--json",
+    ]);
+    serde_json::from_str(&out).expect("--json prints JSON")
+}
+
+#[test]
+fn kv_aware_routing_gets_closer_to_the_trace_bound_than_round_robin_and_never_past_it() {
+    let rr = replay("round_robin");
+    let kv_load = replay("kv_load");
+    let kv = replay("kv");
+    // The trace's own bound is a property of the slice, whatever the router.
+    let bound = rr["trace"]["oracle_prefix_hit_rate"].as_f64().unwrap();
+    assert!(bound > 0.05 && bound < 0.2, "{bound}");
+    for (name, run) in [("round_robin", &rr), ("kv_load", &kv_load), ("kv", &kv)] {
+        let t = &run["trace"];
+        assert_eq!(t["oracle_prefix_hit_rate"].as_f64(), Some(bound), "{name}");
+        assert_eq!(
+            (t["requests"].as_u64(), t["issued"].as_u64()),
+            (Some(300), Some(300))
+        );
+        assert_eq!(t["requests_in_file"], 12_031);
+        assert_eq!(t["failed"], 0, "{name}");
+        let hit = t["kv_hit_rate"].as_f64().unwrap();
+        assert!(
+            hit <= bound,
+            "{name}: hit rate {hit} above the bound {bound}"
+        );
+        assert_eq!(
+            run["summary"][0]["kv_hit_rate"].as_f64(),
+            Some(hit),
+            "{name}"
+        );
+    }
+    let hit = |run: &serde_json::Value| run["trace"]["kv_hit_rate"].as_f64().unwrap();
+    assert!(
+        hit(&kv_load) > hit(&rr) && hit(&kv) > hit(&rr),
+        "kv_load {} kv {} round_robin {}",
+        hit(&kv_load),
+        hit(&kv),
+        hit(&rr)
+    );
+    // Same seed, same bytes.
+    assert_eq!(replay("kv_load"), kv_load);
+}
+
+#[test]
+fn sessions_follow_their_previous_request_and_every_request_finishes() {
+    // Two sessions of three requests sharing a prefix, and one open-loop request.
+    let mut lines = Vec::new();
+    for (t, session, ids) in [
+        (0, "a", "[1, 2]"),
+        (0, "b", "[1, 3]"),
+        (100, "a", "[1, 2, 4]"),
+        (100, "b", "[1, 3, 5]"),
+        (200, "a", "[1, 2, 4, 6]"),
+        (200, "b", "[1, 3, 5, 7]"),
+    ] {
+        let n = ids.matches(',').count() + 1;
+        let delay = if t == 0 { "" } else { ", \"delay\": 500" };
+        lines.push(format!(
+            "{{\"timestamp\": {t}, \"input_length\": {}, \"output_length\": 20, \
+             \"hash_ids\": {ids}, \"session_id\": \"{session}\"{delay}}}",
+            n * 512
+        ));
+    }
+    lines.push(
+        "{\"timestamp\": 300, \"input_length\": 100, \"output_length\": 5, \"hash_ids\": [9]}"
+            .into(),
+    );
+    let file = temp_file("sessions", &lines.join("\n"));
+    let out = stdout_of(&["sim", "--trace", &file, "--router", "kv_load", "--json"]);
+    let run: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let t = &run["trace"];
+    assert_eq!(
+        (t["issued"].as_u64(), t["finished"].as_u64()),
+        (Some(7), Some(7))
+    );
+    // Each session's later requests reuse its earlier prompt: the bound and the run agree
+    // that most of it was reusable.
+    let bound = t["oracle_prefix_hit_rate"].as_f64().unwrap();
+    let hit = t["kv_hit_rate"].as_f64().unwrap();
+    assert!(
+        bound > 0.5 && hit > 0.5 && hit <= bound,
+        "hit {hit} bound {bound}"
+    );
+    // Turns 2+ of the sessions are reported apart from first turns.
+    assert!(
+        run["summary"][0]["ttft_later_ms"]["p50"].is_number(),
+        "{run}"
+    );
+}
+
+#[test]
+fn bad_traces_and_flags_get_one_clear_error() {
+    let good = "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]}";
+    let bad_line = temp_file(
+        "bad-line",
+        &format!("{good}\n{good}\n{{\"timestamp\": 5, \"input_length\": -3}}\n"),
+    );
+    let stderr = failure(&["sim", "--trace", &bad_line]);
+    assert!(
+        stderr.contains(&format!(
+            "--trace {bad_line}: trace line 3: `input_length` is negative"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(stderr.matches("line 3").count(), 1, "said once: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    let empty = temp_file("empty", "\n\n");
+    let trace = shipped();
+    assert_failures(&[
+        (&["sim", "--trace", &empty], "the trace has no requests"),
+        (
+            &["sim", "--trace", "/nonexistent/trace.jsonl"],
+            "--trace: cannot read /nonexistent/trace.jsonl",
+        ),
+        (
+            &["sim", "--trace", &trace, "--trace-speed", "0"],
+            "expected a speed factor greater than 0",
+        ),
+        (
+            &["sim", "--trace", &trace, "--trace-speed", "fast"],
+            "expected a speed factor greater than 0",
+        ),
+        (&["sim", "--trace-speed", "2"], "--trace <FILE>"),
+        (
+            &["sim", "--trace", &trace, "--trace-limit", "0"],
+            "--trace-limit",
+        ),
+        (
+            &["sim", "--trace", &trace, "--rate", "2"],
+            "--trace brings its own requests",
+        ),
+        (
+            &["sim", "--trace", &trace, "--scenario", "seed004"],
+            "--trace and --scenario",
+        ),
+    ]);
+}
+
+#[test]
+fn loadgen_replays_a_trace_against_real_engines_with_cache_hits_and_no_errors() {
+    let engines = engines(2);
+    let mut args = vec!["gateway", "--port", "0", "--health-interval", "0.2"];
+    for e in &engines {
+        args.extend(["--worker", e.url.as_str()]);
+    }
+    let gateway = Server::start(&args);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !http(gateway.addr(), "GET", "/health", "")
+        .1
+        .contains("\"routable_workers\":2")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "workers never routable"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // The trace's first 40 requests (12 s recorded) at 20×, as fast as the engines run.
+    let trace = shipped();
+    let out = stdout_of(&[
+        "loadgen",
+        "--target",
+        &gateway.url,
+        "--trace",
+        &trace,
+        "--trace-limit",
+        "40",
+        "--trace-speed",
+        "20",
+        "--json",
+    ]);
+    let status: serde_json::Value = serde_json::from_str(&out).expect("--json prints JSON");
+    assert_eq!(status["requests"], 40, "{status}");
+    assert_eq!(status["issued"], 40, "{status}");
+    assert_eq!(status["finished"], 40, "{status}");
+    assert_eq!(
+        (&status["failed"], &status["dropped"]),
+        (&0.into(), &0.into()),
+        "{status}"
+    );
+    assert_eq!(status["errors"], serde_json::json!([]), "{status}");
+    // Requests sharing leading hash ids reuse the engines' cached blocks: the server reports
+    // cached prompt tokens, and every prompt had the record's length.
+    assert!(status["cached_tokens"].as_u64().unwrap() > 0, "{status}");
+    let records = std::fs::read_to_string(&trace).unwrap();
+    let prompt_tokens: u64 = records
+        .lines()
+        .take(40)
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["input_length"]
+                .as_u64()
+                .unwrap()
+        })
+        .sum();
+    assert_eq!(
+        status["prompt_tokens"].as_u64(),
+        Some(prompt_tokens),
+        "{status}"
+    );
+    assert!(status["oracle_prefix_hit_rate"].as_f64().unwrap() > 0.0);
+    assert!(status["ttft_ms"]["p50"].is_number(), "{status}");
+}
