@@ -125,7 +125,12 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', value_name = "NAMES", requires = "suite")]
     pub families: Option<Vec<String>>,
     /// With --suite robustness: the fleet sizes (default 3,8,32).
-    #[arg(long, value_delimiter = ',', value_name = "WORKERS", requires = "suite")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "WORKERS",
+        requires = "suite"
+    )]
     pub fleets: Option<Vec<u32>>,
     /// With --suite robustness: the hardware profiles (default
     /// h200-llama70b-fp8,dynamo-mocker).
@@ -193,7 +198,13 @@ impl BenchArgs {
 
     /// The benchmark of `routers` on `cluster`.
     fn spec(&self, routers: Vec<PolicyKind>, cluster: &Cluster) -> Result<BenchSpec> {
-        self.spec_with(routers, cluster, self.levels(), self.sweeps(), (60.0, 300.0))
+        self.spec_with(
+            routers,
+            cluster,
+            self.levels(),
+            self.sweeps(),
+            (60.0, 300.0),
+        )
     }
 
     /// The benchmark of `routers` on `cluster` at `levels`, with `sweeps` and the

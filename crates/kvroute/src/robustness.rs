@@ -132,11 +132,7 @@ fn families() -> Vec<Family> {
             description: "The seed's chat (seed 002's workload): 3–5 turns on one of 10 \
                           passages of ~3.6k tokens, ~845-token answers, no think time."
                 .into(),
-            workloads: vec![chat(
-                "chat".into(),
-                &CHAT_LEVELS_PER_WORKER,
-                seed.clone(),
-            )],
+            workloads: vec![chat("chat".into(), &CHAT_LEVELS_PER_WORKER, seed.clone())],
         },
         Family {
             name: "lockstep",
@@ -227,7 +223,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if fleets.contains(&0) {
         bail!("--fleets: every fleet needs at least 1 worker");
     }
-    if args.levels.as_ref().is_some_and(|l| l.is_empty() || l.contains(&0)) {
+    if args
+        .levels
+        .as_ref()
+        .is_some_and(|l| l.is_empty() || l.contains(&0))
+    {
         bail!("--levels: with --suite robustness, conversations per worker, each at least 1");
     }
     for needed in [PolicyKind::DEFAULT, BASELINE, GOODPUT_RIVAL] {
@@ -304,7 +304,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         routers.len()
     );
     let (grouped, threads) = run_parallel(&refs, args.jobs, true)?;
-    let simulated: f64 = cells.iter().map(|(.., s)| s.simulated().as_secs_f64()).sum();
+    let simulated: f64 = cells
+        .iter()
+        .map(|(.., s)| s.simulated().as_secs_f64())
+        .sum();
     let parts: Vec<CellPart> = cells
         .into_iter()
         .zip(grouped)

@@ -89,9 +89,10 @@ pub fn merge(parts: Vec<CellPart>, mut meta: RobustnessMeta) -> Option<BenchResu
 
 /// The summary row of `router` in `cell` at `level`.
 pub fn row<'a>(results: &'a BenchResults, cell: &str, router: &str, level: u32) -> Option<&'a Row> {
-    results.summary.iter().find(|r| {
-        r.cell.as_deref() == Some(cell) && r.router == router && r.concurrency == level
-    })
+    results
+        .summary
+        .iter()
+        .find(|r| r.cell.as_deref() == Some(cell) && r.router == router && r.concurrency == level)
 }
 
 /// How the default policy fares in one cell at one level.
@@ -124,8 +125,16 @@ pub fn verdict(results: &BenchResults, cell: &str, level: u32) -> Option<Verdict
         }
     };
     let latencies = [
-        ("TTFT p50", ours.metrics.ttft_ms.p50, base.metrics.ttft_ms.p50),
-        ("TTFT p95", ours.metrics.ttft_ms.p95, base.metrics.ttft_ms.p95),
+        (
+            "TTFT p50",
+            ours.metrics.ttft_ms.p50,
+            base.metrics.ttft_ms.p50,
+        ),
+        (
+            "TTFT p95",
+            ours.metrics.ttft_ms.p95,
+            base.metrics.ttft_ms.p95,
+        ),
     ];
     for (what, o, b) in latencies {
         match (o, b) {

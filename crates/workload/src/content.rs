@@ -387,10 +387,16 @@ impl Content for TextContent {
     }
 
     fn prompt_tokens(history: &TextHistory) -> usize {
-        history.tokens.as_ref().map_or(0, TokenContent::prompt_tokens)
+        history
+            .tokens
+            .as_ref()
+            .map_or(0, TokenContent::prompt_tokens)
     }
 
     fn history_tokens(history: &TextHistory) -> usize {
-        history.tokens.as_ref().map_or(0, TokenContent::history_tokens)
+        history
+            .tokens
+            .as_ref()
+            .map_or(0, TokenContent::history_tokens)
     }
 }

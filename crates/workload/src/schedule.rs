@@ -491,9 +491,9 @@ impl<C: Content> ChatWorkload<C> {
             .ok_or(WorkloadError::UnknownConversation(id))?;
         let turn = c.next_turn;
         let history_tokens = C::history_tokens(&c.history);
-        let plan =
-            c.script
-                .next_turn(self.content.assets(), &self.config, turn, history_tokens)?;
+        let plan = c
+            .script
+            .next_turn(self.content.assets(), &self.config, turn, history_tokens)?;
         let output_tokens = plan.reply.ids.len();
         let key = TurnKey {
             conversation: id,

@@ -81,24 +81,25 @@ fn lockstep_turns_add_new_tokens_in_proportion_to_the_history() {
     let assets = assets();
     let cap = LockStep::max_new_tokens(&assets);
     for (ratio, answer) in [(0.25, 150), (1.0, 800), (2.0, 150)] {
-        let mut w = ChatWorkload::new(lockstep(ratio, answer), assets.clone(), 3, Nanos::ZERO)
-            .unwrap();
+        let mut w =
+            ChatWorkload::new(lockstep(ratio, answer), assets.clone(), 3, Nanos::ZERO).unwrap();
         let (log, _) = serve(&mut w, Nanos::from_secs(30), |t| t.key);
         let conversations = by_conversation(&log);
         let mut checked = 0;
         for turns in conversations.values() {
             for t in turns {
-                assert_eq!(t.output.len(), answer as usize, "answers are exactly {answer}");
+                assert_eq!(
+                    t.output.len(),
+                    answer as usize,
+                    "answers are exactly {answer}"
+                );
             }
             for pair in turns.windows(2) {
                 let (prev, next) = (pair[0], pair[1]);
                 let history = prev.prompt.len() + prev.output.len();
                 // The history is resent verbatim, then <|eot_id|> and the new user message.
                 assert_eq!(&next.prompt[..prev.prompt.len()], &prev.prompt[..]);
-                assert_eq!(
-                    &next.prompt[prev.prompt.len()..history],
-                    &prev.output[..]
-                );
+                assert_eq!(&next.prompt[prev.prompt.len()..history], &prev.output[..]);
                 let added = next.prompt.len() - history;
                 let wanted = ((ratio * history as f64).round() as usize).min(cap);
                 // Template tokens around the material: <|eot_id|>, the user header, the
@@ -135,7 +136,10 @@ fn lockstep_text_form_sizes_its_material_like_the_token_form() {
     let ids = tokenizer.encode(&text_log[later].question);
     let prompt = &token_log[later].prompt;
     let tail = assets.format().generation_prompt().len() + 1;
-    assert_eq!(&prompt[prompt.len() - tail - ids.len()..prompt.len() - tail], &ids[..]);
+    assert_eq!(
+        &prompt[prompt.len() - tail - ids.len()..prompt.len() - tail],
+        &ids[..]
+    );
 }
 
 #[test]
@@ -171,7 +175,10 @@ fn conversations_of_a_group_share_its_system_prompt_exactly() {
             .expect("every first prompt starts with one group's system prompt");
         seen[g] += 1;
     }
-    assert!(seen.iter().all(|&n| n > 0), "24 draws reach every group: {seen:?}");
+    assert!(
+        seen.iter().all(|&n| n > 0),
+        "24 draws reach every group: {seen:?}"
+    );
     // Groups share the instruction only, a few dozen tokens, not their text.
     let common = prefixes[0]
         .iter()
@@ -180,8 +187,8 @@ fn conversations_of_a_group_share_its_system_prompt_exactly() {
         .count();
     assert!(common < 100, "groups 0 and 1 share {common} tokens");
     // The text form's system message is the token form's, tokenized.
-    let mut text = ChatWorkload::<TextContent>::with_content(config, assets.clone(), 5, Nanos::ZERO)
-        .unwrap();
+    let mut text =
+        ChatWorkload::<TextContent>::with_content(config, assets.clone(), 5, Nanos::ZERO).unwrap();
     let first = text.poll_request().unwrap();
     let mut ids = vec![assets.format().bos()];
     assets.format().push_message(
