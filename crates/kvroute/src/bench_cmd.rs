@@ -291,10 +291,21 @@ pub fn simulate(args: &BenchArgs, progress: bool) -> Result<(BenchResults, Bench
 
 /// Runs every job of every benchmark on threads (with a progress bar when `progress`) and
 /// returns each benchmark's results in job order, and how many threads ran them.
-pub(crate) fn run_parallel(
+fn run_parallel(
     benches: &[(&BenchSpec, &Cluster)],
     jobs: Option<usize>,
     progress: bool,
+) -> Result<(Vec<Vec<JobResult>>, usize)> {
+    run_parallel_with(benches, jobs, progress, None)
+}
+
+/// [`run_parallel`]; where stderr is no terminal (no bar), a line `label: run i of n done`
+/// per finished run when `label` is given.
+pub(crate) fn run_parallel_with(
+    benches: &[(&BenchSpec, &Cluster)],
+    jobs: Option<usize>,
+    progress: bool,
+    label: Option<&str>,
 ) -> Result<(Vec<Vec<JobResult>>, usize)> {
     let tasks: Vec<(usize, BenchJob)> = benches
         .iter()
@@ -312,6 +323,8 @@ pub(crate) fn run_parallel(
     // Independent runs on threads; each result goes back to its task's slot, so the output
     // never depends on which thread ran what.
     let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let lines = label.filter(|_| progress && bar.is_none());
     let slots: Mutex<Vec<Option<Result<JobResult, ChatJobError>>>> =
         Mutex::new((0..tasks.len()).map(|_| None).collect());
     std::thread::scope(|scope| {
@@ -336,6 +349,10 @@ pub(crate) fn run_parallel(
                     );
                     if let Ok(mut slots) = slots.lock() {
                         slots[i] = Some(result);
+                    }
+                    if let Some(label) = lines {
+                        let finished = done.fetch_add(1, Ordering::Relaxed) + 1;
+                        eprintln!("{label}: run {finished} of {} done", tasks.len());
                     }
                 }
             });

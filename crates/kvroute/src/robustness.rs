@@ -14,7 +14,7 @@ use router::PolicyKind;
 use sim::bench::BenchSpec;
 use workload::{Distribution, LockStep, SystemGroups, TurnRange, WorkloadConfig};
 
-use crate::bench_cmd::{BenchArgs, run_parallel, write_out_with};
+use crate::bench_cmd::{BenchArgs, run_parallel_with, write_out_with};
 use crate::sim_cmd::Cluster;
 
 /// Fleet sizes of the grid (workers).
@@ -303,7 +303,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         cells.len(),
         routers.len()
     );
-    let (grouped, threads) = run_parallel(&refs, args.jobs, true)?;
+    let (grouped, threads) =
+        run_parallel_with(&refs, args.jobs, true, Some("bench --suite robustness"))?;
     let simulated: f64 = cells
         .iter()
         .map(|(.., s)| s.simulated().as_secs_f64())
