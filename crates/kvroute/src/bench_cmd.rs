@@ -94,12 +94,14 @@ pub struct BenchArgs {
     /// router of both pools.
     #[arg(long, default_value_t = PolicyKind::DEFAULT, value_parser = parse_router)]
     pub kv_router: PolicyKind,
-    /// Simulated seconds of warmup at each level.
-    #[arg(long, default_value_t = 60.0)]
-    pub warmup: f64,
-    /// Simulated seconds measured at each level.
-    #[arg(long, default_value_t = 300.0)]
-    pub window: f64,
+    /// Simulated seconds of warmup at each level (default 60; with --suite robustness the
+    /// grid's, 30).
+    #[arg(long)]
+    pub warmup: Option<f64>,
+    /// Simulated seconds measured at each level (default 300; with --suite robustness the
+    /// grid's, 120).
+    #[arg(long)]
+    pub window: Option<f64>,
     /// Snapshots the window is read as (averaged).
     #[arg(long, default_value_t = 3)]
     pub snapshots: u32,
@@ -108,8 +110,32 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
     pub lookback: f64,
     /// Routers to compare; the first is the baseline of the Δ columns.
-    #[arg(long, value_delimiter = ',', default_value = "round_robin,kv,kv_load", value_parser = parse_router, help = format!("Routers to compare, comma-separated ({}); the first is the baseline", router_names()))]
-    pub routers: Vec<PolicyKind>,
+    #[arg(long, value_delimiter = ',', value_parser = parse_router, help = format!("Routers to compare, comma-separated ({}); the first is the baseline [default: round_robin,kv,kv_load; with --suite robustness every router]", router_names()))]
+    pub routers: Option<Vec<PolicyKind>>,
+    /// A suite of benchmarks instead of one: `robustness` runs every router on a grid of
+    /// workload families (the seed's chat, lock-step multi-turn, think times, shared
+    /// system-prompt groups) × fleets of 3, 8 and 32 workers × the h200-llama70b-fp8 and
+    /// dynamo-mocker profiles, with concurrency proportional to the fleet, and judges the
+    /// default policy in every cell (report.md). --levels then counts conversations per
+    /// worker; --workers and --profile do not apply (--fleets and --profiles do).
+    #[arg(long, value_enum, conflicts_with_all = ["phases", "disagg", "compare_seed002"])]
+    pub suite: Option<Suite>,
+    /// With --suite robustness: the workload families to run, comma-separated (default:
+    /// all).
+    #[arg(long, value_delimiter = ',', value_name = "NAMES", requires = "suite")]
+    pub families: Option<Vec<String>>,
+    /// With --suite robustness: the fleet sizes (default 3,8,32).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "WORKERS",
+        requires = "suite"
+    )]
+    pub fleets: Option<Vec<u32>>,
+    /// With --suite robustness: the hardware profiles (default
+    /// h200-llama70b-fp8,dynamo-mocker).
+    #[arg(long, value_delimiter = ',', value_name = "NAMES", requires = "suite")]
+    pub profiles: Option<Vec<String>>,
     /// Run every level as its own cold run instead of one continuous run per sweep.
     #[arg(long)]
     pub cold: bool,
@@ -131,7 +157,23 @@ pub struct BenchArgs {
     pub cluster: ClusterArgs,
 }
 
+/// The named suites of `--suite`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Suite {
+    /// Every router on workload families × fleets × profiles.
+    Robustness,
+}
+
+/// `--routers`' default outside a suite.
+const DEFAULT_ROUTERS: [PolicyKind; 3] =
+    [PolicyKind::RoundRobin, PolicyKind::Kv, PolicyKind::KvLoad];
+
 impl BenchArgs {
+    /// The routers given, else `default`.
+    pub(crate) fn routers_or(&self, default: &[PolicyKind]) -> Vec<PolicyKind> {
+        self.routers.clone().unwrap_or_else(|| default.to_vec())
+    }
+
     fn levels(&self) -> Vec<u32> {
         let default: &[u32] = if self.phases.is_some() {
             &PHASE_LEVELS
@@ -156,6 +198,25 @@ impl BenchArgs {
 
     /// The benchmark of `routers` on `cluster`.
     fn spec(&self, routers: Vec<PolicyKind>, cluster: &Cluster) -> Result<BenchSpec> {
+        self.spec_with(
+            routers,
+            cluster,
+            self.levels(),
+            self.sweeps(),
+            (60.0, 300.0),
+        )
+    }
+
+    /// The benchmark of `routers` on `cluster` at `levels`, with `sweeps` and the
+    /// (warmup, window) seconds `durations` unless --warmup and --window are given.
+    pub(crate) fn spec_with(
+        &self,
+        routers: Vec<PolicyKind>,
+        cluster: &Cluster,
+        levels: Vec<u32>,
+        sweeps: u32,
+        durations: (f64, f64),
+    ) -> Result<BenchSpec> {
         let secs = |s: f64, flag: &str| -> Result<nanotime::Nanos> {
             if !(s.is_finite() && s >= 0.0) {
                 bail!("{flag} must be a number of seconds ≥ 0, got {s}");
@@ -164,10 +225,10 @@ impl BenchArgs {
         };
         Ok(BenchSpec {
             routers,
-            levels: self.levels(),
-            sweeps: self.sweeps(),
-            warmup: secs(self.warmup, "--warmup")?,
-            window: secs(self.window, "--window")?,
+            levels,
+            sweeps,
+            warmup: secs(self.warmup.unwrap_or(durations.0), "--warmup")?,
+            window: secs(self.window.unwrap_or(durations.1), "--window")?,
             snapshots: self.snapshots,
             lookback: Some(secs(self.lookback, "--lookback")?),
             seed: self.cluster.seed,
@@ -178,6 +239,9 @@ impl BenchArgs {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    if let Some(Suite::Robustness) = args.suite {
+        return crate::robustness::run(&args);
+    }
     if args.phases.is_some() {
         return run_phases(&args);
     }
@@ -213,11 +277,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
 /// aggregates them: `results.json`'s content.
 /// Also says on how many threads.
 pub fn simulate(args: &BenchArgs, progress: bool) -> Result<(BenchResults, BenchSpec, usize)> {
-    if args.levels().is_empty() || args.routers.is_empty() || args.sweeps() == 0 {
+    let routers = args.routers_or(&DEFAULT_ROUTERS);
+    if args.levels().is_empty() || routers.is_empty() || args.sweeps() == 0 {
         bail!("--levels, --routers and --sweeps need at least one value each");
     }
     let cluster = args.cluster.build()?;
-    let spec = args.spec(args.routers.clone(), &cluster)?;
+    let spec = args.spec(routers, &cluster)?;
     let (mut grouped, threads) = run_parallel(&[(&spec, &cluster)], args.jobs, progress)?;
     let results = grouped.pop().unwrap_or_default();
     let results = sim::bench::aggregate(&spec, results, &cluster.profile_name);
@@ -230,6 +295,17 @@ fn run_parallel(
     benches: &[(&BenchSpec, &Cluster)],
     jobs: Option<usize>,
     progress: bool,
+) -> Result<(Vec<Vec<JobResult>>, usize)> {
+    run_parallel_with(benches, jobs, progress, None)
+}
+
+/// [`run_parallel`]; where stderr is no terminal (no bar), a line `label: run i of n done`
+/// per finished run when `label` is given.
+pub(crate) fn run_parallel_with(
+    benches: &[(&BenchSpec, &Cluster)],
+    jobs: Option<usize>,
+    progress: bool,
+    label: Option<&str>,
 ) -> Result<(Vec<Vec<JobResult>>, usize)> {
     let tasks: Vec<(usize, BenchJob)> = benches
         .iter()
@@ -247,6 +323,8 @@ fn run_parallel(
     // Independent runs on threads; each result goes back to its task's slot, so the output
     // never depends on which thread ran what.
     let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let lines = label.filter(|_| progress && bar.is_none());
     let slots: Mutex<Vec<Option<Result<JobResult, ChatJobError>>>> =
         Mutex::new((0..tasks.len()).map(|_| None).collect());
     std::thread::scope(|scope| {
@@ -271,6 +349,10 @@ fn run_parallel(
                     );
                     if let Ok(mut slots) = slots.lock() {
                         slots[i] = Some(result);
+                    }
+                    if let Some(label) = lines {
+                        let finished = done.fetch_add(1, Ordering::Relaxed) + 1;
+                        eprintln!("{label}: run {finished} of {} done", tasks.len());
                     }
                 }
             });
@@ -647,7 +729,7 @@ fn write_out(dir: &Path, results: &BenchResults, with_seed: bool) -> Result<()> 
 
 /// `DIR/results.json`, the plots (`(file name, SVG)`) and `DIR/report.md`, whose Markdown
 /// links the plots by name.
-fn write_out_with(
+pub(crate) fn write_out_with(
     dir: &Path,
     results: &BenchResults,
     plots: Vec<(String, String)>,

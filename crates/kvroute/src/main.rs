@@ -21,6 +21,7 @@ mod deploy_args;
 mod engine_cmd;
 mod gateway_cmd;
 mod profiles;
+mod robustness;
 mod sim_cmd;
 mod spec_args;
 mod trace_args;

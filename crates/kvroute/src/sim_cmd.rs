@@ -162,6 +162,7 @@ fn seconds(s: f64, flag: &str) -> Result<Nanos> {
 }
 
 /// Everything a run needs besides its phases.
+#[derive(Clone)]
 pub struct Cluster {
     pub base: SimConfig,
     pub workload: WorkloadConfig,

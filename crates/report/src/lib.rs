@@ -13,6 +13,8 @@
 //! - [`ladder`]: the report and plots of seed 003's phase ladder (`kvroute bench --phases`);
 //! - [`scenario`]: seed 004's scenario cycle in virtual time (`kvroute sim --scenario`):
 //!   its results, report and timeline plot;
+//! - [`robustness`]: the robustness grid's merge, verdicts and report (`kvroute bench
+//!   --suite robustness`);
 //! - [`svg`]: hand-written, deterministic line charts (also the simulator's timeline).
 //!
 //! # Invariant
@@ -26,6 +28,7 @@ pub mod markdown;
 pub mod percentiles;
 pub mod plots;
 pub mod results;
+pub mod robustness;
 pub mod scenario;
 pub mod seed002;
 pub mod svg;

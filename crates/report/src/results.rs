@@ -316,6 +316,9 @@ pub struct Row {
     pub layout: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workload: Option<String>,
+    /// `kvroute bench --suite robustness`: the grid's cell (`workload/workers/profile`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cell: Option<String>,
     pub router: String,
     pub workers: u32,
     pub concurrency: u32,
@@ -330,6 +333,10 @@ pub struct Row {
     /// fields sit in the row itself in JSON.
     #[serde(flatten)]
     pub metrics: Metrics,
+    /// `kvroute bench --suite robustness`: finished requests per second that met both SLOs
+    /// (`serving.goodput_rps`, at the top of the row for the grid's readers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goodput_rps: Option<f64>,
     pub balance: Balance,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub per_worker: Vec<WorkerRow>,
@@ -393,6 +400,9 @@ pub struct BenchMeta {
     /// `kvroute bench --disagg`: the layouts compared, the workloads and the SLOs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disagg: Option<DisaggMeta>,
+    /// `kvroute bench --suite robustness`: the grid's families, cells and verdict terms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub robustness: Option<crate::robustness::RobustnessMeta>,
 }
 
 /// What a `kvroute bench --disagg` compared.

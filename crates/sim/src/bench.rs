@@ -181,6 +181,7 @@ fn row(
         setup: None,
         layout: None,
         workload: None,
+        cell: None,
         router: router.name().to_string(),
         workers,
         concurrency,
@@ -188,6 +189,7 @@ fn row(
         sweep,
         sweeps,
         metrics: m.rounded(),
+        goodput_rps: None,
         balance: balance.rounded(),
         per_worker,
         per_class: Vec::new(),
@@ -279,6 +281,7 @@ pub fn aggregate(spec: &BenchSpec, mut results: Vec<JobResult>, profile: &str) -
             setups: Vec::new(),
             path_latency_ms: None,
             disagg: None,
+            robustness: None,
         },
     }
 }

@@ -258,6 +258,15 @@ impl Assets {
         out.push(self.format.eot());
     }
 
+    /// Appends the tokens of a user message whose content is `ids`: text that tokenizes back
+    /// to itself and starts with a letter (the reply generator's), so the message encodes to
+    /// exactly these tokens, as [`Assets::push_user_question`]'s.
+    pub fn push_user_ids(&self, ids: &[u32], out: &mut Vec<u32>) {
+        out.extend_from_slice(&self.user_header);
+        out.extend_from_slice(ids);
+        out.push(self.format.eot());
+    }
+
     /// Workloads B and C's documents and prompts, built on first use (two threads may both
     /// build; the first stored wins, both are equal).
     pub fn tasks(&self) -> Result<&Arc<TaskAssets>, TextError> {

@@ -3,7 +3,7 @@
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::{Mix, WorkloadError};
+use crate::{LockStep, Mix, SystemGroups, WorkloadError};
 pub use text::DEFAULT_SYSTEM_PROMPT;
 
 /// Upper bound on [`WorkloadConfig::concurrency`] (and on `set_concurrency`): bounds the
@@ -74,6 +74,14 @@ pub struct WorkloadConfig {
     /// C's answer length as a multiple of the prompt's expected output length (default
     /// uniform 0.8–1.2).
     pub reasoning_scale: Distribution,
+    /// Lock-step multi-turn ([`LockStep`]): every turn after the first adds new material
+    /// sized on the history. `None` (the default): the seed's questions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lockstep: Option<LockStep>,
+    /// Conversations drawn into groups sharing one long system prompt ([`SystemGroups`])
+    /// instead of one per passage. `None` (the default): the seed's passages.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub system_groups: Option<SystemGroups>,
 }
 
 const DEFAULT_SUMMARY_TOKENS: Distribution = Distribution::Uniform {
@@ -102,6 +110,8 @@ impl Default for WorkloadConfig {
             repeat_documents: false,
             summary_tokens: DEFAULT_SUMMARY_TOKENS,
             reasoning_scale: DEFAULT_REASONING_SCALE,
+            lockstep: None,
+            system_groups: None,
         }
     }
 }
@@ -311,7 +321,7 @@ impl WorkloadConfig {
         if self.reasoning_scale.bounds().0 <= 0.0 || self.reasoning_scale.bounds().1 > 4.0 {
             return bad("reasoning_scale: draws must lie in (0, 4]".into());
         }
-        Ok(())
+        crate::families::validate(self, None)
     }
 }
 

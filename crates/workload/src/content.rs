@@ -50,6 +50,29 @@ pub trait Content {
     ) -> Self::Turn;
     /// Tokens of the latest prompt, where this rendering knows them (0 otherwise).
     fn prompt_tokens(history: &Self::History) -> usize;
+    /// Tokens of the latest prompt plus its planned reply: what a lock-step turn's new
+    /// material is sized on (both renderings know it when [`crate::LockStep`] is on).
+    fn history_tokens(history: &Self::History) -> usize;
+}
+
+/// The system prompts conversations open with, as `build` makes each: one per group with
+/// [`crate::SystemGroups`], else one per passage in use. A group prompt that cannot be built
+/// (prevented by `ChatWorkload::with_content`'s checks) is `fallback`.
+fn system_prompts<T: Clone>(
+    assets: &Assets,
+    config: &WorkloadConfig,
+    per_passage: impl Fn(usize) -> T,
+    per_group: impl Fn(&crate::SystemGroups, usize) -> Option<T>,
+    fallback: T,
+) -> Vec<T> {
+    match &config.system_groups {
+        Some(groups) => (0..groups.groups as usize)
+            .map(|g| per_group(groups, g).unwrap_or_else(|| fallback.clone()))
+            .collect(),
+        None => (0..(config.passages as usize).min(assets.corpus().len()))
+            .map(per_passage)
+            .collect(),
+    }
 }
 
 /// One request to serve, in token ids (the simulator's form).
@@ -78,7 +101,7 @@ pub struct TokenContent {
 }
 
 /// A conversation in tokens: its last prompt and planned reply.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct TokenHistory {
     passage: usize,
     prompt: Option<Arc<[u32]>>,
@@ -102,9 +125,13 @@ impl Content for TokenContent {
     type Turn = Turn;
 
     fn new(assets: Arc<Assets>, config: &WorkloadConfig) -> TokenContent {
-        let prefixes = (0..config.passages as usize)
-            .map(|p| assets.prefix(&config.system_prompt, p))
-            .collect();
+        let prefixes = system_prompts(
+            &assets,
+            config,
+            |p| assets.prefix(&config.system_prompt, p),
+            |groups, g| groups.prefix(&assets, config, g).ok(),
+            Arc::from(Vec::new()),
+        );
         TokenContent { assets, prefixes }
     }
 
@@ -127,8 +154,10 @@ impl Content for TokenContent {
         key: TurnKey,
         issued_at: Nanos,
     ) -> Turn {
-        let question = match plan.ask {
-            Ask::Chat(question) => question,
+        let mut user = Vec::with_capacity(96);
+        match plan.ask {
+            Ask::Chat(question) => self.assets.push_user_question(&question, &mut user),
+            Ask::NewMaterial(ref material) => self.assets.push_user_ids(material, &mut user),
             Ask::Summarise {
                 document: i,
                 request: Some(request),
@@ -174,8 +203,6 @@ impl Content for TokenContent {
             }
         };
         let format = self.assets.format();
-        let mut user = Vec::with_capacity(96);
-        self.assets.push_user_question(&question, &mut user);
         let generation = format.generation_prompt();
         let eot = [format.eot()];
         // Slices are copied with memcpy into one buffer (an iterator chain of elements was
@@ -210,6 +237,10 @@ impl Content for TokenContent {
     fn prompt_tokens(history: &TokenHistory) -> usize {
         history.prompt.as_ref().map_or(0, |p| p.len())
     }
+
+    fn history_tokens(history: &TokenHistory) -> usize {
+        Self::prompt_tokens(history) + history.reply.as_ref().map_or(0, |r| r.len())
+    }
 }
 
 /// One request to send, in text (the load generator's form). The driver keeps the
@@ -232,55 +263,97 @@ pub struct TextTurn {
 }
 
 /// Writes turns as text: the system message and the questions whose tokenization the token
-/// form assembles.
+/// form assembles. With [`crate::LockStep`] it also keeps the token form's history, whose
+/// length sizes the next turn's new material exactly as in the simulator.
 #[derive(Debug)]
 pub struct TextContent {
     assets: Arc<Assets>,
-    /// Per passage in use: the system message's text.
+    /// Per passage in use (or per group): the system message's text.
     systems: Vec<Arc<str>>,
+    /// The token rendering, kept only for lock-step conversations.
+    tokens: Option<TokenContent>,
+}
+
+/// A conversation in text form: the driver keeps the text history (with real answers).
+#[derive(Debug)]
+pub struct TextHistory {
+    /// The system prompt's index (passage or group).
+    system: usize,
+    /// The token form's history, with [`crate::LockStep`] only.
+    tokens: Option<TokenHistory>,
 }
 
 impl Content for TextContent {
-    /// The conversation's passage: the driver keeps the text history (with real answers).
-    type History = usize;
+    type History = TextHistory;
     type Turn = TextTurn;
 
     fn new(assets: Arc<Assets>, config: &WorkloadConfig) -> TextContent {
-        let systems = (0..config.passages as usize)
-            .map(|p| {
+        let systems = system_prompts(
+            &assets,
+            config,
+            |p| {
                 assets
                     .system_message(&config.system_prompt, p)
                     .content
                     .into()
-            })
-            .collect();
-        TextContent { assets, systems }
+            },
+            |groups, g| {
+                groups
+                    .system_message(&assets, config, g)
+                    .ok()
+                    .map(|m| m.content.into())
+            },
+            "".into(),
+        );
+        let tokens = config
+            .lockstep
+            .is_some()
+            .then(|| TokenContent::new(assets.clone(), config));
+        TextContent {
+            assets,
+            systems,
+            tokens,
+        }
     }
 
     fn assets(&self) -> &Arc<Assets> {
         &self.assets
     }
 
-    fn open(&self, passage: usize) -> usize {
-        passage
+    fn open(&self, system: usize) -> TextHistory {
+        TextHistory {
+            system,
+            tokens: self.tokens.as_ref().map(|t| t.open(system)),
+        }
     }
 
     fn turn(
         &self,
-        passage: &mut usize,
+        history: &mut TextHistory,
         plan: TurnPlan,
         key: TurnKey,
         issued_at: Nanos,
     ) -> TextTurn {
+        if let (Some(tokens), Some(h)) = (&self.tokens, &mut history.tokens) {
+            tokens.turn(h, plan.clone(), key, issued_at);
+        }
         let tasks = || self.assets.tasks().ok();
+        let system_of_conversation = || {
+            self.systems
+                .get(history.system)
+                .cloned()
+                .unwrap_or_else(|| "".into())
+        };
         let (class, system, question) = match plan.ask {
             Ask::Chat(question) => (
                 Class::A,
-                self.systems
-                    .get(*passage)
-                    .cloned()
-                    .unwrap_or_else(|| "".into()),
+                system_of_conversation(),
                 self.assets.questions().text(&question).into(),
+            ),
+            Ask::NewMaterial(ref material) => (
+                Class::A,
+                system_of_conversation(),
+                self.assets.tokenizer().decode_lossy(material).into(),
             ),
             Ask::Summarise {
                 document: i,
@@ -313,7 +386,17 @@ impl Content for TextContent {
         }
     }
 
-    fn prompt_tokens(_: &usize) -> usize {
-        0
+    fn prompt_tokens(history: &TextHistory) -> usize {
+        history
+            .tokens
+            .as_ref()
+            .map_or(0, TokenContent::prompt_tokens)
+    }
+
+    fn history_tokens(history: &TextHistory) -> usize {
+        history
+            .tokens
+            .as_ref()
+            .map_or(0, TokenContent::history_tokens)
     }
 }

@@ -67,6 +67,7 @@
 
 mod config;
 mod content;
+mod families;
 mod mix;
 pub mod replay;
 pub mod scenario;
@@ -79,6 +80,7 @@ pub use config::{
     MAX_TURNS, TurnRange, WorkloadConfig,
 };
 pub use content::{Content, TextContent, TextTurn, TokenContent, TokenHistory, Turn, TurnKey};
+pub use families::{LockStep, MAX_NEW_TOKENS_RATIO, MAX_SYSTEM_GROUPS, SystemGroups};
 pub use mix::{Class, MAX_MIX_TOTAL, Mix, MixError};
 pub use schedule::{Arrivals, ChatWorkload, ConversationInfo, WorkloadStats};
 pub use script::{Ask, Script, TurnPlan};

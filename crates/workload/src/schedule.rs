@@ -189,6 +189,7 @@ impl<C: Content> ChatWorkload<C> {
                 "summary_tokens: at most {max_reply} tokens per reply"
             )));
         }
+        crate::families::validate(&config, Some(&assets))?;
         if !config.mix.is_chat_only() {
             // B's and C's corpora, built once (and checked) before any turn needs them.
             assets.tasks()?;
@@ -250,7 +251,7 @@ impl<C: Content> ChatWorkload<C> {
         self.stats.sessions_by_class[class as usize] += 1;
         let mut conversation = Conversation {
             class,
-            history: self.content.open(script.passage()),
+            history: self.content.open(script.system()),
             script,
             next_turn: 0,
             phase: Phase::Ready { since: start },
@@ -489,9 +490,10 @@ impl<C: Content> ChatWorkload<C> {
             .get_mut(&id)
             .ok_or(WorkloadError::UnknownConversation(id))?;
         let turn = c.next_turn;
+        let history_tokens = C::history_tokens(&c.history);
         let plan = c
             .script
-            .next_turn(self.content.assets(), &self.config, turn)?;
+            .next_turn(self.content.assets(), &self.config, turn, history_tokens)?;
         let output_tokens = plan.reply.ids.len();
         let key = TurnKey {
             conversation: id,

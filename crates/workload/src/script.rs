@@ -12,6 +12,8 @@
 //! so the schedule, both renderings and every driver handle them alike; the simulator and the
 //! load generator send the same B and C requests for a seed.
 
+use std::sync::Arc;
+
 use nanotime::Nanos;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -20,7 +22,7 @@ use text::{Assets, QuestionPlan, Reply};
 use crate::{Class, WorkloadConfig, WorkloadError};
 
 /// What a turn asks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Ask {
     /// A: the user's question about the conversation's passage.
     Chat(QuestionPlan),
@@ -34,6 +36,9 @@ pub enum Ask {
     },
     /// C: answer reasoning prompt `i` of [`text::TaskAssets::bank`].
     Reason(usize),
+    /// A lock-step turn ([`crate::LockStep`]): the user message is this new material (token
+    /// ids that tokenize back to themselves).
+    NewMaterial(Arc<[u32]>),
 }
 
 /// What one turn says, before it is written as tokens or text: what it asks and the planned
@@ -56,6 +61,9 @@ pub struct Script {
     class: Class,
     /// The passage (A), document (B) or prompt (C).
     passage: usize,
+    /// The system prompt the rendering opens the conversation with: the passage's, or with
+    /// [`crate::SystemGroups`] the conversation's group.
+    system: usize,
     turns: u32,
     /// The last reply's term, for the next question.
     topic: Option<usize>,
@@ -69,12 +77,23 @@ impl Script {
     pub fn new(seed: u64, conversation: u64, config: &WorkloadConfig, passages: usize) -> Script {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         rng.set_stream(conversation);
-        let passage = rng.random_range(0..passages);
+        let (system, passage) = match config.system_groups {
+            // A group's questions are about the passage its text was drawn from.
+            Some(groups) => {
+                let group = rng.random_range(0..groups.groups.max(1) as usize);
+                (group, group % passages.max(1))
+            }
+            None => {
+                let passage = rng.random_range(0..passages);
+                (passage, passage)
+            }
+        };
         let turns = config.turns.sample(&mut rng);
         Script {
             rng,
             class: Class::A,
             passage,
+            system,
             turns,
             topic: None,
             session: conversation,
@@ -102,6 +121,7 @@ impl Script {
             rng,
             class,
             passage,
+            system: passage,
             turns: 1,
             topic: None,
             session,
@@ -113,6 +133,12 @@ impl Script {
         self.passage
     }
 
+    /// The system prompt the conversation opens with: its passage, or its group with
+    /// [`crate::SystemGroups`].
+    pub fn system(&self) -> usize {
+        self.system
+    }
+
     pub fn class(&self) -> Class {
         self.class
     }
@@ -121,12 +147,15 @@ impl Script {
         self.turns
     }
 
-    /// Turn `turn`'s question and planned reply. Call once per turn, in order.
+    /// Turn `turn`'s question and planned reply. Call once per turn, in order;
+    /// `history_tokens` is the previous prompt plus its reply in tokens (a lock-step turn's new
+    /// material is sized on it).
     pub fn next_turn(
         &mut self,
         assets: &Assets,
         config: &WorkloadConfig,
         turn: u32,
+        history_tokens: usize,
     ) -> Result<TurnPlan, WorkloadError> {
         match self.class {
             Class::A => {}
@@ -150,6 +179,20 @@ impl Script {
                 let tokens = tokens.min(assets.replies().max_tokens());
                 return self.single(assets, Ask::Reason(self.passage), tokens);
             }
+        }
+        if let (Some(lockstep), true) = (config.lockstep, turn > 0) {
+            let tokens =
+                lockstep.new_tokens(history_tokens, crate::LockStep::max_new_tokens(assets));
+            let material =
+                crate::families::new_material(assets, self.passage, tokens, &mut self.rng)?;
+            let tokens = config.output_tokens.sample(&mut self.rng).round().max(1.0) as usize;
+            let reply = assets
+                .replies()
+                .generate(self.passage, tokens, &mut self.rng)?;
+            return Ok(TurnPlan {
+                ask: Ask::NewMaterial(material.ids),
+                reply,
+            });
         }
         let questions = assets.questions();
         let question = if turn == 0 {
