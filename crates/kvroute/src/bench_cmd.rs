@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use report::BenchResults;
 use router::PolicyKind;
 use sim::bench::{BenchJob, BenchSpec, JobResult};
-use sim::chat::{ChatJobError, run_chat_job};
+use sim::chat::run_chat_job;
 use sim::ladder::{LadderPart, LadderPhase, LadderSetup};
 
 use crate::sim_cmd::{Cluster, ClusterArgs, LinkArg, parse_router, progress_bar, router_names};
@@ -325,7 +325,7 @@ pub(crate) fn run_parallel_with(
     let next = AtomicUsize::new(0);
     let done = AtomicUsize::new(0);
     let lines = label.filter(|_| progress && bar.is_none());
-    let slots: Mutex<Vec<Option<Result<JobResult, ChatJobError>>>> =
+    let slots: Mutex<Vec<Option<Result<JobResult>>>> =
         Mutex::new((0..tasks.len()).map(|_| None).collect());
     std::thread::scope(|scope| {
         for _ in 0..threads {
@@ -336,17 +336,25 @@ pub(crate) fn run_parallel_with(
                         break;
                     };
                     let (spec, cluster) = benches[*b];
-                    let result = run_chat_job(
-                        spec,
-                        job,
-                        &cluster.workload,
-                        Arc::clone(&cluster.assets),
-                        |_| {
-                            if let Some(bar) = &bar {
-                                bar.inc(1);
-                            }
-                        },
-                    );
+                    let tick = |_| {
+                        if let Some(bar) = &bar {
+                            bar.inc(1);
+                        }
+                    };
+                    let result = match &cluster.replay {
+                        Some((trace, speed)) => {
+                            sim::trace::run_trace_job(spec, job, Arc::clone(trace), *speed, tick)
+                                .map_err(anyhow::Error::from)
+                        }
+                        None => run_chat_job(
+                            spec,
+                            job,
+                            &cluster.workload,
+                            Arc::clone(&cluster.assets),
+                            tick,
+                        )
+                        .map_err(anyhow::Error::from),
+                    };
                     if let Ok(mut slots) = slots.lock() {
                         slots[i] = Some(result);
                     }

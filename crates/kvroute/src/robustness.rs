@@ -6,13 +6,15 @@
 //! per worker at each level, and what generates the requests); a cell is one workload on one
 //! fleet of one profile, run as one `kvroute bench` of every router.
 
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use report::robustness::{CellMeta, CellPart, FamilyMeta, RobustnessMeta};
 use router::PolicyKind;
 use sim::bench::BenchSpec;
-use workload::{Distribution, LockStep, SystemGroups, TurnRange, WorkloadConfig};
+use workload::{Distribution, LockStep, Speed, SystemGroups, Trace, TurnRange, WorkloadConfig};
 
 use crate::bench_cmd::{BenchArgs, run_parallel_with, write_out_with};
 use crate::sim_cmd::Cluster;
@@ -49,6 +51,12 @@ const SLO: report::Slo = report::Slo {
     ttft_ms: report::SLO_TTFT_P95_MS,
     itl_ms: report::SLO_TPOT_P95_MS,
 };
+/// The public trace's cells: Mooncake's conversation trace (shipped in `traces/`), its first
+/// requests replayed open loop at these speeds. A slice keeps the grid inside its time budget;
+/// its oracle bound is printed with each run of `kvroute sim --trace`.
+const TRACE_FILE: &str = "traces/mooncake_conversation_trace.jsonl";
+const TRACE_REQUESTS: usize = 2_000;
+const TRACE_SPEEDS: [f64; 3] = [1.0, 2.0, 4.0];
 /// "No worse than round-robin" allows this much.
 const TOLERANCE: f64 = 0.05;
 /// The router the default must not lose to on TTFT and TOPS, and the one it must beat on
@@ -61,7 +69,9 @@ const GOODPUT_RIVAL: PolicyKind = PolicyKind::Kv;
 enum Source {
     /// The chat schedule with these settings (the seed's, or a family's).
     Chat(WorkloadConfig),
-    // trace cells: added with sim trace replay
+    /// The public trace's first [`TRACE_REQUESTS`] requests at this speed (one level: the
+    /// trace sets its own load).
+    Trace(f64),
 }
 
 /// One workload of a family.
@@ -154,6 +164,24 @@ fn families() -> Vec<Family> {
                 THINK_TIMES_S.map(|s| s.to_string()).join(", ")
             ),
             workloads: think,
+        },
+        Family {
+            name: "trace",
+            description: format!(
+                "Mooncake's FAST'25 conversation trace ({TRACE_FILE}): its first \
+                 {TRACE_REQUESTS} requests (about 10 minutes), open loop at their recorded \
+                 times × {} speed; prompts synthesized so that equal hash ids are equal \
+                 512-token blocks. One level: the trace sets the load.",
+                TRACE_SPEEDS.map(|s| s.to_string()).join(", ")
+            ),
+            workloads: TRACE_SPEEDS
+                .iter()
+                .map(|&speed| GridWorkload {
+                    name: format!("trace-{speed}x"),
+                    levels_per_worker: &[0],
+                    source: Source::Trace(speed),
+                })
+                .collect(),
         },
         Family {
             name: "groups",
@@ -255,32 +283,43 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             clusters.push(((workers, profile.trim().to_string()), cluster));
         }
     }
+    // The trace, read once when a trace family is selected.
+    let trace = families
+        .iter()
+        .flat_map(|f| &f.workloads)
+        .any(|w| matches!(w.source, Source::Trace(_)))
+        .then(load_trace)
+        .transpose()?;
     // Each cell: its shared cluster with the cell's workload, and its benchmark.
     let mut cells: Vec<(CellMeta, Cluster, BenchSpec)> = Vec::new();
     for family in &families {
         for w in &family.workloads {
             for ((workers, profile), shared) in &clusters {
-                let per_worker = args
-                    .levels
-                    .clone()
-                    .unwrap_or_else(|| w.levels_per_worker.to_vec());
+                let per_worker = match (&w.source, &args.levels) {
+                    (Source::Chat(_), Some(levels)) => levels.clone(),
+                    _ => w.levels_per_worker.to_vec(),
+                };
                 let levels: Vec<u32> = per_worker.iter().map(|l| l * workers).collect();
                 let mut cluster = shared.clone();
-                match &w.source {
-                    Source::Chat(config) => {
+                let durations = match (&w.source, &trace) {
+                    (Source::Chat(config), _) => {
                         config
                             .validate()
                             .with_context(|| format!("workload {}", w.name))?;
                         cluster.workload = config.clone();
+                        (WARMUP_S, WINDOW_S)
                     }
-                }
-                let spec = args.spec_with(
-                    routers.clone(),
-                    &cluster,
-                    levels.clone(),
-                    sweeps,
-                    (WARMUP_S, WINDOW_S),
-                )?;
+                    (Source::Trace(speed), Some(trace)) => {
+                        let speed = Speed::new(*speed).context("trace speed")?;
+                        cluster.replay = Some((Arc::clone(trace), speed));
+                        // The whole replay is measured, with its drain.
+                        let span = sim::trace::replay_span(trace, speed);
+                        (0.0, span.as_secs_f64())
+                    }
+                    (Source::Trace(_), None) => bail!("the trace was not loaded"),
+                };
+                let spec =
+                    args.spec_with(routers.clone(), &cluster, levels.clone(), sweeps, durations)?;
                 let meta = CellMeta {
                     name: format!("{}/{workers}w/{profile}", w.name),
                     family: family.name.to_string(),
@@ -349,6 +388,29 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         simulated / wall.max(1e-9)
     );
     Ok(())
+}
+
+/// The trace cells' slice of the shipped trace: at the path from the current directory (the
+/// repository root), else from this source tree's.
+fn load_trace() -> Result<Arc<Trace>> {
+    let built_in = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(TRACE_FILE);
+    let path = [Path::new(TRACE_FILE), built_in.as_path()]
+        .into_iter()
+        .find(|p| p.is_file())
+        .with_context(|| {
+            format!(
+                "the trace family replays {TRACE_FILE}, which is not here: run from the \
+                 repository root, or leave the family out with --families"
+            )
+        })?;
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let trace = Trace::parse_bytes(&bytes).with_context(|| path.display().to_string())?;
+    let slice = trace
+        .first(TRACE_REQUESTS)
+        .context("the trace has no request")?;
+    Ok(Arc::new(slice))
 }
 
 /// One line per cell and level: the verdict on the default policy.

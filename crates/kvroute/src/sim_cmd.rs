@@ -168,6 +168,9 @@ pub struct Cluster {
     pub workload: WorkloadConfig,
     pub assets: Arc<Assets>,
     pub profile_name: String,
+    /// Replay this trace at this speed instead of running `workload` (a benchmark's trace
+    /// cells).
+    pub replay: Option<(Arc<workload::Trace>, workload::Speed)>,
 }
 
 impl ClusterArgs {
@@ -225,6 +228,7 @@ impl ClusterArgs {
             workload,
             assets,
             profile_name,
+            replay: None,
         })
     }
 }

@@ -116,7 +116,7 @@ fn bad_grid_flags_fail_with_a_clear_error() {
                 "--families",
                 "chat,trace9",
             ],
-            "the grid's families are chat, lockstep, think, groups",
+            "the grid's families are chat, lockstep, think, trace, groups",
         ),
         (
             &["bench", "--suite", "robustness", "--fleets", "0"],
@@ -132,4 +132,58 @@ fn bad_grid_flags_fail_with_a_clear_error() {
             "cannot be used with",
         ),
     ]);
+}
+
+/// The trace family replays the shipped Mooncake trace at 1×, 2× and 4×: one level each (the
+/// trace sets the load), rows for every router, requests served.
+#[test]
+fn the_trace_family_replays_the_shipped_trace_at_three_speeds() {
+    let dir = out_dir("trace");
+    ok(kvroute()
+        .args([
+            "bench",
+            "--suite",
+            "robustness",
+            "--families",
+            "trace",
+            "--fleets",
+            "3",
+            "--profiles",
+            "dynamo-mocker",
+            "--routers",
+            "round_robin,kv_load",
+            "--window",
+            "40",
+            "--lookback",
+            "40",
+            "--snapshots",
+            "1",
+            "--out",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap());
+    let results: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("results.json")).unwrap()).unwrap();
+    let summary = results["summary"].as_array().unwrap();
+    assert_eq!(summary.len(), 6, "3 speeds × 2 routers");
+    for speed in ["1", "2", "4"] {
+        let cell = format!("trace-{speed}x/3w/dynamo-mocker");
+        let rows: Vec<_> = summary.iter().filter(|r| r["cell"] == cell).collect();
+        assert_eq!(rows.len(), 2, "{cell}");
+        for row in rows {
+            assert!(row["requests"].as_f64().unwrap() > 0.0, "{row}");
+            let hit = row["kv_hit_rate"].as_f64().unwrap();
+            let oracle = row["oracle_hit_rate"].as_f64().unwrap();
+            assert!(
+                hit <= oracle + 1e-9,
+                "{cell}: hit {hit} above the oracle {oracle}"
+            );
+        }
+    }
+    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        report.contains("## trace") && report.contains("Mooncake"),
+        "{report}"
+    );
 }
