@@ -68,7 +68,7 @@ const GOODPUT_RIVAL: PolicyKind = PolicyKind::Kv;
 #[derive(Debug, Clone)]
 enum Source {
     /// The chat schedule with these settings (the seed's, or a family's).
-    Chat(WorkloadConfig),
+    Chat(Box<WorkloadConfig>),
     /// The public trace's first [`TRACE_REQUESTS`] requests at this speed (one level: the
     /// trace sets its own load).
     Trace(f64),
@@ -96,7 +96,7 @@ fn families() -> Vec<Family> {
     let chat = |name: String, levels: &'static [u32], config: WorkloadConfig| GridWorkload {
         name,
         levels_per_worker: levels,
-        source: Source::Chat(config),
+        source: Source::Chat(Box::new(config)),
     };
     let lockstep = LOCKSTEP_RATIOS
         .iter()
@@ -306,7 +306,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                         config
                             .validate()
                             .with_context(|| format!("workload {}", w.name))?;
-                        cluster.workload = config.clone();
+                        cluster.workload = (**config).clone();
                         (WARMUP_S, WINDOW_S)
                     }
                     (Source::Trace(speed), Some(trace)) => {
