@@ -51,26 +51,8 @@ fn engines_started_alike_behind_a_plain_gateway_give_cache_hits() {
         );
     }
 
-    let mut messages = vec![json!({
-        "role": "system",
-        "content": "You answer questions about harbours, tides and the ships that use them, \
-                    patiently and with examples, for as long as the student keeps asking.",
-    })];
-    let mut later_cached = 0;
-    for turn in 0..3 {
-        messages.push(json!({"role": "user", "content": format!("Question {turn}, please.")}));
-        let reply = chat(gateway.addr(), &messages);
-        if turn > 0 {
-            later_cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .unwrap_or_else(|| panic!("no cached_tokens: {reply}"));
-        }
-        let text = reply["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        messages.push(json!({"role": "assistant", "content": text}));
-    }
+    let later_cached =
+        conversation_cached_tokens(&gateway, "harbours, tides and the ships that use them");
     assert!(
         later_cached >= 2 * 32,
         "turns 2 and 3 found {later_cached} cached tokens: the gateway routed blind"
