@@ -23,9 +23,7 @@ fn chat(addr: &str, messages: &[Value]) -> Value {
 
 #[test]
 fn engines_started_alike_behind_a_plain_gateway_give_cache_hits() {
-    let engines: Vec<Server> = (0..2)
-        .map(|_| Server::start(&["engine", "--port", "0", "--speedup", "100"]))
-        .collect();
+    let engines = two_engines(&[]);
     let urls: Vec<String> = engines.iter().map(|e| e.url.clone()).collect();
     let mut args = vec!["gateway", "--port", "0"];
     for url in &urls {
@@ -91,6 +89,13 @@ fn metric(text: &str, series: &str) -> f64 {
         .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
 }
 
+/// Two `kvroute engine` processes on free ports at 100× speed, with `extra` flags.
+fn two_engines(extra: &[&str]) -> Vec<Server> {
+    (0..2)
+        .map(|_| Server::start(&[&["engine", "--port", "0", "--speedup", "100"], extra].concat()))
+        .collect()
+}
+
 fn gateway_over(engines: &[Server]) -> Server {
     let mut args = vec!["gateway", "--port", "0"];
     for e in engines {
@@ -102,19 +107,7 @@ fn gateway_over(engines: &[Server]) -> Server {
 #[test]
 fn the_block_size_comes_from_the_workers() {
     // dynamo-mocker engines use blocks of 64 tokens; the gateway is not told.
-    let engines: Vec<Server> = (0..2)
-        .map(|_| {
-            Server::start(&[
-                "engine",
-                "--port",
-                "0",
-                "--speedup",
-                "100",
-                "--profile",
-                "dynamo-mocker",
-            ])
-        })
-        .collect();
+    let engines = two_engines(&["--profile", "dynamo-mocker"]);
     let gateway = gateway_over(&engines);
     gateway.line_with("KV blocks of 64 tokens (from the workers)");
     assert!(
@@ -148,19 +141,7 @@ fn the_block_size_comes_from_the_workers() {
 fn workers_without_events_are_predicted_and_reuse_is_attributed() {
     // Engines that publish no KV events: the router predicts their caches from its own
     // decisions instead of routing blind.
-    let engines: Vec<Server> = (0..2)
-        .map(|_| {
-            Server::start(&[
-                "engine",
-                "--port",
-                "0",
-                "--speedup",
-                "100",
-                "--zmq-pub",
-                "off",
-            ])
-        })
-        .collect();
+    let engines = two_engines(&["--zmq-pub", "off"]);
     let gateway = gateway_over(&engines);
     gateway.line_with("KV blocks of");
     let cached = conversation_cached_tokens(&gateway, "tides")

@@ -338,16 +338,29 @@ mod tests {
         f
     }
 
+    /// Replica 0 (the sender) and replica 1 with its frontend, both in epoch 1, and the key
+    /// of a prompt of `tokens` tokens.
+    fn pair(
+        config: ReplicaSyncConfig,
+        tokens: u32,
+    ) -> (ReplicaSync, ReplicaSync, Frontend, RoutingKey) {
+        let fb = frontend();
+        let key = fb.router().key(&(0..tokens).collect::<Vec<u32>>());
+        (
+            ReplicaSync::new(ReplicaId(0), 1, config),
+            ReplicaSync::new(ReplicaId(1), 1, config),
+            fb,
+            key,
+        )
+    }
+
     fn in_flight(f: &Frontend, w: u64) -> u32 {
         f.router().load(WorkerId(w)).unwrap().in_flight
     }
 
     #[test]
     fn a_peers_request_counts_until_it_finishes() {
-        let mut a = ReplicaSync::new(ReplicaId(0), 1, ReplicaSyncConfig::default());
-        let mut b = ReplicaSync::new(ReplicaId(1), 1, ReplicaSyncConfig::default());
-        let mut fb = frontend();
-        let key = fb.router().key(&(0..4096).collect::<Vec<u32>>());
+        let (mut a, mut b, mut fb, key) = pair(ReplicaSyncConfig::default(), 4096);
         let routed = a.routed(RequestId(7), WorkerId(2), &key);
         b.apply(routed.clone(), &mut fb, Nanos::ZERO);
         assert_eq!(in_flight(&fb, 2), 1);
@@ -370,10 +383,7 @@ mod tests {
 
     #[test]
     fn out_of_order_updates_wait_for_the_missing_one() {
-        let mut a = ReplicaSync::new(ReplicaId(0), 1, ReplicaSyncConfig::default());
-        let mut b = ReplicaSync::new(ReplicaId(1), 1, ReplicaSyncConfig::default());
-        let mut fb = frontend();
-        let key = fb.router().key(&(0..64).collect::<Vec<u32>>());
+        let (mut a, mut b, mut fb, key) = pair(ReplicaSyncConfig::default(), 64);
         let first = a.routed(RequestId(1), WorkerId(1), &key);
         let routed = a.routed(RequestId(2), WorkerId(1), &key);
         let finished = a.finished(RequestId(2));
@@ -393,10 +403,7 @@ mod tests {
             max_reorder: 2,
             ..ReplicaSyncConfig::default()
         };
-        let mut a = ReplicaSync::new(ReplicaId(0), 1, config);
-        let mut b = ReplicaSync::new(ReplicaId(1), 1, config);
-        let mut fb = frontend();
-        let key = fb.router().key(&(0..64).collect::<Vec<u32>>());
+        let (mut a, mut b, mut fb, key) = pair(config, 64);
         b.apply(
             a.routed(RequestId(1), WorkerId(1), &key),
             &mut fb,
@@ -434,10 +441,7 @@ mod tests {
             max_peer_requests: 1,
             ..ReplicaSyncConfig::default()
         };
-        let mut a = ReplicaSync::new(ReplicaId(0), 1, config);
-        let mut b = ReplicaSync::new(ReplicaId(1), 1, config);
-        let mut fb = frontend();
-        let key = fb.router().key(&(0..64).collect::<Vec<u32>>());
+        let (mut a, mut b, mut fb, key) = pair(config, 64);
         b.apply(
             a.routed(RequestId(1), WorkerId(1), &key),
             &mut fb,
