@@ -518,7 +518,11 @@ pub fn run(args: SimArgs) -> Result<()> {
         sync: if args.no_replica_sync {
             None
         } else {
-            Some(seconds(args.replica_sync_ms / 1e3, "--replica-sync-ms")?)
+            let ms = args.replica_sync_ms;
+            if !(ms.is_finite() && ms >= 0.0) {
+                bail!("--replica-sync-ms must be a number of milliseconds ≥ 0, got {ms}");
+            }
+            Some(Nanos::from_secs_f64(ms / 1e3))
         },
     };
     // A replay runs its whole span (plus a drain) and measures all of it by default.

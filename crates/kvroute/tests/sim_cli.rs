@@ -728,5 +728,9 @@ fn sim_with_gateway_replicas_reports_them_and_refuses_what_it_cannot_simulate() 
             &["sim", "--no-replica-sync", "--replica-sync-ms", "5"],
             "cannot be used with",
         ),
+        (
+            &["sim", "--gateway-replicas", "2", "--replica-sync-ms=-3"],
+            "--replica-sync-ms must be a number of milliseconds ≥ 0, got -3",
+        ),
     ]);
 }
