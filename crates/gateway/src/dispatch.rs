@@ -106,8 +106,9 @@ pub struct Ticket {
     /// The request waited in the frontend queue.
     pub queued: bool,
     first_token_seen: bool,
-    /// The worker served the request to the end (resets its ejection count).
-    served: bool,
+    /// The worker served the request to the end (resets its ejection count), with a reply
+    /// of this many tokens.
+    served: Option<u32>,
     /// A split route's prefill leg (its worker and decision), until it is done or failed.
     pub prefill: Option<(Arc<WorkerInfo>, RouteDecision)>,
     /// Why a local route prefills on its decode worker (`None` for a split route).
@@ -140,9 +141,9 @@ impl Ticket {
         self.dispatcher.worker_failed(self.worker.id);
     }
 
-    /// The worker served this request to the end.
-    pub fn served(&mut self) {
-        self.served = true;
+    /// The worker served this request to the end, with a reply of `output_tokens` tokens.
+    pub fn served(&mut self, output_tokens: u64) {
+        self.served = Some(u32::try_from(output_tokens).unwrap_or(u32::MAX));
     }
 
     /// The prefill leg succeeded: its slot is free and the decode worker has no prefill of
@@ -187,7 +188,7 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let served = self.served.then_some(self.worker.id);
+        let served = self.served.map(|tokens| (self.worker.id, tokens));
         self.dispatcher.finish(self.id, served);
     }
 }
@@ -355,7 +356,7 @@ impl Dispatcher {
             decision: assigned.decision,
             queued,
             first_token_seen: false,
-            served: false,
+            served: None,
             prefill: assigned.prefill,
             local_reason: assigned.reason,
         }
@@ -485,11 +486,14 @@ impl Dispatcher {
         self.deliver(&mut core, Some(id))
     }
 
-    fn finish(&self, id: RequestId, served: Option<WorkerId>) {
+    /// The request ended; `served`: its worker served it to the end with a reply of so many
+    /// tokens.
+    fn finish(&self, id: RequestId, served: Option<(WorkerId, u32)>) {
         let now = self.now();
         let mut core = lock(&self.core);
-        if let Some(worker) = served {
+        if let Some((worker, reply_tokens)) = served {
             core.ejections.succeeded(worker, now);
+            core.frontend.on_reply(reply_tokens);
         }
         core.frontend.on_finished(id, now);
         self.deliver(&mut core, None);

@@ -527,9 +527,6 @@ impl Output {
         match &self.ending {
             Some(Ending::Done) => {
                 self.record.success = true;
-                if let Some(ticket) = &mut self.ticket {
-                    ticket.served();
-                }
                 if self.stream {
                     if self.ctx.include_usage {
                         let usage = self.final_usage();
@@ -566,6 +563,11 @@ impl Output {
         self.record.cached_tokens = usage
             .prompt_tokens_details
             .map(|d| u64::from(d.cached_tokens));
+        if self.record.success
+            && let Some(ticket) = &mut self.ticket
+        {
+            ticket.served(self.record.output_tokens);
+        }
         // Release the slot now rather than when the client finishes reading.
         self.ticket = None;
     }

@@ -360,6 +360,13 @@ impl DisaggFrontend {
         self.pump(now);
     }
 
+    /// A request completed with a reply of `output_tokens` tokens: both pools' policies learn
+    /// it ([`Router::on_reply`](crate::Router::on_reply)).
+    pub fn on_reply(&mut self, output_tokens: u32) {
+        self.prefill.on_reply(output_tokens);
+        self.decode.on_reply(output_tokens);
+    }
+
     /// The request finished, failed or was cancelled after routing: its slots are free.
     pub fn on_finished(&mut self, id: RequestId, now: Nanos) {
         if let Some(Stage::Routed {

@@ -271,6 +271,11 @@ impl Frontend {
         self.router.on_routed(id, worker, key, now)
     }
 
+    /// A request completed with a reply of `output_tokens` tokens ([`Router::on_reply`]).
+    pub fn on_reply(&mut self, output_tokens: u32) {
+        self.router.on_reply(output_tokens);
+    }
+
     /// The request finished, failed or was cancelled after routing: its slot goes to the
     /// queue's head.
     pub fn on_finished(&mut self, id: RequestId, now: Nanos) {
@@ -437,6 +442,10 @@ struct CapacityGate {
 impl RoutingPolicy for CapacityGate {
     fn name(&self) -> &'static str {
         self.inner.name()
+    }
+
+    fn observe_reply(&mut self, output_tokens: u32) {
+        self.inner.observe_reply(output_tokens);
     }
 
     fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize {

@@ -50,9 +50,16 @@ use crate::policy::{
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KvLoadParams {
-    /// Expected tokens in a reply, used to price decode load. Routing needs an order of
-    /// magnitude, not the exact length: the decode terms scale with it as a whole.
+    /// Expected tokens in a reply, used to price decode load: the starting value when
+    /// `learn_output_tokens` is on (then the mean of recent replies takes over), the fixed
+    /// value when it is off.
     pub expected_output_tokens: f64,
+    /// Learn `expected_output_tokens` from the replies that complete (an exponentially
+    /// weighted mean over about the last [`REPLY_MEMORY`] replies). Off by default: on the
+    /// robustness grid it lowers TTFT p50 with short replies (lock-step, 150 tokens) but
+    /// prices the seed's ~845-token replies higher than 512, which costs chat and think
+    /// cells more than it wins (docs/ROUTING.md, "What did not work").
+    pub learn_output_tokens: bool,
     /// Weight of the stall a prefill imposes on the worker's running batch (1 = its full cost
     /// in seconds of everyone's latency; 0 = only the request's own TTFT).
     pub stall_weight: f64,
@@ -73,6 +80,7 @@ impl Default for KvLoadParams {
     fn default() -> Self {
         Self {
             expected_output_tokens: 512.0,
+            learn_output_tokens: false,
             stall_weight: 1.0,
             replication_stall_weight: 0.0,
             slot_soft_limit: 0.85,
@@ -121,10 +129,18 @@ impl KvLoadParams {
     }
 }
 
+/// Replies the learned reply length remembers: the weight of a new reply is
+/// `1 / min(replies + 1, REPLY_MEMORY)`, so the configured value counts as one reply and the
+/// mean follows a change of workload within a few hundred requests.
+pub const REPLY_MEMORY: f64 = 64.0;
+
 /// kvroute's load-aware KV policy (module docs).
 #[derive(Debug)]
 pub struct KvLoad {
+    /// The parameters; `expected_output_tokens` is the learned value when learning is on.
     params: KvLoadParams,
+    /// Replies learned from.
+    replies: u64,
     /// Scratch buffers reused across decisions so routing does not allocate.
     costs: Vec<f64>,
     eligible: Vec<usize>,
@@ -134,9 +150,15 @@ impl KvLoad {
     pub fn new(params: KvLoadParams) -> Self {
         Self {
             params,
+            replies: 0,
             costs: Vec::new(),
             eligible: Vec::new(),
         }
+    }
+
+    /// The reply length decode is priced with now.
+    pub fn expected_output_tokens(&self) -> f64 {
+        self.params.expected_output_tokens
     }
 
     /// Whether sending the request to `c` keeps it within its declared limits.
@@ -257,6 +279,16 @@ impl RoutingPolicy for KvLoad {
         }
         let pick = argmin_random_tie(&self.costs, rng);
         self.eligible.get(pick).copied().unwrap_or(0)
+    }
+
+    fn observe_reply(&mut self, output_tokens: u32) {
+        if !self.params.learn_output_tokens {
+            return;
+        }
+        self.replies += 1;
+        let weight = 1.0 / (self.replies as f64 + 1.0).min(REPLY_MEMORY);
+        let mean = &mut self.params.expected_output_tokens;
+        *mean += weight * (f64::from(output_tokens) - *mean);
     }
 }
 
@@ -502,5 +534,61 @@ mod tests {
             (0.8..1.0).contains(&cost),
             "6,400 tokens take about 0.9 s: {cost}"
         );
+    }
+
+    /// Two workers that cache nothing of the request: `queued` has prefill waiting but little
+    /// context, `decoding` has no queue but four times the context.
+    fn queue_or_decode() -> [Candidate; 2] {
+        let candidate = |id, pending, in_flight, context| {
+            let mut c = Worker::new(id, in_flight).candidate();
+            c.load.pending_prefill_tokens = pending;
+            c.load.context_tokens = context;
+            c
+        };
+        [candidate(1, 4_000, 10, 20_000), candidate(2, 0, 10, 80_000)]
+    }
+
+    fn choose(policy: &mut KvLoad, candidates: &[Candidate]) -> u64 {
+        let ctx = SelectionContext {
+            prompt_tokens: PROMPT_TOKENS,
+            prompt_blocks: PROMPT_BLOCKS,
+            block_size: BLOCK,
+            candidates,
+        };
+        let mut rng = PolicyRng::seed_from_u64(7);
+        candidates[policy.select(&ctx, &mut rng)].worker.0
+    }
+
+    #[test]
+    fn learned_short_replies_weigh_queued_prefill_over_decode() {
+        let candidates = queue_or_decode();
+        let learning = KvLoadParams {
+            learn_output_tokens: true,
+            ..KvLoadParams::default()
+        };
+        let mut policy = KvLoad::new(learning);
+        // Priced with 512-token replies, decoding beside 80k tokens of context costs more than
+        // waiting behind 4,000 tokens of prefill.
+        assert_eq!(choose(&mut policy, &candidates), 1);
+        // The first reply counts as much as the configured value; later ones follow a
+        // moving mean.
+        policy.observe_reply(150);
+        assert!((policy.expected_output_tokens() - 331.0).abs() < 1e-9);
+        for _ in 0..500 {
+            policy.observe_reply(20);
+        }
+        assert!((policy.expected_output_tokens() - 20.0).abs() < 0.5);
+        // With 20-token replies the queue is the larger cost.
+        assert_eq!(choose(&mut policy, &candidates), 2);
+    }
+
+    #[test]
+    fn reply_lengths_are_ignored_unless_learning_is_on() {
+        let mut policy = KvLoad::new(KvLoadParams::default());
+        for _ in 0..500 {
+            policy.observe_reply(20);
+        }
+        assert_eq!(policy.expected_output_tokens(), 512.0);
+        assert_eq!(choose(&mut policy, &queue_or_decode()), 1);
     }
 }

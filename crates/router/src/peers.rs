@@ -74,6 +74,9 @@ impl RoutingPolicy for SglangCacheAware {
         PolicyKind::SglangCacheAware.name()
     }
 
+    /// Reply lengths do not enter this policy.
+    fn observe_reply(&mut self, _output_tokens: u32) {}
+
     fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize {
         let p = self.params;
         let loads = ctx.candidates.iter().map(|c| c.load.in_flight);
@@ -171,6 +174,9 @@ impl RoutingPolicy for LlmdScorers {
     fn name(&self) -> &'static str {
         PolicyKind::LlmdDefault.name()
     }
+
+    /// Reply lengths do not enter this policy.
+    fn observe_reply(&mut self, _output_tokens: u32) {}
 
     fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize {
         let w = self.weights;

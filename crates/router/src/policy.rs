@@ -78,6 +78,11 @@ pub trait RoutingPolicy: Send + fmt::Debug {
     /// Index into `ctx.candidates` of the chosen worker. `ctx.candidates` is never empty;
     /// returning an out-of-range index is a bug the router reports as an error.
     fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize;
+
+    /// A request completed with a reply of `output_tokens` tokens: policies that price decode
+    /// learn how long replies are, the others ignore it. No default, so a policy that wraps
+    /// another cannot forget to pass it on.
+    fn observe_reply(&mut self, output_tokens: u32);
 }
 
 /// The built-in policies, by the names `--router-mode` accepts.
@@ -201,6 +206,9 @@ impl RoutingPolicy for RoundRobin {
         PolicyKind::RoundRobin.name()
     }
 
+    /// Reply lengths do not enter this policy.
+    fn observe_reply(&mut self, _output_tokens: u32) {}
+
     fn select(&mut self, ctx: &SelectionContext<'_>, _rng: &mut PolicyRng) -> usize {
         let index = match self.last {
             None => 0,
@@ -223,6 +231,9 @@ impl RoutingPolicy for Random {
     fn name(&self) -> &'static str {
         PolicyKind::Random.name()
     }
+
+    /// Reply lengths do not enter this policy.
+    fn observe_reply(&mut self, _output_tokens: u32) {}
 
     fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize {
         rng.index_below(ctx.candidates.len())
@@ -288,6 +299,9 @@ impl RoutingPolicy for KvCost {
     fn name(&self) -> &'static str {
         PolicyKind::Kv.name()
     }
+
+    /// Reply lengths do not enter this policy.
+    fn observe_reply(&mut self, _output_tokens: u32) {}
 
     fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize {
         self.costs.clear();

@@ -647,6 +647,14 @@ impl Router {
         self.counters.first_tokens += 1;
     }
 
+    /// A request completed with a reply of `output_tokens` tokens: the policy learns how long
+    /// replies are. Drivers call it for completed requests only (a failed or cancelled
+    /// request's partial reply says nothing about reply lengths), next to
+    /// [`on_finished`](Self::on_finished).
+    pub fn on_reply(&mut self, output_tokens: u32) {
+        self.policy.observe_reply(output_tokens);
+    }
+
     /// The request finished (completed, failed or cancelled): release its load.
     pub fn on_finished(&mut self, id: RequestId, _now: Nanos) {
         let Some(tracked) = self.requests.remove(&id) else {

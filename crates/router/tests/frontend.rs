@@ -516,3 +516,44 @@ fn when_every_worker_drains_new_requests_are_refused() {
         Some(FrontendEvent::Assigned { .. })
     ));
 }
+
+/// Remembers the reply lengths it is told, and routes to the first candidate.
+#[derive(Debug)]
+struct ReplyRecorder(std::sync::Arc<std::sync::Mutex<Vec<u32>>>);
+
+impl router::RoutingPolicy for ReplyRecorder {
+    fn name(&self) -> &'static str {
+        "reply_recorder"
+    }
+
+    fn select(&mut self, _: &router::SelectionContext<'_>, _: &mut router::PolicyRng) -> usize {
+        0
+    }
+
+    fn observe_reply(&mut self, output_tokens: u32) {
+        self.0.lock().unwrap().push(output_tokens);
+    }
+}
+
+#[test]
+fn completed_replies_reach_the_policy_through_the_capacity_gate() {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let config = FrontendConfig {
+        max_in_flight_per_worker: NonZeroU32::new(1),
+        queue_capacity: 4,
+        queue_timeout: None,
+    };
+    let policy = Box::new(ReplyRecorder(seen.clone()));
+    let mut f = Frontend::with_policy(router_config(PolicyKind::KvLoad), policy, config).unwrap();
+    f.add_worker(WorkerId(1), WorkerLimits::default(), Nanos::ZERO)
+        .unwrap();
+    let assigned = submit(&mut f, [1], Nanos::ZERO);
+    assert!(matches!(
+        assigned.as_slice(),
+        [FrontendEvent::Assigned { .. }]
+    ));
+    f.on_reply(150);
+    f.on_finished(RequestId(1), Nanos::from_millis(10));
+    f.on_reply(7);
+    assert_eq!(*seen.lock().unwrap(), [150, 7]);
+}

@@ -430,6 +430,15 @@ impl Admission {
         }
     }
 
+    /// A completed request's reply length, for the policies that learn it.
+    fn on_reply(&mut self, id: RequestId, output_tokens: u32) {
+        match self {
+            Admission::One(f) => f.on_reply(output_tokens),
+            Admission::Two(d) => d.on_reply(output_tokens),
+            Admission::Many(m) => m.on_reply(id, output_tokens),
+        }
+    }
+
     fn on_finished(&mut self, id: RequestId, now: Nanos) {
         match self {
             Admission::One(f) => f.on_finished(id, now),
@@ -2153,6 +2162,7 @@ impl<W: Workload> Simulation<W> {
         {
             faults.violate(what);
         }
+        self.admission.on_reply(id, output_tokens);
         self.admission.on_finished(id, at);
         self.remove_in_flight(worker);
         if let Some(o) = &mut self.oracle {

@@ -151,6 +151,13 @@ impl Replicas {
         self.send(update, now);
     }
 
+    /// A completed request's reply length: the replica that routed it learns it.
+    pub(crate) fn on_reply(&mut self, id: RequestId, output_tokens: u32) {
+        if let Some(r) = self.owners.get(&id).map(|o| o.replica) {
+            self.frontends[r].on_reply(output_tokens);
+        }
+    }
+
     pub(crate) fn on_finished(&mut self, id: RequestId, now: Nanos) {
         let Some(owner) = self.owners.remove(&id) else {
             return;
