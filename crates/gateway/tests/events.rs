@@ -593,7 +593,7 @@ async fn a_late_gateway_replays_the_engines_buffer_instead_of_starting_cold() {
     .await;
 
     let block = replaying.dispatcher().block_size();
-    let early_blocks = early.len() / block;
+    let early_blocks = (early.len() / block) as u32;
     let key = replaying.dispatcher().key(&early.clone().collect::<Vec<u32>>());
     assert_eq!(
         replaying.dispatcher().overlaps(&key).get(worker),
