@@ -258,9 +258,7 @@ async fn replay(
 /// missing one after a gap, from the oldest the publisher may hold for a late subscriber.
 fn replay_start(continuity: Continuity, seq: u64) -> Option<u64> {
     match continuity {
-        Continuity::Gap { expected, got } if got - expected <= MAX_REPLAY_BATCHES => {
-            Some(expected)
-        }
+        Continuity::Gap { expected, got } if got - expected <= MAX_REPLAY_BATCHES => Some(expected),
         Continuity::First if seq > 0 => Some(seq.saturating_sub(MAX_REPLAY_BATCHES)),
         _ => None,
     }
@@ -375,10 +373,11 @@ pub(crate) async fn run_zmq_events(
 /// One ZMQ subscription per worker, started and stopped as workers come and go.
 #[derive(Debug, Default)]
 pub(crate) struct ZmqSubscriptions {
-    /// Per worker: its (event, replay) endpoints and the task reading them.
-    #[allow(clippy::type_complexity)]
-    tasks: std::sync::Mutex<BTreeMap<WorkerId, ((String, Option<String>), JoinHandle<()>)>>,
+    tasks: std::sync::Mutex<BTreeMap<WorkerId, Subscription>>,
 }
+
+/// A worker's (event, replay) endpoints and the task reading them.
+type Subscription = ((String, Option<String>), JoinHandle<()>);
 
 impl ZmqSubscriptions {
     /// Subscribes to `endpoint` (replaying gaps from `replay`) for `worker` unless already

@@ -732,10 +732,9 @@ mod tests {
             Some("tcp://v:6001")
         );
         // vLLM's and SGLang's own config name it `replay_endpoint`.
-        let foreign: WorkerCard = serde_json::from_str(
-            r#"{"zmq": "tcp://v:5557", "replay_endpoint": "tcp://v:5558"}"#,
-        )
-        .unwrap();
+        let foreign: WorkerCard =
+            serde_json::from_str(r#"{"zmq": "tcp://v:5557", "replay_endpoint": "tcp://v:5558"}"#)
+                .unwrap();
         assert_eq!(foreign.zmq_replay_endpoint.as_deref(), Some("tcp://v:5558"));
     }
 

@@ -402,9 +402,9 @@ impl ReplayingPublisher {
         let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
         let mut router = zeromq::RouterSocket::new();
         let replay_endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
-        let buffer = std::sync::Arc::new(std::sync::Mutex::new(
-            protocol::vllm::ReplayBuffer::new(capacity),
-        ));
+        let buffer = std::sync::Arc::new(std::sync::Mutex::new(protocol::vllm::ReplayBuffer::new(
+            capacity,
+        )));
         let served = buffer.clone();
         let router = tokio::spawn(async move {
             while let Ok(request) = router.recv().await {
@@ -550,7 +550,10 @@ async fn a_late_gateway_replays_the_engines_buffer_instead_of_starting_cold() {
     .await;
     let card = engine.info();
     let events = card.zmq_endpoint.clone().expect("ZMQ events on");
-    assert!(card.zmq_replay_endpoint.is_some(), "the card announces replay");
+    assert!(
+        card.zmq_replay_endpoint.is_some(),
+        "the card announces replay"
+    );
     let worker = WorkerId(7);
     let completion = |prompt: std::ops::Range<u32>| {
         serde_json::json!({
@@ -561,7 +564,8 @@ async fn a_late_gateway_replays_the_engines_buffer_instead_of_starting_cold() {
     };
     // Served before any gateway subscribed: its KV events reached nobody.
     let early = 1000..1160;
-    let (status, _, _) = post_json(&engine.url(), "/v1/completions", &completion(early.clone())).await;
+    let (status, _, _) =
+        post_json(&engine.url(), "/v1/completions", &completion(early.clone())).await;
     assert_eq!(status, 200);
 
     // One gateway reads the engine's /info (events and replay); the other is told only the
@@ -594,14 +598,20 @@ async fn a_late_gateway_replays_the_engines_buffer_instead_of_starting_cold() {
 
     let block = replaying.dispatcher().block_size();
     let early_blocks = (early.len() / block) as u32;
-    let key = replaying.dispatcher().key(&early.clone().collect::<Vec<u32>>());
+    let key = replaying
+        .dispatcher()
+        .key(&early.clone().collect::<Vec<u32>>());
     assert_eq!(
         replaying.dispatcher().overlaps(&key).get(worker),
         early_blocks,
         "the replaying gateway knows what the engine cached before it started"
     );
     let key = cold.dispatcher().key(&early.collect::<Vec<u32>>());
-    assert_eq!(cold.dispatcher().overlaps(&key).get(worker), 0, "cold start");
+    assert_eq!(
+        cold.dispatcher().overlaps(&key).get(worker),
+        0,
+        "cold start"
+    );
     assert_eq!(metric(&cold, replays), 0.0);
     for gw in [&replaying, &cold] {
         assert_eq!(

@@ -45,7 +45,10 @@ fn engine_serves_and_stops_on_sigterm() {
     assert_eq!(status, 200);
     assert!(body.contains("\"worker\":5"), "{body}");
     // vLLM's replay socket is on by default, announced beside the event endpoint.
-    assert!(body.contains("\"zmq_replay_endpoint\":\"tcp://127.0.0.1:"), "{body}");
+    assert!(
+        body.contains("\"zmq_replay_endpoint\":\"tcp://127.0.0.1:"),
+        "{body}"
+    );
 
     let status = engine.running.stop(libc::SIGTERM, Duration::from_secs(10));
     assert!(status.success(), "clean exit on SIGTERM: {status}");

@@ -642,7 +642,10 @@ pub fn decode_replay_reply<B: AsRef<[u8]>>(parts: &[B]) -> Result<ReplayReply, V
         return Err(VllmDecodeError::Parts(parts.len()));
     };
     if !delimiter.as_ref().is_empty() {
-        return Err(shape("replay", "the first part must be the empty delimiter"));
+        return Err(shape(
+            "replay",
+            "the first part must be the empty delimiter",
+        ));
     }
     let seq = decode_seq(seq.as_ref())?;
     if seq == REPLAY_END_SEQ && payload.as_ref().is_empty() {
@@ -657,12 +660,17 @@ pub fn decode_replay_reply<B: AsRef<[u8]>>(parts: &[B]) -> Result<ReplayReply, V
 
 /// A replay request as the publisher's ROUTER receives it: `[identity, b"", start_seq]`.
 /// Returns the identity to answer and the first wanted sequence number.
-pub fn decode_replay_request<B: AsRef<[u8]>>(parts: &[B]) -> Result<(Vec<u8>, u64), VllmDecodeError> {
+pub fn decode_replay_request<B: AsRef<[u8]>>(
+    parts: &[B],
+) -> Result<(Vec<u8>, u64), VllmDecodeError> {
     let [identity, delimiter, start] = parts else {
         return Err(VllmDecodeError::Parts(parts.len()));
     };
     if !delimiter.as_ref().is_empty() {
-        return Err(shape("replay request", "the second part must be the empty delimiter"));
+        return Err(shape(
+            "replay request",
+            "the second part must be the empty delimiter",
+        ));
     }
     Ok((identity.as_ref().to_vec(), decode_seq(start.as_ref())?))
 }
@@ -782,7 +790,9 @@ pub enum VllmConvertError {
 /// Why a replay could not fill a gap.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum ReplayGap {
-    #[error("the replay went from batch {expected} to {got}: the publisher no longer holds the batches between")]
+    #[error(
+        "the replay went from batch {expected} to {got}: the publisher no longer holds the batches between"
+    )]
     Missing { expected: u64, got: u64 },
     #[error("a replayed batch is not usable: {0}")]
     Convert(VllmConvertError),

@@ -155,8 +155,11 @@ fn the_oldest_sglang_layout_decodes() {
 
     let batch = VllmEventBatch::decode(&payload).unwrap();
     assert_eq!(batch.data_parallel_rank, None);
-    let [VllmEvent::BlockStored(s), VllmEvent::BlockRemoved(r), VllmEvent::AllBlocksCleared] =
-        &batch.events[..]
+    let [
+        VllmEvent::BlockStored(s),
+        VllmEvent::BlockRemoved(r),
+        VllmEvent::AllBlocksCleared,
+    ] = &batch.events[..]
     else {
         panic!("{:?}", batch.events)
     };
@@ -211,10 +214,7 @@ fn sglangs_default_page_size_is_refused_with_what_to_do() {
         })
     );
     let message = refused.unwrap_err().to_string();
-    assert!(
-        message.contains("set the router's block size"),
-        "{message}"
-    );
+    assert!(message.contains("set the router's block size"), "{message}");
 }
 
 #[test]
