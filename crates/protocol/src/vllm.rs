@@ -43,7 +43,9 @@
 //!
 //! ```text
 //! batch   [ts, [event…]]                        (sgl-project/sglang at 006d053)
-//!         [ts, [event…], attn_dp_rank]          (later: the same slot as vLLM's rank)
+//!         [ts, [event…], attn_dp_rank]          (later, e.g. main as forked in
+//!                                                 amdpilot-org/sglang at a029c21: the
+//!                                                 same slot as vLLM's rank)
 //! stored  ["BlockStored", [hash], parent, token_ids, block_size, lora_id]
 //!         ["BlockStored", [hash], parent, token_ids, block_size, lora_id, medium]
 //!         ["BlockStored", …, medium, {"cache_salt": s}]   (BlockStoredWithMetadata)
@@ -54,9 +56,10 @@
 //! default: start SGLang with the router's block size as its page size); hashes are signed
 //! 64-bit integers (older versions Python's `hash` of the page's tokens alone, so two prefixes
 //! sharing a page share an id; later ones the first 8 bytes of a SHA-256 chained from the
-//! parent page); `medium` is `GPU`, `CPU_PINNED`, `DISK` or `EXTERNAL` (only `GPU` is used);
-//! no `lora_name`, and the 8th slot of a salted block is a metadata map whose `cache_salt`
-//! makes the block skipped here (a request without that salt cannot reuse it).
+//! parent page: `compute_node_hash_values` and `hash_str_to_int64`); `medium` is `GPU`,
+//! `CPU_PINNED`, `DISK` or `EXTERNAL` (only `GPU` is used); no `lora_name`, and the 8th slot
+//! of a salted block is a metadata map whose `cache_salt` makes the block skipped here (a
+//! request without that salt cannot reuse it).
 
 use std::fmt;
 
