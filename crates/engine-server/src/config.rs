@@ -81,6 +81,11 @@ pub struct EngineServerConfig {
     /// How each event is written on that socket: tagged maps (current vLLM, what vllm-router
     /// decodes) or arrays (earlier vLLM). kvroute's gateway reads both.
     pub zmq_event_encoding: EventEncoding,
+    /// Answer replay requests for the last `zmq_replay_buffer` batches on this ROUTER
+    /// endpoint (vLLM's `replay_endpoint`; port 0 picks a free port). Needs `zmq_pub`.
+    pub zmq_replay: Option<String>,
+    /// Batches kept for replay (vLLM's `buffer_steps`).
+    pub zmq_replay_buffer: usize,
     /// The model's tokenizer and chat template (`--tokenizer`, `--chat-template`); `None`
     /// serves the built-in cl100k tokenizer with Llama-3's template.
     pub text: Option<Arc<text::Preprocessor>>,
@@ -113,6 +118,8 @@ impl EngineServerConfig {
             nats: None,
             zmq_pub: None,
             zmq_event_encoding: EventEncoding::default(),
+            zmq_replay: None,
+            zmq_replay_buffer: protocol::vllm::ReplayBuffer::DEFAULT_CAPACITY,
             text: None,
             hostname: std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".to_string()),
         }

@@ -59,7 +59,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub use config::{EngineServerConfig, NatsConfig, ReplyLength};
-pub use protocol::vllm::EventEncoding;
+pub use protocol::vllm::{EventEncoding, ReplayBuffer};
 pub use publish::PublishError;
 
 /// Why a server could not start.
@@ -146,7 +146,17 @@ impl EngineServer {
             None => None,
         };
         let zmq = match &config.zmq_pub {
-            Some(endpoint) => Some(publish::Zmq::bind(endpoint, config.zmq_event_encoding).await?),
+            Some(endpoint) => Some(
+                publish::Zmq::bind(
+                    endpoint,
+                    config.zmq_event_encoding,
+                    config
+                        .zmq_replay
+                        .as_deref()
+                        .map(|replay| (replay, config.zmq_replay_buffer)),
+                )
+                .await?,
+            ),
             None => None,
         };
         let block_size = engine.config().block_size;
@@ -170,6 +180,7 @@ impl EngineServer {
                 .as_ref()
                 .map(|n| n.subjects.kv_events(config.worker_id)),
             zmq_endpoint: zmq.as_ref().map(|z| z.endpoint.clone()),
+            zmq_replay_endpoint: zmq.as_ref().and_then(publish::Zmq::replay_endpoint),
             returns_token_ids: true,
             role: worker_role(config.engine.role),
             speculative: engine

@@ -1,16 +1,23 @@
 //! KV event publishing (NATS in our format, ZMQ in vLLM's) and NATS worker registration.
 //!
 //! The engine's events already carry what both formats need (block hashes, parents and
-//! token ids), so publishing is a conversion to the wire, in order.
+//! token ids), so publishing is a conversion to the wire, in order. Like vLLM's
+//! `ZmqEventPublisher`, the ZMQ publisher can keep its last batches in a bounded ring
+//! ([`protocol::vllm::ReplayBuffer`], vLLM's `buffer_steps`) and answer replay requests on a
+//! ROUTER socket (vLLM's `replay_endpoint`), so a subscriber that missed batches asks for
+//! them instead of dropping what it knew.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kv_index::{KvEvent, WorkerId};
-use protocol::vllm::{EventEncoding, VllmEvent, VllmEventBatch, encode_multipart};
+use protocol::vllm::{
+    EventEncoding, ReplayBuffer, VllmEvent, VllmEventBatch, decode_replay_request,
+    encode_multipart, encode_replay_end, encode_replay_frame,
+};
 use protocol::{KvEventBatch, Subjects, WorkerAnnounce, WorkerMessage};
 use tokio::sync::{mpsc, watch};
-use zeromq::{Socket, SocketSend, ZmqMessage};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 /// Why a publisher could not start.
 #[derive(Debug, thiserror::Error)]
@@ -22,7 +29,7 @@ pub enum PublishError {
     },
     #[error(transparent)]
     Namespace(#[from] protocol::BadNamespace),
-    #[error("cannot bind the ZMQ publisher on {endpoint}: {source}")]
+    #[error("cannot bind the ZMQ publisher (or its replay socket) on {endpoint}: {source}")]
     ZmqBind {
         endpoint: String,
         source: zeromq::ZmqError,
@@ -52,29 +59,103 @@ impl Nats {
     }
 }
 
-/// A bound ZMQ PUB socket.
+/// A bound ZMQ PUB socket, and its replay socket when asked for.
 pub struct Zmq {
     socket: zeromq::PubSocket,
     encoding: EventEncoding,
     /// The resolved endpoint (`tcp://127.0.0.1:PORT`).
     pub endpoint: String,
+    replay: Option<Replay>,
+}
+
+/// The replay side: a ROUTER socket and the last batches sent.
+struct Replay {
+    socket: zeromq::RouterSocket,
+    endpoint: String,
+    buffer: ReplayBuffer,
+}
+
+async fn bind_socket<S: Socket>(socket: &mut S, endpoint: &str) -> Result<String, PublishError> {
+    socket
+        .bind(endpoint)
+        .await
+        .map(|bound| bound.to_string())
+        .map_err(|source| PublishError::ZmqBind {
+            endpoint: endpoint.to_string(),
+            source,
+        })
 }
 
 impl Zmq {
-    pub async fn bind(endpoint: &str, encoding: EventEncoding) -> Result<Zmq, PublishError> {
+    /// Binds the PUB socket on `endpoint`, and with `replay` a ROUTER on `replay.0` that
+    /// replays the last `replay.1` batches.
+    pub async fn bind(
+        endpoint: &str,
+        encoding: EventEncoding,
+        replay: Option<(&str, usize)>,
+    ) -> Result<Zmq, PublishError> {
         let mut socket = zeromq::PubSocket::new();
-        let bound = socket
-            .bind(endpoint)
-            .await
-            .map_err(|source| PublishError::ZmqBind {
-                endpoint: endpoint.to_string(),
-                source,
-            })?;
+        let endpoint = bind_socket(&mut socket, endpoint).await?;
+        let replay = match replay {
+            Some((replay_endpoint, capacity)) => {
+                let mut socket = zeromq::RouterSocket::new();
+                let endpoint = bind_socket(&mut socket, replay_endpoint).await?;
+                Some(Replay {
+                    socket,
+                    endpoint,
+                    buffer: ReplayBuffer::new(capacity),
+                })
+            }
+            None => None,
+        };
         Ok(Zmq {
             socket,
             encoding,
-            endpoint: bound.to_string(),
+            endpoint,
+            replay,
         })
+    }
+
+    /// The resolved replay endpoint, when replay is on.
+    pub fn replay_endpoint(&self) -> Option<String> {
+        self.replay.as_ref().map(|r| r.endpoint.clone())
+    }
+}
+
+/// Waits for the next replay request (forever without a replay socket).
+async fn next_replay_request(zmq: &mut Option<Zmq>) -> zeromq::ZmqResult<ZmqMessage> {
+    match zmq.as_mut().and_then(|z| z.replay.as_mut()) {
+        Some(replay) => replay.socket.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Answers one replay request: every buffered batch from the asked number on, then the end
+/// marker, as vLLM's `_service_replay` does. A malformed request is logged and dropped.
+async fn serve_replay(replay: &mut Replay, request: ZmqMessage) {
+    let (identity, start) = match decode_replay_request(&request.into_vec()) {
+        Ok(request) => request,
+        Err(err) => {
+            tracing::warn!(%err, "malformed KV event replay request; ignored");
+            return;
+        }
+    };
+    let mut replies: Vec<[Vec<u8>; 4]> = replay
+        .buffer
+        .since(start)
+        .map(|(seq, payload)| encode_replay_frame(&identity, seq, payload))
+        .collect();
+    replies.push(encode_replay_end(&identity));
+    for parts in replies {
+        let frames: Vec<Bytes> = parts.into_iter().map(Bytes::from).collect();
+        let Ok(message) = ZmqMessage::try_from(frames) else {
+            continue;
+        };
+        if let Err(err) = replay.socket.send(message).await {
+            // The subscriber left; it will see the gap again and ask again, or resync.
+            tracing::debug!(%err, "KV event replay send failed");
+            return;
+        }
     }
 }
 
@@ -97,7 +178,21 @@ pub async fn run_kv_publisher(
 ) {
     let mut zmq_seq: u64 = 0;
     let subject = nats.as_ref().map(|n| n.subjects.kv_events(worker));
-    while let Some(events) = batches.recv().await {
+    loop {
+        let events = tokio::select! {
+            events = batches.recv() => match events {
+                Some(events) => events,
+                None => break,
+            },
+            request = next_replay_request(&mut zmq) => {
+                match (request, zmq.as_mut().and_then(|z| z.replay.as_mut())) {
+                    (Ok(request), Some(replay)) => serve_replay(replay, request).await,
+                    (Err(err), _) => tracing::debug!(%err, "KV event replay receive failed"),
+                    (Ok(_), None) => {}
+                }
+                continue;
+            }
+        };
         if let (Some(nats), Some(subject)) = (&nats, &subject) {
             match KvEventBatch::from_events(worker, instance, &events) {
                 Ok(batch) => {
@@ -126,6 +221,9 @@ pub async fn run_kv_publisher(
                 data_parallel_rank: Some(0),
             };
             let parts = encode_multipart(b"", zmq_seq, &batch, zmq.encoding);
+            if let Some(replay) = &mut zmq.replay {
+                replay.buffer.push(zmq_seq, parts[2].clone());
+            }
             zmq_seq += 1;
             let frames: Vec<Bytes> = parts.into_iter().map(Bytes::from).collect();
             if let Ok(message) = ZmqMessage::try_from(frames) {

@@ -1,6 +1,6 @@
 //! KV events leave the engine server over a real nats-server (our format, with worker
-//! registration) and a real ZMQ PUB socket (vLLM's format), and rebuild, in a `KvIndex` on
-//! the receiving side, exactly the prefix the engine cached.
+//! registration) and a real ZMQ PUB socket (vLLM's format, with vLLM's replay socket), and
+//! rebuild, in a `KvIndex` on the receiving side, exactly the prefix the engine cached.
 
 mod common;
 
@@ -228,5 +228,80 @@ async fn zmq_frames_in_vllm_format_rebuild_the_engines_cache() {
         apply(message, &mut index);
     }
     assert_eq!(expected.cached(&index), expected.blocks);
+    server.shutdown().await;
+}
+
+/// Asks the engine's replay socket for its batches from `start` on, as a DEALER: every frame
+/// up to the end marker.
+async fn replay_from(endpoint: &str, start: u64) -> Vec<protocol::vllm::VllmFrame> {
+    use protocol::vllm::{ReplayReply, decode_replay_reply, encode_replay_request};
+    use zeromq::SocketSend;
+    let mut dealer = zeromq::DealerSocket::new();
+    dealer.connect(endpoint).await.unwrap();
+    let request: Vec<bytes::Bytes> = encode_replay_request(start)
+        .into_iter()
+        .map(bytes::Bytes::from)
+        .collect();
+    dealer
+        .send(zeromq::ZmqMessage::try_from(request).unwrap())
+        .await
+        .unwrap();
+    let mut frames = Vec::new();
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
+            .await
+            .expect("the replay answers")
+            .unwrap();
+        match decode_replay_reply(&message.into_vec()).unwrap() {
+            ReplayReply::Frame(frame) => frames.push(frame),
+            ReplayReply::End => return frames,
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_replay_socket_answers_from_its_ring_in_order_with_an_end_marker() {
+    let mut cfg = config(500.0);
+    cfg.worker_id = WorkerId(4);
+    cfg.zmq_pub = Some("tcp://127.0.0.1:0".into());
+    cfg.zmq_replay = Some("tcp://127.0.0.1:0".into());
+    cfg.zmq_replay_buffer = 1000;
+    let (server, base) = start(cfg).await;
+    let replay = server.info().zmq_replay_endpoint.clone().unwrap();
+    assert!(replay.starts_with("tcp://127.0.0.1:") && !replay.ends_with(":0"));
+
+    // Nobody subscribes: the live frames reach no one, the ring keeps them.
+    let expected = Expected::after_turn(&base, WorkerId(4), "What does a replay send?").await;
+    let mut frames = Vec::new();
+    let mut complete = false;
+    for _ in 0..100 {
+        frames = replay_from(&replay, 0).await;
+        let mut index = KvIndex::new(IndexConfig::default());
+        let mut stream = VllmEventStream::new(WorkerId(4), 32);
+        for frame in &frames {
+            for event in stream.accept(frame).unwrap().events {
+                index.apply(&event).unwrap();
+            }
+        }
+        complete = expected.cached(&index) == expected.blocks;
+        if complete {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(complete, "the replayed batches rebuild the engine's cache");
+    let seqs: Vec<u64> = frames.iter().map(|f| f.seq).collect();
+    assert_eq!(
+        seqs,
+        (0..frames.len() as u64).collect::<Vec<_>>(),
+        "in order from 0"
+    );
+    assert!(!frames.is_empty());
+    // From the middle: only the rest; past the end: just the end marker.
+    let last = frames.len() as u64 - 1;
+    let tail = replay_from(&replay, last).await;
+    assert_eq!(tail.iter().map(|f| f.seq).collect::<Vec<_>>(), [last]);
+    assert_eq!(tail[0].batch, frames[last as usize].batch);
+    assert!(replay_from(&replay, last + 100).await.is_empty());
     server.shutdown().await;
 }

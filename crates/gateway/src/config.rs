@@ -26,8 +26,9 @@ pub enum PromptFormat {
 /// `/info` card (foreign backends such as vLLM have none).
 ///
 /// Written `URL[,key=value]…` with keys `id`, `block_size`, `capacity` (KV blocks),
-/// `max_num_seqs`, `zmq` (a vLLM-format KV event endpoint, e.g. `tcp://host:5557`),
-/// `prompt` (`tokens` or `text`) and `role` (`both`, `prefill` or `decode`: its pool in
+/// `max_num_seqs`, `zmq` (a vLLM- or SGLang-format KV event endpoint, e.g.
+/// `tcp://host:5557`), `zmq_replay` (that publisher's replay endpoint, its
+/// `replay_endpoint`, e.g. `tcp://host:5558`), `prompt` (`tokens` or `text`) and `role` (`both`, `prefill` or `decode`: its pool in
 /// disaggregated serving; vLLM's `kv_both`, `kv_producer`, `kv_consumer` are accepted too).
 /// Values given here win over the worker's `/info`.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,8 +39,10 @@ pub struct WorkerSpec {
     pub block_size: Option<usize>,
     /// `capacity` and `max_num_seqs`; each wins over the worker's card.
     pub limits: WorkerLimits,
-    /// ZMQ endpoint publishing this worker's KV events in vLLM's format.
+    /// ZMQ endpoint publishing this worker's KV events in vLLM's (or SGLang's) format.
     pub zmq: Option<String>,
+    /// That publisher's replay endpoint (a ROUTER), to fill sequence gaps.
+    pub zmq_replay: Option<String>,
     pub prompt: PromptFormat,
     /// Its part in disaggregated serving, when the flag says (else its card's).
     pub role: Option<WorkerRole>,
@@ -54,6 +57,7 @@ impl WorkerSpec {
             block_size: None,
             limits: WorkerLimits::default(),
             zmq: None,
+            zmq_replay: None,
             prompt: PromptFormat::Tokens,
             role: None,
         }
@@ -75,7 +79,7 @@ impl fmt::Display for WorkerSpecError {
         write!(
             f,
             "{}; expected URL[,id=N][,block_size=N][,capacity=BLOCKS][,max_num_seqs=N]\
-             [,zmq=tcp://HOST:PORT][,prompt=tokens|text][,role=both|prefill|decode]",
+             [,zmq=tcp://HOST:PORT[,zmq_replay=tcp://HOST:PORT]][,prompt=tokens|text][,role=both|prefill|decode]",
             self.0
         )
     }
@@ -134,6 +138,14 @@ impl FromStr for WorkerSpec {
                     }
                     spec.zmq = Some(value.to_string());
                 }
+                "zmq_replay" => {
+                    if !value.starts_with("tcp://") {
+                        return Err(WorkerSpecError(format!(
+                            "worker `{s}`: zmq_replay must be a tcp:// endpoint, got `{value}`"
+                        )));
+                    }
+                    spec.zmq_replay = Some(value.to_string());
+                }
                 "prompt" => {
                     spec.prompt = match value {
                         "tokens" => PromptFormat::Tokens,
@@ -156,6 +168,11 @@ impl FromStr for WorkerSpec {
                     )));
                 }
             }
+        }
+        if spec.zmq_replay.is_some() && spec.zmq.is_none() {
+            return Err(WorkerSpecError(format!(
+                "worker `{s}`: zmq_replay replays the events of a zmq= endpoint; give that too"
+            )));
         }
         Ok(spec)
     }
@@ -305,7 +322,7 @@ mod tests {
     #[test]
     fn worker_spec_parses_every_key() {
         let spec: WorkerSpec = "http://h:8000/,id=7,block_size=16,capacity=1000,max_num_seqs=64,\
-                                zmq=tcp://h:5557,prompt=text,role=prefill"
+                                zmq=tcp://h:5557,zmq_replay=tcp://h:5558,prompt=text,role=prefill"
             .parse()
             .unwrap();
         assert_eq!(spec.role, Some(WorkerRole::Prefill));
@@ -315,6 +332,7 @@ mod tests {
         assert_eq!(spec.limits.kv_capacity_blocks, Some(1000));
         assert_eq!(spec.limits.max_num_seqs, Some(64));
         assert_eq!(spec.zmq.as_deref(), Some("tcp://h:5557"));
+        assert_eq!(spec.zmq_replay.as_deref(), Some("tcp://h:5558"));
         assert_eq!(spec.prompt, PromptFormat::Text);
     }
 
@@ -325,6 +343,8 @@ mod tests {
             "http://h,id=x",
             "http://h,block_size=0",
             "http://h,zmq=ipc://x",
+            "http://h,zmq=tcp://h:1,zmq_replay=h:2",
+            "http://h,zmq_replay=tcp://h:2",
             "http://h,prompt=words",
             "http://h,colour=red",
             "http://h,role=producer",

@@ -57,6 +57,8 @@ struct WorkerEntry {
     last_event: Option<Instant>,
     /// Event gaps that cleared its blocks.
     resyncs: u64,
+    /// Event gaps its publisher's replay filled.
+    replays: u64,
 }
 
 /// Where the router's view of a worker's cache comes from: its events when it announced an
@@ -232,6 +234,7 @@ struct EventStats {
     received: [AtomicU64; 3],
     decode_errors: [AtomicU64; 3],
     resyncs: [AtomicU64; 3],
+    replays: [AtomicU64; 3],
     dropped: [AtomicU64; 3],
 }
 
@@ -572,10 +575,10 @@ impl Dispatcher {
         }
         let limits = info.limits;
         let was_routable = core.workers.get(&id).is_some_and(|w| w.routable);
-        let (last_event, resyncs) = core
+        let (last_event, resyncs, replays) = core
             .workers
             .get(&id)
-            .map_or((None, 0), |w| (w.last_event, w.resyncs));
+            .map_or((None, 0, 0), |w| (w.last_event, w.resyncs, w.replays));
         let view = initial_cache_view(&info, origin);
         // An ejected worker stays out until its ejection is over, healthy or not.
         let routable = routable && core.ejections.may_return(id, self.now());
@@ -587,6 +590,7 @@ impl Dispatcher {
                 routable,
                 last_event,
                 resyncs,
+                replays,
             },
         );
         if routable {
@@ -805,6 +809,14 @@ impl Dispatcher {
         }
     }
 
+    /// A gap in a worker's event stream was filled by its publisher's replay: nothing cleared.
+    pub fn count_replay(&self, source: EventSource, worker: WorkerId) {
+        self.events.replays[source as usize].fetch_add(1, Ordering::Relaxed);
+        if let Some(w) = lock(&self.core).workers.get_mut(&worker) {
+            w.replays += 1;
+        }
+    }
+
     pub fn count_decode_error(&self, source: EventSource) {
         self.events.decode_errors[source as usize].fetch_add(1, Ordering::Relaxed);
     }
@@ -866,6 +878,7 @@ impl Dispatcher {
                     cache_view: core.frontend.cache_view(w.info.id),
                     event_age: w.last_event.map(|t| t.elapsed()),
                     resyncs: w.resyncs,
+                    replays: w.replays,
                 }
             })
             .collect();
@@ -887,6 +900,7 @@ impl Dispatcher {
                 received: read(&self.events.received),
                 decode_errors: read(&self.events.decode_errors),
                 resyncs: read(&self.events.resyncs),
+                replays: read(&self.events.replays),
                 dropped: read(&self.events.dropped),
             },
         }

@@ -1,10 +1,19 @@
-//! KV event ingestion: in-process, NATS (our msgpack format) and ZMQ SUB (vLLM's format).
+//! KV event ingestion: in-process, NATS (our msgpack format) and ZMQ SUB (vLLM's format,
+//! which SGLang's publisher shares: `protocol::vllm` reads both).
 //!
 //! Every source ends in [`Dispatcher::apply_events`], which applies events under the core
 //! lock and turns a sequence gap into a clear of that worker's blocks plus a counted resync.
 //! Transport-level losses get the same treatment: a vLLM batch-number gap or restart
 //! ([`protocol::vllm::Continuity`]), a frame that cannot be converted, or a NATS batch from a
 //! new worker `instance` (a restart: empty cache, sequence numbers from 0).
+//!
+//! A ZMQ publisher with a replay socket (vLLM's and SGLang's `replay_endpoint`; `kvroute
+//! engine --zmq-replay`) is asked to fill a gap before anything is cleared: a DEALER requests
+//! the batches from the first missing one, they are applied in order, and only a replay that
+//! fails, times out ([`REPLAY_TIMEOUT`]) or no longer reaches back falls back to the clear.
+//! A subscriber that joins late (its first batch is not the publisher's first) replays the
+//! publisher's buffer too, so a gateway restart does not start from a cold view. Replays that
+//! filled their gap are counted (`kvroute_worker_kv_replays_total`), resyncs as before.
 //!
 //! Bad input is counted in the metrics (`decode_errors`, `resyncs`) frame by frame, but logged
 //! sparingly ([`WarnBudget`]): a flood of garbage frames writes a few lines and a periodic
@@ -15,13 +24,17 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use futures::StreamExt;
 use kv_index::{KvEvent, WorkerId};
-use protocol::vllm::{VllmEventStream, decode_multipart};
+use protocol::vllm::{
+    Continuity, ReplayReply, VllmEventStream, decode_multipart, decode_replay_reply,
+    encode_replay_request,
+};
 use protocol::{KvEventBatch, Subjects};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use zeromq::{Socket, SocketRecv};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::dispatch::Dispatcher;
 use crate::metrics::EventSource;
@@ -174,10 +187,89 @@ pub(crate) async fn run_nats_events(
     }
 }
 
-/// Subscribes to one vLLM publisher and feeds its events as `worker`'s until cancelled or
-/// aborted. Reconnects by itself (the ZMQ socket does).
+/// How long one replay may take, connecting included, before its gap falls back to a resync.
+pub(crate) const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Most batches one replay reads (vLLM's and SGLang's default buffer holds 10,000); a gap
+/// wider than this is resynced without asking.
+pub(crate) const MAX_REPLAY_BATCHES: u64 = 16_384;
+
+/// Asks `endpoint` (a publisher's replay ROUTER) for its batches from `from` on and applies
+/// those `stream` misses before `until`, in order. `Ok(applied)` once the stream expects
+/// `until` (the gap is filled); otherwise why not. A fresh DEALER per replay, dropped after,
+/// so a late answer never reaches the next replay. Reads at most [`MAX_REPLAY_BATCHES`]
+/// messages, one at a time, within [`REPLAY_TIMEOUT`].
+async fn replay(
+    endpoint: &str,
+    stream: &mut VllmEventStream,
+    from: u64,
+    until: u64,
+    dispatcher: &Dispatcher,
+) -> Result<u64, String> {
+    let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
+    let timed_out = |what: &str| format!("timed out {what} after {REPLAY_TIMEOUT:?}");
+    let mut socket = zeromq::DealerSocket::new();
+    tokio::time::timeout_at(deadline, socket.connect(endpoint))
+        .await
+        .map_err(|_| timed_out("connecting"))?
+        .map_err(|e| format!("cannot connect: {e}"))?;
+    let request: Vec<Bytes> = encode_replay_request(from)
+        .into_iter()
+        .map(Bytes::from)
+        .collect();
+    let request = ZmqMessage::try_from(request).map_err(|e| e.to_string())?;
+    tokio::time::timeout_at(deadline, socket.send(request))
+        .await
+        .map_err(|_| timed_out("sending the request"))?
+        .map_err(|e| format!("cannot send the request: {e}"))?;
+    let mut applied = 0;
+    for _ in 0..MAX_REPLAY_BATCHES {
+        if stream.next_frame_seq() == Some(until) {
+            return Ok(applied);
+        }
+        let message = tokio::time::timeout_at(deadline, socket.recv())
+            .await
+            .map_err(|_| timed_out("waiting for batches"))?
+            .map_err(|e| format!("receive failed: {e}"))?;
+        match decode_replay_reply(&message.into_vec()).map_err(|e| e.to_string())? {
+            ReplayReply::End => break,
+            ReplayReply::Frame(frame) => {
+                if let Some(accepted) = stream
+                    .accept_replayed(&frame, until)
+                    .map_err(|e| e.to_string())?
+                {
+                    dispatcher.apply_events(EventSource::Zmq, &accepted.events);
+                    applied += 1;
+                }
+            }
+        }
+    }
+    if stream.next_frame_seq() == Some(until) {
+        Ok(applied)
+    } else {
+        Err(format!(
+            "the replay ended before batch {until} (the stream expects {:?})",
+            stream.next_frame_seq()
+        ))
+    }
+}
+
+/// The batches a replay should fill before a live frame numbered `seq`: from the first
+/// missing one after a gap, from the oldest the publisher may hold for a late subscriber.
+fn replay_start(continuity: Continuity, seq: u64) -> Option<u64> {
+    match continuity {
+        Continuity::Gap { expected, got } if got - expected <= MAX_REPLAY_BATCHES => Some(expected),
+        Continuity::First if seq > 0 => Some(seq.saturating_sub(MAX_REPLAY_BATCHES)),
+        _ => None,
+    }
+}
+
+/// Subscribes to one vLLM (or SGLang) publisher and feeds its events as `worker`'s until
+/// cancelled or aborted. Reconnects by itself (the ZMQ socket does). With `replay`, the
+/// publisher's replay endpoint, gaps are filled from there before falling back to a resync.
 pub(crate) async fn run_zmq_events(
     endpoint: String,
+    replay_endpoint: Option<String>,
     worker: WorkerId,
     block_size: u32,
     dispatcher: Arc<Dispatcher>,
@@ -206,7 +298,7 @@ pub(crate) async fn run_zmq_events(
         tracing::error!(%worker, %endpoint, error = %e, "ZMQ subscribe failed");
         return;
     }
-    tracing::info!(%worker, %endpoint, "subscribed to vLLM KV events");
+    tracing::info!(%worker, %endpoint, replay = ?replay_endpoint, "subscribed to vLLM-format KV events");
     let mut stream = VllmEventStream::new(worker, block_size);
     let mut warnings = WarnBudget::new();
     loop {
@@ -237,6 +329,26 @@ pub(crate) async fn run_zmq_events(
                 continue;
             }
         };
+        let continuity = stream.continuity(frame.seq);
+        if let (Some(replay_endpoint), Some(from)) =
+            (&replay_endpoint, replay_start(continuity, frame.seq))
+        {
+            let replayed = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = replay(replay_endpoint, &mut stream, from, frame.seq, &dispatcher) => r,
+            };
+            match replayed {
+                Ok(batches) => {
+                    tracing::info!(%worker, ?continuity, batches, "KV event replay filled the gap");
+                    dispatcher.count_replay(source, worker);
+                }
+                Err(why) => {
+                    if warnings.allow(source) {
+                        tracing::warn!(%worker, ?continuity, %why, "KV event replay failed");
+                    }
+                }
+            }
+        }
         match stream.accept(&frame) {
             Ok(accepted) => {
                 if accepted.continuity.needs_clear() {
@@ -261,34 +373,41 @@ pub(crate) async fn run_zmq_events(
 /// One ZMQ subscription per worker, started and stopped as workers come and go.
 #[derive(Debug, Default)]
 pub(crate) struct ZmqSubscriptions {
-    tasks: std::sync::Mutex<BTreeMap<WorkerId, (String, JoinHandle<()>)>>,
+    tasks: std::sync::Mutex<BTreeMap<WorkerId, Subscription>>,
 }
 
+/// A worker's (event, replay) endpoints and the task reading them.
+type Subscription = ((String, Option<String>), JoinHandle<()>);
+
 impl ZmqSubscriptions {
-    /// Subscribes to `endpoint` for `worker` unless already subscribed there.
+    /// Subscribes to `endpoint` (replaying gaps from `replay`) for `worker` unless already
+    /// subscribed there.
     pub(crate) fn ensure(
         &self,
         worker: WorkerId,
         endpoint: &str,
+        replay: Option<&str>,
         block_size: u32,
         dispatcher: &Arc<Dispatcher>,
         cancel: &CancellationToken,
     ) {
+        let wanted = (endpoint.to_string(), replay.map(str::to_string));
         let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((current, handle)) = tasks.get(&worker) {
-            if current == endpoint && !handle.is_finished() {
+            if *current == wanted && !handle.is_finished() {
                 return;
             }
             handle.abort();
         }
         let task = tokio::spawn(run_zmq_events(
-            endpoint.to_string(),
+            wanted.0.clone(),
+            wanted.1.clone(),
             worker,
             block_size,
             dispatcher.clone(),
             cancel.child_token(),
         ));
-        tasks.insert(worker, (endpoint.to_string(), task));
+        tasks.insert(worker, (wanted, task));
     }
 
     pub(crate) fn stop(&self, worker: WorkerId) {

@@ -278,6 +278,8 @@ pub struct WorkerSnapshot {
     pub event_age: Option<std::time::Duration>,
     /// Event gaps that cleared its blocks.
     pub resyncs: u64,
+    /// Event gaps its publisher's replay filled (nothing cleared).
+    pub replays: u64,
 }
 
 /// Counts of KV event ingestion, by source.
@@ -289,6 +291,8 @@ pub struct EventCounters {
     pub decode_errors: [u64; 3],
     /// Gaps that cleared a worker's blocks in the index (resyncs), by source.
     pub resyncs: [u64; 3],
+    /// Gaps filled by the publisher's replay instead, by source.
+    pub replays: [u64; 3],
     /// Events dropped because the bounded event queue was full, by source.
     pub dropped: [u64; 3],
 }
@@ -429,6 +433,11 @@ impl Collector for RouterCollector {
                 s.events.resyncs,
             ),
             (
+                "kvroute_router_kv_replays",
+                "Event gaps filled by the publisher's replay (no blocks cleared), by source",
+                s.events.replays,
+            ),
+            (
                 "kvroute_router_kv_events_dropped",
                 "KV events dropped because the event queue was full, by source",
                 s.events.dropped,
@@ -517,16 +526,22 @@ impl Collector for RouterCollector {
                 ConstGauge::new(age.as_secs_f64()).encode(family.encode_family(&labels)?)?;
             }
         }
-        {
-            let mut family = encoder.encode_descriptor(
+        for (name, help, count) in [
+            (
                 "kvroute_worker_kv_resyncs",
                 "Event gaps that cleared each worker's blocks from the index",
-                None,
-                MetricType::Counter,
-            )?;
+                (|w: &WorkerSnapshot| w.resyncs) as fn(&WorkerSnapshot) -> u64,
+            ),
+            (
+                "kvroute_worker_kv_replays",
+                "Event gaps each worker's publisher replayed, so nothing was cleared",
+                |w: &WorkerSnapshot| w.replays,
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
             for w in &s.workers {
                 let labels = [("worker_id", w.id.to_string()), ("worker", w.url.clone())];
-                ConstCounter::new(w.resyncs).encode(family.encode_family(&labels)?)?;
+                ConstCounter::new(count(w)).encode(family.encode_family(&labels)?)?;
             }
         }
         for (name, help, value) in per_worker {
@@ -853,6 +868,7 @@ mod tests {
                 cache_view: Some(router::CacheView::Predicted),
                 event_age: Some(std::time::Duration::from_millis(1500)),
                 resyncs: 2,
+                replays: 4,
             }],
             ..RouterSnapshot::default()
         });
@@ -887,6 +903,8 @@ mod tests {
                 "kvroute_worker_cache_view{worker_id=\"3\",worker=\"http://w:1\",view=\"predicted\"} 1",
                 "kvroute_worker_kv_event_age_seconds{worker_id=\"3\",worker=\"http://w:1\"} 1.5",
                 "kvroute_worker_kv_resyncs_total{worker_id=\"3\",worker=\"http://w:1\"} 2",
+                "kvroute_worker_kv_replays_total{worker_id=\"3\",worker=\"http://w:1\"} 4",
+                "kvroute_router_kv_replays_total{source=\"zmq\"} 0",
                 "kvroute_gateway_reuse_tokens_total{kind=\"available\"} 800",
                 "kvroute_gateway_reuse_tokens_total{kind=\"predicted\"} 600",
                 "kvroute_gateway_reuse_tokens_total{kind=\"reused\"} 500",

@@ -41,8 +41,10 @@ pub struct WorkerInfo {
     pub prompt: PromptFormat,
     pub block_size: usize,
     pub limits: WorkerLimits,
-    /// vLLM-format KV event endpoint to subscribe to, if any.
+    /// vLLM-format KV event endpoint to subscribe to, if any (SGLang's is the same format).
     pub zmq: Option<String>,
+    /// That publisher's replay endpoint (ROUTER), asked to fill a sequence gap, if any.
+    pub zmq_replay: Option<String>,
     /// The worker returns generated token ids when asked (`return_token_ids`), so the relay
     /// counts tokens exactly even when one chunk carries several.
     pub token_ids: bool,
@@ -61,6 +63,7 @@ impl WorkerInfo {
             block_size: kv_index::DEFAULT_BLOCK_SIZE,
             limits: WorkerLimits::default(),
             zmq: None,
+            zmq_replay: None,
             token_ids: false,
             role: WorkerRole::Both,
         }
@@ -84,12 +87,20 @@ pub fn describe(spec: &WorkerSpec, card: &WorkerCard, router_block_size: usize) 
     w.limits = spec.limits.or(card.limits).usable();
     // vLLM-format ZMQ events only when asked for by flag, or when the worker offers them
     // and does not publish over NATS (which the gateway reads for every worker at once).
-    w.zmq = spec.zmq.clone().or_else(|| {
-        card.zmq_endpoint
-            .as_deref()
-            .filter(|_| card.nats_kv_subject.is_none())
-            .map(|endpoint| reachable_endpoint(endpoint, &spec.url))
-    });
+    // Its replay endpoint goes with the event endpoint it replays: the flag's with the flag's,
+    // the card's with the card's.
+    (w.zmq, w.zmq_replay) = match &spec.zmq {
+        Some(endpoint) => (Some(endpoint.clone()), spec.zmq_replay.clone()),
+        None => match card.zmq_endpoint.as_deref() {
+            Some(endpoint) if card.nats_kv_subject.is_none() => (
+                Some(reachable_endpoint(endpoint, &spec.url)),
+                card.zmq_replay_endpoint
+                    .as_deref()
+                    .map(|replay| reachable_endpoint(replay, &spec.url)),
+            ),
+            _ => (None, None),
+        },
+    };
     w.token_ids = card.returns_token_ids;
     w.role = spec.role.unwrap_or(card.role);
     w
@@ -232,6 +243,7 @@ impl RegistryCtx {
             self.zmq.ensure(
                 info.id,
                 endpoint,
+                info.zmq_replay.as_deref(),
                 block_size,
                 &self.dispatcher,
                 &self.cancel,
@@ -693,6 +705,37 @@ mod tests {
             timing.prefill_secs_per_token = f64::NAN;
         }
         assert_eq!(describe(&spec, &broken, 32).limits.timing, None);
+    }
+
+    /// A replay endpoint goes with the event endpoint it replays: the flag's with the flag's,
+    /// the card's (wildcard resolved to the worker's host) with the card's.
+    #[test]
+    fn replay_endpoints_follow_their_event_endpoints() {
+        let card = WorkerCard {
+            zmq_endpoint: Some("tcp://0.0.0.0:5557".into()),
+            zmq_replay_endpoint: Some("tcp://*:5558".into()),
+            ..WorkerCard::default()
+        };
+        let announced = describe(&WorkerSpec::new("http://w:8000"), &card, 16);
+        assert_eq!(announced.zmq.as_deref(), Some("tcp://w:5557"));
+        assert_eq!(announced.zmq_replay.as_deref(), Some("tcp://w:5558"));
+        // The flag names another publisher: the card's replay socket is not its own.
+        let flagged: WorkerSpec = "http://w:8000,zmq=tcp://v:6000".parse().unwrap();
+        let w = describe(&flagged, &card, 16);
+        assert_eq!(w.zmq.as_deref(), Some("tcp://v:6000"));
+        assert_eq!(w.zmq_replay, None);
+        let both: WorkerSpec = "http://w:8000,zmq=tcp://v:6000,zmq_replay=tcp://v:6001"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            describe(&both, &card, 16).zmq_replay.as_deref(),
+            Some("tcp://v:6001")
+        );
+        // vLLM's and SGLang's own config name it `replay_endpoint`.
+        let foreign: WorkerCard =
+            serde_json::from_str(r#"{"zmq": "tcp://v:5557", "replay_endpoint": "tcp://v:5558"}"#)
+                .unwrap();
+        assert_eq!(foreign.zmq_replay_endpoint.as_deref(), Some("tcp://v:5558"));
     }
 
     /// Another server's `/info`, in its own names, describes a static worker as far as it

@@ -1,6 +1,7 @@
 //! KV event ingestion from each source into the router's index: vLLM frames over a real ZMQ
 //! socket (both msgpack encodings), our batches over a real nats-server, and the in-process
-//! sink. A sequence gap must clear the worker's blocks (counted), never leave a wrong index.
+//! sink. A sequence gap must clear the worker's blocks (counted), never leave a wrong index,
+//! unless the publisher's replay socket fills it (a fake vLLM publisher, and our own engine).
 
 mod common;
 
@@ -10,6 +11,7 @@ use bytes::Bytes;
 use common::fake_worker::dead_port;
 use common::nats::NatsServer;
 use common::*;
+use engine_server::EngineServerConfig;
 use gateway::{Gateway, GatewayConfig, WorkerSpec};
 use kv_index::{BlockHasher, KvEvent, KvEventKind, WorkerId};
 use rmpv::Value;
@@ -380,4 +382,243 @@ async fn an_oversized_stored_event_and_a_flood_of_garbage_are_refused_and_counte
         .await;
     wait_for_blocks(&gw, worker, 1, "an event after the flood").await;
     gw.shutdown().await;
+}
+
+/// A vLLM (or SGLang) publisher with its replay socket: every batch it numbers is kept in a
+/// bounded buffer, and its ROUTER answers replay requests from there, as their
+/// `ZmqEventPublisher` does. A batch can be numbered and buffered but never reach the
+/// subscriber (lost on the way), which is what a replay is for.
+struct ReplayingPublisher {
+    live: VllmPublisher,
+    buffer: std::sync::Arc<std::sync::Mutex<protocol::vllm::ReplayBuffer>>,
+    router: tokio::task::JoinHandle<()>,
+    replay_endpoint: String,
+}
+
+impl ReplayingPublisher {
+    async fn bind(capacity: usize) -> (ReplayingPublisher, String) {
+        use zeromq::SocketRecv;
+        let mut socket = zeromq::PubSocket::new();
+        let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let mut router = zeromq::RouterSocket::new();
+        let replay_endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        let buffer = std::sync::Arc::new(std::sync::Mutex::new(protocol::vllm::ReplayBuffer::new(
+            capacity,
+        )));
+        let served = buffer.clone();
+        let router = tokio::spawn(async move {
+            while let Ok(request) = router.recv().await {
+                let (identity, start) =
+                    protocol::vllm::decode_replay_request(&request.into_vec()).unwrap();
+                let mut replies: Vec<_> = served
+                    .lock()
+                    .unwrap()
+                    .since(start)
+                    .map(|(seq, payload)| {
+                        protocol::vllm::encode_replay_frame(&identity, seq, payload)
+                    })
+                    .collect();
+                replies.push(protocol::vllm::encode_replay_end(&identity));
+                for parts in replies {
+                    let parts: Vec<Bytes> = parts.into_iter().map(Bytes::from).collect();
+                    router
+                        .send(ZmqMessage::try_from(parts).unwrap())
+                        .await
+                        .unwrap();
+                }
+            }
+        });
+        let publisher = ReplayingPublisher {
+            live: VllmPublisher { socket, seq: 0 },
+            buffer,
+            router,
+            replay_endpoint,
+        };
+        (publisher, endpoint)
+    }
+
+    async fn send(&mut self, payload: Vec<u8>) {
+        self.buffer
+            .lock()
+            .unwrap()
+            .push(self.live.seq, payload.clone());
+        self.live.send(payload).await;
+    }
+
+    /// Numbered and buffered, but lost on its way to the subscriber.
+    fn lose(&mut self, payload: Vec<u8>) {
+        self.buffer.lock().unwrap().push(self.live.seq, payload);
+        self.live.lose_one();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_filled_from_the_replay_socket_and_cleared_only_when_it_cannot_be() {
+    // A buffer of 4 batches: a gap of one is replayed, a gap wider than the buffer is not.
+    let (mut publisher, endpoint) = ReplayingPublisher::bind(4).await;
+    let http = dead_port().await;
+    let worker = WorkerId(6);
+    let gw = gateway(GatewayConfig {
+        workers: vec![
+            format!(
+                "http://{http},id=6,block_size={BLOCK},zmq={endpoint},zmq_replay={}",
+                publisher.replay_endpoint
+            )
+            .parse::<WorkerSpec>()
+            .unwrap(),
+        ],
+        ..config()
+    })
+    .await;
+    let received = "kvroute_router_kv_events_received_total{source=\"zmq\"} ";
+    let resyncs = "kvroute_router_kv_resyncs_total{source=\"zmq\"} ";
+    let replays = "kvroute_router_kv_replays_total{source=\"zmq\"} ";
+    let worker_replays = "kvroute_worker_kv_replays_total{worker_id=\"6\",";
+    while metric(&gw, received) == 0.0 {
+        publisher.send(batch_map(vec![removed_map(&[999])])).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let replays_before = metric(&gw, replays);
+
+    // Blocks 0..8, then block 8..12 lost on the way, then 12..16: the gap is noticed at the
+    // third, the publisher replays the second, and all four blocks are indexed in order.
+    publisher
+        .send(batch_array(vec![stored_array(&[101, 102], None, 0..8)]))
+        .await;
+    wait_for_blocks(&gw, worker, 2, "the first batch").await;
+    publisher.lose(batch_map(vec![stored_map(&[103], Some(102), 8..12)]));
+    publisher
+        .send(batch_map(vec![stored_map(&[104], Some(103), 12..16)]))
+        .await;
+    wait_for_blocks(&gw, worker, 4, "the replayed and the live batch").await;
+    let key = gw.dispatcher().key(&tokens(0..16));
+    assert_eq!(
+        gw.dispatcher().overlaps(&key).get(worker),
+        4,
+        "nothing was cleared: the whole prefix is still known"
+    );
+    assert_eq!(metric(&gw, resyncs), 0.0);
+    assert_eq!(metric(&gw, replays), replays_before + 1.0);
+    let per_worker = gw
+        .metrics_text()
+        .lines()
+        .find(|l| l.starts_with(worker_replays))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap());
+    assert_eq!(per_worker, Some(replays_before + 1.0));
+
+    // Five batches lost: the buffer of four no longer reaches back to the first of them, so
+    // the worker's blocks are cleared after all, and the live batch applied on a clean slate.
+    for n in 0..5 {
+        publisher.lose(batch_map(vec![removed_map(&[900 + n])]));
+    }
+    publisher
+        .send(batch_array(vec![stored_array(&[201], None, 100..104)]))
+        .await;
+    wait_for("the resync", Duration::from_secs(5), || {
+        metric(&gw, resyncs) == 1.0
+    })
+    .await;
+    wait_for_blocks(&gw, worker, 1, "the post-resync state").await;
+    assert_eq!(gw.dispatcher().overlaps(&key).get(worker), 0);
+    assert_eq!(metric(&gw, replays), replays_before + 1.0);
+
+    // The replay socket goes away: a gap falls back to a resync, the stream goes on.
+    publisher.router.abort();
+    publisher.lose(batch_map(vec![removed_map(&[1])]));
+    publisher
+        .send(batch_array(vec![stored_array(&[301], None, 200..204)]))
+        .await;
+    wait_for("the resync without replay", Duration::from_secs(10), || {
+        metric(&gw, resyncs) == 2.0
+    })
+    .await;
+    wait_for_blocks(&gw, worker, 1, "the state after the failed replay").await;
+    gw.shutdown().await;
+}
+
+/// The end-to-end path with kvroute's own engine, which offers vLLM's replay socket: a
+/// gateway that starts after the engine has served requests (its first batch is not the
+/// engine's first) replays the engine's buffer and routes on the cache the engine already
+/// holds. A gateway told the same engine without the replay endpoint starts cold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_gateway_replays_the_engines_buffer_instead_of_starting_cold() {
+    let engine = start_engine(EngineServerConfig {
+        zmq_pub: Some("tcp://127.0.0.1:0".into()),
+        zmq_replay: Some("tcp://127.0.0.1:0".into()),
+        ..engine_config(7)
+    })
+    .await;
+    let card = engine.info();
+    let events = card.zmq_endpoint.clone().expect("ZMQ events on");
+    assert!(
+        card.zmq_replay_endpoint.is_some(),
+        "the card announces replay"
+    );
+    let worker = WorkerId(7);
+    let completion = |prompt: std::ops::Range<u32>| {
+        serde_json::json!({
+            "model": MODEL,
+            "prompt": prompt.collect::<Vec<u32>>(),
+            "max_tokens": 2,
+        })
+    };
+    // Served before any gateway subscribed: its KV events reached nobody.
+    let early = 1000..1160;
+    let (status, _, _) =
+        post_json(&engine.url(), "/v1/completions", &completion(early.clone())).await;
+    assert_eq!(status, 200);
+
+    // One gateway reads the engine's /info (events and replay); the other is told only the
+    // event endpoint.
+    let replaying = gateway(gateway_config(&[&engine])).await;
+    let cold = gateway(GatewayConfig {
+        workers: vec![
+            format!("{},zmq={events}", engine.url())
+                .parse::<WorkerSpec>()
+                .unwrap(),
+        ],
+        ..gateway_config(&[])
+    })
+    .await;
+    // New requests make new batches; the first each gateway receives reveals how late it is.
+    let received = "kvroute_router_kv_events_received_total{source=\"zmq\"} ";
+    let mut next = 5000u32;
+    while metric(&replaying, received) == 0.0 || metric(&cold, received) == 0.0 {
+        let url = format!("http://{}", replaying.local_addr());
+        let (status, _, _) = post_json(&url, "/v1/completions", &completion(next..next + 64)).await;
+        assert_eq!(status, 200);
+        next += 64;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let replays = "kvroute_router_kv_replays_total{source=\"zmq\"} ";
+    wait_for("the replay", Duration::from_secs(5), || {
+        metric(&replaying, replays) == 1.0
+    })
+    .await;
+
+    let block = replaying.dispatcher().block_size();
+    let early_blocks = (early.len() / block) as u32;
+    let key = replaying
+        .dispatcher()
+        .key(&early.clone().collect::<Vec<u32>>());
+    assert_eq!(
+        replaying.dispatcher().overlaps(&key).get(worker),
+        early_blocks,
+        "the replaying gateway knows what the engine cached before it started"
+    );
+    let key = cold.dispatcher().key(&early.collect::<Vec<u32>>());
+    assert_eq!(
+        cold.dispatcher().overlaps(&key).get(worker),
+        0,
+        "cold start"
+    );
+    assert_eq!(metric(&cold, replays), 0.0);
+    for gw in [&replaying, &cold] {
+        assert_eq!(
+            metric(gw, "kvroute_router_kv_resyncs_total{source=\"zmq\"} "),
+            0.0
+        );
+    }
+    cold.shutdown().await;
+    shut_down(replaying, vec![engine]).await;
 }

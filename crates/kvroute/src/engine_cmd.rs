@@ -64,6 +64,15 @@ pub struct EngineArgs {
     /// policy reads) or `array` (earlier vLLM). kvroute's gateway reads both.
     #[arg(long, value_enum, default_value_t = ZmqEventEncoding::Map)]
     zmq_event_encoding: ZmqEventEncoding,
+    /// Answer KV event replay requests on this ROUTER endpoint, as vLLM's `replay_endpoint`
+    /// does: a subscriber that missed batches asks for them instead of dropping its view of
+    /// this cache. `auto` (the default, with --zmq-pub on) binds a free port on --host and
+    /// announces it in /info; `off` offers none.
+    #[arg(long, default_value = "auto")]
+    zmq_replay: String,
+    /// Batches kept for --zmq-replay (vLLM's `buffer_steps`).
+    #[arg(long, default_value_t = engine_server::ReplayBuffer::DEFAULT_CAPACITY)]
+    zmq_replay_buffer: usize,
     /// The model's tokenizer, as vLLM takes it: a Hugging Face `tokenizer.json`, or a model
     /// folder holding one (its `tokenizer_config.json`, when present, gives the chat
     /// template). Prompts sent as text are encoded with it and replies are its tokens, so a
@@ -213,6 +222,19 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
             bail!("--zmq-pub must be auto, off or a ZMQ endpoint (tcp://HOST:PORT), got `{other}`")
         }
     };
+    config.zmq_replay = match (args.zmq_replay.as_str(), &config.zmq_pub) {
+        ("off", _) => None,
+        ("auto", None) => None,
+        (_, None) => bail!("--zmq-replay replays --zmq-pub's events; it needs --zmq-pub on"),
+        ("auto", Some(_)) => Some(format!("tcp://{}:0", zmq_host(args.host))),
+        (endpoint, Some(_)) if endpoint.starts_with("tcp://") || endpoint.starts_with("ipc://") => {
+            Some(endpoint.to_string())
+        }
+        (other, Some(_)) => bail!(
+            "--zmq-replay must be auto, off or a ZMQ endpoint (tcp://HOST:PORT), got `{other}`"
+        ),
+    };
+    config.zmq_replay_buffer = args.zmq_replay_buffer;
     config.zmq_event_encoding = match args.zmq_event_encoding {
         ZmqEventEncoding::Map => EventEncoding::TaggedMap,
         ZmqEventEncoding::Array => EventEncoding::Array,
@@ -337,6 +359,9 @@ pub fn run(args: EngineArgs) -> Result<()> {
         }
         if let Some(endpoint) = &info.zmq_endpoint {
             println!("kvroute engine: vLLM-format KV events on {endpoint}");
+        }
+        if let Some(endpoint) = &info.zmq_replay_endpoint {
+            println!("kvroute engine: KV event replay on {endpoint}");
         }
         if let Some(subject) = &info.nats_kv_subject {
             println!("kvroute engine: KV events on NATS subject {subject}");

@@ -42,10 +42,12 @@ pub struct GatewayArgs {
     #[arg(long, default_value_t = 8080)]
     port: u16,
     /// A worker: URL[,id=N][,block_size=N][,capacity=BLOCKS][,max_num_seqs=N]
-    /// [,zmq=tcp://HOST:PORT][,prompt=tokens|text][,role=both|prefill|decode]. Repeat for
-    /// each worker. The gateway reads id, block size, capacity and role from the worker's
-    /// /info (kvroute engines); give them here for other backends (vLLM: add zmq= for its KV
-    /// events, role= for a disaggregated worker). With prefill and decode workers the gateway
+    /// [,zmq=tcp://HOST:PORT[,zmq_replay=tcp://HOST:PORT]][,prompt=tokens|text]
+    /// [,role=both|prefill|decode]. Repeat for each worker. The gateway reads id, block size,
+    /// capacity, role and event endpoints from the worker's /info (kvroute engines); give them
+    /// here for other backends (vLLM or SGLang: zmq= for its KV events, zmq_replay= for its
+    /// replay_endpoint, which fills event gaps instead of clearing the worker's blocks; role=
+    /// for a disaggregated worker). With prefill and decode workers the gateway
     /// serves disaggregated: prefill on a prefill worker, decode on a decode worker.
     #[arg(long = "worker", value_name = "URL[,KEY=VALUE...]")]
     workers: Vec<WorkerSpec>,
@@ -300,7 +302,12 @@ pub fn run(args: GatewayArgs) -> Result<()> {
             }
             let view = match (&info.zmq, &nats) {
                 _ if approximate => "the router's own predictions (--no-kv-events)".to_string(),
-                (Some(endpoint), _) => format!("KV events over ZMQ from {endpoint}"),
+                (Some(endpoint), _) => match &info.zmq_replay {
+                    Some(replay) => {
+                        format!("KV events over ZMQ from {endpoint} (gaps replayed from {replay})")
+                    }
+                    None => format!("KV events over ZMQ from {endpoint}"),
+                },
                 (None, Some(nats)) => format!("KV events over NATS ({nats})"),
                 (None, None) => {
                     eprintln!(

@@ -44,6 +44,11 @@ fn engine_serves_and_stops_on_sigterm() {
     let (status, body) = http(&addr, "GET", "/info", "");
     assert_eq!(status, 200);
     assert!(body.contains("\"worker\":5"), "{body}");
+    // vLLM's replay socket is on by default, announced beside the event endpoint.
+    assert!(
+        body.contains("\"zmq_replay_endpoint\":\"tcp://127.0.0.1:"),
+        "{body}"
+    );
 
     let status = engine.running.stop(libc::SIGTERM, Duration::from_secs(10));
     assert!(status.success(), "clean exit on SIGTERM: {status}");
@@ -90,6 +95,20 @@ fn engine_refuses_bad_arguments_with_a_clear_error() {
             "expected both, prefill or decode",
         ),
         (&["engine", "--kv-link", "pcie"], "nvlink"),
+        (
+            &["engine", "--zmq-replay", "5558"],
+            "--zmq-replay must be auto, off or a ZMQ endpoint",
+        ),
+        (
+            &[
+                "engine",
+                "--zmq-pub",
+                "off",
+                "--zmq-replay",
+                "tcp://127.0.0.1:5558",
+            ],
+            "it needs --zmq-pub on",
+        ),
     ]);
 }
 

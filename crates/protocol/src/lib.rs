@@ -13,7 +13,7 @@
 //! | [`kv_events`] | [`KvEventBatch`]: a worker's KV events in msgpack, 1:1 with [`kv_index::KvEvent`] |
 //! | [`subjects`] | NATS subjects `kvroute.<ns>.kv.<worker>`, `kvroute.<ns>.workers` |
 //! | [`worker`] | [`WorkerCard`]: what a worker declares (`GET /info`, and the [`WorkerMessage`] announce/heartbeat/goodbye over NATS) |
-//! | [`vllm`] | vLLM's `KVEventBatch` over ZMQ, array- or map-encoded; [`VllmEventStream`] → `kv-index` events with gap detection |
+//! | [`vllm`] | vLLM's and SGLang's `KVEventBatch` over ZMQ (one wire-compatible codec), array- or map-encoded; [`VllmEventStream`] → `kv-index` events with gap detection; the replay socket's messages and a `ReplayBuffer` |
 //!
 //! # Invariant
 //!

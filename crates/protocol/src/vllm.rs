@@ -26,6 +26,40 @@
 //! arrays throughout, as earlier vLLM sent.
 //! [`VllmEventStream`] turns one worker's frames into [`kv_index::KvEvent`]s and watches the
 //! batch sequence numbers for gaps and restarts.
+//!
+//! Newer vLLM (main since the `extra_keys`/`group_idx` fields, e.g. vllm-project/vllm at
+//! 0181ea3) drops `array_like` from the batch too, so the whole batch arrives as a map; both
+//! are read. A `BlockStored` whose `extra_keys` name anything (multimodal inputs, a LoRA, a
+//! `cache_salt`) is skipped: its engine hash covers more than the tokens we hash.
+//!
+//! # SGLang
+//!
+//! SGLang's publisher (`python/sglang/srt/disaggregation/kv_events.py`, `--kv-events-config
+//! '{"publisher": "zmq", "endpoint": …, "replay_endpoint": …, "topic": …}'`) is a port of
+//! vLLM's: the same multipart `(topic, seq, payload)` frames, the same replay socket, and the
+//! same msgspec structs with `array_like=True`. Its frames are wire-compatible with vLLM's
+//! array form, so this one decoder reads both, telling them apart by the layout where they
+//! differ (see `tests/sglang_frames.rs`):
+//!
+//! ```text
+//! batch   [ts, [event…]]                        (sgl-project/sglang at 006d053)
+//!         [ts, [event…], attn_dp_rank]          (later, e.g. main as forked in
+//!                                                 amdpilot-org/sglang at a029c21: the
+//!                                                 same slot as vLLM's rank)
+//! stored  ["BlockStored", [hash], parent, token_ids, block_size, lora_id]
+//!         ["BlockStored", [hash], parent, token_ids, block_size, lora_id, medium]
+//!         ["BlockStored", …, medium, {"cache_salt": s}]   (BlockStoredWithMetadata)
+//! removed ["BlockRemoved", [hash]] | ["BlockRemoved", [hash], medium]
+//! ```
+//!
+//! Where SGLang differs: one `BlockStored` per page (`block_size` is `--page-size`, 1 by
+//! default: start SGLang with the router's block size as its page size); hashes are signed
+//! 64-bit integers (older versions Python's `hash` of the page's tokens alone, so two prefixes
+//! sharing a page share an id; later ones the first 8 bytes of a SHA-256 chained from the
+//! parent page: `compute_node_hash_values` and `hash_str_to_int64`); `medium` is `GPU`,
+//! `CPU_PINNED`, `DISK` or `EXTERNAL` (only `GPU` is used); no `lora_name`, and the 8th slot
+//! of a salted block is a metadata map whose `cache_salt` makes the block skipped here (a
+//! request without that salt cannot reuse it).
 
 use std::fmt;
 
@@ -77,6 +111,10 @@ pub struct BlockStored {
     /// `"GPU"` or `None` for the GPU cache; other tiers (`"CPU"`, disk) are offload copies.
     pub medium: Option<String>,
     pub lora_name: Option<String>,
+    /// SGLang's `metadata.cache_salt`: the block is reused only by requests with this salt.
+    pub cache_salt: Option<String>,
+    /// vLLM's `extra_keys` name something for some block (multimodal input, LoRA, salt).
+    pub has_extra_keys: bool,
 }
 
 /// `BlockRemoved`: these blocks left the cache.
@@ -265,6 +303,35 @@ fn block_hashes(value: &Value, path: &str) -> Result<Vec<ExternalBlockHash>, Vll
         .collect()
 }
 
+/// SGLang's `metadata` map (`{"cache_salt": s}`): its salt, if any.
+fn metadata_salt(value: Option<&Value>, path: &str) -> Result<Option<String>, VllmDecodeError> {
+    match value {
+        None | Some(Value::Nil) => Ok(None),
+        Some(Value::Map(entries)) => opt_string(
+            entries
+                .iter()
+                .find(|(key, _)| key.as_str() == Some("cache_salt"))
+                .map(|(_, v)| v),
+            &format!("{path}.metadata.cache_salt"),
+        ),
+        Some(other) => Err(shape(
+            format!("{path}.metadata"),
+            format!("expected a map or nil, got {other}"),
+        )),
+    }
+}
+
+/// Whether vLLM's `extra_keys` (one entry per block, `None` when the tokens are all) names
+/// anything. Its entries are opaque tuples; any non-nil one counts.
+fn extra_keys_named(value: Option<&Value>) -> bool {
+    match value {
+        Some(Value::Array(entries)) => entries.iter().any(|e| !e.is_nil()),
+        None | Some(Value::Nil) => false,
+        // An unexpected shape: be safe and treat the block as not token-only.
+        Some(_) => true,
+    }
+}
+
 fn decode_event(value: &Value, path: &str) -> Result<VllmEvent, VllmDecodeError> {
     // Array form: the tag, then the fields (positions below count from after the tag).
     let (tag, fields) = match value {
@@ -313,6 +380,22 @@ fn decode_event(value: &Value, path: &str) -> Result<VllmEvent, VllmDecodeError>
                 fields.required(3, "block_size", &path)?,
                 &format!("{path}.block_size"),
             )?;
+            // Slot 6 is vLLM's `lora_name` (a string) or SGLang's `metadata` (a map).
+            let (lora_name, cache_salt) = match &fields {
+                Fields::Array(items) => match items.get(6) {
+                    Some(Value::Map(_)) => (None, metadata_salt(items.get(6), &path)?),
+                    other => (opt_string(other, &format!("{path}.lora_name"))?, None),
+                },
+                Fields::Map(_) => (
+                    opt_string(fields.get(6, "lora_name"), &format!("{path}.lora_name"))?,
+                    metadata_salt(fields.get(6, "metadata"), &path)?,
+                ),
+            };
+            let has_extra_keys = match &fields {
+                // SGLang has no slot 7; vLLM's is `extra_keys`.
+                Fields::Array(items) => extra_keys_named(items.get(7)),
+                Fields::Map(_) => extra_keys_named(fields.get(7, "extra_keys")),
+            };
             Ok(VllmEvent::BlockStored(BlockStored {
                 block_hashes: hashes,
                 parent_block_hash: parent,
@@ -320,7 +403,9 @@ fn decode_event(value: &Value, path: &str) -> Result<VllmEvent, VllmDecodeError>
                 block_size,
                 lora_id: opt_i64(fields.get(4, "lora_id"), &format!("{path}.lora_id"))?,
                 medium: opt_string(fields.get(5, "medium"), &format!("{path}.medium"))?,
-                lora_name: opt_string(fields.get(6, "lora_name"), &format!("{path}.lora_name"))?,
+                lora_name,
+                cache_salt,
+                has_extra_keys,
             }))
         }
         "BlockRemoved" => Ok(VllmEvent::BlockRemoved(BlockRemoved {
@@ -391,8 +476,8 @@ impl VllmEventBatch {
         write(&Value::Array(batch))
     }
 
-    /// msgpack with the batch itself a map too (`{"ts", "events", …}`), a form the decoder
-    /// accepts for robustness; no publisher is known to send it.
+    /// msgpack with the batch itself a map too (`{"ts", "events", …}`), as vLLM sends it
+    /// since its `EventBatch` dropped `array_like`.
     pub fn encode_map(&self) -> Vec<u8> {
         let events = self.events.iter().filter_map(event_to_map).collect();
         let mut batch = vec![
@@ -519,6 +604,8 @@ impl VllmEvent {
                     lora_id: None,
                     medium: Some("GPU".to_string()),
                     lora_name: None,
+                    cache_salt: None,
+                    has_extra_keys: false,
                 })
             }
             KvEventKind::Removed { blocks } => VllmEvent::BlockRemoved(BlockRemoved {
@@ -527,6 +614,128 @@ impl VllmEvent {
             }),
             KvEventKind::Cleared => VllmEvent::AllBlocksCleared,
         })
+    }
+}
+
+/// The replay socket's end-of-replay sequence number: `-1` as a signed 8-byte big-endian
+/// integer, sent with an empty payload.
+pub const REPLAY_END_SEQ: u64 = u64::MAX;
+
+/// A replay request as a DEALER sends it to the publisher's ROUTER (`replay_endpoint`):
+/// the empty delimiter a REQ socket would add, then the first wanted sequence number, 8 bytes
+/// big-endian. (vLLM's and SGLang's `ZmqEventPublisher._service_replay` expect exactly
+/// `[identity, b"", start_seq]` at the ROUTER.)
+pub fn encode_replay_request(start_seq: u64) -> [Vec<u8>; 2] {
+    [Vec::new(), start_seq.to_be_bytes().to_vec()]
+}
+
+/// One message of a replay, as the requesting DEALER receives it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReplayReply {
+    /// A buffered batch, `seq` and all, in the publisher's order.
+    Frame(VllmFrame),
+    /// The end marker: every buffered batch from the requested number on has been sent.
+    End,
+}
+
+/// Decodes `[b"", seq, payload]` (the ROUTER's reply with the identity stripped) or the end
+/// marker `[b"", -1, b""]`.
+pub fn decode_replay_reply<B: AsRef<[u8]>>(parts: &[B]) -> Result<ReplayReply, VllmDecodeError> {
+    let [delimiter, seq, payload] = parts else {
+        return Err(VllmDecodeError::Parts(parts.len()));
+    };
+    if !delimiter.as_ref().is_empty() {
+        return Err(shape(
+            "replay",
+            "the first part must be the empty delimiter",
+        ));
+    }
+    let seq = decode_seq(seq.as_ref())?;
+    if seq == REPLAY_END_SEQ && payload.as_ref().is_empty() {
+        return Ok(ReplayReply::End);
+    }
+    Ok(ReplayReply::Frame(VllmFrame {
+        topic: Vec::new(),
+        seq,
+        batch: VllmEventBatch::decode(payload.as_ref())?,
+    }))
+}
+
+/// A replay request as the publisher's ROUTER receives it: `[identity, b"", start_seq]`.
+/// Returns the identity to answer and the first wanted sequence number.
+pub fn decode_replay_request<B: AsRef<[u8]>>(
+    parts: &[B],
+) -> Result<(Vec<u8>, u64), VllmDecodeError> {
+    let [identity, delimiter, start] = parts else {
+        return Err(VllmDecodeError::Parts(parts.len()));
+    };
+    if !delimiter.as_ref().is_empty() {
+        return Err(shape(
+            "replay request",
+            "the second part must be the empty delimiter",
+        ));
+    }
+    Ok((identity.as_ref().to_vec(), decode_seq(start.as_ref())?))
+}
+
+/// The ROUTER's answer for one buffered batch: `[identity, b"", seq, payload]`.
+pub fn encode_replay_frame(identity: &[u8], seq: u64, payload: &[u8]) -> [Vec<u8>; 4] {
+    [
+        identity.to_vec(),
+        Vec::new(),
+        seq.to_be_bytes().to_vec(),
+        payload.to_vec(),
+    ]
+}
+
+/// The ROUTER's end marker: `[identity, b"", -1, b""]`.
+pub fn encode_replay_end(identity: &[u8]) -> [Vec<u8>; 4] {
+    encode_replay_frame(identity, REPLAY_END_SEQ, &[])
+}
+
+/// A publisher's last `capacity` batches (sequence number and encoded payload), for replay:
+/// vLLM's `buffer_steps`. Pushing past the capacity forgets the oldest.
+#[derive(Debug, Clone)]
+pub struct ReplayBuffer {
+    frames: std::collections::VecDeque<(u64, Vec<u8>)>,
+    capacity: usize,
+}
+
+impl ReplayBuffer {
+    /// vLLM's and SGLang's default `buffer_steps`.
+    pub const DEFAULT_CAPACITY: usize = 10_000;
+
+    pub fn new(capacity: usize) -> ReplayBuffer {
+        ReplayBuffer {
+            frames: std::collections::VecDeque::with_capacity(capacity.min(1024)),
+            capacity,
+        }
+    }
+
+    pub fn push(&mut self, seq: u64, payload: Vec<u8>) {
+        if self.capacity == 0 {
+            return;
+        }
+        if self.frames.len() == self.capacity {
+            self.frames.pop_front();
+        }
+        self.frames.push_back((seq, payload));
+    }
+
+    /// The buffered batches numbered `start` or later, oldest first.
+    pub fn since(&self, start: u64) -> impl Iterator<Item = (u64, &[u8])> {
+        self.frames
+            .iter()
+            .filter(move |(seq, _)| *seq >= start)
+            .map(|(seq, payload)| (*seq, payload.as_slice()))
+    }
+
+    pub fn len(&self) -> usize {
+        self.frames.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.frames.is_empty()
     }
 }
 
@@ -558,8 +767,8 @@ pub struct Accepted {
     pub continuity: Continuity,
     /// The frame's events for the index, with consecutive `seq`s continuing this stream's.
     pub events: Vec<KvEvent>,
-    /// Events left out: other cache tiers (`medium` not GPU), LoRA blocks (our hash does not
-    /// see the adapter) and unknown event types.
+    /// Events left out: other cache tiers (`medium` not GPU), LoRA, salted or multimodal
+    /// blocks (our hash sees only tokens) and unknown event types.
     pub skipped: u32,
 }
 
@@ -579,6 +788,17 @@ pub enum VllmConvertError {
     /// Over [`crate::kv_events::MAX_STORED_BLOCKS`] or `MAX_STORED_TOKENS`.
     #[error("{0}")]
     TooLarge(String),
+}
+
+/// Why a replay could not fill a gap.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ReplayGap {
+    #[error(
+        "the replay went from batch {expected} to {got}: the publisher no longer holds the batches between"
+    )]
+    Missing { expected: u64, got: u64 },
+    #[error("a replayed batch is not usable: {0}")]
+    Convert(VllmConvertError),
 }
 
 /// One vLLM publisher's frames turned into a worker's `kv-index` events.
@@ -613,18 +833,7 @@ impl VllmEventStream {
     /// frame we cannot use is not a gap), and no event of it is returned: the caller should
     /// clear the worker, since the index now misses what the frame said.
     pub fn accept(&mut self, frame: &VllmFrame) -> Result<Accepted, VllmConvertError> {
-        let continuity = match self.next_frame_seq {
-            None => Continuity::First,
-            Some(expected) if frame.seq == expected => Continuity::InOrder,
-            Some(expected) if frame.seq > expected => Continuity::Gap {
-                expected,
-                got: frame.seq,
-            },
-            Some(expected) => Continuity::Restart {
-                expected,
-                got: frame.seq,
-            },
-        };
+        let continuity = self.continuity(frame.seq);
         self.next_frame_seq = Some(frame.seq.wrapping_add(1));
         let mut kinds = Vec::with_capacity(frame.batch.events.len());
         let mut skipped = 0;
@@ -653,6 +862,53 @@ impl VllmEventStream {
         })
     }
 
+    /// How a frame numbered `seq` would continue this stream (nothing changes): a caller with
+    /// a replay socket asks before [`accept`](Self::accept), to fill a gap first.
+    pub fn continuity(&self, seq: u64) -> Continuity {
+        match self.next_frame_seq {
+            None => Continuity::First,
+            Some(expected) if seq == expected => Continuity::InOrder,
+            Some(expected) if seq > expected => Continuity::Gap { expected, got: seq },
+            Some(expected) => Continuity::Restart { expected, got: seq },
+        }
+    }
+
+    /// The batch number this stream expects next (`None` before the first frame).
+    pub fn next_frame_seq(&self) -> Option<u64> {
+        self.next_frame_seq
+    }
+
+    /// Applies one batch of a replay that should fill the frames before `until` (the live
+    /// frame that revealed the gap, or the first live frame of a late subscriber).
+    ///
+    /// Returns the batch's events when it is the next one expected (any batch before
+    /// `until` when the stream has no baseline yet: a late subscriber starts from the oldest
+    /// batch the publisher still holds, a suffix of its history, which only ever
+    /// under-reports), `None` for a batch already applied or at/after `until` (the live
+    /// stream delivers those), and [`ReplayGap`] when the replay skipped a batch: the
+    /// publisher no longer holds it, and the caller must fall back to a resync. Once
+    /// [`next_frame_seq`](Self::next_frame_seq) is `until`, the gap is filled.
+    pub fn accept_replayed(
+        &mut self,
+        frame: &VllmFrame,
+        until: u64,
+    ) -> Result<Option<Accepted>, ReplayGap> {
+        if frame.seq >= until {
+            return Ok(None);
+        }
+        match self.next_frame_seq {
+            Some(expected) if frame.seq < expected => return Ok(None),
+            Some(expected) if frame.seq > expected => {
+                return Err(ReplayGap::Missing {
+                    expected,
+                    got: frame.seq,
+                });
+            }
+            _ => {}
+        }
+        self.accept(frame).map(Some).map_err(ReplayGap::Convert)
+    }
+
     fn convert(&self, event: &VllmEvent) -> Result<Option<KvEventKind>, VllmConvertError> {
         let gpu = |medium: &Option<String>| {
             medium
@@ -664,6 +920,8 @@ impl VllmEventStream {
                 if !gpu(&stored.medium)
                     || stored.lora_id.is_some_and(|id| id != 0)
                     || stored.lora_name.is_some()
+                    || stored.cache_salt.is_some()
+                    || stored.has_extra_keys
                 {
                     return Ok(None);
                 }

@@ -54,6 +54,10 @@ pub struct WorkerCard {
     /// ZMQ endpoint of its KV events in vLLM's format, if it publishes there.
     #[serde(alias = "zmq", skip_serializing_if = "Option::is_none")]
     pub zmq_endpoint: Option<String>,
+    /// The ROUTER endpoint that replays those events' recent batches after a gap (vLLM's
+    /// and SGLang's `replay_endpoint`), if it offers one.
+    #[serde(alias = "replay_endpoint", skip_serializing_if = "Option::is_none")]
+    pub zmq_replay_endpoint: Option<String>,
     /// It returns generated token ids when a request asks (`return_token_ids`), so a
     /// gateway counts tokens exactly even when one chunk carries several.
     pub returns_token_ids: bool,
@@ -268,6 +272,7 @@ mod tests {
             nats_url: Some("nats://127.0.0.1:4222".into()),
             nats_kv_subject: Some("kvroute.demo.kv.3".into()),
             zmq_endpoint: None,
+            zmq_replay_endpoint: None,
             returns_token_ids: true,
             role: WorkerRole::Decode,
             speculative: Some(SpeculativeInfo {

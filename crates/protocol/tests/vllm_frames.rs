@@ -179,6 +179,46 @@ fn map_encoded_batch_with_bytes_hashes_and_newer_fields_decodes() {
 }
 
 #[test]
+fn blocks_whose_hash_covers_extra_keys_are_skipped() {
+    // vLLM main (0181ea3): the whole batch a map, `extra_keys` one entry per block, `None`
+    // when the tokens are all its hash covers. A multimodal or salted block names something
+    // there; a request of the same tokens would not reuse it, so it is not indexed.
+    let with_extra = |extra: Value| {
+        let Value::Map(mut entries) = stored_map(ints([1]), Value::Nil, ints(0..4)) else {
+            unreachable!()
+        };
+        entries.push((s("extra_keys"), extra));
+        Value::Map(entries)
+    };
+    let payload = bytes(&Value::Map(vec![
+        (s("ts"), Value::F64(1.0)),
+        (
+            s("events"),
+            Value::Array(vec![
+                with_extra(Value::Array(vec![Value::Nil])),
+                with_extra(Value::Array(vec![Value::Array(vec![
+                    s("mm-hash-0"),
+                    Value::from(0),
+                ])])),
+                with_extra(Value::Nil),
+            ]),
+        ),
+    ]));
+    let decoded = decode_multipart(&frame(0, payload)).unwrap();
+    let flags: Vec<bool> = decoded
+        .batch
+        .events
+        .iter()
+        .map(|e| matches!(e, VllmEvent::BlockStored(b) if b.has_extra_keys))
+        .collect();
+    assert_eq!(flags, [false, true, false]);
+    let accepted = VllmEventStream::new(WorkerId(1), BS)
+        .accept(&decoded)
+        .unwrap();
+    assert_eq!((accepted.events.len(), accepted.skipped), (2, 1));
+}
+
+#[test]
 fn trailing_fields_of_newer_versions_are_ignored() {
     let mut stored = match stored_array(ints([1]), Value::Nil, ints(0..4)) {
         Value::Array(items) => items,
