@@ -583,7 +583,9 @@ impl Dispatcher {
 
     fn send_to_peers(&self, replica: &ReplicaCore, update: PeerUpdate) {
         if replica.outbox.try_send(update).is_err() {
-            self.replica_stats.outbox_full.fetch_add(1, Ordering::Relaxed);
+            self.replica_stats
+                .outbox_full
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 

@@ -310,7 +310,10 @@ async fn publish(
             goodbye: false,
             updates: batch.iter().map(wire_update).collect(),
         };
-        match client.publish(subject.clone(), message.encode().into()).await {
+        match client
+            .publish(subject.clone(), message.encode().into())
+            .await
+        {
             Ok(()) => {
                 dispatcher
                     .replica_stats
@@ -351,8 +354,7 @@ async fn receive(
             }
         };
         let from = ReplicaId(batch.replica);
-        if from == me && batch.epoch != my_epoch && !std::mem::replace(&mut warned_same_id, true)
-        {
+        if from == me && batch.epoch != my_epoch && !std::mem::replace(&mut warned_same_id, true) {
             tracing::warn!(
                 replica = me.0,
                 "another gateway replica uses this replica's id: give each one its own \
@@ -482,10 +484,13 @@ async fn fetch_snapshots(
             )
             .await
             .ok()?;
-        Some(answers_until(&mut answers, timeout, limits, dispatcher, &mut applied).await)
+        answers_until(&mut answers, timeout, limits, dispatcher, &mut applied).await;
+        Some(())
     };
     if asked.await.is_none() {
-        tracing::warn!("cannot ask peer replicas for their snapshots; their load is learnt as they route");
+        tracing::warn!(
+            "cannot ask peer replicas for their snapshots; their load is learnt as they route"
+        );
     }
     dispatcher.end_snapshot_wait();
     applied

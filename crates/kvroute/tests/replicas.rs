@@ -90,7 +90,13 @@ type Rotation = Arc<Mutex<Vec<String>>>;
 
 /// `conversations` chats of `turns` turns at once, each turn to the next gateway of the
 /// rotation; a turn whose gateway cannot be reached or breaks is retried on the next one.
-async fn run_load(rotation: Rotation, engines: &[String], conversations: usize, turns: usize, tag: &str) -> Figures {
+async fn run_load(
+    rotation: Rotation,
+    engines: &[String],
+    conversations: usize,
+    turns: usize,
+    tag: &str,
+) -> Figures {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(30))
         .build()
@@ -107,8 +113,12 @@ async fn run_load(rotation: Rotation, engines: &[String], conversations: usize, 
     ));
     let mut chats = Vec::new();
     for c in 0..conversations {
-        let (client, rotation, next, totals) =
-            (client.clone(), rotation.clone(), next.clone(), totals.clone());
+        let (client, rotation, next, totals) = (
+            client.clone(),
+            rotation.clone(),
+            next.clone(),
+            totals.clone(),
+        );
         let topic = format!("{tag} conversation {c}");
         chats.push(tokio::spawn(async move {
             let mut messages = vec![json!({
@@ -285,7 +295,10 @@ async fn three_replicas_route_as_one_and_survive_a_restart() {
     // Peers count each other's requests while they run.
     let deadline = Instant::now() + Duration::from_secs(10);
     while metric(&urls[0], "kvroute_replica_peer_requests").await == 0.0 {
-        assert!(Instant::now() < deadline, "replica 1 never counted a peer's request");
+        assert!(
+            Instant::now() < deadline,
+            "replica 1 never counted a peer's request"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // SIGKILL: no goodbye. The client routes around it while it is down.
@@ -357,7 +370,9 @@ async fn replica_figures() {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
-    println!("| replicas | sync | requests | errors | hit rate | busiest worker's peak in flight |");
+    println!(
+        "| replicas | sync | requests | errors | hit rate | busiest worker's peak in flight |"
+    );
     println!("| --- | --- | --- | --- | --- | --- |");
     for ((replicas, off), f) in &table {
         println!(

@@ -136,8 +136,9 @@ fn encode_named<T: Serialize>(value: &T) -> Vec<u8> {
     rmp_serde::to_vec_named(value).unwrap_or_default()
 }
 
-/// Bytes an encoded request with a prompt of `blocks` blocks takes at most: a bound senders
-/// use to keep each message under [`MAX_REPLICA_MESSAGE_BYTES`] without encoding twice.
+/// Bytes an encoded update or snapshot request with a prompt of `blocks` blocks takes at most
+/// (a message's own fields take at most `encoded_size_bound(0)` more): a bound senders use to
+/// keep each message under [`MAX_REPLICA_MESSAGE_BYTES`] without encoding twice.
 pub fn encoded_size_bound(blocks: usize) -> usize {
     // Field names and up to five u64s (≤ 9 bytes each), then ≤ 9 bytes per hash.
     96 + 9 * blocks
@@ -209,7 +210,9 @@ mod tests {
                     change: WireChange::Routed {
                         worker: 2,
                         num_tokens: 100,
-                        local: (0..blocks as u64).map(|b| b.wrapping_mul(u64::MAX / 7)).collect(),
+                        local: (0..blocks as u64)
+                            .map(|b| b.wrapping_mul(u64::MAX / 7))
+                            .collect(),
                     },
                 },
                 WireUpdate {
@@ -248,7 +251,8 @@ mod tests {
             }],
         };
         let bytes = part.encode();
-        assert!(bytes.len() <= encoded_size_bound(4));
+        // A part's own fields take one more bound's worth.
+        assert!(bytes.len() <= encoded_size_bound(0) + encoded_size_bound(4));
         assert_eq!(SnapshotPart::decode(&bytes).unwrap(), part);
         let request = SnapshotRequest {
             replica: 1,

@@ -121,7 +121,8 @@ pub use policy::{
     RoutingPolicy, SelectionContext, UnknownPolicy, WorkerLimits, WorkerTiming,
 };
 pub use replica::{
-    PeerChange, PeerSnapshot, PeerUpdate, ReplicaId, ReplicaSync, ReplicaSyncConfig, SnapshotRequest,
+    PeerChange, PeerSnapshot, PeerUpdate, ReplicaId, ReplicaSync, ReplicaSyncConfig,
+    SnapshotRequest,
 };
 pub use router::{
     CacheView, KvSource, RequestId, RouteDecision, RouteError, Router, RouterConfig,

@@ -463,7 +463,12 @@ impl ReplicaSync {
 
     /// Forgets every peer not heard from since `now - lease` (it died without a goodbye) and
     /// releases its requests; returns them.
-    pub fn expire_peers(&mut self, now: Nanos, lease: Nanos, frontend: &mut Frontend) -> Vec<ReplicaId> {
+    pub fn expire_peers(
+        &mut self,
+        now: Nanos,
+        lease: Nanos,
+        frontend: &mut Frontend,
+    ) -> Vec<ReplicaId> {
         let mut silent: Vec<ReplicaId> = self
             .peers
             .iter()
@@ -566,8 +571,7 @@ impl ReplicaSync {
             return;
         };
         peer.last_heard = now;
-        if peer.next_seq.is_some_and(|n| update.seq < n) || peer.early.contains_key(&update.seq)
-        {
+        if peer.next_seq.is_some_and(|n| update.seq < n) || peer.early.contains_key(&update.seq) {
             self.counters.stale += 1;
             return;
         }
@@ -851,7 +855,11 @@ mod tests {
         a.routed(RequestId(1), WorkerId(1), &key);
         let mut b = ReplicaSync::new(ReplicaId(1), 1, ReplicaSyncConfig::default());
         b.await_snapshots();
-        b.apply(a.routed(RequestId(2), WorkerId(2), &key), &mut fb, Nanos::ZERO);
+        b.apply(
+            a.routed(RequestId(2), WorkerId(2), &key),
+            &mut fb,
+            Nanos::ZERO,
+        );
         assert_eq!(in_flight(&fb, 2), 0);
         b.end_snapshot_wait(&mut fb, Nanos::ZERO);
         assert_eq!(in_flight(&fb, 2), 1);
@@ -861,7 +869,11 @@ mod tests {
     #[test]
     fn a_header_reveals_lost_updates_and_a_silent_peer_expires() {
         let (mut a, mut b, mut fb, key) = pair(ReplicaSyncConfig::default(), 64);
-        b.apply(a.routed(RequestId(1), WorkerId(1), &key), &mut fb, Nanos::ZERO);
+        b.apply(
+            a.routed(RequestId(1), WorkerId(1), &key),
+            &mut fb,
+            Nanos::ZERO,
+        );
         let _lost = a.routed(RequestId(2), WorkerId(1), &key);
         let held = a.routed(RequestId(3), WorkerId(2), &key);
         b.apply(held, &mut fb, Nanos::ZERO);
@@ -877,7 +889,10 @@ mod tests {
         assert_eq!(b.counters().same_id, 1);
         // Heard from within the lease: kept; silent past it: forgotten, its requests released.
         let lease = Nanos::from_millis(3_000);
-        assert!(b.expire_peers(Nanos::from_millis(2_000), lease, &mut fb).is_empty());
+        assert!(
+            b.expire_peers(Nanos::from_millis(2_000), lease, &mut fb)
+                .is_empty()
+        );
         assert_eq!(
             b.expire_peers(Nanos::from_millis(3_001), lease, &mut fb),
             vec![ReplicaId(0)]
