@@ -361,7 +361,7 @@ async fn receive(
                  --replica-id (or leave it out to derive one)"
             );
         }
-        if !batch.updates.is_empty() {
+        if from != me && !batch.updates.is_empty() {
             let lag = unix_ns().saturating_sub(batch.sent_unix_ns);
             metrics.replica_sync_lag.observe(lag as f64 / 1e9);
         }

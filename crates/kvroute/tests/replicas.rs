@@ -23,26 +23,32 @@ use nats::NatsServer;
 
 const NAMESPACE: &str = "replicas";
 
-fn engines(nats: &NatsServer) -> Vec<Server> {
+fn engines(nats: &NatsServer, extra: &[&str]) -> Vec<Server> {
     (1..=3)
         .map(|id| {
-            Server::start(&[
-                "engine",
-                "--port",
-                "0",
-                "--worker-id",
-                &id.to_string(),
-                "--speedup",
-                "10",
-                "--nats",
-                &nats.url(),
-                "--namespace",
-                NAMESPACE,
-                "--lease-ms",
-                "1000",
-                "--zmq-pub",
-                "off",
-            ])
+            Server::start(
+                &[
+                    &[
+                        "engine",
+                        "--port",
+                        "0",
+                        "--worker-id",
+                        &id.to_string(),
+                        "--speedup",
+                        "10",
+                        "--nats",
+                        &nats.url(),
+                        "--namespace",
+                        NAMESPACE,
+                        "--lease-ms",
+                        "1000",
+                        "--zmq-pub",
+                        "off",
+                    ][..],
+                    extra,
+                ]
+                .concat(),
+            )
         })
         .collect()
 }
@@ -77,6 +83,10 @@ struct Figures {
     cached_tokens: u64,
     /// Most requests any one engine held at once (running + waiting), sampled.
     busiest_peak: u64,
+    /// Sum over successful turns of their time from sending to the whole reply, in ms.
+    latency_ms: f64,
+    /// The whole run, in seconds.
+    wall_s: f64,
 }
 
 impl Figures {
@@ -105,6 +115,7 @@ async fn run_load(
     let totals = Arc::new(Mutex::new(Figures::default()));
     let done = Arc::new(AtomicBool::new(false));
     let peak = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
     let sampler = tokio::spawn(sample_busiest(
         client.clone(),
         engines.to_vec(),
@@ -133,9 +144,11 @@ async fn run_load(
                     "model": "llama-3.1-70b-instruct", "messages": messages,
                     "max_tokens": 48, "ignore_eos": true,
                 });
+                let sent = Instant::now();
                 let reply = send(&client, &rotation, &next, &body, &totals).await;
                 let mut t = totals.lock().unwrap();
                 t.requests += 1;
+                t.latency_ms += 1e3 * sent.elapsed().as_secs_f64();
                 let Some(reply) = reply else {
                     t.errors += 1;
                     return;
@@ -159,6 +172,7 @@ async fn run_load(
     sampler.await.unwrap();
     let mut figures = totals.lock().unwrap().clone();
     figures.busiest_peak = peak.load(Ordering::Relaxed);
+    figures.wall_s = started.elapsed().as_secs_f64();
     figures
 }
 
@@ -272,7 +286,7 @@ async fn ready(gateways: &[Server]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_replicas_route_as_one_and_survive_a_restart() {
     let nats = NatsServer::start();
-    let engines = engines(&nats);
+    let engines = engines(&nats, &[]);
     let engine_urls: Vec<String> = engines.iter().map(|e| e.url.clone()).collect();
     let (conversations, turns) = (18, 4);
 
@@ -345,9 +359,10 @@ async fn three_replicas_route_as_one_and_survive_a_restart() {
 #[ignore = "measurement: prints docs/ROUTING.md's replica table (about a minute)"]
 async fn replica_figures() {
     let nats = NatsServer::start();
-    let engines = engines(&nats);
+    // A batch limit the load reaches, so a worker given more than its share queues.
+    let engines = engines(&nats, &["--max-num-seqs", "16"]);
     let engine_urls: Vec<String> = engines.iter().map(|e| e.url.clone()).collect();
-    let (conversations, turns) = (24, 5);
+    let (conversations, turns) = (54, 5);
     let mut table = BTreeMap::new();
     let mut next_id = 1;
     for replicas in 1..=3u32 {
@@ -365,23 +380,39 @@ async fn replica_figures() {
             let rotation = Arc::new(Mutex::new(gateways.iter().map(|g| g.url.clone()).collect()));
             let tag = format!("r{replicas} sync {sync}");
             let f = run_load(rotation, &engine_urls, conversations, turns, &tag).await;
-            table.insert((replicas, !sync), f);
+            // Mean delivery lag of the peers' update batches, over the replicas.
+            let (mut lag_sum, mut lag_count) = (0.0, 0.0);
+            for g in &gateways {
+                let text = get_text(&format!("{}/metrics", g.url)).await;
+                lag_sum += series(&text, "kvroute_replica_sync_lag_seconds_sum").unwrap_or(0.0);
+                lag_count += series(&text, "kvroute_replica_sync_lag_seconds_count").unwrap_or(0.0);
+            }
+            let lag_ms = (lag_count > 0.0).then(|| 1e3 * lag_sum / lag_count);
+            table.insert((replicas, !sync), (f, lag_ms));
             drop(gateways);
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
     println!(
-        "| replicas | sync | requests | errors | hit rate | busiest worker's peak in flight |"
+        "| replicas | sync | requests | errors | hit rate | busiest worker's peak in flight | \
+         mean turn latency | run time | mean sync lag |"
     );
-    println!("| --- | --- | --- | --- | --- | --- |");
-    for ((replicas, off), f) in &table {
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for ((replicas, off), (f, lag_ms)) in &table {
         println!(
-            "| {replicas} | {} | {} | {} | {:.1}% | {} |",
-            if *off { "off" } else { "on" },
+            "| {replicas} | {} | {} | {} | {:.1}% | {} | {:.0} ms | {:.1} s | {} |",
+            match (replicas, off) {
+                (1, _) => "-",
+                (_, true) => "off",
+                (_, false) => "on",
+            },
             f.requests,
             f.errors,
             100.0 * f.hit_rate(),
-            f.busiest_peak
+            f.busiest_peak,
+            f.latency_ms / f.requests.max(1) as f64,
+            f.wall_s,
+            lag_ms.map_or("-".to_string(), |ms| format!("{ms:.2} ms")),
         );
     }
 }
