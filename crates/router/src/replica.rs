@@ -441,6 +441,7 @@ impl ReplicaSync {
             return;
         }
         let Some(expected) = peer.next_seq else {
+            peer.next_seq = Some(next_seq);
             return;
         };
         if expected >= next_seq {
@@ -571,6 +572,10 @@ impl ReplicaSync {
             return;
         };
         peer.last_heard = now;
+        if peer.next_seq.is_none() && !peer.awaiting_snapshot {
+            // Its snapshot never came and nothing was held: start here, as mid-stream.
+            peer.next_seq = Some(update.seq);
+        }
         if peer.next_seq.is_some_and(|n| update.seq < n) || peer.early.contains_key(&update.seq) {
             self.counters.stale += 1;
             return;
@@ -861,9 +866,19 @@ mod tests {
             Nanos::ZERO,
         );
         assert_eq!(in_flight(&fb, 2), 0);
+        // A peer only heard from by its header during the wait starts at its next update.
+        let mut c = ReplicaSync::new(ReplicaId(2), 1, ReplicaSyncConfig::default());
+        c.routed(RequestId(1), WorkerId(1), &key);
+        b.heard_from(ReplicaId(2), 1, c.next_seq(), &mut fb, Nanos::ZERO);
         b.end_snapshot_wait(&mut fb, Nanos::ZERO);
         assert_eq!(in_flight(&fb, 2), 1);
         assert_eq!(b.counters().skipped, 0);
+        b.apply(
+            c.routed(RequestId(2), WorkerId(1), &key),
+            &mut fb,
+            Nanos::ZERO,
+        );
+        assert_eq!(in_flight(&fb, 1), 1, "applied, not held");
     }
 
     #[test]
