@@ -242,6 +242,42 @@ pub struct GatewayConfig {
     /// Times one request may be resent to another worker after its worker broke or stalled
     /// mid-stream (0: the stream ends with an error event).
     pub migration_limit: u32,
+    /// With `nats_url`: this gateway is one of several replicas that route as one.
+    pub replica: ReplicaSettings,
+}
+
+/// A gateway as one of several replicas behind one address ([`crate::replicas`]): with NATS,
+/// replicas tell each other what they routed and when it ended, so each one's load view
+/// counts its peers' requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaSettings {
+    /// This replica's id among its peers; `None`: derived from the host, process and start
+    /// time (printed at start-up).
+    pub id: Option<u32>,
+    /// Share routing decisions with the peers (`--no-replica-sync` turns it off).
+    pub sync: bool,
+    /// Longest an update waits to be batched with others: with NATS delivery, the bound on
+    /// how stale a peer's view of this replica's load is.
+    pub flush_interval: Duration,
+    /// A header-only message at least this often, so peers know this replica lives.
+    pub heartbeat: Duration,
+    /// A peer not heard from for this long died without a goodbye: its requests are released.
+    pub peer_lease: Duration,
+    /// How long a starting replica waits for its peers' snapshots.
+    pub snapshot_timeout: Duration,
+}
+
+impl Default for ReplicaSettings {
+    fn default() -> Self {
+        ReplicaSettings {
+            id: None,
+            sync: true,
+            flush_interval: Duration::from_millis(2),
+            heartbeat: Duration::from_millis(500),
+            peer_lease: Duration::from_secs(3),
+            snapshot_timeout: Duration::from_millis(500),
+        }
+    }
 }
 
 /// How long each phase of a connection may take, upstream (gateway to worker) and downstream
@@ -304,6 +340,7 @@ impl Default for GatewayConfig {
             max_response_bytes: 16 << 20,
             ejection: router::EjectionConfig::default(),
             migration_limit: 3,
+            replica: ReplicaSettings::default(),
         }
     }
 }

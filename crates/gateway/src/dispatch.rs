@@ -28,8 +28,8 @@ use protocol::WorkerRole;
 pub use router::AdmitError;
 pub use router::LocalReason;
 use router::{
-    CacheView, DisaggConfig, DisaggEvent, DisaggFrontend, Ejections, Pool, RequestId, Route,
-    RouteDecision, RouteError, RoutingKey,
+    CacheView, DisaggConfig, DisaggEvent, DisaggFrontend, Ejections, PeerSnapshot, PeerUpdate,
+    Pool, ReplicaId, ReplicaSync, RequestId, Route, RouteDecision, RouteError, RoutingKey,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -226,6 +226,55 @@ struct Core {
     /// The deadline the timer task sleeps toward; a call that makes the frontend's next
     /// timeout earlier wakes it.
     timer_at: Option<Nanos>,
+    /// Replica sync with peer gateways, when on.
+    replica: Option<ReplicaCore>,
+}
+
+/// This replica's side of the replica sync ([`crate::replicas`]).
+#[derive(Debug)]
+struct ReplicaCore {
+    sync: ReplicaSync,
+    /// Keys of submitted requests until they are routed (the update that says where one went
+    /// carries it); bounded by the frontend's queue plus the admissions in progress.
+    keys: HashMap<RequestId, RoutingKey>,
+    /// To the publisher task; bounded: when full, the update is dropped and counted, and
+    /// peers see the gap in this replica's next header and fetch a snapshot.
+    outbox: tokio::sync::mpsc::Sender<PeerUpdate>,
+    /// Wakes the task that fetches the peers' snapshots again: updates were lost, or a
+    /// worker joined (a peer's requests on a worker this replica did not know yet were
+    /// refused).
+    resync: Arc<Notify>,
+}
+
+/// A peer's message, decoded ([`Dispatcher::apply_peer_batch`]).
+#[derive(Debug)]
+pub(crate) struct PeerBatch {
+    pub replica: ReplicaId,
+    pub epoch: u64,
+    pub next_seq: u64,
+    pub goodbye: bool,
+    pub updates: Vec<PeerUpdate>,
+}
+
+/// What the replica sync looks like at scrape time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplicaStatus {
+    pub id: u32,
+    pub peers: usize,
+    pub peer_requests: usize,
+    pub counters: router::replica::ReplicaSyncCounters,
+}
+
+/// The replica transport's own counts, updated without the core lock.
+#[derive(Debug, Default)]
+pub(crate) struct ReplicaStats {
+    /// Updates dropped because the publisher's queue was full.
+    pub outbox_full: AtomicU64,
+    pub messages_sent: AtomicU64,
+    pub messages_received: AtomicU64,
+    /// Messages refused: undecodable, oversize, or a snapshot part out of order.
+    pub messages_refused: AtomicU64,
+    pub snapshots_served: AtomicU64,
 }
 
 /// Event ingestion counters, updated without the core lock.
@@ -257,6 +306,7 @@ pub struct Dispatcher {
     prefill_timeout: Duration,
     events: EventStats,
     metrics: std::sync::OnceLock<Arc<Metrics>>,
+    pub(crate) replica_stats: ReplicaStats,
 }
 
 fn lock(core: &Mutex<Core>) -> MutexGuard<'_, Core> {
@@ -283,6 +333,7 @@ impl Dispatcher {
                 waiters: HashMap::new(),
                 ejections: Ejections::new(config.ejection, config.max_workers.max(1)),
                 timer_at: None,
+                replica: None,
             }),
             epoch: Instant::now(),
             next_request: AtomicU64::new(1),
@@ -295,6 +346,7 @@ impl Dispatcher {
             prefill_timeout: config.prefill_timeout,
             events: EventStats::default(),
             metrics: std::sync::OnceLock::new(),
+            replica_stats: ReplicaStats::default(),
         }))
     }
 
@@ -330,6 +382,9 @@ impl Dispatcher {
         let rx = {
             let mut core = lock(&self.core);
             let now = self.now();
+            if let Some(replica) = core.replica.as_mut() {
+                replica.keys.insert(id, key.clone());
+            }
             core.frontend.submit(id, key, now);
             if let Some(outcome) = self.deliver(&mut core, Some(id)) {
                 return Ok(self.ticket(id, outcome?, false));
@@ -416,8 +471,18 @@ impl Dispatcher {
         while let Some(event) = core.frontend.poll_event() {
             let id = event.id();
             let outcome = match event {
-                DisaggEvent::Assigned { route, .. } => self.resolve(core, id, route),
-                DisaggEvent::Refused { error, .. } => Err(error),
+                DisaggEvent::Assigned { route, .. } => {
+                    let worker = route.decode().worker;
+                    let outcome = self.resolve(core, id, route);
+                    self.tell_peers_routed(core, id, worker, outcome.is_ok());
+                    outcome
+                }
+                DisaggEvent::Refused { error, .. } => {
+                    if let Some(replica) = core.replica.as_mut() {
+                        replica.keys.remove(&id);
+                    }
+                    Err(error)
+                }
             };
             if Some(id) == mine {
                 own = Some(outcome);
@@ -430,7 +495,7 @@ impl Dispatcher {
             };
             if routed && !delivered {
                 // The waiter left between its event and now: release the slot it got.
-                core.frontend.on_finished(id, self.now());
+                self.release(core, id);
             }
         }
         self.set_queued(core.frontend.queued());
@@ -471,14 +536,161 @@ impl Dispatcher {
 
     fn first_token(&self, id: RequestId) {
         let now = self.now();
-        lock(&self.core).frontend.on_first_token(id, now);
+        let mut core = lock(&self.core);
+        core.frontend.on_first_token(id, now);
+        self.tell_peers(&mut core, id, ReplicaSync::first_token);
     }
 
     fn prefill_done(&self, id: RequestId) {
         let now = self.now();
         let mut core = lock(&self.core);
         core.frontend.on_prefill_done(id, now);
+        // The core counts the decode worker's first token with the hand-off.
+        self.tell_peers(&mut core, id, ReplicaSync::first_token);
         self.deliver(&mut core, None);
+    }
+
+    /// Releases a routed request's slots, and tells the peers it ended.
+    fn release(&self, core: &mut Core, id: RequestId) {
+        core.frontend.on_finished(id, self.now());
+        self.tell_peers(core, id, ReplicaSync::finished);
+    }
+
+    /// Tells the peers about `id` (when it is one this replica told them it routed).
+    fn tell_peers(
+        &self,
+        core: &mut Core,
+        id: RequestId,
+        change: fn(&mut ReplicaSync, RequestId) -> PeerUpdate,
+    ) {
+        if let Some(replica) = core.replica.as_mut()
+            && replica.sync.is_own(id)
+        {
+            let update = change(&mut replica.sync, id);
+            self.send_to_peers(replica, update);
+        }
+    }
+
+    /// A request was assigned (`ok`) or failed to resolve: tell the peers where it went.
+    fn tell_peers_routed(&self, core: &mut Core, id: RequestId, worker: WorkerId, ok: bool) {
+        let Some(replica) = core.replica.as_mut() else {
+            return;
+        };
+        // A re-issued route (a failed prefill leg) keeps its worker: the key is gone by then.
+        if let Some(key) = replica.keys.remove(&id)
+            && ok
+        {
+            let update = replica.sync.routed(id, worker, &key);
+            self.send_to_peers(replica, update);
+        }
+    }
+
+    fn send_to_peers(&self, replica: &ReplicaCore, update: PeerUpdate) {
+        if replica.outbox.try_send(update).is_err() {
+            self.replica_stats
+                .outbox_full
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Turns replica sync on: this gateway's decisions go to `outbox`, and its peers'
+    /// updates count in its load accounting.
+    pub(crate) fn enable_replica_sync(
+        &self,
+        sync: ReplicaSync,
+        outbox: tokio::sync::mpsc::Sender<PeerUpdate>,
+        resync: Arc<Notify>,
+    ) {
+        lock(&self.core).replica = Some(ReplicaCore {
+            sync,
+            keys: HashMap::new(),
+            outbox,
+            resync,
+        });
+    }
+
+    fn resync_replicas(core: &Core) {
+        if let Some(replica) = &core.replica {
+            replica.resync.notify_one();
+        }
+    }
+
+    /// Applies a peer's message (its updates, then its header); when it shows updates lost,
+    /// the peers' snapshots are fetched again.
+    pub(crate) fn apply_peer_batch(&self, batch: PeerBatch) {
+        let now = self.now();
+        let mut guard = lock(&self.core);
+        let core = &mut *guard;
+        let Some(replica) = core.replica.as_mut() else {
+            return;
+        };
+        let sync = &mut replica.sync;
+        core.frontend.with_decode_pool(now, |frontend| {
+            for update in batch.updates {
+                sync.apply(update, frontend, now);
+            }
+            sync.heard_from(batch.replica, batch.epoch, batch.next_seq, frontend, now);
+            if batch.goodbye && batch.replica != sync.id() {
+                tracing::info!(replica = batch.replica.0, "peer replica said goodbye");
+                sync.forget_peer(batch.replica, frontend, now);
+            }
+        });
+        if sync.take_resync_wanted() {
+            replica.resync.notify_one();
+        }
+        self.deliver(&mut guard, None);
+    }
+
+    /// This replica's in-flight requests, for a peer that asks.
+    pub(crate) fn replica_snapshot(&self) -> Option<PeerSnapshot> {
+        lock(&self.core).replica.as_ref().map(|r| r.sync.snapshot())
+    }
+
+    /// Starts holding peers' updates until their snapshots arrive.
+    pub(crate) fn await_peer_snapshots(&self) {
+        if let Some(replica) = lock(&self.core).replica.as_mut() {
+            replica.sync.await_snapshots();
+        }
+    }
+
+    pub(crate) fn apply_peer_snapshot(&self, snapshot: PeerSnapshot) {
+        self.with_sync(|sync, frontend, now| sync.apply_snapshot(snapshot, frontend, now));
+    }
+
+    pub(crate) fn end_snapshot_wait(&self) {
+        self.with_sync(|sync, frontend, now| sync.end_snapshot_wait(frontend, now));
+    }
+
+    /// Forgets peers silent for longer than `lease`; returns them.
+    pub(crate) fn expire_peers(&self, lease: Duration) -> Vec<ReplicaId> {
+        self.with_sync(|sync, frontend, now| sync.expire_peers(now, lease.into(), frontend))
+            .unwrap_or_default()
+    }
+
+    fn with_sync<R>(
+        &self,
+        f: impl FnOnce(&mut ReplicaSync, &mut router::Frontend, Nanos) -> R,
+    ) -> Option<R> {
+        let now = self.now();
+        let mut guard = lock(&self.core);
+        let core = &mut *guard;
+        let replica = core.replica.as_mut()?;
+        let sync = &mut replica.sync;
+        let result = core
+            .frontend
+            .with_decode_pool(now, |frontend| f(sync, frontend, now));
+        self.deliver(&mut guard, None);
+        Some(result)
+    }
+
+    /// The replica sync's state, when on.
+    pub fn replica_status(&self) -> Option<ReplicaStatus> {
+        lock(&self.core).replica.as_ref().map(|r| ReplicaStatus {
+            id: r.sync.id().0,
+            peers: r.sync.peers(),
+            peer_requests: r.sync.peer_requests(),
+            counters: r.sync.counters(),
+        })
     }
 
     /// Reports a failed prefill leg; the core's local re-issue of the request.
@@ -498,7 +710,7 @@ impl Dispatcher {
             core.ejections.succeeded(worker, now);
             core.frontend.on_reply(reply_tokens);
         }
-        core.frontend.on_finished(id, now);
+        self.release(&mut core, id);
         self.deliver(&mut core, None);
     }
 
@@ -606,6 +818,9 @@ impl Dispatcher {
             if !was_routable && self.kv_events {
                 core.frontend.set_cache_view(id, view);
             }
+            if !was_routable {
+                Self::resync_replicas(&core);
+            }
         } else if was_routable {
             core.frontend.remove_worker(id, self.now());
         }
@@ -645,6 +860,7 @@ impl Dispatcher {
                 if self.kv_events {
                     core.frontend.set_cache_view(worker, view);
                 }
+                Self::resync_replicas(&core);
                 tracing::info!(%worker, "worker healthy; back in the routing set");
             }
         } else {
@@ -903,6 +1119,22 @@ impl Dispatcher {
                 replays: read(&self.events.replays),
                 dropped: read(&self.events.dropped),
             },
+            replica: core.replica.as_ref().map(|r| {
+                let stats = &self.replica_stats;
+                crate::metrics::ReplicaMetrics {
+                    status: ReplicaStatus {
+                        id: r.sync.id().0,
+                        peers: r.sync.peers(),
+                        peer_requests: r.sync.peer_requests(),
+                        counters: r.sync.counters(),
+                    },
+                    outbox_full: stats.outbox_full.load(Ordering::Relaxed),
+                    messages_sent: stats.messages_sent.load(Ordering::Relaxed),
+                    messages_received: stats.messages_received.load(Ordering::Relaxed),
+                    messages_refused: stats.messages_refused.load(Ordering::Relaxed),
+                    snapshots_served: stats.snapshots_served.load(Ordering::Relaxed),
+                }
+            }),
         }
     }
 }
@@ -925,9 +1157,12 @@ impl Drop for Waiting<'_> {
         let mut core = lock(&d.core);
         if core.frontend.cancel(self.id, d.now()) {
             core.waiters.remove(&self.id);
+            if let Some(replica) = core.replica.as_mut() {
+                replica.keys.remove(&self.id);
+            }
         } else if let Ok(Ok(_)) = self.rx.try_recv() {
             // Outcomes are sent under the lock: not queued means it is already here.
-            core.frontend.on_finished(self.id, d.now());
+            d.release(&mut core, self.id);
         }
         d.deliver(&mut core, None);
     }

@@ -19,6 +19,9 @@
 //!    themselves over NATS with a lease ([`registry`]). Health checks and failed requests move
 //!    workers out of the routing set, which drops their blocks from the index.
 //! 5. `GET /metrics` exports Dynamo's metric names and labels ([`metrics`]).
+//! 6. With NATS, the gateway is one of several replicas behind one address ([`replicas`]):
+//!    replicas share their routing decisions and completions, so each one counts the load
+//!    its peers put on the workers (`--no-replica-sync` turns it off).
 //!
 //! **Invariants.** Every queue and map is bounded: the frontend queue by
 //! `frontend.queue_capacity`, the worker table by `max_workers`, request bodies by `max_body_bytes`,
@@ -52,6 +55,7 @@ pub mod preprocess;
 pub mod rate_limit;
 pub mod registry;
 pub mod relay;
+pub mod replicas;
 mod server;
 
 use std::net::SocketAddr;
@@ -62,7 +66,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use config::{GatewayConfig, PromptFormat, Timeouts, WorkerSpec};
+pub use config::{GatewayConfig, PromptFormat, ReplicaSettings, Timeouts, WorkerSpec};
 pub use dispatch::Dispatcher;
 pub use events::KvEventSink;
 pub use metrics::Metrics;
@@ -118,6 +122,7 @@ pub struct Gateway {
     zmq: Arc<ZmqSubscriptions>,
     registry: RegistryCtx,
     block_size_source: BlockSizeSource,
+    replica: Option<replicas::ReplicaLink>,
 }
 
 /// Where the router's KV block size came from.
@@ -243,6 +248,7 @@ impl Gateway {
             zmq,
             registry: registry.clone(),
             block_size_source,
+            replica: None,
         };
 
         let added = futures::future::join_all(
@@ -278,11 +284,26 @@ impl Gateway {
             )));
             gateway.tasks.push(tokio::spawn(registry::run_discovery(
                 registry.clone(),
-                client,
-                subjects,
+                client.clone(),
+                subjects.clone(),
                 config.max_workers,
                 config.registration_token.clone(),
             )));
+            // After discovery starts, so workers announced meanwhile are known when the
+            // peers' snapshots (which name them) are applied; a worker that joins later makes
+            // the replica fetch them again.
+            gateway.replica = Some(
+                replicas::join(
+                    client,
+                    &subjects,
+                    dispatcher.clone(),
+                    metrics.clone(),
+                    config.replica,
+                    cancel.clone(),
+                    &mut gateway.tasks,
+                )
+                .await?,
+            );
             gateway.tasks.push(tokio::spawn(registry::run_lease_expiry(
                 registry.clone(),
                 Duration::from_millis(100),
@@ -328,6 +349,11 @@ impl Gateway {
         )));
         tracing::info!(addr = %local_addr, "gateway listening");
         Ok(gateway)
+    }
+
+    /// Its identity among its peer replicas (with NATS).
+    pub fn replica(&self) -> Option<&replicas::ReplicaLink> {
+        self.replica.as_ref()
     }
 
     /// The address it listens on.
@@ -408,6 +434,9 @@ impl Gateway {
             if tokio::time::timeout(SHUTDOWN_GRACE, server).await.is_err() {
                 abort.abort();
             }
+        }
+        if let Some(replica) = &self.replica {
+            replica.goodbye().await;
         }
         for task in self.tasks.drain(..) {
             task.abort();

@@ -258,6 +258,19 @@ pub struct RouterSnapshot {
     pub workers: Vec<WorkerSnapshot>,
     /// KV events by source, and the resyncs their gaps caused.
     pub events: EventCounters,
+    /// Replica sync with peer gateways, when on.
+    pub replica: Option<ReplicaMetrics>,
+}
+
+/// The replica sync at scrape time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplicaMetrics {
+    pub status: crate::dispatch::ReplicaStatus,
+    pub outbox_full: u64,
+    pub messages_sent: u64,
+    pub messages_received: u64,
+    pub messages_refused: u64,
+    pub snapshots_served: u64,
 }
 
 /// One known worker at scrape time.
@@ -449,6 +462,9 @@ impl Collector for RouterCollector {
                 metric.encode(family.encode_family(&[("source", source.label())])?)?;
             }
         }
+        if let Some(r) = &s.replica {
+            encode_replica(&mut encoder, r)?;
+        }
         let per_worker: [PerWorkerGauge; 5] = [
             (
                 "dynamo_component_inflight_requests",
@@ -560,6 +576,100 @@ impl Collector for RouterCollector {
     }
 }
 
+fn encode_replica(
+    encoder: &mut DescriptorEncoder,
+    r: &ReplicaMetrics,
+) -> Result<(), std::fmt::Error> {
+    let c = r.status.counters;
+    for (name, help, value) in [
+        (
+            "kvroute_replica_peers",
+            "Peer gateway replicas this replica hears from",
+            sat(r.status.peers),
+        ),
+        (
+            "kvroute_replica_peer_requests",
+            "Peers' in-flight requests counted in this replica's load accounting",
+            sat(r.status.peer_requests),
+        ),
+        (
+            "kvroute_replica_id",
+            "This gateway's replica id (--replica-id, or derived at start)",
+            i64::from(r.status.id),
+        ),
+    ] {
+        let metric = ConstGauge::new(value);
+        metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)?;
+    }
+    {
+        let mut family = encoder.encode_descriptor(
+            "kvroute_replica_updates",
+            "Replica sync updates: sent (this replica's own), applied (peers', in order), stale \
+             (duplicates, older epochs, behind a snapshot), reordered (held for an earlier one), \
+             skipped (lost: a gap), refused (bounds, unknown worker)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (outcome, value) in [
+            ("sent", c.sent),
+            ("applied", c.applied),
+            ("stale", c.stale),
+            ("reordered", c.reordered),
+            ("skipped", c.skipped),
+            ("refused", c.refused),
+            ("outbox_full", r.outbox_full),
+        ] {
+            ConstCounter::new(value).encode(family.encode_family(&[("outcome", outcome)])?)?;
+        }
+    }
+    for (name, help, value) in [
+        (
+            "kvroute_replica_snapshots_applied",
+            "Peers' snapshots of their in-flight requests applied (start-up, after lost updates)",
+            c.snapshots_applied,
+        ),
+        (
+            "kvroute_replica_snapshots_served",
+            "Snapshot requests of peers this replica answered",
+            r.snapshots_served,
+        ),
+        (
+            "kvroute_replica_peer_restarts",
+            "Peers seen to restart (a new epoch): their old requests released",
+            c.peer_restarts,
+        ),
+        (
+            "kvroute_replica_peers_expired",
+            "Peers forgotten after a lease of silence (gone without a goodbye)",
+            c.peers_expired,
+        ),
+        (
+            "kvroute_replica_same_id",
+            "Messages carrying this replica's id from another process: two replicas share an id",
+            c.same_id,
+        ),
+        (
+            "kvroute_replica_messages_sent",
+            "Replica messages (update batches, heartbeats) published",
+            r.messages_sent,
+        ),
+        (
+            "kvroute_replica_messages_received",
+            "Replica messages received (this replica's own included)",
+            r.messages_received,
+        ),
+        (
+            "kvroute_replica_messages_refused",
+            "Replica messages refused: undecodable, oversize, or out-of-order snapshot parts",
+            r.messages_refused,
+        ),
+    ] {
+        let metric = ConstCounter::new(value);
+        metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)?;
+    }
+    Ok(())
+}
+
 /// The gateway's metrics registry.
 pub struct Metrics {
     registry: Registry,
@@ -600,6 +710,9 @@ pub struct Metrics {
     /// forwarding plus the time from reading the worker's first token to handing the client's
     /// first token frame to the connection.
     pub added_ttft: AtomicHistogram,
+    /// Gateway replicas: time from a peer publishing a batch of updates to this replica
+    /// receiving it (both wall clocks).
+    pub replica_sync_lag: AtomicHistogram,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -636,6 +749,7 @@ impl Metrics {
             registrations_refused: Counter::default(),
             overhead: AtomicHistogram::new(OVERHEAD_BUCKETS),
             added_ttft: AtomicHistogram::new(OVERHEAD_BUCKETS),
+            replica_sync_lag: AtomicHistogram::new(OVERHEAD_BUCKETS),
         };
         {
             let frontend =
@@ -755,6 +869,12 @@ impl Metrics {
             "kvroute_gateway_prefill_failures",
             "Prefill legs that failed and were served by a local prefill on the decode worker",
             m.prefill_failures.clone(),
+        );
+        registry.register(
+            "kvroute_replica_sync_lag_seconds",
+            "Gateway replicas: time from a peer publishing a batch of routing updates to its \
+             arrival here (the staleness of this replica's view of its peers' load)",
+            m.replica_sync_lag.clone(),
         );
         registry.register_collector(Box::new(RouterCollector {
             snapshot: Arc::new(snapshot),

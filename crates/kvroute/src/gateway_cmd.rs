@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use gateway::{BlockSizeSource, Gateway, GatewayConfig, Timeouts, WorkerSpec};
+use gateway::{BlockSizeSource, Gateway, GatewayConfig, ReplicaSettings, Timeouts, WorkerSpec};
 use nanotime::Nanos;
 use router::{KvCostParams, KvSource, PolicyKind, PolicyParams, RouterConfig};
 
@@ -99,6 +99,18 @@ pub struct GatewayArgs {
     /// are still routed to only once their /info answers with the announced identity.
     #[arg(long, env = "KVROUTE_REGISTRATION_TOKEN", hide_env_values = true)]
     registration_token: Option<String>,
+    /// With --nats this gateway is one replica of several behind one address: its id among
+    /// them. Default: derived from the host, process and start time (printed at start).
+    #[arg(long, value_name = "N", requires = "nats")]
+    replica_id: Option<u32>,
+    /// With --nats: do not share routing decisions with the other gateway replicas (each
+    /// then sees only its own load on the workers).
+    #[arg(long, requires = "nats")]
+    no_replica_sync: bool,
+    /// Milliseconds a routing update may wait to be batched before it goes to the other
+    /// replicas: with NATS delivery, how stale their view of this replica's load may be.
+    #[arg(long, value_name = "MS", default_value_t = ReplicaSettings::default().flush_interval.as_secs_f64() * 1e3)]
+    replica_flush_ms: f64,
     /// Per-client rate limit of /v1/* requests, per second per client address (IPv6: per
     /// /64); beyond it: 429 with Retry-After. Default: no limit.
     #[arg(long, value_name = "RPS")]
@@ -256,6 +268,18 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
         local_prefill_max_tokens: args.local_prefill_max_tokens,
         prefill_timeout: seconds("prefill-timeout", args.prefill_timeout)?,
         migration_limit: args.migration_limit,
+        replica: ReplicaSettings {
+            id: args.replica_id,
+            sync: !args.no_replica_sync,
+            flush_interval: {
+                let ms = args.replica_flush_ms;
+                if !(ms.is_finite() && (0.0..=1000.0).contains(&ms)) {
+                    bail!("--replica-flush-ms must be between 0 and 1000 milliseconds, got {ms}");
+                }
+                Duration::from_secs_f64(ms / 1e3)
+            },
+            ..ReplicaSettings::default()
+        },
         ejection: {
             // 0 turns the minimum off: health checks alone decide.
             let base = if args.ejection_time == 0.0 {
@@ -325,6 +349,20 @@ pub fn run(args: GatewayArgs) -> Result<()> {
                 "kvroute gateway: worker {} ({}): cache view from {view}",
                 info.id.0, info.url
             );
+        }
+        if let Some(replica) = gateway.replica() {
+            if replica.sync {
+                println!(
+                    "kvroute gateway: replica {} (epoch {}): sharing routing decisions with \
+                     peer replicas over NATS; {} peer snapshot(s) applied at start",
+                    replica.id.0, replica.epoch, replica.peers_at_start
+                );
+            } else {
+                println!(
+                    "kvroute gateway: replica {}: replica sync off (--no-replica-sync)",
+                    replica.id.0
+                );
+            }
         }
         let (block_size, source) = gateway.block_size();
         let source = match source {

@@ -125,6 +125,13 @@ fn bad_flags_fail_with_a_message_that_says_what_to_do() {
     assert!(err.contains("--queue-timeout"), "{err}");
     let err = run(&["--tokenizer", "/nonexistent/tokenizer.json", "--port", "0"]);
     assert!(err.contains("/nonexistent/tokenizer.json"), "{err}");
+    let err = run(&["--nats", "nats://127.0.0.1:1", "--replica-flush-ms", "5000"]);
+    assert!(
+        err.contains("--replica-flush-ms") && err.contains("milliseconds"),
+        "{err}"
+    );
+    let err = run(&["--no-replica-sync"]);
+    assert!(err.contains("--nats"), "replica flags need NATS: {err}");
     let err = run(&["--worker", "http://localhost:8000,role=producer"]);
     assert!(
         err.contains("role") && err.contains("both, prefill or decode"),

@@ -11,7 +11,8 @@
 //! | [`http`] | what both HTTP servers do to a request: [`http::parse_json`], [`http::check_model`]; with the `axum` feature, a size-limited `read_body` and `json_response` |
 //! | [`sse`] | `data:` event writers and the one incremental, bounded, zero-copy [`SseDecoder`] |
 //! | [`kv_events`] | [`KvEventBatch`]: a worker's KV events in msgpack, 1:1 with [`kv_index::KvEvent`] |
-//! | [`subjects`] | NATS subjects `kvroute.<ns>.kv.<worker>`, `kvroute.<ns>.workers` |
+//! | [`subjects`] | NATS subjects `kvroute.<ns>.kv.<worker>`, `kvroute.<ns>.workers`, `kvroute.<ns>.replicas[.snapshot]` |
+//! | [`replicas`] | [`ReplicaBatch`], [`SnapshotRequest`], [`SnapshotPart`]: gateway replicas' routing updates and snapshots in msgpack |
 //! | [`worker`] | [`WorkerCard`]: what a worker declares (`GET /info`, and the [`WorkerMessage`] announce/heartbeat/goodbye over NATS) |
 //! | [`vllm`] | vLLM's and SGLang's `KVEventBatch` over ZMQ (one wire-compatible codec), array- or map-encoded; [`VllmEventStream`] → `kv-index` events with gap detection; the replay socket's messages and a `ReplayBuffer` |
 //!
@@ -62,6 +63,7 @@ pub mod kv_events;
 #[cfg(feature = "axum")]
 pub mod listener;
 pub mod openai;
+pub mod replicas;
 pub mod sse;
 pub mod subjects;
 pub mod vllm;
@@ -73,6 +75,10 @@ pub use openai::{
     Api, ApiRequest, ChatCompletionRequest, ChoiceOut, ChoiceView, CompletionRequest, FinishReason,
     KvTransferParams, MessageContent, MessageView, Model, ModelList, Prompt, PromptTokensDetails,
     RequestMessage, ResponseHead, ResponseView, SamplingParams, StreamOptions, TokenIds, Usage,
+};
+pub use replicas::{
+    ReplicaBatch, ReplicaWireError, SnapshotPart, SnapshotRequest, WireChange, WireSnapshotRequest,
+    WireUpdate,
 };
 pub use sse::{SseDecoder, SseError, SseEvent};
 pub use subjects::{BadNamespace, Subjects};

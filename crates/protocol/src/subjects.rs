@@ -4,6 +4,10 @@
 //!   ([`KvEventBatch`](crate::KvEventBatch), msgpack).
 //! - `kvroute.<namespace>.workers`: [`WorkerMessage`](crate::WorkerMessage)s (JSON):
 //!   announcements, repeated as heartbeats within each lease, and goodbyes.
+//! - `kvroute.<namespace>.replicas`: gateway replicas' [`ReplicaBatch`](crate::ReplicaBatch)es
+//!   (msgpack): their routing updates, heartbeats and goodbyes; each replica ignores its own.
+//! - `kvroute.<namespace>.replicas.snapshot`: a starting replica's
+//!   [`SnapshotRequest`](crate::SnapshotRequest); peers answer on its reply subject.
 //!
 //! A namespace is one NATS subject token: non-empty, at most 128 bytes, no `.`, `*`, `>` or
 //! whitespace (so several clusters share one NATS server without seeing each other).
@@ -79,6 +83,16 @@ impl Subjects {
     pub fn workers(&self) -> String {
         format!("{PREFIX}.{}.workers", self.namespace)
     }
+
+    /// Gateway replicas' routing updates (one subject for all replicas).
+    pub fn replicas(&self) -> String {
+        format!("{PREFIX}.{}.replicas", self.namespace)
+    }
+
+    /// Requests for replicas' snapshots of their in-flight requests.
+    pub fn replica_snapshots(&self) -> String {
+        format!("{PREFIX}.{}.replicas.snapshot", self.namespace)
+    }
 }
 
 #[cfg(test)]
@@ -91,6 +105,8 @@ mod tests {
         assert_eq!(s.kv_events(WorkerId(12)), "kvroute.demo.kv.12");
         assert_eq!(s.kv_events_all(), "kvroute.demo.kv.*");
         assert_eq!(s.workers(), "kvroute.demo.workers");
+        assert_eq!(s.replicas(), "kvroute.demo.replicas");
+        assert_eq!(s.replica_snapshots(), "kvroute.demo.replicas.snapshot");
         assert_eq!(s.parse_kv_events("kvroute.demo.kv.12"), Some(WorkerId(12)));
         for other in [
             "kvroute.other.kv.12",

@@ -184,6 +184,15 @@ impl DisaggFrontend {
         }
     }
 
+    /// Runs `f` on the decode pool's admission, then routes whatever that freed: how a
+    /// router replica's driver applies its peers' updates ([`crate::ReplicaSync`]), whose
+    /// requests count in the decode pool (the pool of an aggregated fleet).
+    pub fn with_decode_pool<R>(&mut self, now: Nanos, f: impl FnOnce(&mut Frontend) -> R) -> R {
+        let result = f(&mut self.decode);
+        self.pump(now);
+        result
+    }
+
     /// The pool `worker` serves in.
     pub fn pool_of(&self, worker: WorkerId) -> Option<Pool> {
         self.pools.get(&worker).copied()

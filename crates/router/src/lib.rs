@@ -120,7 +120,10 @@ pub use policy::{
     Candidate, KvCost, KvCostParams, PolicyKind, PolicyParams, PolicyRng, Random, RoundRobin,
     RoutingPolicy, SelectionContext, UnknownPolicy, WorkerLimits, WorkerTiming,
 };
-pub use replica::{PeerChange, PeerUpdate, ReplicaId, ReplicaSync, ReplicaSyncConfig};
+pub use replica::{
+    PeerChange, PeerSnapshot, PeerUpdate, ReplicaId, ReplicaSync, ReplicaSyncConfig,
+    SnapshotRequest,
+};
 pub use router::{
     CacheView, KvSource, RequestId, RouteDecision, RouteError, Router, RouterConfig,
     RouterConfigError, RouterCounters, RoutingKey,

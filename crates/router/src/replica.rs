@@ -23,7 +23,24 @@
 //! [`ReplicaSyncConfig::max_peer_requests`]; beyond it, a peer's new request is not counted.
 //!
 //! The staleness bound is the transport's: a replica's view of its peers' load lags by the
-//! delivery delay of their updates (in the simulator, `--replica-sync-ms`).
+//! delivery delay of their updates (in the simulator, `--replica-sync-ms`; in the gateway, its
+//! flush interval plus NATS delivery).
+//!
+//! Over a lossy transport that keeps each sender's order (NATS core), three more inputs keep
+//! the view right:
+//!
+//! - [`ReplicaSync::heard_from`]: a sender's message header says which sequence number it
+//!   sends next. Every update below it has been delivered or lost, so the missing ones are
+//!   skipped and counted at once, and the replica asks for a snapshot
+//!   ([`ReplicaSync::take_resync_wanted`]). Headers alone are heartbeats.
+//! - [`ReplicaSync::snapshot`] / [`ReplicaSync::apply_snapshot`]: a replica's own in-flight
+//!   requests and the sequence number they are current to. A replica that starts (or lost
+//!   updates) calls [`ReplicaSync::await_snapshots`], holds its peers' updates until their
+//!   snapshots arrive (or [`ReplicaSync::end_snapshot_wait`]), and so rebuilds their load at
+//!   once rather than as their old requests end.
+//! - [`ReplicaSync::expire_peers`]: a peer not heard from for a lease (it died without a
+//!   goodbye) is forgotten and its requests released; [`ReplicaSync::forget_peer`] is the
+//!   goodbye.
 
 use std::collections::BTreeMap;
 
@@ -109,15 +126,67 @@ pub struct ReplicaSyncCounters {
     /// Updates refused: too many peers or peer requests, or a worker this replica does not
     /// know (yet).
     pub refused: u64,
+    /// Peers' snapshots applied.
+    pub snapshots_applied: u64,
+    /// Peers forgotten because they fell silent for a lease.
+    pub peers_expired: u64,
+    /// Messages that carried this replica's id from another incarnation: two replicas share
+    /// an id.
+    pub same_id: u64,
+}
+
+/// One in-flight request of a replica, as its snapshot lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotRequest {
+    pub request: u64,
+    pub worker: WorkerId,
+    /// Its prompt (at most [`MAX_PEER_KEY_BLOCKS`] blocks).
+    pub key: RoutingKey,
+    /// Its first token came.
+    pub first_token: bool,
+}
+
+/// A replica's in-flight requests, current up to (not including) update `next_seq` of
+/// `epoch`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerSnapshot {
+    pub replica: ReplicaId,
+    pub epoch: u64,
+    pub next_seq: u64,
+    pub requests: Vec<SnapshotRequest>,
+}
+
+#[derive(Debug)]
+struct OwnRequest {
+    worker: WorkerId,
+    key: RoutingKey,
+    first_token: bool,
 }
 
 #[derive(Debug)]
 struct Peer {
     epoch: u64,
-    /// The next sequence number to apply.
-    next_seq: u64,
+    /// The next sequence number to apply; `None` while it is unknown (waiting for the peer's
+    /// snapshot, every update is held).
+    next_seq: Option<u64>,
     /// Updates that arrived early, by sequence number; at most `max_reorder`.
     early: BTreeMap<u64, PeerUpdate>,
+    /// Waiting for this peer's snapshot: its updates are held, not applied.
+    awaiting_snapshot: bool,
+    /// When it was last heard from (an update, a header or a snapshot).
+    last_heard: Nanos,
+}
+
+impl Peer {
+    fn new(epoch: u64, next_seq: Option<u64>, awaiting_snapshot: bool, now: Nanos) -> Peer {
+        Peer {
+            epoch,
+            next_seq,
+            early: BTreeMap::new(),
+            awaiting_snapshot,
+            last_heard: now,
+        }
+    }
 }
 
 /// One replica's side of the replica sync: see the module docs.
@@ -131,6 +200,15 @@ pub struct ReplicaSync {
     /// (peer, its request id) → the id this replica's router tracks it under.
     requests: FxHashMap<(ReplicaId, u64), RequestId>,
     next_local: u64,
+    /// This replica's own in-flight requests, for its snapshots. Bounded by
+    /// `max_peer_requests` (beyond, a request is left out of snapshots); the driver's own
+    /// in-flight bound keeps it far below.
+    own: FxHashMap<u64, OwnRequest>,
+    /// New peers start out waiting for their snapshot (between [`ReplicaSync::await_snapshots`]
+    /// and [`ReplicaSync::end_snapshot_wait`]).
+    awaiting_snapshots: bool,
+    /// Updates were lost since the driver last asked: it should fetch snapshots.
+    resync_wanted: bool,
     counters: ReplicaSyncCounters,
 }
 
@@ -146,12 +224,35 @@ impl ReplicaSync {
             peers: FxHashMap::default(),
             requests: FxHashMap::default(),
             next_local: PEER_REQUEST_ID_BASE,
+            own: FxHashMap::default(),
+            awaiting_snapshots: false,
+            resync_wanted: false,
             counters: ReplicaSyncCounters::default(),
         }
     }
 
     pub fn id(&self) -> ReplicaId {
         self.me
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The sequence number of the next update this replica produces.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// Peers tracked now.
+    pub fn peers(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// Whether `request` is one of this replica's own in-flight requests (its peers were told
+    /// it was routed).
+    pub fn is_own(&self, request: RequestId) -> bool {
+        self.own.contains_key(&request.0)
     }
 
     pub fn counters(&self) -> ReplicaSyncCounters {
@@ -171,17 +272,273 @@ impl ReplicaSync {
             seq: key.seq[..blocks].to_vec(),
             num_tokens: key.num_tokens,
         };
+        if self.own.len() < self.config.max_peer_requests {
+            self.own.insert(
+                request.0,
+                OwnRequest {
+                    worker,
+                    key: key.clone(),
+                    first_token: false,
+                },
+            );
+        }
         self.update(request, PeerChange::Routed { worker, key })
     }
 
     /// The update saying `request` produced its first token.
     pub fn first_token(&mut self, request: RequestId) -> PeerUpdate {
+        if let Some(own) = self.own.get_mut(&request.0) {
+            own.first_token = true;
+        }
         self.update(request, PeerChange::FirstToken)
     }
 
     /// The update saying `request` ended.
     pub fn finished(&mut self, request: RequestId) -> PeerUpdate {
+        self.own.remove(&request.0);
         self.update(request, PeerChange::Finished)
+    }
+
+    /// This replica's in-flight requests, current up to its next update, for a peer that
+    /// asks (in request order, so a snapshot is a function of the state).
+    pub fn snapshot(&self) -> PeerSnapshot {
+        let mut requests: Vec<SnapshotRequest> = self
+            .own
+            .iter()
+            .map(|(id, own)| SnapshotRequest {
+                request: *id,
+                worker: own.worker,
+                key: own.key.clone(),
+                first_token: own.first_token,
+            })
+            .collect();
+        requests.sort_unstable_by_key(|r| r.request);
+        PeerSnapshot {
+            replica: self.me,
+            epoch: self.epoch,
+            next_seq: self.next_seq,
+            requests,
+        }
+    }
+
+    /// Starts waiting for every peer's snapshot: updates from known and new peers are held
+    /// (at most `max_reorder` per peer) until [`apply_snapshot`](Self::apply_snapshot) or
+    /// [`end_snapshot_wait`](Self::end_snapshot_wait).
+    pub fn await_snapshots(&mut self) {
+        self.awaiting_snapshots = true;
+        for peer in self.peers.values_mut() {
+            peer.awaiting_snapshot = true;
+        }
+    }
+
+    /// Whether updates were lost since the last call (skipped by a gap): the driver should
+    /// fetch its peers' snapshots.
+    pub fn take_resync_wanted(&mut self) -> bool {
+        std::mem::take(&mut self.resync_wanted)
+    }
+
+    /// Applies a peer's snapshot: its requests replace what this replica counted for it, and
+    /// its held updates from the snapshot's point on are applied. A snapshot older than what
+    /// was already applied (and not awaited) is stale.
+    pub fn apply_snapshot(&mut self, snapshot: PeerSnapshot, frontend: &mut Frontend, now: Nanos) {
+        let from = snapshot.replica;
+        if from == self.me {
+            return;
+        }
+        if !self.admit_peer(from, snapshot.epoch, None, frontend, now) {
+            return;
+        }
+        let Some(peer) = self.peers.get_mut(&from) else {
+            return;
+        };
+        peer.last_heard = now;
+        let ahead = peer.next_seq.is_some_and(|n| n > snapshot.next_seq);
+        if !peer.awaiting_snapshot && ahead {
+            self.counters.stale += 1;
+            return;
+        }
+        peer.next_seq = Some(snapshot.next_seq);
+        peer.awaiting_snapshot = false;
+        let held = peer.early.len();
+        peer.early = peer.early.split_off(&snapshot.next_seq);
+        self.counters.stale += (held - peer.early.len()) as u64;
+        // Replace: release what the snapshot no longer lists, count what it adds.
+        let listed: rustc_hash::FxHashSet<u64> =
+            snapshot.requests.iter().map(|r| r.request).collect();
+        let mut gone: Vec<((ReplicaId, u64), RequestId)> = self
+            .requests
+            .iter()
+            .filter(|(k, _)| k.0 == from && !listed.contains(&k.1))
+            .map(|(k, v)| (*k, *v))
+            .collect();
+        gone.sort_unstable_by_key(|(_, local)| *local);
+        for (k, local) in gone {
+            self.requests.remove(&k);
+            frontend.on_finished(local, now);
+        }
+        for r in snapshot.requests {
+            let key = (from, r.request);
+            if !self.requests.contains_key(&key) {
+                self.track_peer_request(key, r.worker, &r.key, frontend, now);
+            }
+            if r.first_token
+                && let Some(local) = self.requests.get(&key)
+            {
+                frontend.on_first_token(*local, now);
+            }
+        }
+        self.counters.snapshots_applied += 1;
+        self.drain(from, frontend, now);
+    }
+
+    /// Stops waiting for snapshots (the driver's timeout): a peer whose snapshot did not come
+    /// resumes at the earliest update held from it, as a peer joined mid-stream would.
+    pub fn end_snapshot_wait(&mut self, frontend: &mut Frontend, now: Nanos) {
+        self.awaiting_snapshots = false;
+        let mut waiting: Vec<ReplicaId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.awaiting_snapshot)
+            .map(|(id, _)| *id)
+            .collect();
+        waiting.sort_unstable();
+        for id in waiting {
+            if let Some(peer) = self.peers.get_mut(&id) {
+                peer.awaiting_snapshot = false;
+                if peer.next_seq.is_none() {
+                    peer.next_seq = peer.early.first_key_value().map(|(seq, _)| *seq);
+                }
+            }
+            self.drain(id, frontend, now);
+        }
+    }
+
+    /// A message header from `replica`: it sends update `next_seq` next. With a transport that
+    /// keeps each sender's order, every earlier update has arrived or is lost: the lost ones
+    /// are skipped (and a resync wanted). Also a heartbeat for [`expire_peers`](Self::expire_peers).
+    pub fn heard_from(
+        &mut self,
+        replica: ReplicaId,
+        epoch: u64,
+        next_seq: u64,
+        frontend: &mut Frontend,
+        now: Nanos,
+    ) {
+        if replica == self.me {
+            if epoch != self.epoch {
+                self.counters.same_id += 1;
+            }
+            return;
+        }
+        if !self.admit_peer(replica, epoch, Some(next_seq), frontend, now) {
+            return;
+        }
+        let Some(peer) = self.peers.get_mut(&replica) else {
+            return;
+        };
+        peer.last_heard = now;
+        if peer.awaiting_snapshot {
+            return;
+        }
+        let Some(expected) = peer.next_seq else {
+            peer.next_seq = Some(next_seq);
+            return;
+        };
+        if expected >= next_seq {
+            return;
+        }
+        let held_below = peer.early.range(..next_seq).count() as u64;
+        let lost = next_seq - expected - held_below;
+        if lost > 0 {
+            self.counters.skipped += lost;
+            self.resync_wanted = true;
+        }
+        let rest = peer.early.split_off(&next_seq);
+        let below = std::mem::replace(&mut peer.early, rest);
+        peer.next_seq = Some(next_seq);
+        for (_, update) in below {
+            self.apply_in_order(update, frontend, now);
+        }
+        self.drain(replica, frontend, now);
+    }
+
+    /// Forgets every peer not heard from since `now - lease` (it died without a goodbye) and
+    /// releases its requests; returns them.
+    pub fn expire_peers(
+        &mut self,
+        now: Nanos,
+        lease: Nanos,
+        frontend: &mut Frontend,
+    ) -> Vec<ReplicaId> {
+        let mut silent: Vec<ReplicaId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| now.saturating_sub(p.last_heard) > lease)
+            .map(|(id, _)| *id)
+            .collect();
+        silent.sort_unstable();
+        for id in &silent {
+            self.counters.peers_expired += 1;
+            self.forget_peer(*id, frontend, now);
+        }
+        silent
+    }
+
+    /// Finds or creates `from`'s entry for a message of `epoch`; a newer epoch releases the
+    /// old incarnation's requests. `false`: the message is refused (too many peers) or stale.
+    /// `first_seq`: where a peer first heard of starts, when not waiting for its snapshot.
+    fn admit_peer(
+        &mut self,
+        from: ReplicaId,
+        epoch: u64,
+        first_seq: Option<u64>,
+        frontend: &mut Frontend,
+        now: Nanos,
+    ) -> bool {
+        let awaiting = self.awaiting_snapshots;
+        let Some(peer) = self.peers.get_mut(&from) else {
+            if self.peers.len() >= self.config.max_peers {
+                self.counters.refused += 1;
+                return false;
+            }
+            let start = if awaiting { None } else { first_seq };
+            self.peers
+                .insert(from, Peer::new(epoch, start, awaiting, now));
+            return true;
+        };
+        if epoch < peer.epoch {
+            self.counters.stale += 1;
+            return false;
+        }
+        if epoch > peer.epoch {
+            // It restarted: its new incarnation numbers its updates from 0.
+            *peer = Peer::new(epoch, Some(0), false, now);
+            self.counters.peer_restarts += 1;
+            self.release_peer(from, frontend, now);
+        }
+        true
+    }
+
+    /// Applies `peer`'s held updates that are next in its order.
+    fn drain(&mut self, from: ReplicaId, frontend: &mut Frontend, now: Nanos) {
+        let Some(peer) = self.peers.get_mut(&from) else {
+            return;
+        };
+        let Some(mut next) = peer.next_seq else {
+            return;
+        };
+        if peer.awaiting_snapshot {
+            return;
+        }
+        let mut ready = Vec::new();
+        while let Some(update) = peer.early.remove(&next) {
+            next += 1;
+            ready.push(update);
+        }
+        peer.next_seq = Some(next);
+        for update in ready {
+            self.apply_in_order(update, frontend, now);
+        }
     }
 
     fn update(&mut self, request: RequestId, change: PeerChange) -> PeerUpdate {
@@ -202,65 +559,44 @@ impl ReplicaSync {
     pub fn apply(&mut self, update: PeerUpdate, frontend: &mut Frontend, now: Nanos) {
         let from = update.replica;
         if from == self.me {
-            return;
-        }
-        if !self.peers.contains_key(&from) {
-            if self.peers.len() >= self.config.max_peers {
-                self.counters.refused += 1;
-                return;
+            if update.epoch != self.epoch {
+                self.counters.same_id += 1;
             }
-            // Joining mid-stream: the first update seen starts the sequence.
-            self.peers.insert(
-                from,
-                Peer {
-                    epoch: update.epoch,
-                    next_seq: update.seq,
-                    early: BTreeMap::new(),
-                },
-            );
+            return;
+        }
+        // Joining mid-stream: the first update seen starts the sequence.
+        if !self.admit_peer(from, update.epoch, Some(update.seq), frontend, now) {
+            return;
         }
         let Some(peer) = self.peers.get_mut(&from) else {
             return;
         };
-        if update.epoch < peer.epoch {
+        peer.last_heard = now;
+        if peer.next_seq.is_none() && !peer.awaiting_snapshot {
+            // Its snapshot never came and nothing was held: start here, as mid-stream.
+            peer.next_seq = Some(update.seq);
+        }
+        if peer.next_seq.is_some_and(|n| update.seq < n) || peer.early.contains_key(&update.seq) {
             self.counters.stale += 1;
             return;
         }
-        if update.epoch > peer.epoch {
-            *peer = Peer {
-                epoch: update.epoch,
-                next_seq: update.seq,
-                early: BTreeMap::new(),
-            };
-            self.counters.peer_restarts += 1;
-            self.release_peer(from, frontend, now);
-        }
-        let Some(peer) = self.peers.get_mut(&from) else {
-            return;
-        };
-        if update.seq < peer.next_seq || peer.early.contains_key(&update.seq) {
-            self.counters.stale += 1;
-            return;
-        }
-        if update.seq > peer.next_seq {
+        if peer.next_seq.is_some_and(|n| update.seq > n) {
             self.counters.reordered += 1;
         }
         peer.early.insert(update.seq, update);
         if peer.early.len() > self.config.max_reorder {
-            // Give up on the missing ones: resume at the earliest update held.
+            // Give up on the missing ones (or on the awaited snapshot): resume at the
+            // earliest update held.
             if let Some((&first, _)) = peer.early.first_key_value() {
-                self.counters.skipped += first - peer.next_seq;
-                peer.next_seq = first;
+                if let Some(next) = peer.next_seq {
+                    self.counters.skipped += first.saturating_sub(next);
+                    self.resync_wanted = true;
+                }
+                peer.next_seq = Some(first);
+                peer.awaiting_snapshot = false;
             }
         }
-        let mut ready = Vec::new();
-        while let Some(next) = peer.early.remove(&peer.next_seq) {
-            peer.next_seq += 1;
-            ready.push(next);
-        }
-        for update in ready {
-            self.apply_in_order(update, frontend, now);
-        }
+        self.drain(from, frontend, now);
     }
 
     /// Releases every request of `peer` (it left, or restarted and lost them), and forgets it.
@@ -285,6 +621,29 @@ impl ReplicaSync {
         }
     }
 
+    /// Counts a peer's request in `frontend`, under a fresh local id (refused and counted
+    /// past `max_peer_requests` or for a worker this replica does not know).
+    fn track_peer_request(
+        &mut self,
+        key: (ReplicaId, u64),
+        worker: WorkerId,
+        prompt: &RoutingKey,
+        frontend: &mut Frontend,
+        now: Nanos,
+    ) {
+        if self.requests.len() >= self.config.max_peer_requests {
+            self.counters.refused += 1;
+            return;
+        }
+        let local = RequestId(self.next_local);
+        if frontend.on_peer_routed(local, worker, prompt, now).is_err() {
+            self.counters.refused += 1;
+            return;
+        }
+        self.next_local += 1;
+        self.requests.insert(key, local);
+    }
+
     fn apply_in_order(&mut self, update: PeerUpdate, frontend: &mut Frontend, now: Nanos) {
         self.counters.applied += 1;
         let key = (update.replica, update.request);
@@ -293,22 +652,11 @@ impl ReplicaSync {
                 worker,
                 key: prompt,
             } => {
-                if self.requests.len() >= self.config.max_peer_requests
-                    || self.requests.contains_key(&key)
-                {
+                if self.requests.contains_key(&key) {
                     self.counters.refused += 1;
                     return;
                 }
-                let local = RequestId(self.next_local);
-                if frontend
-                    .on_peer_routed(local, worker, &prompt, now)
-                    .is_err()
-                {
-                    self.counters.refused += 1;
-                    return;
-                }
-                self.next_local += 1;
-                self.requests.insert(key, local);
+                self.track_peer_request(key, worker, &prompt, frontend, now);
             }
             PeerChange::FirstToken => {
                 if let Some(local) = self.requests.get(&key) {
@@ -464,5 +812,108 @@ mod tests {
             Nanos::ZERO,
         );
         assert_eq!(b.peer_requests(), 1);
+    }
+
+    #[test]
+    fn a_starting_replica_rebuilds_its_peers_load_from_their_snapshots() {
+        let (mut a, _, mut fb, key) = pair(ReplicaSyncConfig::default(), 64);
+        // Replica 0 has two requests in flight (one past its first token) and one ended.
+        a.routed(RequestId(1), WorkerId(1), &key);
+        a.routed(RequestId(2), WorkerId(2), &key);
+        a.first_token(RequestId(2));
+        a.routed(RequestId(3), WorkerId(2), &key);
+        a.finished(RequestId(3));
+        // Replica 1 starts: it waits for snapshots, and an update sent after the snapshot
+        // arrives before it and is held.
+        let mut b = ReplicaSync::new(ReplicaId(1), 1, ReplicaSyncConfig::default());
+        b.await_snapshots();
+        let snapshot = a.snapshot();
+        assert_eq!(snapshot.next_seq, 5);
+        assert_eq!(snapshot.requests.len(), 2);
+        b.apply(a.finished(RequestId(1)), &mut fb, Nanos::ZERO);
+        assert_eq!(in_flight(&fb, 1), 0, "held until the snapshot");
+        b.apply_snapshot(snapshot, &mut fb, Nanos::ZERO);
+        // Request 1 came in with the snapshot and left with the held update.
+        assert_eq!(in_flight(&fb, 1), 0);
+        assert_eq!(in_flight(&fb, 2), 1);
+        assert_eq!(b.peer_requests(), 1);
+        assert_eq!(b.counters().snapshots_applied, 1);
+        assert_eq!(
+            fb.router()
+                .load(WorkerId(2))
+                .unwrap()
+                .pending_prefill_tokens,
+            0,
+            "its first token came"
+        );
+        // A snapshot behind what was applied is stale and changes nothing.
+        let mut old = a.snapshot();
+        old.next_seq = 2;
+        b.apply_snapshot(old, &mut fb, Nanos::ZERO);
+        assert_eq!(b.counters().snapshots_applied, 1);
+        assert_eq!(in_flight(&fb, 2), 1);
+    }
+
+    #[test]
+    fn without_a_snapshot_the_wait_ends_at_the_earliest_held_update() {
+        let (mut a, _, mut fb, key) = pair(ReplicaSyncConfig::default(), 64);
+        a.routed(RequestId(1), WorkerId(1), &key);
+        let mut b = ReplicaSync::new(ReplicaId(1), 1, ReplicaSyncConfig::default());
+        b.await_snapshots();
+        b.apply(
+            a.routed(RequestId(2), WorkerId(2), &key),
+            &mut fb,
+            Nanos::ZERO,
+        );
+        assert_eq!(in_flight(&fb, 2), 0);
+        // A peer only heard from by its header during the wait starts at its next update.
+        let mut c = ReplicaSync::new(ReplicaId(2), 1, ReplicaSyncConfig::default());
+        c.routed(RequestId(1), WorkerId(1), &key);
+        b.heard_from(ReplicaId(2), 1, c.next_seq(), &mut fb, Nanos::ZERO);
+        b.end_snapshot_wait(&mut fb, Nanos::ZERO);
+        assert_eq!(in_flight(&fb, 2), 1);
+        assert_eq!(b.counters().skipped, 0);
+        b.apply(
+            c.routed(RequestId(2), WorkerId(1), &key),
+            &mut fb,
+            Nanos::ZERO,
+        );
+        assert_eq!(in_flight(&fb, 1), 1, "applied, not held");
+    }
+
+    #[test]
+    fn a_header_reveals_lost_updates_and_a_silent_peer_expires() {
+        let (mut a, mut b, mut fb, key) = pair(ReplicaSyncConfig::default(), 64);
+        b.apply(
+            a.routed(RequestId(1), WorkerId(1), &key),
+            &mut fb,
+            Nanos::ZERO,
+        );
+        let _lost = a.routed(RequestId(2), WorkerId(1), &key);
+        let held = a.routed(RequestId(3), WorkerId(2), &key);
+        b.apply(held, &mut fb, Nanos::ZERO);
+        assert_eq!(in_flight(&fb, 2), 0, "held behind the missing update");
+        // The header says update 3 is next: update 1 is lost, not late.
+        b.heard_from(ReplicaId(0), 1, a.next_seq(), &mut fb, Nanos::ZERO);
+        assert_eq!(in_flight(&fb, 2), 1);
+        assert_eq!(b.counters().skipped, 1);
+        assert!(b.take_resync_wanted());
+        assert!(!b.take_resync_wanted());
+        // A header from the replica's own id in another incarnation: a shared id.
+        b.heard_from(ReplicaId(1), 7, 0, &mut fb, Nanos::ZERO);
+        assert_eq!(b.counters().same_id, 1);
+        // Heard from within the lease: kept; silent past it: forgotten, its requests released.
+        let lease = Nanos::from_millis(3_000);
+        assert!(
+            b.expire_peers(Nanos::from_millis(2_000), lease, &mut fb)
+                .is_empty()
+        );
+        assert_eq!(
+            b.expire_peers(Nanos::from_millis(3_001), lease, &mut fb),
+            vec![ReplicaId(0)]
+        );
+        assert_eq!(in_flight(&fb, 1) + in_flight(&fb, 2), 0);
+        assert_eq!(b.peer_requests(), 0);
+        assert_eq!(b.counters().peers_expired, 1);
     }
 }
