@@ -902,13 +902,13 @@ impl KvIndex {
         if entry.children == 0 {
             self.unlink_leaf(e);
         }
-        // Children keep a stale parent reference; the generation bump makes it inert.
-        let now_empty = self
-            .blocks
-            .get_mut(&entry.seq)
-            .is_some_and(|holders| holders.remove(entry.slot));
-        if now_empty {
-            self.blocks.remove(&entry.seq);
+        // Children keep a stale parent reference; the generation bump makes it inert. One
+        // probe of the block map for both the holder update and the removal.
+        if let std::collections::hash_map::Entry::Occupied(mut holders) =
+            self.blocks.entry(entry.seq)
+            && holders.get_mut().remove(entry.slot)
+        {
+            holders.remove();
         }
         let record = &mut self.entries[e as usize];
         record.slot = NIL;

@@ -452,6 +452,16 @@ impl RoutingPolicy for CapacityGate {
         let Some(cap) = self.cap else {
             return self.inner.select(ctx, rng);
         };
+        // Counted before copying: below the cap (almost always) every worker is open and a
+        // fleet of a thousand candidates is not copied per decision.
+        let open = ctx
+            .candidates
+            .iter()
+            .filter(|c| c.load.in_flight < cap)
+            .count();
+        if open == 0 || open == ctx.candidates.len() {
+            return self.inner.select(ctx, rng);
+        }
         self.open.clear();
         self.positions.clear();
         for (i, c) in ctx.candidates.iter().enumerate() {
@@ -459,9 +469,6 @@ impl RoutingPolicy for CapacityGate {
                 self.open.push(*c);
                 self.positions.push(i);
             }
-        }
-        if self.open.is_empty() || self.open.len() == ctx.candidates.len() {
-            return self.inner.select(ctx, rng);
         }
         let open = SelectionContext {
             candidates: &self.open,

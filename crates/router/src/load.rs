@@ -236,9 +236,7 @@ impl FleetActive {
         for &s in cuts.iter().rev().filter(|&&s| s > 0) {
             let mut i = 0;
             for h in self.holders(&hashes[s - 1]) {
-                while i < workers.len() && id(&workers[i]) < *h {
-                    i += 1;
-                }
+                i = gallop(workers, i, |w| id(w) < *h);
                 if i == workers.len() {
                     break;
                 }
@@ -250,9 +248,41 @@ impl FleetActive {
     }
 }
 
+/// The first index at or after `from` where `before` turns false (`before` must be true up to
+/// some point and false after it, as `partition_point` needs). Exponential steps, then a
+/// binary search: O(log distance), so a block active on one worker of a thousand costs a few
+/// comparisons, and a walk over many holders stays linear.
+fn gallop<T>(items: &[T], from: usize, before: impl Fn(&T) -> bool) -> usize {
+    let mut lo = from;
+    let mut step = 1;
+    while lo < items.len() && before(&items[lo]) {
+        // `items[lo]` is before: the answer is past it. Probe `step` further next.
+        let next = lo + step;
+        if next >= items.len() || !before(&items[next]) {
+            let end = next.min(items.len());
+            return lo + 1 + items[lo + 1..end].partition_point(&before);
+        }
+        lo = next;
+        step *= 2;
+    }
+    lo
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gallop_finds_the_partition_point_from_any_start() {
+        for n in 0..40usize {
+            let items: Vec<usize> = (0..n).collect();
+            for cut in 0..=n {
+                for from in 0..=cut {
+                    assert_eq!(gallop(&items, from, |&x| x < cut), cut, "n {n} from {from}");
+                }
+            }
+        }
+    }
 
     fn hashes(range: std::ops::Range<u64>) -> Vec<SequenceHash> {
         range.map(SequenceHash).collect()

@@ -261,6 +261,9 @@ pub struct Router {
     index: KvIndex,
     /// Ascending by id, so candidates come in a stable order.
     workers: Vec<WorkerEntry>,
+    /// `workers`' ids, in the same order: the active-prefix merge walks a thousand ids per
+    /// decision, which a dense array keeps in a few cache lines.
+    worker_ids: Vec<WorkerId>,
     requests: FxHashMap<RequestId, Tracked>,
     policy: Box<dyn RoutingPolicy>,
     rng: PolicyRng,
@@ -318,6 +321,7 @@ impl Router {
             block_size,
             index: KvIndex::new(config.index),
             workers: Vec::new(),
+            worker_ids: Vec::new(),
             requests: FxHashMap::default(),
             policy,
             rng: PolicyRng::seed_from_u64(config.seed),
@@ -358,6 +362,7 @@ impl Router {
                 if self.workers.len() >= limit {
                     return Err(RouteError::TooManyWorkers { limit });
                 }
+                self.worker_ids.insert(i, worker);
                 self.workers.insert(
                     i,
                     WorkerEntry {
@@ -379,6 +384,7 @@ impl Router {
     pub fn remove_worker(&mut self, worker: WorkerId) -> Vec<RequestId> {
         if let Ok(i) = self.workers.binary_search_by_key(&worker, |w| w.id) {
             let mut entry = self.workers.remove(i);
+            self.worker_ids.remove(i);
             entry.account.forget(worker, &mut self.fleet_active);
         }
         self.index.remove_worker(worker);
@@ -738,8 +744,8 @@ impl Router {
         self.fleet_active.prefix_lens(
             &key.seq,
             &self.cuts,
-            &self.workers,
-            |w| w.id,
+            &self.worker_ids,
+            |w| *w,
             &mut self.prefix_lens,
         );
         self.candidates.clear();
