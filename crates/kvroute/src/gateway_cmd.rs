@@ -313,6 +313,15 @@ pub fn run(args: GatewayArgs) -> Result<()> {
             routable,
             gateway.url()
         );
+        // Engines on NATS are learned from their next heartbeat, not at once: say why the
+        // first requests get 503 rather than leave the user guessing.
+        if let (true, Some(nats)) = (workers.is_empty(), &nats) {
+            println!(
+                "kvroute gateway: waiting for workers to register over NATS ({nats}); each \
+                 engine announces itself every third of its --lease-ms (RUST_LOG=info logs \
+                 each registration)"
+            );
+        }
         // Where each worker's cache view comes from: a KV-aware policy without events for a
         // worker routes as if its cache were empty, so say so rather than route blind quietly.
         for (info, _, reachable) in &workers {
