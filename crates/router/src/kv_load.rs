@@ -376,13 +376,17 @@ mod tests {
 
     fn pick_with(params: KvLoadParams, workers: &[Worker]) -> u64 {
         let candidates: Vec<Candidate> = workers.iter().map(Worker::candidate).collect();
+        choose(&mut KvLoad::new(params), &candidates)
+    }
+
+    /// The worker `policy` picks for the test's request among `candidates`.
+    fn choose(policy: &mut KvLoad, candidates: &[Candidate]) -> u64 {
         let ctx = SelectionContext {
             prompt_tokens: PROMPT_TOKENS,
             prompt_blocks: PROMPT_BLOCKS,
             block_size: BLOCK,
-            candidates: &candidates,
+            candidates,
         };
-        let mut policy = KvLoad::new(params);
         let mut rng = PolicyRng::seed_from_u64(7);
         candidates[policy.select(&ctx, &mut rng)].worker.0
     }
@@ -426,22 +430,17 @@ mod tests {
         candidates[0].load.active_blocks = 12_900;
         candidates[0].potential_active_blocks = 12_900 + u64::from(PROMPT_BLOCKS);
         assert!(!KvLoad::has_headroom(&candidates[0]));
-        let choose = |candidates: &[Candidate]| {
-            let ctx = SelectionContext {
-                prompt_tokens: PROMPT_TOKENS,
-                prompt_blocks: PROMPT_BLOCKS,
-                block_size: BLOCK,
+        let pick_among = |candidates: &[Candidate]| {
+            WorkerId(choose(
+                &mut KvLoad::new(KvLoadParams::default()),
                 candidates,
-            };
-            let mut rng = PolicyRng::seed_from_u64(7);
-            let mut policy = KvLoad::new(KvLoadParams::default());
-            candidates[policy.select(&ctx, &mut rng)].worker
+            ))
         };
-        assert_eq!(choose(&candidates), WorkerId(2));
+        assert_eq!(pick_among(&candidates), WorkerId(2));
         // With room in its pool the history wins.
         candidates[0].load.active_blocks = 1_000;
         candidates[0].potential_active_blocks = 1_000 + u64::from(PROMPT_BLOCKS);
-        assert_eq!(choose(&candidates), WorkerId(1));
+        assert_eq!(pick_among(&candidates), WorkerId(1));
     }
 
     #[test]
@@ -546,17 +545,6 @@ mod tests {
             c
         };
         [candidate(1, 4_000, 10, 20_000), candidate(2, 0, 10, 80_000)]
-    }
-
-    fn choose(policy: &mut KvLoad, candidates: &[Candidate]) -> u64 {
-        let ctx = SelectionContext {
-            prompt_tokens: PROMPT_TOKENS,
-            prompt_blocks: PROMPT_BLOCKS,
-            block_size: BLOCK,
-            candidates,
-        };
-        let mut rng = PolicyRng::seed_from_u64(7);
-        candidates[policy.select(&ctx, &mut rng)].worker.0
     }
 
     #[test]
