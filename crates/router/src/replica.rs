@@ -365,17 +365,9 @@ impl ReplicaSync {
         // Replace: release what the snapshot no longer lists, count what it adds.
         let listed: rustc_hash::FxHashSet<u64> =
             snapshot.requests.iter().map(|r| r.request).collect();
-        let mut gone: Vec<((ReplicaId, u64), RequestId)> = self
-            .requests
-            .iter()
-            .filter(|(k, _)| k.0 == from && !listed.contains(&k.1))
-            .map(|(k, v)| (*k, *v))
-            .collect();
-        gone.sort_unstable_by_key(|(_, local)| *local);
-        for (k, local) in gone {
-            self.requests.remove(&k);
-            frontend.on_finished(local, now);
-        }
+        self.release_where(frontend, now, |&(peer, request)| {
+            peer == from && !listed.contains(&request)
+        });
         for r in snapshot.requests {
             let key = (from, r.request);
             if !self.requests.contains_key(&key) {
@@ -606,16 +598,26 @@ impl ReplicaSync {
     }
 
     fn release_peer(&mut self, peer: ReplicaId, frontend: &mut Frontend, now: Nanos) {
-        let mut gone: Vec<((ReplicaId, u64), RequestId)> = self
+        self.release_where(frontend, now, |&(p, _)| p == peer);
+    }
+
+    /// Releases the peer requests whose (peer, request) key `gone` selects from the frontend.
+    fn release_where(
+        &mut self,
+        frontend: &mut Frontend,
+        now: Nanos,
+        gone: impl Fn(&(ReplicaId, u64)) -> bool,
+    ) {
+        let mut released: Vec<((ReplicaId, u64), RequestId)> = self
             .requests
             .iter()
-            .filter(|(k, _)| k.0 == peer)
+            .filter(|(k, _)| gone(k))
             .map(|(k, v)| (*k, *v))
             .collect();
         // The map's order is not the run's: release in a fixed order so the queue is served
         // the same way every time.
-        gone.sort_unstable_by_key(|(_, local)| *local);
-        for (k, local) in gone {
+        released.sort_unstable_by_key(|(_, local)| *local);
+        for (k, local) in released {
             self.requests.remove(&k);
             frontend.on_finished(local, now);
         }
