@@ -234,6 +234,10 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
             "--zmq-replay must be auto, off or a ZMQ endpoint (tcp://HOST:PORT), got `{other}`"
         ),
     };
+    if config.zmq_replay.is_some() && args.zmq_replay_buffer == 0 {
+        // A replay socket that keeps nothing would announce replay and never fill a gap.
+        bail!("--zmq-replay-buffer must be at least 1 batch (--zmq-replay off offers no replay)");
+    }
     config.zmq_replay_buffer = args.zmq_replay_buffer;
     config.zmq_event_encoding = match args.zmq_event_encoding {
         ZmqEventEncoding::Map => EventEncoding::TaggedMap,

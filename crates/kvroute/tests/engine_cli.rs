@@ -109,6 +109,10 @@ fn engine_refuses_bad_arguments_with_a_clear_error() {
             ],
             "it needs --zmq-pub on",
         ),
+        (
+            &["engine", "--zmq-replay-buffer", "0"],
+            "--zmq-replay-buffer must be at least 1 batch",
+        ),
     ]);
 }
 
