@@ -24,7 +24,7 @@ PF := deploy/scripts/port-forward.sh $(NAMESPACE)
 LOADGEN_AUTH = -H "authorization: Bearer $$($(KUBECTL) -n $(NAMESPACE) get secret kvroute-loadgen -o jsonpath='{.data.api-token}' | base64 -d)"
 
 .PHONY: help image push manifests validate deploy teardown demo-local demo-start demo-stop \
-	demo-status demo-ui test-inference test-kv-cache validate-all dashboards
+	demo-status demo-ui test-inference test-kv-cache validate-all validate-vllm dashboards
 
 help: ## This list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
@@ -48,6 +48,11 @@ manifests: ## Render OVERLAY with IMAGE into target/deploy/OVERLAY/all.yaml
 validate: ## Check every overlay as CI does: render, schemas, kvroute command lines
 	cargo test --offline -p kvroute --test deploy_manifests
 	cargo test --offline -p kvroute --bin kvroute deploy_
+
+validate-vllm: ## Parse the vllm and doks overlays' vLLM command lines with vLLM's own parser (needs pip install vllm)
+	@for overlay in vllm doks; do \
+		$(KUBECTL) kustomize deploy/k8s/overlays/$$overlay | python3 deploy/k8s/check_vllm_args.py - || exit 1; \
+	done
 
 deploy: manifests ## Apply OVERLAY to the cluster and wait for it to be ready
 	$(KUBECTL) apply -f $(BUILD)/all.yaml

@@ -242,6 +242,147 @@ fn the_overlays_carry_what_they_promise() {
     );
 }
 
+/// The fields of vLLM's `KVEventsConfig` and `KVTransferConfig` (vllm/config/kv_events.py and
+/// kv_transfer.py, read in vLLM 0.33.0): vLLM's parser rejects a JSON key outside them, so a
+/// typo would stop every worker at start-up, on the cluster.
+const VLLM_KV_EVENTS_FIELDS: [&str; 8] = [
+    "enable_kv_cache_events",
+    "publisher",
+    "endpoint",
+    "replay_endpoint",
+    "buffer_steps",
+    "hwm",
+    "max_queue_size",
+    "topic",
+];
+const VLLM_KV_TRANSFER_ROLES: [&str; 3] = ["kv_producer", "kv_consumer", "kv_both"];
+
+/// The port of a ZMQ endpoint such as `tcp://*:5557`.
+fn zmq_port(endpoint: &str) -> u64 {
+    let port = endpoint.rsplit(':').next().unwrap();
+    port.parse()
+        .unwrap_or_else(|_| panic!("no port in {endpoint}"))
+}
+
+/// The JSON value of `--flag={...}` in `args`.
+fn json_flag(args: &[Value], flag: &str) -> Option<Value> {
+    args.iter().filter_map(Value::as_str).find_map(|a| {
+        let json = a.strip_prefix(flag)?.strip_prefix('=')?;
+        Some(serde_json::from_str(json).unwrap_or_else(|e| panic!("{flag}: {e}: {json}")))
+    })
+}
+
+#[test]
+fn vllm_workers_publish_their_kv_events_where_the_gateway_listens() {
+    let k8s = repo_root().join("deploy/k8s/overlays");
+    for overlay in ["vllm", "doks"] {
+        let Some(yaml) = render(&k8s.join(overlay)) else {
+            return;
+        };
+        let objects = objects(&yaml);
+        let gateway = find(&objects, "Deployment", "gateway")["spec"]["template"]["spec"]
+            ["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_string)
+            .collect::<Vec<_>>();
+        let gateway_block_size = gateway
+            .iter()
+            .find_map(|a| a.strip_prefix("--kv-block-size="))
+            .expect("the gateway names its block size");
+        let workers: Vec<&String> = gateway
+            .iter()
+            .filter(|a| a.starts_with("--worker="))
+            .collect();
+        let vllm_sets: Vec<&Value> = objects
+            .iter()
+            .filter(|o| {
+                o["kind"] == "StatefulSet"
+                    && o["spec"]["template"]["spec"]["containers"][0]["command"][0] == "vllm"
+            })
+            .collect();
+        assert!(!vllm_sets.is_empty(), "{overlay}: no vLLM workers");
+        for set in vllm_sets {
+            let name = set["metadata"]["name"].as_str().unwrap();
+            let service = set["spec"]["serviceName"].as_str().unwrap();
+            let container = &set["spec"]["template"]["spec"]["containers"][0];
+            let args = container["args"].as_array().unwrap();
+            assert!(
+                args.iter()
+                    .any(|a| a.as_str() == Some(&format!("--block-size={gateway_block_size}"))),
+                "{overlay}/{name}: --block-size must equal the gateway's {gateway_block_size}"
+            );
+            let events = json_flag(args, "--kv-events-config")
+                .unwrap_or_else(|| panic!("{overlay}/{name}: no --kv-events-config"));
+            for key in events.as_object().unwrap().keys() {
+                assert!(
+                    VLLM_KV_EVENTS_FIELDS.contains(&key.as_str()),
+                    "{overlay}/{name}: vLLM has no kv-events field {key:?}"
+                );
+            }
+            assert_eq!(events["enable_kv_cache_events"], true, "{overlay}/{name}");
+            assert_eq!(events["publisher"], "zmq", "{overlay}/{name}");
+            if let Some(transfer) = json_flag(args, "--kv-transfer-config") {
+                let role = transfer["kv_role"].as_str().unwrap_or_default();
+                assert!(
+                    VLLM_KV_TRANSFER_ROLES.contains(&role),
+                    "{overlay}/{name}: kv_role {role:?}"
+                );
+            }
+            let service_ports = find(&objects, "Service", service)["spec"]["ports"]
+                .as_array()
+                .unwrap()
+                .clone();
+            for (field, port_name, worker_key) in [
+                ("endpoint", "kv-events", "zmq"),
+                ("replay_endpoint", "kv-replay", "zmq_replay"),
+            ] {
+                let port = zmq_port(events[field].as_str().unwrap_or_else(|| {
+                    panic!("{overlay}/{name}: no {field} in --kv-events-config")
+                }));
+                let declared = container["ports"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|p| p["name"] == port_name)
+                    .unwrap_or_else(|| panic!("{overlay}/{name}: no container port {port_name}"));
+                assert_eq!(
+                    declared["containerPort"], port,
+                    "{overlay}/{name}: {port_name}"
+                );
+                assert!(
+                    service_ports
+                        .iter()
+                        .any(|p| p["port"] == port && p["targetPort"] == port_name),
+                    "{overlay}/{name}: Service {service} does not expose {port_name}"
+                );
+                // Every gateway --worker on this StatefulSet subscribes to that port.
+                let on_this_set: Vec<&&String> = workers
+                    .iter()
+                    .filter(|w| w.contains(&format!(".{service}:")))
+                    .collect();
+                assert!(
+                    !on_this_set.is_empty(),
+                    "{overlay}: no --worker on {service}"
+                );
+                for worker in on_this_set {
+                    let endpoint = worker
+                        .split(',')
+                        .find_map(|kv| kv.strip_prefix(&format!("{worker_key}=")))
+                        .unwrap_or_else(|| panic!("{overlay}: {worker} has no {worker_key}="));
+                    assert_eq!(zmq_port(endpoint), port, "{overlay}: {worker}");
+                    assert!(
+                        endpoint.contains(&format!(".{service}:")),
+                        "{overlay}: {worker} subscribes elsewhere"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Runs deploy/k8s/validate.py on `yaml`; its output and success.
 fn validate(yaml: &str) -> (String, bool) {
     let script = repo_root().join("deploy/k8s/validate.py");
