@@ -46,6 +46,7 @@ manifests: ## Render OVERLAY with IMAGE into target/deploy/OVERLAY/all.yaml
 	@echo "rendered $(BUILD)/all.yaml ($(IMAGE))"
 
 validate: ## Check every overlay as CI does: render, schemas, kvroute command lines
+	@[ -d deploy/k8s/crd-check/node_modules/@kubernetes-models/keda ] || npm ci --prefix deploy/k8s/crd-check --no-audit --no-fund
 	cargo test --offline -p kvroute --test deploy_manifests
 	cargo test --offline -p kvroute --bin kvroute deploy_
 

@@ -1,7 +1,9 @@
 //! The Kubernetes manifests in `deploy/k8s/`, offline: `kubectl kustomize` renders the base
 //! and every overlay, and every rendered object validates against the Kubernetes schemas
 //! (PyPI `kubernetes-validate`, strict) and the CRD schemas vendored in
-//! `deploy/k8s/schemas/` (KEDA, Gateway API), through `deploy/k8s/validate.py`. The
+//! `deploy/k8s/schemas/` (KEDA, Gateway API), through `deploy/k8s/validate.py`, and the KEDA
+//! and Gateway API objects against the upstream schemas (npm's kubernetes-models, through
+//! `deploy/k8s/crd-check/validate.mjs`). The
 //! containers' `kvroute` command lines are checked by the binary's own parser, in
 //! `src/deploy_args.rs`.
 //!
@@ -419,6 +421,85 @@ fn every_rendered_object_validates_against_kubernetes_and_crd_schemas() {
         println!("{}: {}", dir.display(), report.trim());
         assert!(ok, "{}:\n{report}", dir.display());
     }
+}
+
+/// Runs deploy/k8s/crd-check/validate.mjs (KEDA and Gateway API objects against the upstream
+/// schemas from npm's kubernetes-models) on `objects`: its output and success, or None (with
+/// the reason printed) when Node.js is missing.
+fn validate_upstream_crds(objects: &[Value]) -> Option<(String, bool)> {
+    let dir = repo_root().join("deploy/k8s/crd-check");
+    assert!(
+        dir.join("node_modules/@kubernetes-models/keda").exists(),
+        "deploy/k8s/crd-check needs its npm packages: npm ci --prefix deploy/k8s/crd-check \
+         (.ci/run does)"
+    );
+    let mut child = match Command::new("node")
+        .arg(dir.join("validate.mjs"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Ok(child) => child,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            println!(
+                "SKIPPED: Node.js is not installed, so the upstream CRD schemas are not checked"
+            );
+            return None;
+        }
+        Err(e) => panic!("running node: {e}"),
+    };
+    let json = serde_json::to_vec(objects).unwrap();
+    child.stdin.take().unwrap().write_all(&json).unwrap();
+    let output = child.wait_with_output().unwrap();
+    Some((
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ),
+        output.status.success(),
+    ))
+}
+
+#[test]
+fn keda_and_gateway_api_objects_validate_against_the_upstream_schemas() {
+    let mut checked = 0;
+    for dir in kustomizations() {
+        let Some(yaml) = render(&dir) else { return };
+        let Some((report, ok)) = validate_upstream_crds(&objects(&yaml)) else {
+            return;
+        };
+        println!("{}:\n{}", dir.display(), report.trim());
+        assert!(ok, "{}:\n{report}", dir.display());
+        checked += report.lines().filter(|l| l.starts_with("ok")).count();
+    }
+    // doks: a Gateway, an HTTPRoute and one ScaledObject per pool.
+    assert!(
+        checked >= 4,
+        "only {checked} KEDA / Gateway API objects were checked"
+    );
+
+    // Guards the guard: a wrong type in each kind fails.
+    let bad: Vec<Value> = serde_json::from_str(
+        r#"[
+        {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "o"},
+         "spec": {"scaleTargetRef": {"name": "x"}, "maxReplicaCount": "five",
+                  "triggers": [{"type": "cpu", "metadata": {}}]}},
+        {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "r"},
+         "spec": {"rules": [{"backendRefs": [{"name": "gateway", "port": "http"}]}]}}
+    ]"#,
+    )
+    .unwrap();
+    let Some((report, ok)) = validate_upstream_crds(&bad) else {
+        return;
+    };
+    assert!(!ok, "{report}");
+    assert!(
+        report.contains("maxReplicaCount must be integer"),
+        "{report}"
+    );
+    assert!(report.contains("port must be integer"), "{report}");
 }
 
 #[test]
