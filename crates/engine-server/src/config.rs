@@ -40,6 +40,8 @@ pub struct NatsConfig {
     /// The shared registration token carried in announcements, heartbeats and goodbyes
     /// (`--registration-token`); gateways with a token ignore workers without it.
     pub registration_token: Option<String>,
+    /// TLS and credentials for `url`.
+    pub security: protocol::nats_client::NatsSecurity,
 }
 
 /// Everything an engine server needs. [`EngineServerConfig::new`] gives seed 002's worker

@@ -142,7 +142,9 @@ impl EngineServer {
             .map_err(bind_error)?;
         let local_addr = listener.local_addr().map_err(bind_error)?;
         let nats = match &config.nats {
-            Some(nats) => Some(publish::Nats::connect(&nats.url, &nats.namespace).await?),
+            Some(nats) => {
+                Some(publish::Nats::connect(&nats.url, &nats.security, &nats.namespace).await?)
+            }
             None => None,
         };
         let zmq = match &config.zmq_pub {
@@ -175,7 +177,11 @@ impl EngineServer {
             max_model_len: Some(profile.max_context_tokens),
             limits: engine.limits(),
             speedup: Some(config.speedup),
-            nats_url: config.nats.as_ref().map(|n| n.url.clone()),
+            // Credentials in the URL stay in this process.
+            nats_url: config
+                .nats
+                .as_ref()
+                .map(|n| protocol::nats_client::redact(&n.url)),
             nats_kv_subject: nats
                 .as_ref()
                 .map(|n| n.subjects.kv_events(config.worker_id)),

@@ -11,6 +11,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kv_index::{KvEvent, WorkerId};
+use protocol::nats_client::NatsSecurity;
 use protocol::vllm::{
     EventEncoding, ReplayBuffer, VllmEvent, VllmEventBatch, decode_replay_request,
     encode_multipart, encode_replay_end, encode_replay_frame,
@@ -22,11 +23,8 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 /// Why a publisher could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
-    #[error("cannot connect to NATS at {url}: {source} (is nats-server running?)")]
-    NatsConnect {
-        url: String,
-        source: async_nats::ConnectError,
-    },
+    #[error("{0} (is nats-server running?)")]
+    NatsConnect(protocol::nats_client::NatsConnectError),
     #[error(transparent)]
     Namespace(#[from] protocol::BadNamespace),
     #[error("cannot bind the ZMQ publisher (or its replay socket) on {endpoint}: {source}")]
@@ -46,15 +44,15 @@ pub struct Nats {
 }
 
 impl Nats {
-    pub async fn connect(url: &str, namespace: &str) -> Result<Nats, PublishError> {
+    pub async fn connect(
+        url: &str,
+        security: &NatsSecurity,
+        namespace: &str,
+    ) -> Result<Nats, PublishError> {
         let subjects = Subjects::new(namespace)?;
-        let client =
-            async_nats::connect(url)
-                .await
-                .map_err(|source| PublishError::NatsConnect {
-                    url: url.to_string(),
-                    source,
-                })?;
+        let client = protocol::nats_client::connect(url, security, Duration::from_secs(5))
+            .await
+            .map_err(PublishError::NatsConnect)?;
         Ok(Nats { client, subjects })
     }
 }

@@ -80,6 +80,7 @@ async fn nats_events_rebuild_the_engines_cache_and_registration_has_a_lease() {
         namespace: "kvtest".into(),
         lease_ms: 300,
         registration_token: None,
+        security: Default::default(),
     });
     let (server, base) = start(cfg).await;
     assert_eq!(

@@ -201,6 +201,8 @@ pub struct GatewayConfig {
     pub block_size_wait: Duration,
     /// NATS server for KV events in our format and dynamic worker registration.
     pub nats_url: Option<String>,
+    /// TLS and credentials for `nats_url`.
+    pub nats_security: protocol::nats_client::NatsSecurity,
     /// Namespace of NATS subjects (`kvroute.<namespace>.…`).
     pub namespace: String,
     /// The shared registration token: NATS worker messages without it are ignored
@@ -324,6 +326,7 @@ impl Default for GatewayConfig {
             block_size_from_workers: false,
             block_size_wait: Duration::from_secs(30),
             nats_url: None,
+            nats_security: Default::default(),
             namespace: "default".to_string(),
             registration_token: None,
             rate_limit: None,

@@ -92,8 +92,10 @@ pub enum GatewayError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error("cannot connect to NATS at {url}: {message} (is nats-server running? --nats URL)")]
-    Nats { url: String, message: String },
+    #[error("{0} (is nats-server running? --nats URL)")]
+    Nats(protocol::nats_client::NatsConnectError),
+    #[error("NATS, once connected, refused a subscription or request: {0}")]
+    NatsSubscribe(String),
     #[error("worker {url}: {source}")]
     Worker {
         url: String,
@@ -267,14 +269,10 @@ impl Gateway {
         }
 
         if let (Some(url), Some(subjects)) = (&config.nats_url, subjects) {
-            let client = async_nats::ConnectOptions::new()
-                .connection_timeout(Duration::from_secs(5))
-                .connect(url.as_str())
-                .await
-                .map_err(|e| GatewayError::Nats {
-                    url: url.clone(),
-                    message: e.to_string(),
-                })?;
+            let client =
+                protocol::nats_client::connect(url, &config.nats_security, Duration::from_secs(5))
+                    .await
+                    .map_err(GatewayError::Nats)?;
             gateway.tasks.push(tokio::spawn(events::run_nats_events(
                 client.clone(),
                 subjects.clone(),

@@ -130,10 +130,7 @@ pub(crate) async fn join(
     if !settings.sync {
         return Ok(link);
     }
-    let nats_error = |e: &dyn std::fmt::Display| GatewayError::Nats {
-        url: "(connected)".into(),
-        message: e.to_string(),
-    };
+    let nats_error = |e: &dyn std::fmt::Display| GatewayError::NatsSubscribe(e.to_string());
     let (outbox, rx) = mpsc::channel(OUTBOX_CAPACITY);
     let resync = Arc::new(Notify::new());
     dispatcher.enable_replica_sync(

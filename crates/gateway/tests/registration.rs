@@ -26,6 +26,7 @@ async fn engine_with_token(
             namespace: namespace.to_string(),
             lease_ms: 1_000,
             registration_token: token.map(str::to_owned),
+            security: Default::default(),
         }),
         ..engine_config(id)
     })

@@ -43,8 +43,10 @@ pub struct EngineArgs {
     #[arg(long, default_value = "llama-3.1-70b-instruct")]
     model: String,
     /// Publish KV events (kvroute's format) and register this worker on this NATS server.
-    #[arg(long, env = "NATS_URL")]
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
     nats: Option<String>,
+    #[command(flatten)]
+    nats_security: crate::nats_args::NatsSecurityArgs,
     /// NATS subject namespace (`kvroute.<namespace>.…`).
     #[arg(long, default_value = "default")]
     namespace: String,
@@ -211,6 +213,7 @@ pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
         namespace: args.namespace.clone(),
         lease_ms: args.lease_ms,
         registration_token: args.registration_token.clone(),
+        security: args.nats_security.security(),
     });
     config.zmq_pub = match args.zmq_pub.as_str() {
         "off" => None,

@@ -88,8 +88,10 @@ pub struct GatewayArgs {
     #[arg(long, default_value_t = 0)]
     router_seed: u64,
     /// NATS server for KV events (kvroute's format) and worker registration.
-    #[arg(long, env = "NATS_URL")]
+    #[arg(long, env = "NATS_URL", hide_env_values = true)]
     nats: Option<String>,
+    #[command(flatten)]
+    nats_security: crate::nats_args::NatsSecurityArgs,
     /// NATS subject namespace (`kvroute.<namespace>.…`), as the workers use.
     #[arg(long, default_value = "default")]
     namespace: String,
@@ -240,6 +242,7 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
         router: router_config(args)?,
         block_size_from_workers: args.kv_block_size.is_none(),
         nats_url: args.nats.clone(),
+        nats_security: args.nats_security.security(),
         namespace: args.namespace.clone(),
         registration_token: args.registration_token.clone(),
         rate_limit: args
@@ -301,7 +304,11 @@ pub fn run(args: GatewayArgs) -> Result<()> {
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let mode = config.router.policy;
-        let nats = config.nats_url.clone();
+        // Printed below: without the credentials the URL may carry.
+        let nats = config
+            .nats_url
+            .as_deref()
+            .map(protocol::nats_client::redact);
         let approximate = matches!(config.router.kv_source, KvSource::Approximate { .. });
         let mut gateway = Gateway::bind(config).await?;
         let workers = gateway.dispatcher().workers();

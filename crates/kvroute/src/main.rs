@@ -20,6 +20,7 @@ mod demo_prometheus;
 mod deploy_args;
 mod engine_cmd;
 mod gateway_cmd;
+mod nats_args;
 mod profiles;
 mod robustness;
 mod sim_cmd;

@@ -62,6 +62,8 @@ pub mod http;
 pub mod kv_events;
 #[cfg(feature = "axum")]
 pub mod listener;
+#[cfg(feature = "nats")]
+pub mod nats_client;
 pub mod openai;
 pub mod replicas;
 pub mod sse;

@@ -50,6 +50,7 @@ pub async fn engine(id: u64, nats: Option<(&str, &str)>) -> EngineServerHandle {
             namespace: namespace.to_string(),
             lease_ms: 1_000,
             registration_token: None,
+            security: Default::default(),
         }),
         ..engine_config(id)
     })

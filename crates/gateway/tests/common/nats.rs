@@ -1,5 +1,7 @@
 //! A real `nats-server` for tests: spawned on a free loopback port, killed on drop. Shared by
-//! the engine server's, the gateway's and the `kvroute` binary's tests (`#[path]`).
+//! the engine server's, the gateway's and the `kvroute` binary's tests (`#[path]`), each of
+//! which uses part of it.
+#![allow(dead_code)]
 
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -36,6 +38,16 @@ fn nats_binary() -> PathBuf {
 impl NatsServer {
     /// Starts `nats-server` and waits until it accepts connections.
     pub fn start() -> NatsServer {
+        NatsServer::start_with(&[])
+    }
+
+    /// Starts `nats-server` with a configuration file (TLS, authorization…); the address
+    /// and port given on its command line take precedence over the file's.
+    pub fn start_with_config(config: &std::path::Path) -> NatsServer {
+        NatsServer::start_with(&["-c", config.to_str().expect("a UTF-8 path")])
+    }
+
+    fn start_with(extra: &[&str]) -> NatsServer {
         let port = {
             let probe = TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))
                 .expect("a free loopback port");
@@ -43,6 +55,7 @@ impl NatsServer {
         };
         let binary = nats_binary();
         let child = Command::new(&binary)
+            .args(extra)
             .args(["-a", "127.0.0.1", "-p", &port.to_string()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -98,7 +98,12 @@ pub struct Running(pub Child);
 impl Running {
     /// Starts `kvroute ARGS` with stdout piped for the test to read and stderr to `stderr`.
     pub fn spawn(args: &[&str], stderr: Stdio) -> Running {
-        let child = kvroute()
+        Running::spawn_command(kvroute(), args, stderr)
+    }
+
+    /// The same from a prepared `kvroute()` command (its environment set, say).
+    pub fn spawn_command(mut command: Command, args: &[&str], stderr: Stdio) -> Running {
+        let child = command
             .args(args)
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -196,7 +201,12 @@ impl Server {
     /// assets first, slower still on a busy machine) for its "listening on" line. Its stderr
     /// goes to the test's, so a server that fails to start says why.
     pub fn start(args: &[&str]) -> Server {
-        let mut running = Running::spawn(args, Stdio::inherit());
+        Server::start_command(kvroute(), args)
+    }
+
+    /// The same from a prepared `kvroute()` command (its environment set, say).
+    pub fn start_command(command: Command, args: &[&str]) -> Server {
+        let mut running = Running::spawn_command(command, args, Stdio::inherit());
         let stdout = running.take_stdout();
         let (tx, rx) = mpsc::channel();
         // Reads stdout to its end, so a chatty server never blocks on a full pipe.
