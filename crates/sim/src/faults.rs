@@ -88,11 +88,11 @@ pub const HEALTH_INTERVAL: Nanos = Nanos::from_secs(2);
 pub const PROBE_TIMEOUT: Nanos = Nanos::from_secs(2);
 /// Retries after a first-byte timeout before the client gets a 504.
 pub const TIMEOUT_RETRIES: u32 = 1;
-/// The gateway's peer lease (`--replica-peer-lease`'s default): a replica silent this long is
+/// The gateway's peer lease (`ReplicaSettings::peer_lease`'s default): a replica silent this long is
 /// forgotten by its peers, its requests released.
 pub const PEER_LEASE: Nanos = Nanos::from_secs(3);
 /// How long a starting replica waits for its peers' snapshots before it serves anyway
-/// (the gateway's `--replica-snapshot-timeout` default).
+/// (the gateway's `ReplicaSettings::snapshot_timeout` default).
 pub const SNAPSHOT_TIMEOUT: Nanos = Nanos::from_millis(500);
 /// Most KV events in transit at once; past it an event is dropped (and the gap policy
 /// resynchronises), so a delay fault cannot grow memory without bound.
