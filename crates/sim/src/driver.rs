@@ -1873,7 +1873,7 @@ impl<W: Workload> Simulation<W> {
         let lost = match m.kill(r as usize, &workers, now) {
             Ok(lost) => lost,
             Err(e) => {
-                self.fatal = Some(ConfigError::from(e).into());
+                self.fatal = Some(e.into());
                 return;
             }
         };

@@ -21,7 +21,7 @@ use router::{
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use crate::config::ReplicaSetup;
+use crate::config::{ConfigError, ReplicaSetup};
 
 /// The replicas' side of a run, for the report.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
@@ -436,7 +436,7 @@ impl Replicas {
         r: usize,
         workers: &[(WorkerId, WorkerLimits)],
         now: Nanos,
-    ) -> Result<Vec<RequestId>, RouterConfigError> {
+    ) -> Result<Vec<RequestId>, ConfigError> {
         let mut lost: Vec<RequestId> = self
             .owners
             .iter()
@@ -449,8 +449,7 @@ impl Replicas {
         }
         let mut fresh = Frontend::new(self.router_configs[r].clone(), self.frontend_config)?;
         for (worker, limits) in workers {
-            // The set was valid in the frontend it replaces.
-            let _ = fresh.add_worker(*worker, *limits, now);
+            fresh.add_worker(*worker, *limits, now)?;
         }
         self.frontends[r] = fresh;
         self.life[r] = Life::Down;
