@@ -13,6 +13,9 @@ export class ApiError extends Error {
 // /?token=TOKEN and sends it with every API request and the WebSocket (docs/LOADGEN-API.md).
 const API_TOKEN = new URLSearchParams(location.search).get('token');
 
+/** Whether this page was opened with `?token=`. */
+export const hasApiToken = () => !!API_TOKEN;
+
 async function request(method, path, body) {
   const init = { method, headers: { Accept: 'application/json' } };
   if (API_TOKEN) init.headers.Authorization = `Bearer ${API_TOKEN}`;

@@ -73,6 +73,27 @@ const conversations = new Conversations({
   isCompare: () => (state.status?.lanes?.length ?? 0) === 2,
 });
 
+// ---- access ----
+
+/**
+ * A 401 from the API: the load generator wants its token (--api-token) and this page has
+ * none, or a wrong one. Say so and how to open the page, instead of staying "disconnected".
+ */
+function onApiError(err) {
+  if (err?.status !== 401) return;
+  const banner = $('auth-banner');
+  const why = api.hasApiToken()
+    ? 'The load generator refused the token in this page\'s address.'
+    : 'This load generator needs its API token.';
+  setText(banner, `${why} Open the dashboard as ${location.origin}${location.pathname}?token=TOKEN `
+    + `with the token it was started with (--api-token or KVROUTE_API_TOKEN). Server: ${err.message}`);
+  banner.hidden = false;
+}
+
+function clearApiError() {
+  $('auth-banner').hidden = true;
+}
+
 // ---- header ----
 
 function renderHeader() {
@@ -123,6 +144,7 @@ $('btn-reset').addEventListener('click', () => runAction(reset, 'Reset'));
 
 function applyStatus(status) {
   if (!isStatus(status)) return;
+  clearApiError();
   // Ignore answers older than what is shown (a REST answer racing the WebSocket).
   if (state.status && typeof status.time_ms === 'number' && typeof state.status.time_ms === 'number'
     && status.time_ms < state.status.time_ms) return;
@@ -161,7 +183,7 @@ const socket = new api.StatusSocket({
 });
 
 setInterval(() => {
-  if (!state.connected) api.getStatus().then(applyStatus, () => {});
+  if (!state.connected) api.getStatus().then(applyStatus, onApiError);
 }, STATUS_POLL_MS);
 
 // ---- routing ----
@@ -202,7 +224,7 @@ window.addEventListener('hashchange', route);
 
 renderHeader();
 route();
-api.getStatus().then(applyStatus, () => {});
+api.getStatus().then(applyStatus, onApiError);
 loadBaseline();
 loadHistory();
 socket.open();

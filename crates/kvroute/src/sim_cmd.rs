@@ -293,8 +293,10 @@ pub struct SimArgs {
     /// comma-separated scenarios, each with an optional parameter, e.g.
     /// `worker-crash,event-loss=0.05`. Scenarios: worker-crash[=SECONDS] (restart delay, 30),
     /// worker-hang[=SECONDS] (90), slow-worker[=FACTOR] (2), event-loss[=P] (0.02),
-    /// event-delay[=MS] (500), event-duplicate[=P] (0.02), event-reorder[=P] (0.02); `none`
-    /// checks the invariants of a fault-free run. Aggregated fleets only.
+    /// event-delay[=MS] (500), event-duplicate[=P] (0.02), event-reorder[=P] (0.02),
+    /// replica-restart[=SECONDS] (down time, 10) and partition[=SECONDS] (10), the last two
+    /// with --gateway-replicas 2 or more; `none` checks the invariants of a fault-free run.
+    /// Aggregated fleets only.
     #[arg(long, value_name = "SPEC", value_parser = parse_faults)]
     pub faults: Option<sim::faults::FaultSpec>,
     /// Gateway replicas behind one address: each turn goes to the next replica (round
@@ -840,6 +842,16 @@ fn print_faults(f: &sim::faults::FaultReport, seed: u64) {
         "  requests: {} failed with their crashed worker, {} timed out, {} routed again",
         f.worker_failed_requests, f.timed_out_requests, f.retried_requests
     );
+    if f.plan
+        .as_ref()
+        .is_some_and(|p| p.replica_restart.is_some() || p.partition.is_some())
+    {
+        println!(
+            "  gateway replicas: {} requests lost with a dead replica's connections, {} peer \
+             updates lost, {} KV events missed while cut off, {} snapshots applied",
+            f.gateway_failed_requests, f.peer_updates_lost, f.kv_events_missed, f.snapshots_applied
+        );
+    }
     println!(
         "  KV events: {} lost, {} delayed, {} duplicated, {} reordered; {} resyncs, {} stale refused",
         f.kv_events_lost,

@@ -246,12 +246,30 @@ fn sim_with_faults_reports_what_happened_and_refuses_what_it_cannot_simulate() {
         .unwrap());
     let v: serde_json::Value = serde_json::from_slice(&clean.stdout).unwrap();
     assert!(v.get("faults").is_none());
+    // Behind gateway replicas: one dies and restarts, another loses NATS for a while.
+    let mut replicas = args[..args.len() - 1].to_vec();
+    replicas.extend(["replica-restart=5,partition=5", "--gateway-replicas", "3"]);
+    let table = ok(kvroute().args(&replicas).output().unwrap());
+    let text = String::from_utf8(table.stdout).unwrap();
+    for needle in [
+        "gateway replica",
+        "died",
+        "started again",
+        "cut off NATS",
+        "back on NATS",
+        "snapshots applied",
+    ] {
+        assert!(text.contains(needle), "{needle} missing:\n{text}");
+    }
     assert_failures(&[
         (
             &["sim", "--faults", "worker-explode"],
             "known: worker-crash",
         ),
-        (&["sim", "--faults", "partition"], "issue 19"),
+        (
+            &["sim", "--faults", "partition"],
+            "--gateway-replicas 2 or more",
+        ),
         (
             &["sim", "--faults", "event-loss=1.5"],
             "probability between 0 and 1",
@@ -709,8 +727,8 @@ fn sim_with_gateway_replicas_reports_them_and_refuses_what_it_cannot_simulate() 
             "--gateway-replicas must be at least 1",
         ),
         (
-            &["sim", "--gateway-replicas", "2", "--faults", "none"],
-            "behind one gateway only",
+            &["sim", "--faults", "replica-restart"],
+            "--gateway-replicas 2 or more",
         ),
         (
             &[

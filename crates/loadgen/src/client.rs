@@ -52,6 +52,32 @@ pub enum TurnError {
     Empty,
 }
 
+/// What stands in for an API key found in text that came back from upstream.
+pub const REDACTED: &str = "[redacted]";
+
+/// `text` with every occurrence of `key` replaced by [`REDACTED`]. An upstream may echo the
+/// key it was sent (an error such as "Incorrect API key provided: …"); what it says reaches
+/// the logs, `/api/status`, the WebSocket and the page, the key must not.
+pub fn redact(text: &str, key: Option<&str>) -> String {
+    match key {
+        Some(key) if !key.is_empty() && text.contains(key) => text.replace(key, REDACTED),
+        _ => text.to_owned(),
+    }
+}
+
+/// `err` with the key redacted from every message it carries.
+fn redact_error(err: TurnError, key: Option<&str>) -> TurnError {
+    match err {
+        TurnError::Status { status, message } => TurnError::Status {
+            status,
+            message: redact(&message, key),
+        },
+        TurnError::Transport(m) => TurnError::Transport(redact(&m, key)),
+        TurnError::Stream(m) => TurnError::Stream(redact(&m, key)),
+        other @ (TurnError::Timeout(_) | TurnError::Empty) => other,
+    }
+}
+
 /// Longest error body read from a failed response.
 const MAX_ERROR_BODY: usize = 8 << 10;
 
@@ -86,7 +112,7 @@ pub async fn stream_turn(
     max_text: usize,
 ) -> Result<TurnResult, TurnError> {
     match tokio::time::timeout(timeout, stream_inner(client, url, api_key, body, max_text)).await {
-        Ok(result) => result,
+        Ok(result) => result.map_err(|e| redact_error(e, api_key)),
         Err(_) => Err(TurnError::Timeout(timeout)),
     }
 }
@@ -294,7 +320,10 @@ pub async fn ask_user_model(
         Ok(question.to_owned())
     };
     match tokio::time::timeout(timeout, call).await {
-        Ok(result) => result,
+        // The question is shown and sent on: it must not carry the key either.
+        Ok(result) => result
+            .map(|question| redact(&question, api_key))
+            .map_err(|e| redact_error(e, api_key)),
         Err(_) => Err(TurnError::Timeout(timeout)),
     }
 }
@@ -302,6 +331,21 @@ pub async fn ask_user_model(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_echoed_key_is_redacted_from_errors_and_questions() {
+        let key = Some("sk-test-0123456789");
+        let echoed = TurnError::Status {
+            status: 401,
+            message: "Incorrect API key provided: sk-test-0123456789.".into(),
+        };
+        let shown = redact_error(echoed, key).to_string();
+        assert_eq!(shown, "HTTP 401: Incorrect API key provided: [redacted].");
+        assert_eq!(redact("no key here", key), "no key here");
+        // No key, or an empty one, changes nothing.
+        assert_eq!(redact("abc", None), "abc");
+        assert_eq!(redact("abc", Some("")), "abc");
+    }
 
     #[test]
     fn error_bodies_give_their_message() {

@@ -17,13 +17,13 @@ use thiserror::Error;
 use crate::config::{ConfigError, Phase, SimConfig};
 use crate::faults::{
     Checker, EventChannel, FIRST_BYTE_TIMEOUT, FaultPlan, FaultReport, FaultRng, FaultSpec,
-    HEALTH_INTERVAL, PROBE_TIMEOUT, STALL_TIMEOUT, TIMEOUT_RETRIES,
+    HEALTH_INTERVAL, PEER_LEASE, PROBE_TIMEOUT, STALL_TIMEOUT, TIMEOUT_RETRIES,
 };
 use crate::metrics::{
     KvTransfer, Metrics, Outcome, RequestRecord, RouteTag, WindowAcc, tokens_in_window,
 };
 use crate::oracle::Oracle;
-use crate::replicas::{ReplicaTotals, Replicas};
+use crate::replicas::{EventTally, ReplicaTotals, Replicas};
 use crate::timeline::{Recorder, Timeline, TimelineConfig, TimelineError, WorkerSample};
 use crate::timers::{Source, Timers};
 use crate::workload::{Turn, TurnKey, Workload};
@@ -471,16 +471,13 @@ impl Admission {
         }
     }
 
-    /// The gateway's gap policy (`KvIndex::apply_resyncing`).
-    fn apply_event_resyncing(
-        &mut self,
-        ev: &KvEvent,
-    ) -> Result<kv_index::ApplyOutcome, kv_index::EventError> {
+    /// The gateway's gap policy (`KvIndex::apply_resyncing`), in every index that receives
+    /// the event.
+    fn apply_event_resyncing(&mut self, ev: &KvEvent) -> EventTally {
         match self {
-            Admission::One(f) => f.router_mut().apply_event_resyncing(ev),
-            Admission::Two(d) => d.apply_event_resyncing(ev),
-            // Runs with faults have one replica (`with_faults` refuses more).
-            Admission::Many(m) => m.first_mut().router_mut().apply_event_resyncing(ev),
+            Admission::One(f) => EventTally::of(f.router_mut().apply_event_resyncing(ev)),
+            Admission::Two(d) => EventTally::of(d.apply_event_resyncing(ev)),
+            Admission::Many(m) => m.apply_event_resyncing(ev),
         }
     }
 
@@ -536,6 +533,16 @@ enum FaultAction {
     Readmit(u32),
     /// A request's first-byte or stall deadline on the stopped worker.
     Deadline(u64, u32),
+    /// A gateway replica's process dies.
+    ReplicaDown(u32),
+    /// It starts again.
+    ReplicaUp(u32),
+    /// A gateway replica loses NATS.
+    PartitionStart(u32),
+    /// NATS is back for it.
+    PartitionEnd(u32),
+    /// A silent replica's lease runs out: its peers forget it.
+    LeaseExpired(u32),
 }
 
 /// The stopped worker of a `worker-hang` fault.
@@ -919,9 +926,10 @@ impl<W: Workload> Simulation<W> {
     /// before the run starts; aggregated fleets only, without a timeline (a restarted worker
     /// is a new column).
     pub fn with_faults(mut self, spec: &FaultSpec) -> Result<Self, SimError> {
-        if self.cfg.replicas.count > 1 {
+        if spec.touches_replicas() && self.cfg.replicas.count < 2 {
             return Err(SimError::Faults(
-                "fault injection runs behind one gateway only (not with gateway replicas yet)",
+                "replica-restart and partition need gateway replicas: run with \
+                 --gateway-replicas 2 or more",
             ));
         }
         if self.cfg.disagg.is_some() {
@@ -941,14 +949,15 @@ impl<W: Workload> Simulation<W> {
         }
         let seed = self.cfg.seed;
         let mut rng = FaultRng::new(derive_seed(seed, streams::FAULTS));
-        let plan = FaultPlan::draw(spec, self.cfg.workers, self.end(), &mut rng);
+        let replicas = self.cfg.replicas.count.max(1);
+        let plan = FaultPlan::draw(spec, self.cfg.workers, replicas, self.end(), &mut rng);
         let mut state = FaultState {
             spec: spec.clone(),
             seed,
             channel: spec
                 .touches_events()
                 .then(|| EventChannel::new(spec, FaultRng::new(rng.next_u64()))),
-            checker: Checker::default(),
+            checker: Checker::new(replicas as usize),
             report: FaultReport {
                 spec: spec.to_string(),
                 seed,
@@ -984,9 +993,41 @@ impl<W: Workload> Simulation<W> {
             state.schedule(at, FaultAction::HangStart(w));
             state.schedule(until, FaultAction::HangEnd(w));
         }
+        if let Some((r, at, up)) = plan.replica_restart {
+            state.schedule(at, FaultAction::ReplicaDown(r));
+            state.schedule(at + PEER_LEASE, FaultAction::LeaseExpired(r));
+            state.schedule(up, FaultAction::ReplicaUp(r));
+        }
+        if let Some((r, at, until)) = plan.partition {
+            state.schedule(at, FaultAction::PartitionStart(r));
+            state.schedule(at + PEER_LEASE, FaultAction::LeaseExpired(r));
+            state.schedule(until, FaultAction::PartitionEnd(r));
+        }
         self.timers.arm(Source::Fault, state.next_action());
         self.faults = Some(Box::new(state));
         Ok(self)
+    }
+
+    /// What the injected faults did so far, with their plan (with
+    /// [`Simulation::with_faults`]).
+    pub fn fault_report(&self) -> Option<FaultReport> {
+        let f = self.faults.as_ref()?;
+        Some(self.completed_report(f))
+    }
+
+    /// `f`'s report with the figures kept elsewhere (the checker's, the replicas').
+    fn completed_report(&self, f: &FaultState) -> FaultReport {
+        let mut report = f.report.clone();
+        if let Admission::Many(m) = &self.admission {
+            let counters = m.fault_counters();
+            report.peer_updates_lost = counters.updates_lost;
+            report.kv_events_missed = counters.kv_events_missed;
+            report.snapshots_applied = counters.snapshots_applied;
+        }
+        report.stale_claims = f.checker.stale_claims;
+        report.blocks_removed = f.checker.removals;
+        report.max_stale_claim_s = f.checker.max_stale.as_secs_f64();
+        report
     }
 
     /// How far worker `w`'s engine clock lags the run's (zero unless it was stopped).
@@ -1180,13 +1221,7 @@ impl<W: Workload> Simulation<W> {
         if let Admission::Many(m) = &self.admission {
             totals.replicas = Some(m.totals());
         }
-        let faults = self.faults.map(|f| {
-            let mut report = f.report;
-            report.stale_claims = f.checker.stale_claims;
-            report.blocks_removed = f.checker.removals;
-            report.max_stale_claim_s = f.checker.max_stale.as_secs_f64();
-            report
-        });
+        let faults = self.faults.as_deref().map(|f| self.completed_report(f));
         RunOutput {
             phases,
             totals,
@@ -1343,12 +1378,10 @@ impl<W: Workload> Simulation<W> {
             return;
         }
         if let Some(f) = &mut self.faults {
-            match self.admission.apply_event_resyncing(ev) {
-                Ok(out) if out.resynced => f.report.kv_resyncs += 1,
-                Ok(_) => {}
-                Err(kv_index::EventError::Stale { .. }) => f.report.kv_stale_events += 1,
-                Err(_) => self.totals.kv_event_errors += 1,
-            }
+            let tally = self.admission.apply_event_resyncing(ev);
+            f.report.kv_resyncs += u64::from(tally.resynced);
+            f.report.kv_stale_events += u64::from(tally.stale);
+            self.totals.kv_event_errors += u64::from(tally.errors);
             return;
         }
         if !self.admission.apply_event(ev) {
@@ -1533,9 +1566,19 @@ impl<W: Workload> Simulation<W> {
             }
         }
         if broken.is_none() && self.cfg.router.kv_source == KvSource::Events {
-            let index = self.admission.router().index();
-            if let Err(what) = f.checker.check_index(self.now, index) {
-                broken = Some(what);
+            // Every replica's index (one replica: the router's).
+            let indexes: Vec<&kv_index::KvIndex> = match &self.admission {
+                Admission::Many(m) => (0..m.count())
+                    .filter_map(|r| m.frontend(r))
+                    .map(|f| f.router().index())
+                    .collect(),
+                _ => vec![self.admission.router().index()],
+            };
+            for (r, index) in indexes.into_iter().enumerate() {
+                if let Err(what) = f.checker.check_index(r, self.now, index) {
+                    broken = Some(what);
+                    break;
+                }
             }
         }
         if let Some(what) = broken {
@@ -1572,6 +1615,11 @@ impl<W: Workload> Simulation<W> {
                 FaultAction::Eject(w) => self.eject(w, "its health check timed out"),
                 FaultAction::Readmit(w) => self.readmit(w),
                 FaultAction::Deadline(id, w) => self.deadline(id, w),
+                FaultAction::ReplicaDown(r) => self.replica_down(r),
+                FaultAction::ReplicaUp(r) => self.replica_up(r),
+                FaultAction::PartitionStart(r) => self.partition_start(r),
+                FaultAction::PartitionEnd(r) => self.partition_end(r),
+                FaultAction::LeaseExpired(r) => self.lease_expired(r),
             }
         }
         let next = self.faults.as_ref().and_then(|f| f.next_action());
@@ -1791,13 +1839,137 @@ impl<W: Workload> Simulation<W> {
             _ => return,
         }
         let limits = self.engines[w as usize].limits();
-        if let Admission::One(frontend) = &mut self.admission
-            && let Err(e) = frontend.add_worker(WorkerId(u64::from(w)), limits, now)
-        {
+        let readmitted = match &mut self.admission {
+            Admission::One(frontend) => frontend.add_worker(WorkerId(u64::from(w)), limits, now),
+            Admission::Many(m) => m.add_worker(WorkerId(u64::from(w)), limits, now),
+            Admission::Two(_) => Ok(()),
+        };
+        if let Err(e) = readmitted {
             self.note(format!("worker {w} not readmitted: {e}"));
             return;
         }
         self.note(format!("worker {w} back in the routing set"));
+        self.drain_frontend();
+    }
+
+    /// The workers a gateway routes to now: alive, and not ejected.
+    fn routing_set(&self) -> Vec<(WorkerId, router::WorkerLimits)> {
+        (0..self.engines.len() as u32)
+            .filter(|&w| !self.dead[w as usize] && !self.draining[w as usize])
+            .filter(|&w| !self.faults.as_ref().is_some_and(|f| f.ejected(w)))
+            .map(|w| (WorkerId(u64::from(w)), self.engines[w as usize].limits()))
+            .collect()
+    }
+
+    /// A gateway replica's process dies: the turns it held end with `gateway_failed` (their
+    /// clients' connections broke) and their engines cancel them, as for a client that
+    /// disconnects; its index and its view of the fleet are gone.
+    fn replica_down(&mut self, r: u32) {
+        let now = self.now;
+        let workers = self.routing_set();
+        let Admission::Many(m) = &mut self.admission else {
+            return;
+        };
+        let lost = match m.kill(r as usize, &workers, now) {
+            Ok(lost) => lost,
+            Err(e) => {
+                self.fatal = Some(e.into());
+                return;
+            }
+        };
+        if let Some(f) = &mut self.faults {
+            f.checker.on_index_reset(r as usize);
+        }
+        let n = lost.len();
+        for id in lost {
+            self.abandon(id);
+            self.fail(id.0, Outcome::GatewayFailed);
+        }
+        self.note(format!(
+            "gateway replica {r} died; {n} requests lost with their connections"
+        ));
+        self.drain_frontend();
+    }
+
+    /// Request `id`'s client is gone: its engine cancels it (a stopped one when it continues).
+    /// What the engine produced before now reaches the request first (it may even finish).
+    fn abandon(&mut self, id: RequestId) {
+        let now = self.now;
+        let Some(w) = self.in_flight.get_mut(id.0).and_then(|t| t.worker) else {
+            return;
+        };
+        if self.dead.get(w as usize).copied().unwrap_or(true) {
+            self.remove_in_flight(w);
+            return;
+        }
+        let stopped = self.faults.as_ref().is_some_and(|f| f.stopped(w));
+        if !stopped {
+            // In speed mode the engine emits a stretch's tokens at its end unless asked for
+            // the present.
+            let engine_now = now.saturating_sub(self.lag(w));
+            self.engines[w as usize].sync(engine_now);
+            self.drain_engine(w);
+            if self.in_flight.get_mut(id.0).and_then(|t| t.worker) != Some(w) {
+                return;
+            }
+        }
+        self.remove_in_flight(w);
+        if let Some(h) = self.faults.as_mut().and_then(|f| f.hang.as_mut())
+            && h.worker == w
+            && h.stopped
+        {
+            let before = h.inbox.len();
+            h.inbox.retain(|q| q.id != id);
+            if h.inbox.len() == before {
+                h.abandoned.push(id);
+            }
+            return;
+        }
+        let engine_now = now.saturating_sub(self.lag(w));
+        self.engines[w as usize].cancel(id, engine_now);
+        self.mark_dirty(w);
+    }
+
+    /// The dead replica starts again, empty, and fetches its peers' snapshots.
+    fn replica_up(&mut self, r: u32) {
+        let now = self.now;
+        if let Admission::Many(m) = &mut self.admission {
+            m.restart(r as usize, now);
+            self.note(format!(
+                "gateway replica {r} started again (new epoch, empty index), fetching its \
+                 peers' snapshots"
+            ));
+        }
+        self.drain_frontend();
+    }
+
+    fn partition_start(&mut self, r: u32) {
+        if let Admission::Many(m) = &mut self.admission {
+            m.cut_off(r as usize);
+            self.note(format!(
+                "gateway replica {r} cut off NATS (no KV events, no peer updates)"
+            ));
+        }
+    }
+
+    fn partition_end(&mut self, r: u32) {
+        let now = self.now;
+        if let Admission::Many(m) = &mut self.admission {
+            m.reconnect(r as usize, now);
+            self.note(format!("gateway replica {r} back on NATS"));
+        }
+        self.drain_frontend();
+    }
+
+    fn lease_expired(&mut self, r: u32) {
+        let now = self.now;
+        if let Admission::Many(m) = &mut self.admission
+            && m.lease_expired(r as usize, now)
+        {
+            self.note(format!(
+                "gateway replica {r} silent for the peer lease: its peers forget it"
+            ));
+        }
         self.drain_frontend();
     }
 
@@ -2385,6 +2557,7 @@ impl<W: Workload> Simulation<W> {
             match outcome {
                 Outcome::WorkerFailed => faults.report.worker_failed_requests += 1,
                 Outcome::WorkerTimeout => faults.report.timed_out_requests += 1,
+                Outcome::GatewayFailed => faults.report.gateway_failed_requests += 1,
                 _ => {}
             }
         }

@@ -34,8 +34,23 @@
 //!   a gap clears the worker's blocks and re-baselines; duplicates and overtaken events are
 //!   refused as stale.
 //!
-//! `replica-restart` and `partition` need gateway replicas sharing state (issue 19), which
-//! do not exist yet: the parser refuses them and says so.
+//! - **replica-restart**: one gateway replica's process dies (with `--gateway-replicas` ≥ 2)
+//!   and comes back SECONDS later, as the gateway does (`gateway/src/replicas.rs`): the
+//!   clients whose requests it held see their connection break (each turn ends with the
+//!   reported error `gateway_failed`, and its engine cancels it, as for a client that
+//!   disconnects); the load balancer sends new turns to the other replicas. Its peers count
+//!   its requests until its lease ([`PEER_LEASE`]) passes without a word from it. It starts
+//!   with an empty index (rebuilt from the workers' KV events from then on) and an empty
+//!   view of the fleet's load; before it serves, it asks its peers for their snapshots and
+//!   waits for them, at most [`SNAPSHOT_TIMEOUT`]; its first message (a new epoch) makes its
+//!   peers release what they still counted for its old incarnation.
+//! - **partition**: one replica loses NATS for SECONDS (it still serves its clients and
+//!   reaches the workers over HTTP): it receives no KV event and no peer update, and its own
+//!   updates reach nobody. Past [`PEER_LEASE`] of silence, it and its peers forget each
+//!   other (releasing each other's requests). When NATS comes back, each side's next
+//!   header shows the updates lost, so it fetches snapshots; the first KV event of each
+//!   worker shows a gap, so the index clears that worker's blocks and re-baselines (the gap
+//!   policy above).
 //!
 //! # Invariants (`Checker`)
 //!
@@ -73,6 +88,12 @@ pub const HEALTH_INTERVAL: Nanos = Nanos::from_secs(2);
 pub const PROBE_TIMEOUT: Nanos = Nanos::from_secs(2);
 /// Retries after a first-byte timeout before the client gets a 504.
 pub const TIMEOUT_RETRIES: u32 = 1;
+/// The gateway's peer lease (`ReplicaSettings::peer_lease`'s default): a replica silent this long is
+/// forgotten by its peers, its requests released.
+pub const PEER_LEASE: Nanos = Nanos::from_secs(3);
+/// How long a starting replica waits for its peers' snapshots before it serves anyway
+/// (the gateway's `ReplicaSettings::snapshot_timeout` default).
+pub const SNAPSHOT_TIMEOUT: Nanos = Nanos::from_millis(500);
 /// Most KV events in transit at once; past it an event is dropped (and the gap policy
 /// resynchronises), so a delay fault cannot grow memory without bound.
 pub const MAX_EVENTS_IN_TRANSIT: usize = 1 << 20;
@@ -107,6 +128,16 @@ pub const SCENARIOS: &[(&str, &str)] = &[
         "event-reorder[=P]",
         "each KV event is held back 20 ms with probability P (0.02), so later ones overtake it",
     ),
+    (
+        "replica-restart[=SECONDS]",
+        "a gateway replica dies and restarts SECONDS (10) later with an empty state, rebuilt \
+         from its peers' snapshots (needs --gateway-replicas 2 or more)",
+    ),
+    (
+        "partition[=SECONDS]",
+        "a gateway replica loses NATS (KV events, peer updates) for SECONDS (10), then \
+         resyncs (needs --gateway-replicas 2 or more)",
+    ),
 ];
 
 /// How long a reordered event is held back.
@@ -126,6 +157,10 @@ pub struct FaultSpec {
     pub event_delay: Option<Nanos>,
     pub event_duplicate: f64,
     pub event_reorder: f64,
+    /// Restart one gateway replica; it is down this long.
+    pub replica_restart: Option<Nanos>,
+    /// Cut one gateway replica off NATS for this long.
+    pub partition: Option<Nanos>,
 }
 
 /// A `--faults` value the simulator cannot run.
@@ -133,14 +168,10 @@ pub struct FaultSpec {
 pub enum FaultSpecError {
     #[error(
         "unknown fault `{0}`; known: worker-crash, worker-hang, slow-worker, event-loss, \
-         event-delay, event-duplicate, event-reorder (or none), combined with commas"
+         event-delay, event-duplicate, event-reorder, replica-restart, partition (or none), \
+         combined with commas"
     )]
     Unknown(String),
-    #[error(
-        "`{0}` needs gateway replicas sharing state (issue 19), which do not exist yet; it \
-         is not simulated"
-    )]
-    NeedsReplicas(String),
     #[error("`{name}={value}`: {why}")]
     BadValue {
         name: String,
@@ -155,6 +186,11 @@ impl FaultSpec {
     /// Whether any fault is on.
     pub fn is_empty(&self) -> bool {
         *self == FaultSpec::default()
+    }
+
+    /// Whether a fault needs several gateway replicas.
+    pub fn touches_replicas(&self) -> bool {
+        self.replica_restart.is_some() || self.partition.is_some()
     }
 
     /// Whether KV events go through the faulty delivery layer.
@@ -242,9 +278,8 @@ impl FromStr for FaultSpec {
                     };
                     spec.event_delay = Some(Nanos::from_secs_f64(ms / 1e3));
                 }
-                "replica-restart" | "partition" => {
-                    return Err(FaultSpecError::NeedsReplicas(name.into()));
-                }
+                "replica-restart" => spec.replica_restart = Some(secs(10.0)?),
+                "partition" => spec.partition = Some(secs(10.0)?),
                 other => return Err(FaultSpecError::Unknown(other.into())),
             }
         }
@@ -276,6 +311,12 @@ impl fmt::Display for FaultSpec {
         }
         if self.event_reorder > 0.0 {
             items.push(format!("event-reorder={}", self.event_reorder));
+        }
+        if let Some(d) = self.replica_restart {
+            items.push(format!("replica-restart={}", d.as_secs_f64()));
+        }
+        if let Some(d) = self.partition {
+            items.push(format!("partition={}", d.as_secs_f64()));
         }
         if items.is_empty() {
             f.write_str("none")
@@ -329,12 +370,26 @@ pub struct FaultPlan {
     /// The slow worker and its slowdown.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slow: Option<(u32, f64)>,
+    /// The restarting gateway replica, when it dies, and when it starts again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica_restart: Option<(u32, Nanos, Nanos)>,
+    /// The gateway replica cut off NATS, from when, until when.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partition: Option<(u32, Nanos, Nanos)>,
 }
 
 impl FaultPlan {
     /// Crash and hang strike at a seeded instant between 20% and 50% of the run, on distinct
-    /// workers when there are several; the slow worker is drawn too.
-    pub(crate) fn draw(spec: &FaultSpec, workers: u32, end: Nanos, rng: &mut FaultRng) -> Self {
+    /// workers when there are several; the slow worker is drawn too. A replica restart and a
+    /// partition strike in the same span, on distinct replicas (drawn after the workers'
+    /// faults, so adding them moves no worker fault of a seed).
+    pub(crate) fn draw(
+        spec: &FaultSpec,
+        workers: u32,
+        replicas: u32,
+        end: Nanos,
+        rng: &mut FaultRng,
+    ) -> Self {
         let at = |rng: &mut FaultRng| Nanos((end.0 as f64 * (0.2 + 0.3 * rng.unit())) as u64);
         let crash_worker = rng.below(workers);
         let crash = spec.worker_crash.map(|down| {
@@ -351,7 +406,30 @@ impl FaultPlan {
             (w, t, t + d)
         });
         let slow = spec.slow_worker.map(|f| (rng.below(workers), f));
-        FaultPlan { crash, hang, slow }
+        // No draw unless asked for: the event layer's seed, drawn next, stays that of a run
+        // without replica faults.
+        let replica_restart = spec.replica_restart.map(|down| {
+            let r = rng.below(replicas);
+            let t = at(rng);
+            (r, t, t + down)
+        });
+        let partition = spec.partition.map(|d| {
+            let r = match replica_restart {
+                Some((restarting, ..)) if replicas > 1 => {
+                    (restarting + 1 + rng.below(replicas - 1)) % replicas
+                }
+                _ => rng.below(replicas),
+            };
+            let t = at(rng);
+            (r, t, t + d)
+        });
+        FaultPlan {
+            crash,
+            hang,
+            slow,
+            replica_restart,
+            partition,
+        }
     }
 }
 
@@ -379,6 +457,15 @@ pub struct FaultReport {
     pub timed_out_requests: u64,
     /// Requests routed again after a first-byte timeout.
     pub retried_requests: u64,
+    /// Requests whose gateway replica died under them (`gateway_failed`: the client's
+    /// connection broke).
+    pub gateway_failed_requests: u64,
+    /// Peer updates a partition kept from their receivers (each receiver counted).
+    pub peer_updates_lost: u64,
+    /// KV events a partitioned replica did not receive.
+    pub kv_events_missed: u64,
+    /// Peers' snapshots the replicas applied (at start, and after lost updates).
+    pub snapshots_applied: u64,
     /// Blocks the engines evicted (removal events emitted).
     pub blocks_removed: u64,
     /// Blocks the index claimed after their worker removed them (each counted once), and
@@ -492,15 +579,18 @@ struct Suspect {
     counted: bool,
 }
 
+/// Blocks each worker removed that one index had not yet caught up with.
+type Suspects = FxHashMap<WorkerId, FxHashMap<EngineBlockId, Suspect>>;
+
 /// The invariants of a faulty run, fed by the driver at every step (see the module docs).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Checker {
     /// Turns issued and not ended; bounded by the turns in flight.
     open: FxHashSet<TurnKey>,
     /// What each live worker's engine holds, from its own KV events (the truth).
     truth: FxHashMap<WorkerId, FxHashSet<EngineBlockId>>,
-    /// Blocks each worker removed that the index had not yet caught up with.
-    suspects: FxHashMap<WorkerId, FxHashMap<EngineBlockId, Suspect>>,
+    /// Per index (one per gateway replica): the removed blocks it may still claim.
+    suspects: Vec<Suspects>,
     pub(crate) stale_claims: u64,
     pub(crate) max_stale: Nanos,
     /// Blocks the engines removed (evictions), as they emitted them.
@@ -508,6 +598,18 @@ pub(crate) struct Checker {
 }
 
 impl Checker {
+    /// A checker of `indexes` prefix indexes (one per gateway replica).
+    pub(crate) fn new(indexes: usize) -> Self {
+        Checker {
+            open: FxHashSet::default(),
+            truth: FxHashMap::default(),
+            suspects: (0..indexes.max(1)).map(|_| Suspects::default()).collect(),
+            stale_claims: 0,
+            max_stale: Nanos::ZERO,
+            removals: 0,
+        }
+    }
+
     pub(crate) fn on_issue(&mut self, key: TurnKey) -> Result<(), String> {
         if self.open.insert(key) {
             Ok(())
@@ -537,16 +639,20 @@ impl Checker {
     /// An event as the engine emitted it, before the delivery layer.
     pub(crate) fn on_engine_kv(&mut self, ev: &KvEvent, now: Nanos) {
         let truth = self.truth.entry(ev.worker).or_default();
-        let suspects = self.suspects.entry(ev.worker).or_default();
+        let suspects = &mut self.suspects;
         let mut removed = |id: EngineBlockId| {
-            suspects
-                .entry(id)
-                .and_modify(|s| s.seq = ev.seq)
-                .or_insert(Suspect {
-                    seq: ev.seq,
-                    since: now,
-                    counted: false,
-                });
+            for per_index in suspects.iter_mut() {
+                per_index
+                    .entry(ev.worker)
+                    .or_default()
+                    .entry(id)
+                    .and_modify(|s| s.seq = ev.seq)
+                    .or_insert(Suspect {
+                        seq: ev.seq,
+                        since: now,
+                        counted: false,
+                    });
+            }
         };
         match &ev.kind {
             KvEventKind::Stored { blocks, .. } => {
@@ -573,13 +679,31 @@ impl Checker {
     /// A worker whose engine is gone: the index must hold nothing of it.
     pub(crate) fn on_worker_gone(&mut self, worker: WorkerId) {
         self.truth.remove(&worker);
-        self.suspects.remove(&worker);
+        for per_index in &mut self.suspects {
+            per_index.remove(&worker);
+        }
     }
 
-    /// Invariant 3 for every worker with blocks the index may still claim.
-    pub(crate) fn check_index(&mut self, now: Nanos, index: &KvIndex) -> Result<(), String> {
+    /// A replica whose index starts over (empty): nothing it held before can be stale.
+    pub(crate) fn on_index_reset(&mut self, index_no: usize) {
+        if let Some(per_index) = self.suspects.get_mut(index_no) {
+            per_index.clear();
+        }
+    }
+
+    /// Invariant 3 for every worker with blocks index `index_no` (replica `index_no`'s) may
+    /// still claim.
+    pub(crate) fn check_index(
+        &mut self,
+        index_no: usize,
+        now: Nanos,
+        index: &KvIndex,
+    ) -> Result<(), String> {
         let mut broken = None;
-        for (worker, suspects) in &mut self.suspects {
+        let Some(per_index) = self.suspects.get_mut(index_no) else {
+            return Ok(());
+        };
+        for (worker, suspects) in per_index {
             if suspects.is_empty() {
                 continue;
             }
@@ -602,7 +726,8 @@ impl Checker {
                 *max_stale = (*max_stale).max(now.saturating_sub(s.since));
                 if caught_up && broken.is_none() {
                     broken = Some(format!(
-                        "the index claims block {:#x} of {worker}, which the worker removed at \
+                        "index {index_no} claims block {:#x} of {worker}, which the worker \
+                         removed at \
                          {} (event seq {}), after applying its events up to seq {}",
                         id.0,
                         s.since,
@@ -634,14 +759,20 @@ mod tests {
             .parse()
             .unwrap();
         assert!(all.touches_events() && all.worker_hang.is_some() && all.slow_worker == Some(2.0));
+        assert!(!all.touches_replicas());
+        let replicas: FaultSpec = "replica-restart,partition=4".parse().unwrap();
+        assert_eq!(replicas.replica_restart, Some(Nanos::from_secs(10)));
+        assert_eq!(replicas.partition, Some(Nanos::from_secs(4)));
+        assert!(replicas.touches_replicas() && !replicas.touches_events());
+        assert_eq!(replicas.to_string(), "replica-restart=10,partition=4");
     }
 
     #[test]
     fn bad_specs_say_what_is_wrong() {
         let e = |s: &str| s.parse::<FaultSpec>().unwrap_err().to_string();
         assert!(e("worker-explode").contains("known: worker-crash"));
-        assert!(e("partition").contains("issue 19"));
-        assert!(e("replica-restart").contains("replicas"));
+        assert!(e("partition=0").contains("seconds"));
+        assert!(e("replica-restart=x").contains("seconds"));
         assert!(e("event-loss=2").contains("probability"));
         assert!(e("event-loss=x").contains("probability"));
         assert!(e("slow-worker=0.5").contains("≥ 1"));

@@ -51,6 +51,9 @@ pub enum Outcome {
     /// Its worker stopped answering: a stall timeout's `worker_timeout` error event, or a
     /// 504 after a second first-byte timeout (fault runs).
     WorkerTimeout,
+    /// The gateway replica holding its client's connection died: the connection broke
+    /// (`replica-restart` fault runs).
+    GatewayFailed,
 }
 
 /// Where a request of a disaggregated fleet ran (`router::Route`, as a record keeps it).

@@ -9,7 +9,7 @@ use nanotime::Nanos;
 use router::PolicyKind;
 use sim::chat::Chat;
 use sim::faults::FaultSpec;
-use sim::{Phase, RunOutput, SimConfig, SimError, Simulation};
+use sim::{Phase, ReplicaSetup, RunOutput, SimConfig, SimError, Simulation};
 use workload::{Assets, Distribution, WorkloadConfig};
 
 fn assets() -> Arc<Assets> {
@@ -26,7 +26,21 @@ fn config(seed: u64) -> SimConfig {
     cfg
 }
 
-fn run_with(cfg: SimConfig, faults: Option<&str>, seconds: u64) -> Result<RunOutput, SimError> {
+/// The same fleet behind three gateway replicas that share their decisions 5 ms late.
+fn replica_config(seed: u64) -> SimConfig {
+    let mut cfg = config(seed);
+    cfg.replicas = ReplicaSetup {
+        count: 3,
+        sync: Some(Nanos::from_millis(5)),
+    };
+    cfg
+}
+
+fn simulation(
+    cfg: SimConfig,
+    faults: Option<&str>,
+    seconds: u64,
+) -> Result<Simulation<Chat>, SimError> {
     let workload = WorkloadConfig {
         output_tokens: Distribution::Uniform {
             min: 50.0,
@@ -44,11 +58,14 @@ fn run_with(cfg: SimConfig, faults: Option<&str>, seconds: u64) -> Result<RunOut
         lookback: None,
     };
     let sim = Simulation::new(cfg, chat, vec![phase])?;
-    let sim = match faults {
-        Some(spec) => sim.with_faults(&spec.parse::<FaultSpec>().expect("spec"))?,
-        None => sim,
-    };
-    sim.run(|_| {})
+    match faults {
+        Some(spec) => sim.with_faults(&spec.parse::<FaultSpec>().expect("spec")),
+        None => Ok(sim),
+    }
+}
+
+fn run_with(cfg: SimConfig, faults: Option<&str>, seconds: u64) -> Result<RunOutput, SimError> {
+    simulation(cfg, faults, seconds)?.run(|_| {})
 }
 
 fn run(seed: u64, faults: Option<&str>, seconds: u64) -> RunOutput {
@@ -94,6 +111,154 @@ fn hundreds_of_seeded_runs_keep_every_invariant() {
         runs += 1;
     }
     assert_eq!(runs, 300);
+}
+
+const REPLICA_SCENARIOS: &[&str] = &[
+    "replica-restart=5",
+    "partition=2",
+    "partition=8",
+    "replica-restart=10,partition=5,worker-crash=10,event-loss=0.02,event-delay=200",
+];
+
+fn notes(out: &RunOutput) -> Vec<String> {
+    let report = out.faults.as_ref().expect("a fault report");
+    report.timeline.iter().map(|(_, w)| w.clone()).collect()
+}
+
+fn noted(notes: &[String], what: &str) -> bool {
+    notes.iter().any(|n| n.contains(what))
+}
+
+#[test]
+fn hundreds_of_seeded_runs_with_gateway_replicas_keep_every_invariant() {
+    for seed in 0..120u64 {
+        let spec = REPLICA_SCENARIOS[seed as usize % REPLICA_SCENARIOS.len()];
+        let out = run_with(replica_config(seed), Some(spec), 120)
+            .unwrap_or_else(|e| panic!("seed {seed}, faults {spec}: {e}"));
+        let t = &out.totals;
+        assert_eq!(
+            t.issued,
+            t.finished + t.failed + t.in_flight_at_end,
+            "seed {seed}, {spec}"
+        );
+        assert!(t.finished > 0, "seed {seed}, {spec}: nothing finished");
+        let notes = notes(&out);
+        let report = out.faults.as_ref().unwrap();
+        assert!(report.checked_steps > 1_000, "seed {seed}, {spec}");
+        // Each fault really happened.
+        if spec.contains("replica-restart") {
+            assert!(noted(&notes, "died"), "seed {seed}: {notes:?}");
+            assert!(noted(&notes, "started again"), "seed {seed}: {notes:?}");
+        }
+        if spec.contains("partition") {
+            assert!(noted(&notes, "cut off NATS"), "seed {seed}: {notes:?}");
+            assert!(noted(&notes, "back on NATS"), "seed {seed}: {notes:?}");
+            assert!(report.kv_events_missed > 0, "seed {seed}: {report:?}");
+            assert!(report.peer_updates_lost > 0, "seed {seed}: {report:?}");
+        }
+        // Every failure is one the faults explain, each reported.
+        assert_eq!(
+            t.failed,
+            report.gateway_failed_requests
+                + report.worker_failed_requests
+                + report.timed_out_requests,
+            "seed {seed}, {spec}"
+        );
+    }
+}
+
+/// The first seed from `from` whose plan puts `fault` (`replica_restart` or `partition`) on
+/// replica 0, whose view the simulation exposes; with its (start, end).
+fn seed_on_replica_0(spec: &str, from: u64, fault: &str) -> (u64, Nanos, Nanos) {
+    for seed in from..from + 50 {
+        let sim = simulation(replica_config(seed), Some(spec), 120).unwrap();
+        let plan = sim.fault_report().unwrap().plan.unwrap();
+        let slot = match fault {
+            "replica_restart" => plan.replica_restart,
+            _ => plan.partition,
+        };
+        if let Some((0, at, until)) = slot {
+            return (seed, at, until);
+        }
+    }
+    panic!("no seed puts {fault} on replica 0");
+}
+
+#[test]
+fn a_restarted_replica_fails_its_connections_and_rebuilds_its_view_from_snapshots() {
+    let spec = "replica-restart=5";
+    let mut lost = 0;
+    for from in [0, 100] {
+        let (seed, down, up) = seed_on_replica_0(spec, from, "replica_restart");
+        let mut sim = simulation(replica_config(seed), Some(spec), 120).unwrap();
+        sim.run_until(down + Nanos::from_secs(1)).unwrap();
+        // Down: its fresh router counts nothing, while the fleet is busy.
+        assert_eq!(sim.router().in_flight(), 0, "seed {seed}");
+        assert!(sim.in_flight() > 3, "seed {seed}");
+        // Started again: its peers' snapshots (two round trips of 5 ms) gave it the fleet's
+        // load at once, not as their requests end.
+        sim.run_until(up + Nanos::from_millis(50)).unwrap();
+        let (counted, actual) = (sim.router().in_flight(), sim.in_flight());
+        assert!(
+            counted.abs_diff(actual) <= 3,
+            "seed {seed}: counts {counted} of {actual} after its restart"
+        );
+        let out = sim.run(|_| {}).unwrap();
+        let report = out.faults.as_ref().unwrap();
+        assert!(report.snapshots_applied >= 2, "seed {seed}: {report:?}");
+        assert_eq!(out.totals.failed, report.gateway_failed_requests);
+        assert!(noted(&notes(&out), "its peers forget it"), "seed {seed}");
+        lost += report.gateway_failed_requests;
+        // It served again: its index was rebuilt from the workers' events.
+        assert!(sim_turns_of_replica_0(&out) > 0, "seed {seed}");
+    }
+    // The turns it held ended with `gateway_failed`, each reported.
+    assert!(lost > 0);
+}
+
+fn sim_turns_of_replica_0(out: &RunOutput) -> u64 {
+    out.totals.replicas.as_ref().expect("replicas").turns[0]
+}
+
+#[test]
+fn a_partitioned_replica_misses_events_and_updates_then_resyncs() {
+    // Shorter than the peer lease: when NATS is back, each side's header shows the updates
+    // it lost, so it fetches snapshots; each worker's next event shows a gap, so the index
+    // clears its blocks and re-baselines.
+    let spec = "partition=2";
+    let (seed, at, until) = seed_on_replica_0(spec, 0, "partition");
+    let mut sim = simulation(replica_config(seed), Some(spec), 120).unwrap();
+    sim.run_until(at + Nanos::from_secs(1)).unwrap();
+    let missed = sim.fault_report().unwrap();
+    sim.run_until(until + Nanos::from_millis(50)).unwrap();
+    let healed = sim.fault_report().unwrap();
+    let (counted, actual) = (sim.router().in_flight(), sim.in_flight());
+    assert!(
+        counted.abs_diff(actual) <= 3,
+        "seed {seed}: counts {counted} of {actual} after the partition"
+    );
+    let out = sim.run(|_| {}).unwrap();
+    let report = out.faults.unwrap();
+    assert!(missed.kv_events_missed > 0, "{missed:?}");
+    assert!(healed.snapshots_applied > 0, "{healed:?}");
+    assert!(report.kv_resyncs > 0, "{report:?}");
+    assert!(report.peer_updates_lost > 0, "{report:?}");
+    // Nothing failed: its clients were served throughout.
+    assert_eq!(out.totals.failed, 0);
+    // The stated bound: a claim the partition made stale lasts at most the partition and the
+    // worker's next event after it (the checker fails the run past that).
+    assert!(
+        report.max_stale_claim_s <= (until - at).as_secs_f64() + 1.0,
+        "{report:?}"
+    );
+
+    // Longer than the lease: the replica and its peers forget each other meanwhile.
+    let out = run_with(replica_config(seed), Some("partition=8"), 120).unwrap();
+    assert!(
+        noted(&notes(&out), "its peers forget it"),
+        "{:?}",
+        notes(&out)
+    );
 }
 
 #[test]
@@ -210,6 +375,18 @@ fn the_same_seed_gives_the_same_faulty_run() {
     let a = run(9, Some(spec), 120);
     let b = run(9, Some(spec), 120);
     assert_eq!(a, b);
+    let spec = "replica-restart=5,partition=5,event-loss=0.02";
+    let a = run_with(replica_config(9), Some(spec), 120).unwrap();
+    let b = run_with(replica_config(9), Some(spec), 120).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn an_empty_spec_behind_replicas_changes_no_number() {
+    let clean = run_with(replica_config(4), None, 120).unwrap();
+    let checked = run_with(replica_config(4), Some("none"), 120).unwrap();
+    assert_eq!(clean.phases, checked.phases);
+    assert_eq!(clean.totals, checked.totals);
 }
 
 #[test]

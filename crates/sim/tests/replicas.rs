@@ -114,8 +114,12 @@ fn replicas_refuse_what_they_do_not_model() {
         pools,
         SimError::Config(ConfigError::ReplicasWithPools)
     ));
-    let faults = simulation(replicas(2, Some(5)), 1)
+    // Replica faults need replicas.
+    let faults = simulation(replicas(1, Some(5)), 1)
         .unwrap()
-        .with_faults(&"none".parse::<FaultSpec>().unwrap());
-    assert!(matches!(faults, Err(SimError::Faults(_))));
+        .with_faults(&"replica-restart".parse::<FaultSpec>().unwrap());
+    match faults {
+        Err(SimError::Faults(why)) => assert!(why.contains("--gateway-replicas 2"), "{why}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
 }

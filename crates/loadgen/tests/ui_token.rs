@@ -1,0 +1,213 @@
+//! The dashboard of a load generator that requires its API token (`--api-token`), in headless
+//! Chromium (as `tests/ui.rs`): opened as `/?token=TOKEN` it sends the token with its API
+//! calls and its WebSocket, so its live data flows and Start/Stop work; opened without the
+//! token, or with a wrong one, it says what is wrong and how to open it.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use loadgen::Loadgen;
+use serde_json::{Value, json};
+
+mod common;
+
+use common::{Cluster, loadgen_config, wait_until};
+
+const SPEEDUP: f64 = 50.0;
+/// Characters a query string must encode, so the page's decoding is exercised.
+const TOKEN: &str = "s3cret+/=&x";
+const TOKEN_IN_QUERY: &str = "s3cret%2B%2F%3D%26x";
+
+/// A chromedriver process on a free port, killed on drop.
+struct ChromeDriver {
+    child: Child,
+    port: u16,
+}
+
+impl ChromeDriver {
+    fn start() -> ChromeDriver {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect(
+                "chromedriver runs the UI tests: install Debian's chromium and chromium-driver \
+                 (`apt-get install chromium chromium-driver`; .ci/run does)",
+            );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "chromedriver did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        ChromeDriver { child, port }
+    }
+
+    async fn browser(&self) -> Client {
+        let mut capabilities = serde_json::Map::new();
+        capabilities.insert(
+            "goog:chromeOptions".to_owned(),
+            json!({"args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                            "--disable-dev-shm-usage", "--window-size=1400,2400"]}),
+        );
+        ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+            .capabilities(capabilities)
+            .connect(&format!("http://127.0.0.1:{}", self.port))
+            .await
+            .expect("a headless Chromium session")
+    }
+}
+
+impl Drop for ChromeDriver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn id(testid: &str) -> Locator<'_> {
+    Locator::XPath(Box::leak(
+        format!("//*[@data-testid='{testid}']").into_boxed_str(),
+    ))
+}
+
+async fn text(browser: &Client, testid: &str) -> String {
+    browser
+        .wait()
+        .at_most(Duration::from_secs(10))
+        .for_element(id(testid))
+        .await
+        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
+        .text()
+        .await
+        .unwrap_or_default()
+}
+
+async fn prop(browser: &Client, testid: &str, name: &str) -> Option<String> {
+    browser
+        .find(id(testid))
+        .await
+        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
+        .prop(name)
+        .await
+        .unwrap()
+}
+
+async fn disabled(browser: &Client, testid: &str) -> bool {
+    prop(browser, testid, "disabled").await.as_deref() == Some("true")
+}
+
+async fn shown(browser: &Client, testid: &str) -> bool {
+    prop(browser, testid, "hidden").await.as_deref() == Some("false")
+}
+
+async fn click(browser: &Client, testid: &str) {
+    browser
+        .find(id(testid))
+        .await
+        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
+        .click()
+        .await
+        .unwrap();
+}
+
+/// `/api/status` with the token.
+async fn status(url: &str) -> Value {
+    reqwest::Client::new()
+        .get(format!("{url}/api/status"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("GET /api/status")
+        .json()
+        .await
+        .expect("JSON")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_opened_with_its_token_runs_and_without_it_says_what_to_do() {
+    let cluster = Cluster::start(0..2, SPEEDUP, "worker-").await;
+    let lane = cluster.lane("kv_load", Some("kv_load"));
+    let mut config = loadgen_config(vec![lane], 20, SPEEDUP);
+    config.api_token = Some(TOKEN.to_owned());
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+    let driver = ChromeDriver::start();
+    let browser = driver.browser().await;
+
+    // Without the token: a clear message, nothing connected, no control enabled.
+    browser.goto(&format!("{url}/")).await.unwrap();
+    wait_until("the token message", Duration::from_secs(10), async || {
+        shown(&browser, "auth-banner").await
+    })
+    .await;
+    let message = text(&browser, "auth-banner").await;
+    assert!(
+        message.contains("needs its API token") && message.contains("?token=TOKEN"),
+        "{message}"
+    );
+    assert!(message.contains("--api-token"), "{message}");
+    assert_eq!(text(&browser, "ws-state").await, "disconnected");
+    assert!(disabled(&browser, "start").await && disabled(&browser, "stop").await);
+
+    // A wrong token: the message says the token was refused.
+    browser.goto(&format!("{url}/?token=wrong")).await.unwrap();
+    wait_until(
+        "the refused-token message",
+        Duration::from_secs(10),
+        async || {
+            shown(&browser, "auth-banner").await
+                && text(&browser, "auth-banner")
+                    .await
+                    .contains("refused the token")
+        },
+    )
+    .await;
+    assert!(disabled(&browser, "start").await);
+
+    // With the token: the WebSocket connects, no message, Start works and data flows.
+    browser
+        .goto(&format!("{url}/?token={TOKEN_IN_QUERY}"))
+        .await
+        .unwrap();
+    wait_until("the WebSocket", Duration::from_secs(10), async || {
+        text(&browser, "ws-state").await == "connected"
+    })
+    .await;
+    assert!(!shown(&browser, "auth-banner").await);
+    assert!(!disabled(&browser, "start").await);
+    assert!(disabled(&browser, "stop").await);
+    click(&browser, "start").await;
+    wait_until("running", Duration::from_secs(10), async || {
+        disabled(&browser, "start").await && !disabled(&browser, "stop").await
+    })
+    .await;
+    assert_eq!(status(&url).await["running"], true);
+    wait_until(
+        "live numbers over the WebSocket",
+        Duration::from_secs(90),
+        async || {
+            text(&browser, "kpi-requests")
+                .await
+                .parse::<u64>()
+                .unwrap_or(0)
+                >= 10
+                && text(&browser, "kpi-tops").await != "—"
+        },
+    )
+    .await;
+    assert_eq!(text(&browser, "kpi-errors").await, "0");
+
+    click(&browser, "stop").await;
+    wait_until("stopped", Duration::from_secs(10), async || {
+        !disabled(&browser, "start").await && disabled(&browser, "stop").await
+    })
+    .await;
+    assert_eq!(status(&url).await["running"], false);
+    browser.close().await.unwrap();
+}
