@@ -147,6 +147,7 @@ pub mod disagg;
 mod driver;
 pub mod faults;
 pub mod ladder;
+pub mod links;
 pub mod metrics;
 pub mod mix;
 pub mod oracle;
