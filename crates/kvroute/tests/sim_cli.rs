@@ -544,6 +544,16 @@ fn disaggregation_flags_with_bad_values_fail_with_a_clear_error() {
             "add --prefill-workers N --decode-workers M, or --layout",
         ),
         (
+            &[
+                "sim",
+                "--layout",
+                "seed004-dev",
+                "--kv-link-sharing",
+                "fair",
+            ],
+            "invalid value 'fair' for '--kv-link-sharing <MODE>'",
+        ),
+        (
             &["bench", "--disagg", "--rates", "1,0.5,1"],
             "--rates: 1 is given twice",
         ),
