@@ -16,7 +16,7 @@ use crate::profile::{HardwareProfile, Speculation, StepShape};
 use crate::spec::{Drafter, SpecDecodeConfig, accepted_drafts};
 use crate::types::{
     EngineConfig, EngineConfigError, EngineEvent, EngineMetrics, EngineRequest, Leg, OutputSpec,
-    RejectReason, RequestId, pseudo_token,
+    RejectReason, RequestId, TransferStart, pseudo_token,
 };
 
 /// Longest stretch of coalesced decode steps. A stretch that reaches it simply ends and the
@@ -183,6 +183,9 @@ pub struct Engine {
     waiting: VecDeque<u32>,
     running: Vec<u32>,
     transferring: Vec<u32>,
+    /// External KV transfers admitted and not yet announced (at most one per transferring
+    /// request).
+    transfer_starts: VecDeque<TransferStart>,
     items: Vec<Item>,
     step: Option<Step>,
     stretch: Option<Stretch>,
@@ -328,6 +331,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             transferring: Vec::new(),
+            transfer_starts: VecDeque::new(),
             items: Vec::new(),
             step: None,
             stretch: None,
@@ -525,6 +529,30 @@ impl Engine {
         }
     }
 
+    /// With [`EngineConfig::external_kv_transfers`]: the next decode leg admitted since the
+    /// last call, whose KV the driver now moves. Drivers drain this after every call, as
+    /// they drain [`Engine::poll_event`].
+    pub fn poll_transfer_start(&mut self) -> Option<TransferStart> {
+        self.transfer_starts.pop_front()
+    }
+
+    /// With [`EngineConfig::external_kv_transfers`]: the KV of decode leg `id` has landed at
+    /// `now`; it joins the running batch at the next step boundary. False (and nothing done)
+    /// when `id` is not waiting for its KV here (cancelled meanwhile, or never announced).
+    pub fn kv_arrived(&mut self, id: RequestId, now: Nanos) -> bool {
+        let now = self.enter(now);
+        let Some(&slot) = self.by_id.get(&id) else {
+            return false;
+        };
+        let r = self.req_mut(slot);
+        if r.state != State::Transferring || r.ready_at != Nanos::MAX {
+            return false;
+        }
+        r.ready_at = now;
+        self.advance(now);
+        true
+    }
+
     /// Brings the outputs up to `now`: a speed-mode stretch is cut at `now`, so the tokens of
     /// every step ended by then are emitted (as `cancel` and `submit` do). For a driver that
     /// stops driving the engine at `now` (the simulator's stopped worker).
@@ -658,10 +686,13 @@ impl Engine {
         }
     }
 
+    /// The earliest KV arrival the engine knows the time of (an external transfer still on
+    /// its links has none: `Nanos::MAX`).
     fn next_transfer(&self) -> Option<Nanos> {
         self.transferring
             .iter()
             .filter_map(|&s| self.reqs[s as usize].as_ref().map(|r| r.ready_at))
+            .filter(|&t| t != Nanos::MAX)
             .min()
     }
 
@@ -969,7 +1000,18 @@ impl Engine {
         let serial = r.serial;
         if r.remote {
             let tokens = u64::from(r.prompt_len - hit_tokens);
-            r.ready_at = t + self.cfg.profile.kv_transfer_time(tokens, self.cfg.kv_link);
+            if self.cfg.external_kv_transfers {
+                // The driver times it; it lands with `kv_arrived`.
+                r.ready_at = Nanos::MAX;
+                self.transfer_starts.push_back(TransferStart {
+                    id: r.id,
+                    tokens,
+                    bytes: tokens.saturating_mul(self.cfg.profile.kv_bytes_per_token),
+                    at: t,
+                });
+            } else {
+                r.ready_at = t + self.cfg.profile.kv_transfer_time(tokens, self.cfg.kv_link);
+            }
             r.state = State::Transferring;
             self.transferring.push(slot);
         } else {

@@ -136,6 +136,6 @@ pub use spec::{
 };
 pub use types::{
     EngineConfig, EngineConfigError, EngineEvent, EngineMetrics, EngineRequest, Leg, OutputSpec,
-    RejectReason, RequestId, Role, pseudo_token,
+    RejectReason, RequestId, Role, TransferStart, pseudo_token,
 };
 pub use worker_limits::{WorkerLimits, WorkerTiming};

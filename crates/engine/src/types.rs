@@ -166,6 +166,17 @@ pub enum EngineEvent {
     Kv(KvEvent),
 }
 
+/// A decode leg's KV transfer the driver times ([`EngineConfig::external_kv_transfers`]):
+/// admitted at `at`, `tokens` of the prompt (what this worker does not hold) to receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferStart {
+    pub id: RequestId,
+    pub tokens: u64,
+    /// `tokens` × the profile's KV bytes per token.
+    pub bytes: u64,
+    pub at: Nanos,
+}
+
 /// What this worker does with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -203,6 +214,12 @@ pub struct EngineConfig {
     /// Link used to receive KV in the decode-only role.
     #[serde(default)]
     pub kv_link: KvLink,
+    /// Decode-only role: the driver times KV transfers (links shared with other workers'
+    /// transfers, as the simulator's `LinkShare`) instead of the engine's own
+    /// `kv_transfer_time`: an admitted decode leg is announced by
+    /// [`crate::Engine::poll_transfer_start`] and waits for [`crate::Engine::kv_arrived`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub external_kv_transfers: bool,
     /// Reuse cached prompt prefixes (vLLM `enable_prefix_caching`).
     #[serde(default = "defaults::yes")]
     pub enable_prefix_caching: bool,
@@ -267,6 +284,7 @@ impl EngineConfig {
             free_gpu_memory_fraction: defaults::free_gpu_memory_fraction(),
             num_gpu_blocks_override: None,
             kv_link: KvLink::Nvlink,
+            external_kv_transfers: false,
             enable_prefix_caching: true,
             coalesce_decode: false,
             max_waiting: defaults::max_waiting(),

@@ -398,6 +398,64 @@ fn disaggregated_prefill_to_decode_handoff() {
     assert!(profile.kv_transfer_time(4_000, KvLink::Nvlink) < transfer);
 }
 
+/// With external transfers a decode worker announces the KV it must receive and waits for
+/// the driver's word, however long that takes: the driver's shared links time the transfer,
+/// not the engine's profile.
+#[test]
+fn a_decode_worker_with_external_transfers_waits_for_its_kv_to_land() {
+    let mut dcfg = h200();
+    dcfg.role = Role::DecodeOnly;
+    dcfg.external_kv_transfers = true;
+    let bytes_per_token = dcfg.profile.kv_bytes_per_token;
+    let mut dw = engine(dcfg);
+    dw.submit(req(1, text(1, 4_000), 20), Nanos::ZERO);
+    let start = dw.poll_transfer_start().expect("the transfer is announced");
+    assert_eq!(
+        (start.id, start.tokens, start.bytes, start.at),
+        (RequestId(1), 4_000, 4_000 * bytes_per_token, Nanos::ZERO)
+    );
+    assert_eq!(dw.poll_transfer_start(), None);
+    // Nothing to do until the KV lands: no timer, no tokens.
+    assert_eq!(dw.poll_timeout(), None);
+    while let Some(ev) = dw.poll_event() {
+        assert!(!matches!(ev, EngineEvent::Tokens { .. }), "{ev:?}");
+    }
+    assert!(
+        !dw.kv_arrived(RequestId(9), Nanos::from_millis(5)),
+        "unknown id"
+    );
+    let landed = Nanos::from_secs(3);
+    assert!(dw.kv_arrived(RequestId(1), landed));
+    assert!(!dw.kv_arrived(RequestId(1), landed), "landed once");
+    let mut events = Vec::new();
+    while let Some(t) = dw.poll_timeout() {
+        dw.handle_timeout(t);
+        while let Some(ev) = dw.poll_event() {
+            events.push(ev);
+        }
+    }
+    let first_decode = events
+        .iter()
+        .find_map(|e| match e {
+            EngineEvent::Tokens { start, at, .. } => Some((*start, *at)),
+            _ => None,
+        })
+        .expect("decode tokens");
+    assert_eq!(first_decode.0, 1, "output index 0 was the prefill worker's");
+    assert!(first_decode.1 > landed, "{first_decode:?}");
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            EngineEvent::Finished {
+                output_tokens: 20,
+                ..
+            }
+        )),
+        "{events:?}"
+    );
+    assert_eq!(dw.metrics().prefill_tokens_computed, 0);
+}
+
 /// Per-request legs: a decode worker serves a whole request itself (conditional
 /// disaggregation: its prefill is computed locally, no transfer), an aggregated worker serves
 /// either leg (vLLM's `kv_both`), and a prefill worker refuses anything but a prefill.

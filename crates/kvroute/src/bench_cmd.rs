@@ -13,7 +13,9 @@ use sim::bench::{BenchJob, BenchSpec, JobResult};
 use sim::chat::run_chat_job;
 use sim::ladder::{LadderPart, LadderPhase, LadderSetup};
 
-use crate::sim_cmd::{Cluster, ClusterArgs, LinkArg, parse_router, progress_bar, router_names};
+use crate::sim_cmd::{
+    Cluster, ClusterArgs, LinkArg, LinkSharingArg, parse_router, progress_bar, router_names,
+};
 
 /// Seed 002's concurrency levels, `kvroute bench`'s default.
 const SEED_002_LEVELS: [u32; 7] = [60, 80, 100, 120, 140, 160, 180];
@@ -25,6 +27,10 @@ const PHASE_SWEEPS: u32 = 2;
 const DISAGG_LEVELS: [u32; 5] = [20, 40, 80, 120, 160];
 const DISAGG_SWEEPS: u32 = 2;
 const DISAGG_GPUS: u32 = 4;
+/// `--disagg`'s default open-loop rates, sessions per second: from light load on every 4-GPU
+/// layout to past saturation of all of them (the weakest, `1p3d` on B and `3p1d` on A and C,
+/// saturate below 0.5–1; a chat session is 3–5 requests).
+const DISAGG_RATES: [f64; 5] = [0.25, 0.5, 1.0, 1.5, 2.0];
 /// The workloads `--disagg` can run today.
 /// `--disagg-workloads`: seed 004's workloads by name, and the mix each runs.
 const DISAGG_WORKLOADS: [(&str, [u32; 3]); 4] = [
@@ -41,7 +47,7 @@ fn disagg_workload_names() -> String {
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// Concurrency levels, in the order each sweep visits them (default: seed 002's
-    /// 60,80,…,180; with --phases 20,40,60,90,120).
+    /// 60,80,…,180; with --phases 20,40,60,90,120; with --disagg 20,40,80,120,160).
     #[arg(long, value_delimiter = ',')]
     pub levels: Option<Vec<u32>>,
     /// Independent sweeps per router (different seeds), averaged (default 6; with --phases 2).
@@ -66,6 +72,13 @@ pub struct BenchArgs {
     /// --workers do not apply (--kv-router routes both pools).
     #[arg(long, conflicts_with_all = ["phases", "compare_seed002", "workers"])]
     pub disagg: bool,
+    /// With --disagg: open-loop arrival rates, sessions per second (Poisson; a session is one
+    /// B or C request, or an A conversation of 3–5 turns), one cold run per rate beside the
+    /// closed loop's --levels. Default 0.25,0.5,1,1.5,2; giving only --levels runs the closed
+    /// loop only, giving only --rates the open loop only.
+    #[arg(long, value_delimiter = ',', value_name = "RPS", requires = "disagg",
+          value_parser = crate::sim_cmd::parse_rate)]
+    pub rates: Option<Vec<f64>>,
     /// With --disagg: the GPUs of every layout (2–16).
     #[arg(long, value_name = "N", requires = "disagg",
           value_parser = clap::value_parser!(u32).range(2..=16))]
@@ -82,6 +95,15 @@ pub struct BenchArgs {
     /// With --disagg: how KV moves from prefill to decode workers.
     #[arg(long, value_enum, default_value = "nvlink", requires = "disagg")]
     pub kv_link: LinkArg,
+    /// With --disagg: whether concurrent KV transfers share each worker's link port.
+    #[arg(
+        long,
+        value_enum,
+        value_name = "MODE",
+        default_value = "shared",
+        requires = "disagg"
+    )]
+    pub kv_link_sharing: LinkSharingArg,
     /// With --disagg: goodput's TTFT objective per request (seed 004's prefill scaler
     /// threshold).
     #[arg(long, value_name = "MS", default_value_t = report::Slo::SEED_004.ttft_ms, requires = "disagg")]
@@ -527,8 +549,23 @@ fn run_disagg(args: &BenchArgs) -> Result<()> {
             bail!("{flag} must be a number of milliseconds > 0, got {v}");
         }
     }
-    if workloads.is_empty() || args.levels().is_empty() || args.sweeps() == 0 {
-        bail!("--disagg-workloads, --levels and --sweeps need at least one value each");
+    // What is named runs: both loops by default, else only the one(s) given.
+    let levels = match (&args.levels, &args.rates) {
+        (None, Some(_)) => Vec::new(),
+        _ => args.levels(),
+    };
+    let rates = match (&args.levels, &args.rates) {
+        (_, Some(rates)) => rates.clone(),
+        (Some(_), None) => Vec::new(),
+        (None, None) => DISAGG_RATES.to_vec(),
+    };
+    for (k, rate) in rates.iter().enumerate() {
+        if rates[..k].contains(rate) {
+            bail!("--rates: {rate} is given twice; give each rate once");
+        }
+    }
+    if workloads.is_empty() || (levels.is_empty() && rates.is_empty()) || args.sweeps() == 0 {
+        bail!("--disagg-workloads, --levels or --rates, and --sweeps need at least one value each");
     }
     let slo = report::Slo {
         ttft_ms: args.slo_ttft_ms,
@@ -557,22 +594,58 @@ fn run_disagg(args: &BenchArgs) -> Result<()> {
                 decode_workers: layout.decode,
                 local_prefill_max_tokens: threshold,
                 kv_link,
+                shared_links: args.kv_link_sharing.shared(),
             });
         }
         clusters.push(built);
     }
+    // One benchmark per (workload, layout) for the closed loop, and one per rate on top: an
+    // open-loop run of one level, its cluster's workload set to the rate (the level's
+    // concurrency does not apply there).
+    let disagg_spec = |cluster: &Cluster, levels: Vec<u32>| -> Result<BenchSpec> {
+        let mut spec = args.spec_with(
+            vec![args.kv_router],
+            cluster,
+            levels,
+            args.sweeps(),
+            (60.0, 300.0),
+        )?;
+        spec.base.router.policy = args.kv_router;
+        Ok(spec)
+    };
+    let mut open_clusters: Vec<Cluster> = Vec::new();
     let mut benches = Vec::new();
     for (w, workload) in workloads.iter().enumerate() {
         for (l, layout) in layouts.iter().enumerate() {
             let i = w * layouts.len() + l;
-            let mut spec = args.spec(vec![args.kv_router], &clusters[i])?;
-            spec.base.router.policy = args.kv_router;
-            benches.push((i, layout.clone(), workload.trim().to_string(), spec));
+            let name = workload.trim().to_string();
+            if !levels.is_empty() {
+                let spec = disagg_spec(&clusters[i], levels.clone())?;
+                benches.push((Source::Closed(i), layout.clone(), name.clone(), None, spec));
+            }
+            for &rate in &rates {
+                let mut cluster = clusters[i].clone();
+                cluster.workload.rate_rps = Some(rate);
+                let spec = disagg_spec(&cluster, vec![0])?;
+                open_clusters.push(cluster);
+                let o = open_clusters.len() - 1;
+                benches.push((
+                    Source::Open(o),
+                    layout.clone(),
+                    name.clone(),
+                    Some(rate),
+                    spec,
+                ));
+            }
         }
     }
+    let cluster_of = |source: &Source| match *source {
+        Source::Closed(i) => &clusters[i],
+        Source::Open(o) => &open_clusters[o],
+    };
     let refs: Vec<(&BenchSpec, &Cluster)> = benches
         .iter()
-        .map(|(i, _, _, spec)| (spec, &clusters[*i]))
+        .map(|(source, _, _, _, spec)| (spec, cluster_of(source)))
         .collect();
     let (grouped, threads) = run_parallel(&refs, args.jobs, true)?;
     let simulated: f64 = benches
@@ -583,11 +656,12 @@ fn run_disagg(args: &BenchArgs) -> Result<()> {
     let parts: Vec<sim::disagg::DisaggPart> = benches
         .into_iter()
         .zip(grouped)
-        .map(|((i, layout, workload, spec), results)| {
-            let results = sim::bench::aggregate(&spec, results, &clusters[i].profile_name);
+        .map(|((source, layout, workload, rate_rps, spec), results)| {
+            let results = sim::bench::aggregate(&spec, results, &cluster_of(&source).profile_name);
             sim::disagg::DisaggPart {
                 layout,
                 workload,
+                rate_rps,
                 spec,
                 results,
             }
@@ -597,6 +671,7 @@ fn run_disagg(args: &BenchArgs) -> Result<()> {
         slo,
         local_prefill_max_tokens: threshold,
         kv_link,
+        shared_links: args.kv_link_sharing.shared(),
     };
     let mut results = sim::disagg::merge(parts, &meta).context("no layout to run")?;
     results.bench.path_latency_ms = Some(args.cluster.path_latency_ms);
@@ -622,6 +697,13 @@ fn run_disagg(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// Which cluster a `--disagg` benchmark runs on: a (workload, layout)'s closed-loop one, or
+/// an open-loop copy at one rate.
+enum Source {
+    Closed(usize),
+    Open(usize),
+}
+
 fn print_disagg(results: &BenchResults) {
     let Some(d) = &results.bench.disagg else {
         return;
@@ -634,8 +716,8 @@ fn print_disagg(results: &BenchResults) {
     for workload in &d.workloads {
         println!("{workload}:");
         println!(
-            "  {:>5}  {:<6} {:>8} {:>8}  {:>8} {:>8}  {:>8} {:>6}  {:>7} {:>6}  {:>13}",
-            "conc",
+            "  {:>9}  {:<6} {:>8} {:>8}  {:>8} {:>8}  {:>8} {:>6}  {:>7} {:>6}  {:>13}",
+            "load",
             "layout",
             "TTFT p50",
             "p95 ms",
@@ -647,19 +729,16 @@ fn print_disagg(results: &BenchResults) {
             "RPS",
             "split/local"
         );
-        for &level in &results.bench.levels {
+        for load in report::disagg::loads(results) {
             for layout in &d.layouts {
-                let Some(r) = report::disagg::rows(results, workload, &layout.name)
-                    .into_iter()
-                    .find(|r| r.concurrency == level)
-                else {
+                let Some(r) = report::disagg::row(results, workload, &layout.name, load) else {
                     continue;
                 };
                 let m = &r.metrics;
                 let s = m.serving.clone().unwrap_or_default();
                 println!(
-                    "  {:>5}  {:<6} {:>8} {:>8}  {:>8} {:>8}  {:>8.2} {:>5}%  {:>7.0} {:>6.2}  {:>13}",
-                    level,
+                    "  {:>9}  {:<6} {:>8} {:>8}  {:>8} {:>8}  {:>8.2} {:>5}%  {:>7.0} {:>6.2}  {:>13}",
+                    load.label(),
                     layout.name,
                     o(m.ttft_ms.p50, 0),
                     o(m.ttft_ms.p95, 0),

@@ -403,6 +403,22 @@ impl From<LinkArg> for engine::KvLink {
     }
 }
 
+/// How concurrent KV transfers use the links.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LinkSharingArg {
+    /// Transfers out of one prefill worker, or into one decode worker, share its port's
+    /// bandwidth fairly (a burst of long prompts queues).
+    Shared,
+    /// Every transfer has the whole link to itself (size / bandwidth, no contention).
+    Exclusive,
+}
+
+impl LinkSharingArg {
+    pub fn shared(self) -> bool {
+        self == LinkSharingArg::Shared
+    }
+}
+
 /// `kvroute sim`'s disaggregated fleet: prefill and decode pools instead of --workers.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DisaggArgs {
@@ -427,6 +443,9 @@ pub struct DisaggArgs {
     /// How KV moves from prefill to decode workers (default nvlink, or the layout's).
     #[arg(long, value_enum)]
     pub kv_link: Option<LinkArg>,
+    /// Whether concurrent KV transfers share each worker's link port (default shared).
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub kv_link_sharing: Option<LinkSharingArg>,
 }
 
 impl DisaggArgs {
@@ -445,10 +464,14 @@ impl DisaggArgs {
             }
             (None, Some(p), Some(d)) => (DisaggSetup::new(p, d), None),
             _ => {
-                if self.local_prefill_max_tokens.is_some() || self.kv_link.is_some() {
+                if self.local_prefill_max_tokens.is_some()
+                    || self.kv_link.is_some()
+                    || self.kv_link_sharing.is_some()
+                {
                     bail!(
-                        "--local-prefill-max-tokens and --kv-link apply to a disaggregated fleet: \
-                         add --prefill-workers N --decode-workers M, or --layout"
+                        "--local-prefill-max-tokens, --kv-link and --kv-link-sharing apply to a \
+                         disaggregated fleet: add --prefill-workers N --decode-workers M, or \
+                         --layout"
                     );
                 }
                 return Ok(None);
@@ -459,6 +482,9 @@ impl DisaggArgs {
         }
         if let Some(link) = self.kv_link {
             setup.kv_link = link.into();
+        }
+        if let Some(sharing) = self.kv_link_sharing {
+            setup.shared_links = sharing.shared();
         }
         Ok(Some((setup, profile)))
     }

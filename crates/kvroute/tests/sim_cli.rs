@@ -545,6 +545,37 @@ fn disaggregation_flags_with_bad_values_fail_with_a_clear_error() {
         ),
         (&["bench", "--disagg", "--phases"], "cannot be used with"),
         (
+            &["bench", "--disagg", "--rates", "0"],
+            "invalid value '0' for '--rates <RPS>': must be a number of sessions per second",
+        ),
+        (
+            &["bench", "--disagg", "--rates", "1,fast"],
+            "expected a number of sessions per second, got `fast`",
+        ),
+        (&["bench", "--rates", "1"], "--disagg"),
+        (
+            &["bench", "--disagg", "--kv-link-sharing", "sometimes"],
+            "invalid value 'sometimes' for '--kv-link-sharing <MODE>'",
+        ),
+        (
+            &["sim", "--kv-link-sharing", "exclusive"],
+            "add --prefill-workers N --decode-workers M, or --layout",
+        ),
+        (
+            &[
+                "sim",
+                "--layout",
+                "seed004-dev",
+                "--kv-link-sharing",
+                "fair",
+            ],
+            "invalid value 'fair' for '--kv-link-sharing <MODE>'",
+        ),
+        (
+            &["bench", "--disagg", "--rates", "1,0.5,1"],
+            "--rates: 1 is given twice",
+        ),
+        (
             &["bench", "--disagg", "--workers", "4"],
             "cannot be used with",
         ),
@@ -684,6 +715,102 @@ fn bench_disagg_compares_layouts_of_equal_gpus_byte_identically() {
     let report = std::fs::read_to_string(a.join("report.md")).unwrap();
     assert!(
         report.contains("Goodput") && report.contains("`2p1d`"),
+        "{report}"
+    );
+}
+
+fn open_loop_disagg_bench(dir: &Path, jobs: &str) -> Output {
+    kvroute()
+        .args([
+            "bench",
+            "--disagg",
+            "--disagg-workloads",
+            "summarise",
+            "--gpus",
+            "2",
+            "--rates",
+            "2,0.2",
+            "--sweeps",
+            "1",
+            "--warmup",
+            "20",
+            "--window",
+            "40",
+            "--snapshots",
+            "2",
+            "--lookback",
+            "20",
+            "--seed",
+            "3",
+            "--jobs",
+            jobs,
+            "--out",
+        ])
+        .arg(dir)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn bench_disagg_at_open_loop_rates_shows_saturation_byte_identically() {
+    let (a, b) = (out_dir("disagg-rate-a"), out_dir("disagg-rate-b"));
+    let out = ok(open_loop_disagg_bench(&a, "1"));
+    ok(open_loop_disagg_bench(&b, "2"));
+    for file in ["results.json", "report.md", "summarise_rate_goodput.svg"] {
+        assert!(
+            std::fs::read(a.join(file)).unwrap() == std::fs::read(b.join(file)).unwrap(),
+            "{file} differs between runs"
+        );
+    }
+    // Only --rates given: no closed-loop rows or plots.
+    assert!(!a.join("summarise_goodput.svg").exists());
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        stdout.contains("0.2/s") && stdout.contains("2/s"),
+        "{stdout}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(a.join("results.json")).unwrap()).unwrap();
+    let meta = &v["bench"]["disagg"];
+    assert_eq!(meta["rates"], serde_json::json!([0.2, 2.0]));
+    assert_eq!(meta["kv_link_sharing"], "shared");
+    let summary = v["summary"].as_array().unwrap();
+    assert_eq!(summary.len(), 2 * 2, "layouts × rates");
+    assert!(summary.iter().all(|r| r["concurrency"] == 0), "{summary:?}");
+    let at = |layout: &str, rate: f64| {
+        summary
+            .iter()
+            .find(|r| r["layout"] == layout && r["rate_rps"].as_f64() == Some(rate))
+            .unwrap_or_else(|| panic!("no row for {layout} at {rate}/s"))
+    };
+    for layout in ["2agg", "1p1d"] {
+        let (light, heavy) = (at(layout, 0.2), at(layout, 2.0));
+        let rps = |r: &serde_json::Value| r["requests_per_s"].as_f64().unwrap();
+        // Two GPUs finish what arrives at 0.2 documents/s; at 2/s (a 10k-token 70B prefill
+        // takes about a second) they fall behind, and the open loop keeps sending: fewer
+        // than half the arrivals finish and the first tokens that come are far later.
+        assert!(rps(light) > 0.1, "{layout} light: {light}");
+        assert!(rps(heavy) < 1.0, "{layout} heavy: {heavy}");
+        let light_ttft = light["ttft_ms"]["p95"].as_f64().unwrap();
+        if let Some(heavy_ttft) = heavy["ttft_ms"]["p95"].as_f64() {
+            assert!(
+                heavy_ttft > 4.0 * light_ttft,
+                "{layout}: {heavy} vs {light}"
+            );
+        }
+    }
+    // Documents are uncached everywhere: every one is split, and its KV moved.
+    let split = at("1p1d", 0.2);
+    assert_eq!(
+        split["serving"]["local_short"].as_f64(),
+        Some(0.0),
+        "{split}"
+    );
+    assert!(split["serving"]["kv_transfer_ms"]["p50"].as_f64().unwrap() > 0.0);
+    let report = std::fs::read_to_string(a.join("report.md")).unwrap();
+    assert!(
+        report.contains("Goodput against the arrival rate, `summarise`")
+            && report.contains("2 sessions/s arriving (open loop, Poisson)"),
         "{report}"
     );
 }

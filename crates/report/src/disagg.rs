@@ -1,24 +1,91 @@
 //! The report of `kvroute bench --disagg`: aggregated and disaggregated fleets of the same
-//! GPU count, per workload and load level: TTFT and ITL p50/p95, goodput against the SLOs,
-//! throughput, the routes conditional disaggregation took and the KV it moved; plots with one
-//! line per layout.
+//! GPU count, per workload and load (closed-loop concurrency levels, open-loop arrival
+//! rates): TTFT and ITL p50/p95, goodput against the SLOs, throughput, the routes conditional
+//! disaggregation took and the KV it moved; goodput against the arrival rate per layout; plots
+//! with one line per layout.
 
 use std::fmt::Write;
 
 use crate::results::{BenchResults, DisaggMeta, Row};
 use crate::svg::{Chart, PALETTE, Series, Threshold};
 
-/// The summary rows of `layout` on `workload`, by level.
+/// One load a comparison ran at: a closed loop's conversations open at once, or an open
+/// loop's arrival rate (sessions per second).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Load {
+    Concurrency(u32),
+    Rate(f64),
+}
+
+impl Load {
+    fn matches(self, r: &Row) -> bool {
+        match self {
+            Load::Concurrency(c) => r.rate_rps.is_none() && r.concurrency == c,
+            Load::Rate(x) => r.rate_rps == Some(x),
+        }
+    }
+
+    /// A table heading.
+    fn heading(self) -> String {
+        match self {
+            Load::Concurrency(c) => format!("{c} concurrent conversations (closed loop)"),
+            Load::Rate(x) => format!("{x} sessions/s arriving (open loop, Poisson)"),
+        }
+    }
+
+    /// A table cell.
+    pub fn label(self) -> String {
+        match self {
+            Load::Concurrency(c) => format!("{c} conv."),
+            Load::Rate(x) => format!("{x}/s"),
+        }
+    }
+}
+
+/// Every load of the results: the closed loop's levels, then the open loop's rates.
+pub fn loads(results: &BenchResults) -> Vec<Load> {
+    let rates = results.bench.disagg.as_ref().map_or(&[][..], |d| &d.rates);
+    (results.bench.levels.iter().map(|&c| Load::Concurrency(c)))
+        .chain(rates.iter().map(|&x| Load::Rate(x)))
+        .collect()
+}
+
+/// The closed-loop summary rows of `layout` on `workload`, by level.
 pub fn rows<'a>(results: &'a BenchResults, workload: &str, layout: &str) -> Vec<&'a Row> {
     crate::results::summary_rows(results, |r| {
-        r.workload.as_deref() == Some(workload) && r.layout.as_deref() == Some(layout)
+        r.rate_rps.is_none()
+            && r.workload.as_deref() == Some(workload)
+            && r.layout.as_deref() == Some(layout)
     })
 }
 
-fn row<'a>(results: &'a BenchResults, workload: &str, layout: &str, level: u32) -> Option<&'a Row> {
-    rows(results, workload, layout)
-        .into_iter()
-        .find(|r| r.concurrency == level)
+/// The open-loop summary rows of `layout` on `workload`, by rate.
+pub fn rate_rows<'a>(results: &'a BenchResults, workload: &str, layout: &str) -> Vec<&'a Row> {
+    let mut rows = crate::results::summary_rows(results, |r| {
+        r.rate_rps.is_some()
+            && r.workload.as_deref() == Some(workload)
+            && r.layout.as_deref() == Some(layout)
+    });
+    rows.sort_by(|a, b| {
+        a.rate_rps
+            .unwrap_or(0.0)
+            .total_cmp(&b.rate_rps.unwrap_or(0.0))
+    });
+    rows
+}
+
+/// The summary row of `layout` on `workload` at `load`.
+pub fn row<'a>(
+    results: &'a BenchResults,
+    workload: &str,
+    layout: &str,
+    load: Load,
+) -> Option<&'a Row> {
+    results.summary.iter().find(|r| {
+        load.matches(r)
+            && r.workload.as_deref() == Some(workload)
+            && r.layout.as_deref() == Some(layout)
+    })
 }
 
 use crate::results::cell as n;
@@ -60,7 +127,7 @@ pub fn markdown(results: &BenchResults, plots: &[String]) -> String {
         out,
         "Every layout has the same GPUs: `{}` workers (one GPU each), either all aggregated \
          or split into a prefill pool and a decode pool. KV moves from the prefill pool to \
-         the decode pool over {}; a decode worker prefills a request itself when at most {} \
+         the decode pool over {}{}; a decode worker prefills a request itself when at most {} \
          of its prompt tokens are uncached there (conditional disaggregation, \
          `router::DisaggFrontend`). Same conversations for every layout (seed {}, {} \
          sweep(s) × ({} s warmup + {} s window read as {} snapshot(s) of the last {} s)); \
@@ -68,6 +135,11 @@ pub fn markdown(results: &BenchResults, plots: &[String]) -> String {
          time; percentiles: {}.\n",
         b.profile,
         d.kv_link,
+        match d.kv_link_sharing.as_deref() {
+            Some("shared") => ", concurrent transfers sharing each worker's port fairly",
+            Some(_) => ", each transfer with the whole link to itself",
+            None => "",
+        },
         d.local_prefill_max_tokens,
         b.seed,
         b.sweeps,
@@ -88,6 +160,19 @@ pub fn markdown(results: &BenchResults, plots: &[String]) -> String {
          kind. Transfer: the modelled time of a split request's KV transfer and its size.\n",
         d.slo.ttft_ms, d.slo.itl_ms
     );
+    if !d.rates.is_empty() {
+        let rates: Vec<String> = d.rates.iter().map(f64::to_string).collect();
+        let _ = writeln!(
+            out,
+            "**Open loop**: besides the closed loop's conversations, every layout served each \
+             workload at {} sessions arriving per second (Poisson, the same arrivals for every \
+             layout; a B or C session is one request, an A session a whole conversation), one \
+             cold run per rate and sweep with the same warmup and window. The rate does not \
+             slow down when the fleet does, so a saturated layout shows as a growing queue: \
+             TTFT climbs and goodput falls below the rate.\n",
+            rates.join(", ")
+        );
+    }
     layouts_table(&mut out, d);
     for workload in &d.workloads {
         workload_section(&mut out, results, d, workload);
@@ -115,11 +200,14 @@ fn layouts_table(out: &mut String, d: &DisaggMeta) {
 }
 
 fn workload_section(out: &mut String, results: &BenchResults, d: &DisaggMeta, workload: &str) {
-    let levels = &results.bench.levels;
+    let loads = loads(results);
     let _ = writeln!(out, "## Workload `{workload}`\n");
     let baseline = d.layouts.first().map(|l| l.name.as_str()).unwrap_or("");
-    for &level in levels {
-        let _ = writeln!(out, "### {level} concurrent conversations\n");
+    if !d.rates.is_empty() {
+        rate_table(out, results, d, workload);
+    }
+    for &level in &loads {
+        let _ = writeln!(out, "### {}\n", level.heading());
         out.push_str(
             "| layout | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | goodput (req/s) | met SLOs \
              | goodput vs first | TOPS | req/s | split / local | TTFT split p50 / local p50 \
@@ -169,10 +257,8 @@ fn workload_section(out: &mut String, results: &BenchResults, d: &DisaggMeta, wo
     }
     // The best layout per level, by goodput (ties: the earlier layout).
     let _ = writeln!(out, "### Best layout by goodput, `{workload}`\n");
-    out.push_str(
-        "| level | best | goodput (req/s) | first layout's goodput |\n|---|---|---|---|\n",
-    );
-    for &level in levels {
+    out.push_str("| load | best | goodput (req/s) | first layout's goodput |\n|---|---|---|---|\n");
+    for &level in &loads {
         let mut best: Option<(&str, f64)> = None;
         for l in &d.layouts {
             if let Some(r) = row(results, workload, &l.name, level) {
@@ -184,8 +270,64 @@ fn workload_section(out: &mut String, results: &BenchResults, d: &DisaggMeta, wo
         }
         if let Some((name, g)) = best {
             let base = row(results, workload, baseline, level).map(goodput);
-            let _ = writeln!(out, "| {level} | `{name}` | {g:.2} | {} |", n(base, 2));
+            let _ = writeln!(
+                out,
+                "| {} | `{name}` | {g:.2} | {} |",
+                level.label(),
+                n(base, 2)
+            );
         }
+    }
+    out.push('\n');
+}
+
+/// Goodput against the open loop's arrival rate, one column per layout (the best in bold),
+/// with the requests per second each layout finished: where a layout's goodput stops
+/// following the rate, it is saturated.
+fn rate_table(out: &mut String, results: &BenchResults, d: &DisaggMeta, workload: &str) {
+    let _ = writeln!(out, "### Goodput against the arrival rate, `{workload}`\n");
+    out.push_str(
+        "Open loop: sessions arrive Poisson at the rate whatever the fleet serves. Each cell: \
+         goodput (req/s) / finished req/s.\n\n| sessions/s |",
+    );
+    for l in &d.layouts {
+        let _ = write!(out, " `{}` |", l.name);
+    }
+    out.push_str("\n|---|");
+    for _ in &d.layouts {
+        out.push_str("---|");
+    }
+    out.push('\n');
+    for &rate in &d.rates {
+        let load = Load::Rate(rate);
+        let cells: Vec<Option<&Row>> = d
+            .layouts
+            .iter()
+            .map(|l| row(results, workload, &l.name, load))
+            .collect();
+        let best = cells
+            .iter()
+            .map(|r| r.map_or(0.0, goodput))
+            .fold(0.0, f64::max);
+        let _ = write!(out, "| {rate} |");
+        for r in cells {
+            let _ = match r {
+                Some(r) if best > 0.0 && goodput(r) == best => write!(
+                    out,
+                    " **{:.2}** / {:.2} |",
+                    goodput(r),
+                    r.metrics.requests_per_s
+                ),
+                Some(r) => write!(
+                    out,
+                    " {:.2} / {:.2} |",
+                    goodput(r),
+                    r.metrics.requests_per_s
+                ),
+                None => write!(out, " – |"),
+            };
+        }
+        out.push('\n');
     }
     out.push('\n');
 }
@@ -235,34 +377,68 @@ pub fn plots(results: &BenchResults) -> Vec<(String, String)> {
         },
     ];
     let mut out = Vec::new();
+    // (file infix, x axis, the rows and their x): the closed loop, then the open loop.
+    type Axis = fn(&BenchResults, &str, &str) -> Vec<(f64, Row)>;
+    let axes: [(&str, &str, Axis, bool); 2] = [
+        (
+            "",
+            "concurrent conversations",
+            |res, w, l| {
+                rows(res, w, l)
+                    .into_iter()
+                    .map(|r| (f64::from(r.concurrency), r.clone()))
+                    .collect()
+            },
+            !results.bench.levels.is_empty(),
+        ),
+        (
+            "rate_",
+            "arrival rate (sessions/s, open loop)",
+            |res, w, l| {
+                rate_rows(res, w, l)
+                    .into_iter()
+                    .map(|r| (r.rate_rps.unwrap_or(0.0), r.clone()))
+                    .collect()
+            },
+            !d.rates.is_empty(),
+        ),
+    ];
     for workload in &d.workloads {
-        for spec in &specs {
-            let series = d
-                .layouts
-                .iter()
-                .enumerate()
-                .map(|(i, l)| Series {
-                    name: l.name.clone(),
-                    points: rows(results, workload, &l.name)
-                        .iter()
-                        .map(|r| (f64::from(r.concurrency), (spec.get)(r)))
-                        .collect(),
-                    color: PALETTE[i % PALETTE.len()],
-                    dashed: l.aggregated > 0,
-                })
-                .collect();
-            let chart = Chart {
-                title: format!("{} by layout: {workload}", spec.title),
-                x_label: "concurrent conversations".into(),
-                y_label: spec.axis.to_string(),
-                series,
-                threshold: (spec.slo)(d).map(|value| Threshold {
-                    value,
-                    label: format!("SLO {value:.0} ms"),
-                }),
-                y_from_zero: true,
-            };
-            out.push((format!("{workload}_{}.svg", spec.file), chart.render()));
+        for &(infix, x_label, points_of, present) in &axes {
+            if !present {
+                continue;
+            }
+            for spec in &specs {
+                let series = d
+                    .layouts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, l)| Series {
+                        name: l.name.clone(),
+                        points: points_of(results, workload, &l.name)
+                            .iter()
+                            .map(|(x, r)| (*x, (spec.get)(r)))
+                            .collect(),
+                        color: PALETTE[i % PALETTE.len()],
+                        dashed: l.aggregated > 0,
+                    })
+                    .collect();
+                let chart = Chart {
+                    title: format!("{} by layout: {workload}", spec.title),
+                    x_label: x_label.into(),
+                    y_label: spec.axis.to_string(),
+                    series,
+                    threshold: (spec.slo)(d).map(|value| Threshold {
+                        value,
+                        label: format!("SLO {value:.0} ms"),
+                    }),
+                    y_from_zero: true,
+                };
+                out.push((
+                    format!("{workload}_{infix}{}.svg", spec.file),
+                    chart.render(),
+                ));
+            }
         }
     }
     out

@@ -321,7 +321,13 @@ pub struct Row {
     pub cell: Option<String>,
     pub router: String,
     pub workers: u32,
+    /// Conversations open at once (the closed loop); 0 in an open-loop row.
     pub concurrency: u32,
+    /// `kvroute bench --disagg --rates`: the open loop's arrival rate, sessions per second
+    /// (Poisson; a session is one request of B or C, a whole conversation of A). Absent from
+    /// closed-loop rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_rps: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -418,6 +424,14 @@ pub struct DisaggMeta {
     pub local_prefill_max_tokens: u32,
     /// How KV moves from the prefill pool to the decode pool (`nvlink`, `network`).
     pub kv_link: String,
+    /// The open-loop arrival rates run (sessions per second), ascending; empty when only the
+    /// closed loop ran (and in files written before the rate sweep).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rates: Vec<f64>,
+    /// `shared`: concurrent transfers share each worker's link port; `exclusive`: each has
+    /// the whole link. Absent from files written before link sharing was modelled (exclusive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_link_sharing: Option<String>,
 }
 
 /// One fleet of a `kvroute bench --disagg`: aggregated workers, or prefill and decode pools.

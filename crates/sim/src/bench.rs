@@ -185,6 +185,7 @@ fn row(
         router: router.name().to_string(),
         workers,
         concurrency,
+        rate_rps: None,
         seed,
         sweep,
         sweeps,

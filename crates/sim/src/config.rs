@@ -116,6 +116,10 @@ pub struct DisaggSetup {
     /// How a decode worker receives KV from a prefill worker: NVLink inside a node, the
     /// network between nodes.
     pub kv_link: KvLink,
+    /// Concurrent transfers share each worker's port (`crate::links::LinkShare`: a prefill
+    /// worker's way out, a decode worker's way in); false: every transfer has the whole
+    /// link to itself (the profile's `kv_transfer_time`).
+    pub shared_links: bool,
 }
 
 impl DisaggSetup {
@@ -126,6 +130,7 @@ impl DisaggSetup {
             decode_workers: decode,
             local_prefill_max_tokens: router::DisaggConfig::default().local_prefill_max_tokens,
             kv_link: KvLink::Nvlink,
+            shared_links: true,
         }
     }
 

@@ -12,6 +12,11 @@
 //! workload) is one [`BenchSpec`] with the same seed, levels and sweeps (common random
 //! numbers: every layout faces the same conversations); [`merge`] tags each one's rows with
 //! its layout and workload and puts them into one results file.
+//!
+//! Besides the closed loop's concurrency levels, a comparison can run open-loop arrival
+//! rates ([`DisaggPart::rate_rps`]): one cold run per rate, whose workload opens sessions
+//! Poisson at that rate whatever the fleet serves, so a layout past saturation shows as a
+//! growing queue (TTFT) and falling goodput instead of as a slower closed loop.
 
 use engine::KvLink;
 use report::{BenchResults, DisaggMeta, Layout, Slo};
@@ -95,6 +100,9 @@ pub struct DisaggPart {
     pub layout: Layout,
     /// The workload's name (`chat`).
     pub workload: String,
+    /// The open loop's arrival rate (sessions per second) this part ran at; `None` for the
+    /// closed loop at `spec.levels`.
+    pub rate_rps: Option<f64>,
     pub spec: BenchSpec,
     /// The aggregated results of `spec` ([`crate::bench::aggregate`]).
     pub results: BenchResults,
@@ -106,31 +114,51 @@ pub struct DisaggBench {
     pub slo: Slo,
     pub local_prefill_max_tokens: u32,
     pub kv_link: KvLink,
+    /// Concurrent transfers share each worker's link port ([`DisaggSetup::shared_links`]).
+    pub shared_links: bool,
 }
 
-/// One `results.json` for a comparison: every part's rows tagged with its layout and
-/// workload, in the parts' order; the metadata of the first part plus the layouts and
-/// workloads met. `None` without parts.
+/// One `results.json` for a comparison: every part's rows tagged with its layout, workload
+/// and (open loop) rate, in the parts' order; the metadata of the first closed-loop part (else
+/// the first part, with no levels) plus the layouts, workloads and rates met. `None` without
+/// parts.
 pub fn merge(parts: Vec<DisaggPart>, bench: &DisaggBench) -> Option<BenchResults> {
-    let mut parts = parts.into_iter();
-    let first = parts.next()?;
+    let meta_of = parts
+        .iter()
+        .find(|p| p.rate_rps.is_none())
+        .or(parts.first())?;
+    let mut meta = meta_of.results.bench.clone();
+    if meta_of.rate_rps.is_some() {
+        meta.levels.clear();
+    }
     let mut out = BenchResults {
         summary: Vec::new(),
         runs: Vec::new(),
-        bench: first.results.bench.clone(),
+        bench: meta,
     };
     let mut layouts: Vec<Layout> = Vec::new();
     let mut workloads: Vec<String> = Vec::new();
-    for part in std::iter::once(first).chain(parts) {
+    let mut rates: Vec<f64> = Vec::new();
+    for part in parts {
         if !layouts.iter().any(|l| l.name == part.layout.name) {
             layouts.push(part.layout.clone());
         }
         if !workloads.contains(&part.workload) {
             workloads.push(part.workload.clone());
         }
+        if let Some(rate) = part.rate_rps {
+            if !rates.contains(&rate) {
+                rates.push(rate);
+            }
+        }
         let tag = |mut row: report::Row| {
             row.layout = Some(part.layout.name.clone());
             row.workload = Some(part.workload.clone());
+            if part.rate_rps.is_some() {
+                // An open-loop run's concurrency is no setting of the run.
+                row.rate_rps = part.rate_rps;
+                row.concurrency = 0;
+            }
             row
         };
         out.summary
@@ -144,6 +172,18 @@ pub fn merge(parts: Vec<DisaggPart>, bench: &DisaggBench) -> Option<BenchResults
         slo: bench.slo,
         local_prefill_max_tokens: bench.local_prefill_max_tokens,
         kv_link: link_name(bench.kv_link).to_string(),
+        kv_link_sharing: Some(
+            if bench.shared_links {
+                "shared"
+            } else {
+                "exclusive"
+            }
+            .to_string(),
+        ),
+        rates: {
+            rates.sort_by(f64::total_cmp);
+            rates
+        },
     });
     Some(out)
 }

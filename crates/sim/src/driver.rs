@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
-use engine::{Engine, EngineEvent, EngineRequest, Leg, OutputSpec, Role};
+use engine::{Engine, EngineEvent, EngineRequest, KvLink, Leg, OutputSpec, Role, TransferStart};
 use kv_index::{BlockHasher, IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
 use router::autoscale::{BucketCounts, FRONTEND_ITL_BUCKETS, FRONTEND_TTFT_BUCKETS};
@@ -19,6 +19,7 @@ use crate::faults::{
     Checker, EventChannel, FIRST_BYTE_TIMEOUT, FaultPlan, FaultReport, FaultRng, FaultSpec,
     HEALTH_INTERVAL, PEER_LEASE, PROBE_TIMEOUT, STALL_TIMEOUT, TIMEOUT_RETRIES,
 };
+use crate::links::{LinkError, LinkShare};
 use crate::metrics::{
     KvTransfer, Metrics, Outcome, RequestRecord, RouteTag, WindowAcc, tokens_in_window,
 };
@@ -53,7 +54,14 @@ pub enum SimError {
     },
     #[error("faults: {0}")]
     Faults(&'static str),
+    #[error("KV links: {0}")]
+    KvLinks(#[from] LinkError),
 }
+
+/// Most KV transfers on the shared links at once. A transfer is a decode leg waiting for its
+/// KV, so the decode pool's sequence limits bound it far below this; the bound keeps the
+/// links' table finite whatever the fleet.
+const MAX_LINK_TRANSFERS: usize = 1 << 20;
 
 /// Most turns issued at one instant before the run is declared stuck: far above any real
 /// burst (every conversation of a 60k-conversation fleet starting together), far below a
@@ -120,6 +128,8 @@ struct InFlight {
     prefill_worker: Option<u32>,
     prefilling: bool,
     prefill_cached: Option<u32>,
+    /// How long its KV transfer took on the shared links (contention included).
+    kv_transfer_took: Option<Nanos>,
 }
 
 impl InFlight {
@@ -689,6 +699,9 @@ pub struct Simulation<W: Workload> {
     is_dirty: Vec<bool>,
     /// KV events on their way to the router (fixed delay, so in delivery order).
     kv_queue: VecDeque<(Nanos, KvEvent)>,
+    /// Disaggregated fleets with shared links ([`crate::DisaggSetup::shared_links`]): the
+    /// KV transfers in flight and their shares.
+    links: Option<LinkShare>,
     oracle: Option<Oracle>,
     /// Every phase's snapshot windows, flattened, with what each has seen.
     windows: Vec<WindowAcc>,
@@ -877,6 +890,10 @@ impl<W: Workload> Simulation<W> {
             dirty: Vec::new(),
             is_dirty: vec![false; n],
             kv_queue: VecDeque::new(),
+            links: cfg
+                .disagg
+                .filter(|d| d.shared_links)
+                .map(|d| shared_links(&cfg.engine.profile, d.kv_link)),
             oracle,
             windows,
             records: Vec::new(),
@@ -1118,6 +1135,7 @@ impl<W: Workload> Simulation<W> {
                     self.drain_frontend();
                 }
                 Source::KvDelivery => self.deliver_kv(at),
+                Source::KvLinks => self.land_transfers(at),
                 Source::Schedule => self.run_schedule(at),
                 Source::Fault => self.run_faults(at),
             }
@@ -1277,9 +1295,52 @@ impl<W: Workload> Simulation<W> {
         while let Some(ev) = self.engines[i as usize].poll_event() {
             self.on_engine_event(i, shifted(ev, lag));
         }
+        while let Some(x) = self.engines[i as usize].poll_transfer_start() {
+            self.start_transfer(i, x, lag);
+        }
         self.is_dirty[i as usize] = false;
         let next = self.engines[i as usize].poll_timeout().map(|t| t + lag);
         self.timers.arm(Source::Engine(i), next);
+    }
+
+    /// Decode worker `to` admitted a split request's decode leg: its KV leaves the request's
+    /// prefill worker on the shared links.
+    fn start_transfer(&mut self, to: u32, x: TransferStart, lag: Nanos) {
+        let Some(links) = &mut self.links else {
+            return;
+        };
+        let from = self
+            .in_flight
+            .get_mut(x.id.0)
+            .and_then(|f| f.prefill_worker)
+            .unwrap_or(to);
+        let at = (x.at + lag).max(self.now);
+        if let Err(e) = links.start(x.id.0, from, to, x.bytes, at) {
+            self.fatal = Some(e.into());
+            return;
+        }
+        self.timers.arm(Source::KvLinks, links.poll_timeout());
+    }
+
+    /// KV that landed by `at` joins its decode worker's batch.
+    fn land_transfers(&mut self, at: Nanos) {
+        let Some(links) = &mut self.links else {
+            return;
+        };
+        let arrived = links.handle_timeout(at);
+        self.timers.arm(Source::KvLinks, links.poll_timeout());
+        for a in arrived {
+            if let Some(f) = self.in_flight.get_mut(a.id) {
+                f.kv_transfer_took = Some(a.took());
+            }
+            if self.dead[a.to as usize] {
+                continue;
+            }
+            let engine_at = a.at.saturating_sub(self.lag(a.to));
+            if self.engines[a.to as usize].kv_arrived(RequestId(a.id), engine_at) {
+                self.mark_dirty(a.to);
+            }
+        }
     }
 
     fn run_schedule(&mut self, at: Nanos) {
@@ -1439,6 +1500,7 @@ impl<W: Workload> Simulation<W> {
             prefill_worker: None,
             prefilling: false,
             prefill_cached: None,
+            kv_transfer_took: None,
         });
         self.admission.submit(RequestId(id), key, now);
         self.drain_frontend();
@@ -2351,7 +2413,9 @@ impl<W: Workload> Simulation<W> {
             KvTransfer {
                 tokens,
                 bytes: u64::from(tokens).saturating_mul(profile.kv_bytes_per_token),
-                time: profile.kv_transfer_time(u64::from(tokens), link),
+                time: f
+                    .kv_transfer_took
+                    .unwrap_or_else(|| profile.kv_transfer_time(u64::from(tokens), link)),
             }
         });
         if let (Some(x), Some(t)) = (&kv_transfer, &mut self.totals.disagg) {
@@ -2549,6 +2613,11 @@ impl<W: Workload> Simulation<W> {
         let Some(f) = self.in_flight.remove(id) else {
             return;
         };
+        if let Some(links) = &mut self.links
+            && links.cancel(id, self.now)
+        {
+            self.timers.arm(Source::KvLinks, links.poll_timeout());
+        }
         if let Some(faults) = &mut self.faults {
             if let Err(what) = faults.checker.on_end(f.turn) {
                 faults.violate(what);
@@ -2590,9 +2659,20 @@ fn new_engine(cfg: &SimConfig, id: u32, pool: Option<Pool>) -> Result<Engine, Co
         Some(Pool::Decode) => {
             ec.role = Role::DecodeOnly;
             ec.kv_link = cfg.disagg.map(|d| d.kv_link).unwrap_or_default();
+            ec.external_kv_transfers = cfg.disagg.is_some_and(|d| d.shared_links);
         }
     }
     Engine::new(ec, WorkerId(u64::from(id))).map_err(ConfigError::from)
+}
+
+/// The fleet's KV links: one port per worker, each of the link's bandwidth in the profile.
+fn shared_links(profile: &engine::HardwareProfile, link: KvLink) -> LinkShare {
+    let t = &profile.kv_transfer;
+    let bytes_per_sec = match link {
+        KvLink::Nvlink => t.nvlink_bytes_per_sec,
+        KvLink::Network => t.network_bytes_per_sec,
+    };
+    LinkShare::new(bytes_per_sec, Nanos(t.latency_ns), MAX_LINK_TRANSFERS)
 }
 
 /// The gateway's frontend histograms in virtual time: TTFT and ITL by pool, in the

@@ -35,8 +35,10 @@
 //! request between a split route and a local one (conditional disaggregation). The driver
 //! only carries the routes out: a split request's prefill leg runs on its prefill worker
 //! (whose first token is the client's), and at `PrefillDone` its decode leg is submitted to
-//! the decode worker, which waits for the engine's modelled KV transfer; a local one runs
-//! whole on the decode worker. KV events of both pools feed the core.
+//! the decode worker, which waits for its KV transfer; a local one runs whole on the decode
+//! worker. KV events of both pools feed the core. Transfers share the links ([`links`],
+//! [`DisaggSetup::shared_links`]): concurrent ones out of one prefill worker or into one
+//! decode worker split its port's bandwidth, so bursts of long-prompt hand-offs queue.
 //! [`Simulation::fail_worker`] takes a worker away mid-run: a prefill leg lost with it is
 //! re-issued locally by the core, a request on a lost decode worker fails.
 //!
@@ -73,7 +75,8 @@
 //! percentile type, the results rows and the SVG charts):
 //!
 //! 1. [`timers`], [`oracle`], `workload`, `config`, [`faults`] (fault specs, the KV event
-//!    delivery layer and the invariant checker): leaves;
+//!    delivery layer and the invariant checker), [`links`] (shared KV-transfer links):
+//!    leaves;
 //! 2. [`metrics`]: request records and window metrics;
 //! 3. [`timeline`]: per-worker samples and their charts;
 //! 4. `driver`: the event loop ([`Simulation`]), over 1–3;
@@ -147,6 +150,7 @@ pub mod disagg;
 mod driver;
 pub mod faults;
 pub mod ladder;
+pub mod links;
 pub mod metrics;
 pub mod mix;
 pub mod oracle;

@@ -11,11 +11,14 @@ use std::collections::BinaryHeap;
 use nanotime::Nanos;
 
 /// Who a deadline belongs to. The derived order breaks ties between equal times: KV events
-/// first (they were sent before), then engines by index, then the router, the workload, and
+/// first (they were sent before), then KV transfers landing (a decode worker stepping at `t`
+/// sees the KV that arrived at `t`), then engines by index, then the router, the workload, and
 /// the run's schedule last (a snapshot at `t` sees everything that happened at `t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Source {
     KvDelivery,
+    /// Shared KV-transfer links ([`crate::links::LinkShare`]).
+    KvLinks,
     Engine(u32),
     Router,
     Workload,
@@ -30,8 +33,8 @@ pub enum Source {
 pub struct Timers {
     heap: BinaryHeap<Reverse<(Nanos, Source)>>,
     engines: Vec<Option<Nanos>>,
-    /// KvDelivery, Router, Workload, Schedule, Fault.
-    others: [Option<Nanos>; 5],
+    /// KvDelivery, Router, Workload, Schedule, Fault, KvLinks.
+    others: [Option<Nanos>; 6],
 }
 
 impl Timers {
@@ -39,7 +42,7 @@ impl Timers {
         Self {
             heap: BinaryHeap::new(),
             engines: vec![None; engines],
-            others: [None; 5],
+            others: [None; 6],
         }
     }
 
@@ -56,6 +59,7 @@ impl Timers {
             Source::Workload => &mut self.others[2],
             Source::Schedule => &mut self.others[3],
             Source::Fault => &mut self.others[4],
+            Source::KvLinks => &mut self.others[5],
         }
     }
 
@@ -117,6 +121,7 @@ impl Timers {
             Source::Workload,
             Source::Schedule,
             Source::Fault,
+            Source::KvLinks,
         ];
         for (d, s) in self.others.iter().zip(others) {
             if let Some(t) = d {
@@ -156,9 +161,10 @@ mod tests {
     #[test]
     fn heap_stays_bounded_under_constant_rearming() {
         let mut t = Timers::new(2);
+        // Sources: 2 engines and 6 others.
         for i in 0..100_000u64 {
             t.arm(Source::Engine(0), Some(Nanos(1_000_000 - i)));
-            assert!(t.heap_len() <= 2 * 7 + 1024 + 1);
+            assert!(t.heap_len() <= 2 * 8 + 1024 + 1);
         }
         assert_eq!(
             t.pop(),

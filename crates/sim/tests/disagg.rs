@@ -248,3 +248,48 @@ fn an_aggregated_fleet_measures_exactly_what_it_did_before() {
         "{json}"
     );
 }
+
+/// Two long prompts at the same instant on two prefill workers, handed to the one decode
+/// worker together: with shared links their KV crosses its way in side by side, each at half
+/// the bandwidth, so each transfer's data takes twice as long as alone.
+#[test]
+fn simultaneous_hand_offs_into_one_decode_worker_share_its_link() {
+    let run = |shared: bool| {
+        let mut rng = Rng::new(11);
+        let turns = vec![
+            turn(0, 0, rng.tokens(6_000), rng.tokens(16), 0),
+            turn(1, 0, rng.tokens(6_000), rng.tokens(16), 0),
+        ];
+        let mut cfg = config(2, 1);
+        cfg.disagg = cfg.disagg.map(|d| DisaggSetup {
+            kv_link: KvLink::Network,
+            shared_links: shared,
+            ..d
+        });
+        let out = Simulation::new(cfg, Script::new(turns), phase(60))
+            .unwrap()
+            .run(|_| {})
+            .unwrap();
+        let mut prefill_workers: Vec<Option<u32>> =
+            out.records.iter().map(|r| r.prefill_worker).collect();
+        prefill_workers.sort();
+        assert_eq!(prefill_workers, [Some(0), Some(1)], "{:?}", out.records);
+        out.records
+            .iter()
+            .map(|r| {
+                assert_eq!(r.outcome, Outcome::Finished);
+                r.kv_transfer.expect("a transfer").time
+            })
+            .collect::<Vec<Nanos>>()
+    };
+    let latency = Nanos(HardwareProfile::h200_llama70b_fp8().kv_transfer.latency_ns);
+    let data = |t: Nanos| t.saturating_sub(latency).as_secs_f64();
+    let (alone, shared) = (run(false), run(true));
+    assert_eq!(alone.len(), 2);
+    for (a, s) in alone.iter().zip(&shared) {
+        let ratio = data(*s) / data(*a);
+        assert!((ratio - 2.0).abs() < 0.01, "shared {s} vs alone {a}");
+    }
+    // Same inputs, same transfers.
+    assert_eq!(run(true), shared);
+}
