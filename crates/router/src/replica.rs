@@ -494,6 +494,13 @@ impl ReplicaSync {
                 return false;
             }
             let start = if awaiting { None } else { first_seq };
+            if let Some(missed) = start.filter(|&seq| seq > 0) {
+                // Its stream is joined part-way: it was forgotten (silent past the lease, as
+                // behind a partition) or its first messages were lost. Its requests in flight
+                // are unknown here until its snapshot.
+                self.counters.skipped += missed;
+                self.resync_wanted = true;
+            }
             self.peers
                 .insert(from, Peer::new(epoch, start, awaiting, now));
             return true;
@@ -917,5 +924,46 @@ mod tests {
         assert_eq!(in_flight(&fb, 1) + in_flight(&fb, 2), 0);
         assert_eq!(b.peer_requests(), 0);
         assert_eq!(b.counters().peers_expired, 1);
+    }
+
+    #[test]
+    fn a_peer_heard_again_after_it_expired_is_resynced_from_its_snapshot() {
+        // A partition longer than the lease: b forgets a, whose requests go on meanwhile.
+        let (mut a, mut b, mut fb, key) = pair(ReplicaSyncConfig::default(), 64);
+        b.apply(
+            a.routed(RequestId(1), WorkerId(1), &key),
+            &mut fb,
+            Nanos::ZERO,
+        );
+        let lease = Nanos::from_millis(3_000);
+        b.expire_peers(Nanos::from_millis(3_001), lease, &mut fb);
+        assert_eq!(in_flight(&fb, 1), 0);
+        let _lost = a.routed(RequestId(2), WorkerId(2), &key);
+        // The partition heals: a's next header (or update) is all b hears of it.
+        b.heard_from(
+            ReplicaId(0),
+            1,
+            a.next_seq(),
+            &mut fb,
+            Nanos::from_millis(4_000),
+        );
+        assert!(
+            b.take_resync_wanted(),
+            "a stream joined part-way asks for the snapshot"
+        );
+        b.apply_snapshot(a.snapshot(), &mut fb, Nanos::from_millis(4_001));
+        assert_eq!(
+            (in_flight(&fb, 1), in_flight(&fb, 2)),
+            (1, 1),
+            "both of a's requests counted again"
+        );
+        // A replica that starts after b sends from 0: nothing was missed.
+        let mut c = ReplicaSync::new(ReplicaId(2), 1, ReplicaSyncConfig::default());
+        b.apply(
+            c.routed(RequestId(9), WorkerId(1), &key),
+            &mut fb,
+            Nanos::from_millis(4_002),
+        );
+        assert!(!b.take_resync_wanted());
     }
 }
