@@ -6,6 +6,7 @@ import { setText } from './dom.js';
 import { Dashboard } from './dashboard.js';
 import { Booth, DEFAULT_MIX, DEFAULT_RATE_RPS } from './booth.js';
 import { Conversations } from './conversations.js';
+import { Ladder } from './ladder.js';
 
 const STATUS_POLL_MS = 3000; // REST polling of /api/status while the WebSocket is down
 const TOAST_MS = 6000;
@@ -69,6 +70,11 @@ const booth = new Booth({
   },
 });
 
+const ladder = new Ladder({
+  // A failure rejects: the panel shows the API's message.
+  onSwitch: async (phase) => applyAnswer(await api.switchPhase(phase)),
+});
+
 const conversations = new Conversations({
   isCompare: () => (state.status?.lanes?.length ?? 0) === 2,
 });
@@ -130,6 +136,7 @@ function applyStatus(status) {
   renderHeader();
   dashboard.update(status);
   booth.update(status);
+  ladder.update(status);
 }
 
 function loadBaseline() {
