@@ -791,7 +791,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                 .map_err(|e| anyhow::anyhow!("router {:?}: {e}", routers[0]))?;
             let profile = engine::HardwareProfile::builtin(&args.profile)?;
             let phases = demo_ladder::phases(kv_router, &profile);
-            match demo_ladder::phase_of(&phases, &running_router.name().to_string(), &spec) {
+            match demo_ladder::phase_of(&phases, running_router.name(), &spec) {
                 Some(phase) => {
                     let phase = phase.to_owned();
                     Some((phases, phase))

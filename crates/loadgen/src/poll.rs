@@ -126,7 +126,7 @@ async fn scrape_workers(
                 let point = SpecPoint::from_samples(0.0, &samples);
                 counters = Some(match counters {
                     None => point,
-                    Some(sum) => sum.zip(point).map(|(a, b)| a.add(b)),
+                    Some(sum) => sum.zip(point).map(|(a, b)| a + b),
                 });
             }
             Err(err) => errors.push(err),

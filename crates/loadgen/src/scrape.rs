@@ -295,9 +295,13 @@ impl SpecPoint {
             evaluated,
         })
     }
+}
 
-    /// Two workers' counters together.
-    pub fn add(self, other: SpecPoint) -> SpecPoint {
+/// Two workers' counters together (the left one's time).
+impl std::ops::Add for SpecPoint {
+    type Output = SpecPoint;
+
+    fn add(self, other: SpecPoint) -> SpecPoint {
         SpecPoint {
             at_s: self.at_s,
             drafts: self.drafts + other.drafts,
@@ -770,7 +774,7 @@ mod tests {
         assert_eq!(h.acceptance_rate(), Some(0.75));
         assert_eq!(h.tokens_per_step(), Some(2.8));
         // Two workers add up.
-        assert_eq!(p.add(p).drafts, 200.0);
+        assert_eq!((p + p).drafts, 200.0);
     }
 
     /// A gateway scrape: TTFT buckets (0.1, 0.5, +Inf) per pool, two models each.

@@ -200,7 +200,7 @@ async fn direct_spec_totals(cluster: &Cluster) -> loadgen::SpecPoint {
             .expect("the engine exports vllm:spec_decode_* counters");
         total = Some(match total {
             None => point,
-            Some(sum) => sum.add(point),
+            Some(sum) => sum + point,
         });
     }
     total.unwrap()
