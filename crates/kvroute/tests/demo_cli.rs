@@ -839,3 +839,70 @@ fn switching_phase_live_restarts_the_workers_and_keeps_the_dashboard() {
     });
     assert!(demo.interrupt().success());
 }
+
+/// The engine targets Prometheus scrapes, as their scrape URLs (sorted).
+fn scraped_urls(prometheus: &str) -> Vec<String> {
+    let targets = get(&format!("{prometheus}/api/v1/targets?state=active"));
+    let mut urls: Vec<String> = targets["data"]["activeTargets"]
+        .as_array()
+        .expect("Prometheus's targets")
+        .iter()
+        .filter(|t| t["labels"]["job"] == "kvroute-engine")
+        .filter_map(|t| t["scrapeUrl"].as_str().map(str::to_owned))
+        .collect();
+    urls.sort();
+    urls
+}
+
+/// With `--prometheus`, a phase switch moves Prometheus's engine targets to the new workers,
+/// and the dashboard's speculative cards, read through PromQL, fill at phase eagle3.
+#[test]
+fn a_phase_switch_moves_prometheus_to_the_new_workers() {
+    let mut demo = Demo::start(&[
+        "--workers",
+        "1",
+        "--speedup",
+        "50",
+        "--concurrency",
+        "4",
+        "--start",
+        "--no-baseline",
+        "--phase",
+        "kv",
+        "--prometheus",
+        "--prometheus-port",
+        "0",
+    ]);
+    let prometheus = prometheus_url(&demo.lines);
+    let addr = demo.url.trim_start_matches("http://").to_owned();
+    let wait_for_targets = |expected: &[String]| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let scraped = scraped_urls(&prometheus);
+            if scraped == expected {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "Prometheus scrapes {scraped:?}, not {expected:?}"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    };
+    let kv_workers = ladder_workers(&get(&format!("{}/api/status", demo.url)));
+    wait_for_targets(&kv_workers);
+
+    let (code, status) = post_json(&addr, "/api/phase", &json!({"phase": "eagle3"}));
+    assert_eq!(code, 200, "{status}");
+    let eagle_workers = ladder_workers(&status);
+    assert_ne!(eagle_workers, kv_workers);
+    wait_for_targets(&eagle_workers);
+    demo.wait_for_status("acceptance through Prometheus", |s| {
+        let m = &s["lanes"][0]["metrics"];
+        m["acceptance_rate"]
+            .as_f64()
+            .is_some_and(|a| (0.5..1.0).contains(&a))
+            && m["tokens_per_step"].as_f64().is_some_and(|t| t > 1.5)
+    });
+    assert!(demo.interrupt().success());
+}
