@@ -1117,9 +1117,10 @@ fn endpoints(engines: &[(u64, engine_server::EngineServerHandle)]) -> Vec<(Strin
 
 impl PhaseLadder for SwappingLadder {
     fn phases(&self) -> Vec<PhaseSetup> {
-        ["off", "eagle3"]
+        // `draft` cannot start here (its engines are refused): the previous phase stays.
+        ["off", "draft", "eagle3"]
             .into_iter()
-            .zip(["kv", "eagle3"])
+            .zip(["kv", "draft", "eagle3"])
             .map(|(spec, name)| PhaseSetup {
                 name: name.to_owned(),
                 router: "kv_load".to_owned(),
@@ -1135,6 +1136,21 @@ impl PhaseLadder for SwappingLadder {
     fn switch(&self, phase: &str) -> BoxFuture<'_, Result<Switched, String>> {
         let phase = phase.to_owned();
         Box::pin(async move {
+            if phase == "draft" {
+                let workers = self.endpoints.lock().unwrap().clone();
+                let running = if workers.iter().any(|(n, _)| n == "worker-0") {
+                    "kv"
+                } else {
+                    "eagle3"
+                };
+                return Ok(Switched {
+                    phase: running.to_owned(),
+                    workers,
+                    error: Some(format!(
+                        "no draft model on this GPU; phase {running} runs again"
+                    )),
+                });
+            }
             let spec = (phase == "eagle3").then_some("eagle3");
             let mut engines = self.engines.lock().await;
             for (id, engine) in engines.drain(..) {
@@ -1209,6 +1225,26 @@ async fn the_phase_buttons_switch_the_ladder_live() {
     .await;
     assert!(browser.find(id("kpi-acceptance")).await.is_err());
 
+    // A phase that cannot start: the panel says why, the previous phase is still shown.
+    click(&browser, "phase-draft").await;
+    wait_until("the switch's error", Duration::from_secs(30), async || {
+        shown(&browser, "ladder-error").await
+            && text(&browser, "ladder-error")
+                .await
+                .contains("no draft model")
+    })
+    .await;
+    assert_eq!(text(&browser, "ladder-phase").await, "kv");
+    let status = api(&format!("{url}/api/status")).await;
+    assert_eq!(status["ladder"]["phase"], "kv", "{status}");
+    assert!(
+        status["ladder"]["error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("switching to draft: no draft model")),
+        "{status}"
+    );
+    assert_eq!(status["running"], true, "the workload goes on at phase kv");
+
     click(&browser, "phase-eagle3").await;
     wait_until("phase eagle3 shown", Duration::from_secs(30), async || {
         text(&browser, "ladder-phase").await == "eagle3"
@@ -1216,7 +1252,11 @@ async fn the_phase_buttons_switch_the_ladder_live() {
     })
     .await;
     assert!(!classes(&browser, "phase-kv").await.contains("active"));
-    assert!(!shown(&browser, "ladder-error").await);
+    // A successful switch clears the error.
+    wait_until("the error cleared", Duration::from_secs(10), async || {
+        !shown(&browser, "ladder-error").await
+    })
+    .await;
     let status = api(&format!("{url}/api/status")).await;
     assert_eq!(status["ladder"]["phase"], "eagle3", "{status}");
     assert_eq!(status["running"], true);
