@@ -61,6 +61,8 @@ export const configureWorkload = (change) => request('POST', '/api/workload/conf
 export const scenarioAuto = () => request('POST', '/api/scenario/auto');
 export const scenarioManual = () => request('POST', '/api/scenario/manual');
 export const scenarioStop = () => request('POST', '/api/scenario/stop');
+// Seed 003's phase ladder (kvroute demo): restarts the simulated cluster at `phase`.
+export const switchPhase = (phase) => request('POST', '/api/phase', { phase });
 
 const BACKOFF_FIRST_MS = 500;
 const BACKOFF_MAX_MS = 10000;

@@ -6,6 +6,7 @@ import { setText } from './dom.js';
 import { Dashboard } from './dashboard.js';
 import { Booth, DEFAULT_MIX, DEFAULT_RATE_RPS } from './booth.js';
 import { Conversations } from './conversations.js';
+import { Ladder } from './ladder.js';
 
 const STATUS_POLL_MS = 3000; // REST polling of /api/status while the WebSocket is down
 const TOAST_MS = 6000;
@@ -67,6 +68,11 @@ const booth = new Booth({
       booth.showError(`${label} failed: ${err.message}`);
     }
   },
+});
+
+const ladder = new Ladder({
+  // A failure rejects: the panel shows the API's message.
+  onSwitch: async (phase) => applyAnswer(await api.switchPhase(phase)),
 });
 
 const conversations = new Conversations({
@@ -152,6 +158,7 @@ function applyStatus(status) {
   renderHeader();
   dashboard.update(status);
   booth.update(status);
+  ladder.update(status);
 }
 
 function loadBaseline() {

@@ -188,7 +188,8 @@ const HEIGHT = 250;
  * unit, or null), `fixedMax` (a fixed y maximum, e.g. 100 for a percent), `references` (a
  * function returning horizontal reference lines `[{label, value}]`: what recorded phases of
  * the ladder measured, seed 003's booth lines), `markers` (a function returning vertical
- * markers `[{t, label, kind}]`: seed 004's scaling events, `kind` "scenario" or "autoscaler").
+ * markers `[{t, label, kind}]`: seed 004's scaling events, `kind` "scenario" or "autoscaler",
+ * and seed 003's phase switches, `kind` "phase").
  */
 export class TimeSeriesChart {
   constructor(svgElement, options) {
@@ -312,7 +313,7 @@ export class TimeSeriesChart {
     let row = 0;
     for (const m of markers) {
       const xm = x(m.t);
-      const kind = m.kind === 'autoscaler' ? 'autoscaler' : 'scenario';
+      const kind = ['autoscaler', 'phase'].includes(m.kind) ? m.kind : 'scenario';
       children.push(svg('line', {
         class: `event-marker event-${kind}`, 'data-event': m.label, x1: xm, x2: xm, y1: MARGIN.top, y2: MARGIN.top + plotH,
       }));

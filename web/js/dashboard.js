@@ -84,6 +84,15 @@ function scalingMarkers(status) {
     .map((e) => ({ t: e.at_ms, kind: e.source, label: `${e.pool} ${e.from}\u2192${e.to}` }));
 }
 
+/** Seed 003's phase switches as chart markers: "→ eagle3" at the switch's time. */
+function phaseMarkers(status) {
+  const switches = status?.ladder?.switches;
+  if (!Array.isArray(switches)) return [];
+  return switches
+    .filter((s) => s && typeof s.at_ms === 'number' && typeof s.phase === 'string')
+    .map((s) => ({ t: s.at_ms, kind: 'phase', label: `\u2192 ${s.phase}` }));
+}
+
 /** Whether any lane's workers report speculative decoding. */
 function reportsSpec(status) {
   return (status?.lanes || []).some((l) => typeof l.metrics?.acceptance_rate === 'number'
@@ -124,7 +133,7 @@ export class Dashboard {
     this.postsInFlight = 0; // user changes sent, not yet answered
     this.setupSlider();
     const slo = (key) => () => this.status?.slo?.[key] ?? null;
-    const markers = () => scalingMarkers(this.status);
+    const markers = () => [...scalingMarkers(this.status), ...phaseMarkers(this.status)];
     this.charts = {
       ttft: new TimeSeriesChart($('chart-ttft'), { unit: 'ms', slo: slo('ttft_p95_ms'), markers }),
       tpot: new TimeSeriesChart($('chart-tpot'), { unit: 'ms', slo: slo('tpot_p95_ms'), markers }),
@@ -226,7 +235,9 @@ export class Dashboard {
     $('chart-pools-card').hidden = !poolHistory || (!poolHistory.length && scenario.fleet === 'none');
     const events = Array.isArray(scenario?.events) ? scenario.events : [];
     const lastPool = poolHistory?.[poolHistory.length - 1];
-    const scenarioKey = `${events.length}|${events[events.length - 1]?.at_ms}|${poolHistory?.length}|${lastPool?.at_ms}`;
+    const switches = Array.isArray(status.ladder?.switches) ? status.ladder.switches : [];
+    const scenarioKey = `${events.length}|${events[events.length - 1]?.at_ms}|${poolHistory?.length}|${lastPool?.at_ms}`
+      + `|${switches.length}|${switches[switches.length - 1]?.at_ms}`;
     const sloKey = `${slo.ttft_p95_ms}|${slo.tpot_p95_ms}|${refs ? `${refs.setup}@${refs.concurrency}` : ''}|${scenarioKey}`;
     const appended = this.history.append(status);
     if (appended || sloKey !== this.chartSloKey) {

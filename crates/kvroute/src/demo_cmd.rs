@@ -11,6 +11,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use engine_server::EngineServerHandle;
 use gateway::Gateway;
+use loadgen::ladder::{LadderConfig, PhaseSetup};
 use loadgen::scenario::PoolKind;
 use loadgen::{
     Baseline, DriveConfig, LaneSpec, Loadgen, LoadgenConfig, PhaseReference, ScalingConfig,
@@ -22,6 +23,7 @@ use workload::scenario::ScenarioConfig;
 use workload::{Distribution, Mix, WorkloadConfig};
 
 use crate::demo_fleet::{DemoFleet, EngineTemplate};
+use crate::demo_ladder::{self, DemoLadder};
 use crate::demo_prometheus::{self, DemoPrometheus, EngineTarget};
 use crate::trace_args::LoadedTrace;
 use crate::{bench_cmd, gateway_cmd};
@@ -650,24 +652,33 @@ fn engine_template(args: &DemoArgs, spec: &str) -> EngineTemplate {
 }
 
 /// One simulated cluster: engines and their gateway.
-struct Cluster {
-    router: String,
-    engines: Vec<EngineServerHandle>,
-    gateway: Gateway,
+pub(crate) struct Cluster {
+    pub router: String,
+    pub engines: Vec<EngineServerHandle>,
+    pub gateway: Gateway,
 }
 
-async fn start_cluster(
-    args: &DemoArgs,
+/// Starts one engine per entry of `roles` (`both`, `prefill`, `decode`) from `template`, and
+/// their gateway with `router` on `gateway_port` (0: any free port).
+pub(crate) async fn start_cluster(
+    template: &EngineTemplate,
+    roles: &[&str],
     router: &str,
-    spec: &str,
     gateway_port: u16,
 ) -> Result<Cluster> {
-    let template = engine_template(args, spec);
     let mut engines = Vec::new();
-    for w in 0..args.worker_count() {
+    for (w, role) in (0..).zip(roles) {
         // Each cluster has its own gateway, so both number their workers from 0: the
         // transcripts' worker ids then match the GPU cards' names (worker-N) on either side.
-        engines.push(template.start(w, args.role_of(w)).await?);
+        match template.start(w, role).await {
+            Ok(engine) => engines.push(engine),
+            Err(e) => {
+                for engine in engines {
+                    engine.shutdown().await;
+                }
+                return Err(e);
+            }
+        }
     }
     let mut gateway_flags = vec![
         "gateway".to_owned(),
@@ -675,16 +686,29 @@ async fn start_cluster(
         format!("--router-mode={router}"),
     ];
     gateway_flags.extend(engines.iter().map(|e| format!("--worker={}", e.url())));
-    let flags = GatewayFlags::try_parse_from(gateway_flags).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let config = gateway_cmd::config(&flags.args)?;
-    let gateway = Gateway::bind(config)
-        .await
-        .with_context(|| format!("starting the {router} gateway on port {gateway_port}"))?;
-    Ok(Cluster {
-        router: router.to_owned(),
-        engines,
-        gateway,
-    })
+    let gateway = match GatewayFlags::try_parse_from(gateway_flags)
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .and_then(|flags| gateway_cmd::config(&flags.args))
+    {
+        Ok(config) => Gateway::bind(config)
+            .await
+            .with_context(|| format!("starting the {router} gateway on port {gateway_port}")),
+        Err(e) => Err(e),
+    };
+    match gateway {
+        Ok(gateway) => Ok(Cluster {
+            router: router.to_owned(),
+            engines,
+            gateway,
+        }),
+        // A cluster that cannot start leaves no engine behind.
+        Err(e) => {
+            for engine in engines {
+                engine.shutdown().await;
+            }
+            Err(e)
+        }
+    }
 }
 
 pub fn run_demo(args: DemoArgs) -> Result<()> {
@@ -754,9 +778,41 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
     let phase_reference = args
         .drive
         .phase_reference(|| PhaseReference::shipped_for(&args.profile, args.worker_count()))?;
+    // Seed 003's ladder switched live: the one aggregated simulated cluster, when it runs one
+    // of the ladder's phases.
+    let ladder_start: Option<(Vec<PhaseSetup>, String)> =
+        if args.target.is_none() && !args.disaggregated() && routers.len() == 1 {
+            let kv_router = args
+                .router
+                .parse::<PolicyKind>()
+                .map_err(|e| anyhow::anyhow!("router {:?}: {e}", args.router))?;
+            let running_router = routers[0]
+                .parse::<PolicyKind>()
+                .map_err(|e| anyhow::anyhow!("router {:?}: {e}", routers[0]))?;
+            let profile = engine::HardwareProfile::builtin(&args.profile)?;
+            let phases = demo_ladder::phases(kv_router, &profile);
+            match demo_ladder::phase_of(&phases, running_router.name(), &spec) {
+                Some(phase) => {
+                    let phase = phase.to_owned();
+                    Some((phases, phase))
+                }
+                None => {
+                    println!(
+                        "kvroute demo: no live phase switch: router {} with speculative \
+                         decoding {spec} is not a phase of seed 003's ladder",
+                        running_router.name()
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let mut clusters = Vec::new();
+        // The cluster restarted at another phase by `POST /api/phase` (and the dashboard).
+        let mut ladder: Option<Arc<DemoLadder>> = None;
         let mut lanes = Vec::new();
         // The disaggregated demo of one cluster resizes its pools itself.
         let mut fleet: Option<Arc<DemoFleet>> = None;
@@ -786,7 +842,9 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                         .checked_add(i as u16)
                         .context("--gateway-port is too high for two gateways")?,
                 };
-                let cluster = start_cluster(&args, router, &spec, port).await?;
+                let roles: Vec<&str> = (0..args.worker_count()).map(|w| args.role_of(w)).collect();
+                let cluster =
+                    start_cluster(&engine_template(&args, &spec), &roles, router, port).await?;
                 let mut lane = LaneSpec::for_gateway(
                     router,
                     Some(router),
@@ -855,6 +913,13 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                     ));
                     scaling.fleet = Some(demo_fleet.clone());
                     fleet = Some(demo_fleet);
+                } else if let Some((phases, phase)) = &ladder_start {
+                    ladder = Some(Arc::new(DemoLadder::new(
+                        engine_template(&args, &spec),
+                        phases.clone(),
+                        phase,
+                        cluster,
+                    )));
                 } else {
                     clusters.push(cluster);
                 }
@@ -868,6 +933,13 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             autostart: args.drive.start,
             scaling,
             api_token: args.api_token.clone(),
+            ladder: ladder
+                .as_ref()
+                .zip(ladder_start.as_ref())
+                .map(|(ladder, (_, phase))| LadderConfig {
+                    ladder: demo_ladder::as_phase_ladder(ladder),
+                    initial: phase.clone(),
+                }),
             ..LoadgenConfig::new(lanes)
         };
         let loadgen = Loadgen::bind(config).await?;
@@ -886,6 +958,10 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                     // Workers the pools gain or lose from now on are scraped or dropped.
                     fleet.scrape_into(prometheus.engine_targets());
                 }
+                if let Some(ladder) = &ladder {
+                    // Each phase's new workers are scraped in place of the old ones.
+                    ladder.scrape_into(prometheus.engine_targets());
+                }
                 println!(
                     "kvroute demo: Prometheus on {} (configuration {}; Grafana dashboards in \
                      deploy/grafana/)",
@@ -897,6 +973,14 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             _ => None,
         };
         println!("kvroute demo: open {} (Ctrl-C stops)", loadgen.url());
+        if let Some((phases, phase)) = &ladder_start {
+            let names: Vec<&str> = phases.iter().map(|p| p.name.as_str()).collect();
+            println!(
+                "kvroute demo: phase {phase}; switch live on the dashboard or with POST \
+                 /api/phase {{\"phase\": NAME}} ({})",
+                names.join(", ")
+            );
+        }
         if args.api_token.is_some() {
             println!(
                 "kvroute demo: the API needs its token: open {}/?token=TOKEN",
@@ -908,6 +992,9 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
         loadgen.shutdown().await;
         if let Some(fleet) = fleet {
             fleet.shutdown().await;
+        }
+        if let Some(ladder) = ladder {
+            ladder.shutdown().await;
         }
         for cluster in clusters {
             cluster.gateway.shutdown().await;

@@ -15,6 +15,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod bench_cmd;
 mod demo_cmd;
 mod demo_fleet;
+mod demo_ladder;
 mod demo_prometheus;
 #[cfg(test)]
 mod deploy_args;

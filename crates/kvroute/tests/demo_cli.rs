@@ -6,11 +6,11 @@ use std::io::{BufRead, BufReader, Read};
 use std::process::{ChildStdout, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{Value, json};
 
 mod common;
 
-use common::{Running, assert_failures, failure, get_json, get_text};
+use common::{Running, assert_failures, failure, get_json, get_text, post_json};
 
 /// Reads stdout lines until one contains `marker`; returns every line read.
 fn lines_until(stdout: &mut BufReader<ChildStdout>, marker: &str) -> Vec<String> {
@@ -669,4 +669,240 @@ mix = { A = 40, B = 30 }
     assert_eq!(stderr.matches("error").count(), 1, "printed once: {stderr}");
     assert!(!stderr.contains("simulated"), "{stderr}");
     let _ = std::fs::remove_file(scenario);
+}
+
+/// The sum of `series` over the workers' `/metrics` (`None` when a worker does not export it).
+fn worker_counter(metrics_urls: &[String], series: &str) -> Option<f64> {
+    let mut total = 0.0;
+    for url in metrics_urls {
+        let text = block_on(get_text(url));
+        total += text
+            .lines()
+            .filter(|l| l.starts_with(series) && l[series.len()..].starts_with(['{', ' ']))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .reduce(|a, b| a + b)?;
+    }
+    Some(total)
+}
+
+/// The running workers' metrics URLs from the status's ladder.
+fn ladder_workers(status: &Value) -> Vec<String> {
+    status["ladder"]["workers"]
+        .as_array()
+        .expect("the ladder's workers")
+        .iter()
+        .map(|w| w["metrics_url"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Seed 003's ladder stepped live, as a presenter does from the dashboard: the demo starts at
+/// phase kv (no speculative counters), `POST /api/phase {"phase": "eagle3"}` restarts the
+/// workers with EAGLE-3 (their `vllm:spec_decode_*` counters appear and grow) behind the same
+/// gateway URL, the workload resumes by itself with a fresh window and no failed turn, and the
+/// status reports the phase; then baseline puts round-robin in. Bad bodies get a 400 naming
+/// the field.
+#[test]
+fn switching_phase_live_restarts_the_workers_and_keeps_the_dashboard() {
+    let mut demo = Demo::start(&[
+        "--workers",
+        "2",
+        "--speedup",
+        "50",
+        "--concurrency",
+        "4",
+        "--start",
+        "--no-baseline",
+        "--phase",
+        "kv",
+    ]);
+    let addr = demo.url.trim_start_matches("http://").to_owned();
+    let gateway = gateway_url(&demo.lines);
+    let status = get(&format!("{}/api/status", demo.url));
+    let ladder = &status["ladder"];
+    assert_eq!(ladder["phase"], "kv", "{status}");
+    assert_eq!(ladder["router"], "kv_load");
+    assert_eq!(ladder["spec_decode"], "off");
+    let names: Vec<&str> = ladder["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["baseline", "kv", "draft", "eagle3"]);
+    let kv_workers = ladder_workers(&status);
+    assert_eq!(kv_workers.len(), 2);
+    assert_eq!(
+        worker_counter(&kv_workers, "vllm:spec_decode_num_drafts_total"),
+        None,
+        "no speculative decoding at phase kv"
+    );
+    demo.wait_for_status("turns at phase kv", |s| {
+        s["lanes"][0]["metrics"]["requests"].as_u64() > Some(2)
+    });
+
+    // Bad values: 400 naming the field, and nothing restarts.
+    for (body, code) in [
+        (json!({"phase": "medusa"}), "invalid_phase"),
+        (json!({"phase": 3}), "invalid_phase"),
+        (json!({"phase": null}), "invalid_phase"),
+        (json!({}), "missing_field"),
+        (json!({"phaze": "kv"}), "invalid_json"),
+        (json!(["eagle3"]), "invalid_json"),
+    ] {
+        let (status, answer) = post_json(&addr, "/api/phase", &body);
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert_eq!(answer["error"]["code"], code, "{body}: {answer}");
+        if code == "invalid_phase" {
+            assert_eq!(answer["error"]["param"], "phase", "{answer}");
+            let message = answer["error"]["message"].as_str().unwrap();
+            assert!(message.contains("baseline, kv, draft, eagle3"), "{message}");
+        }
+    }
+    let (status, _) = common::http(&addr, "POST", "/api/phase", "{\"phase\": ");
+    assert_eq!(status, 400);
+    assert_eq!(
+        ladder_workers(&get(&format!("{}/api/status", demo.url))),
+        kv_workers,
+        "a refused switch restarted the workers"
+    );
+
+    // The switch: answered once the new phase runs.
+    let (code, status) = post_json(&addr, "/api/phase", &json!({"phase": "eagle3"}));
+    assert_eq!(code, 200, "{status}");
+    let ladder = &status["ladder"];
+    assert_eq!(ladder["phase"], "eagle3", "{status}");
+    assert_eq!(ladder["spec_decode"], "eagle3");
+    assert_eq!(ladder["router"], "kv_load");
+    assert_eq!(ladder["switching"], Value::Null);
+    assert_eq!(ladder["switches"][0]["phase"], "eagle3");
+    assert_eq!(status["running"], true, "the workload resumes by itself");
+    // Fresh window: nothing of phase kv is counted any more.
+    assert_eq!(status["lanes"][0]["metrics"]["requests"], 0, "{status}");
+    let eagle_workers = ladder_workers(&status);
+    assert_eq!(eagle_workers.len(), 2);
+    assert_ne!(eagle_workers, kv_workers, "new engines");
+    // The old engines are gone.
+    for url in &kv_workers {
+        let gone = block_on(async { reqwest::get(url).await.is_err() });
+        assert!(gone, "{url} still answers");
+    }
+    let (stdout, lines) = (&mut demo.stdout, &mut demo.lines);
+    lines.extend(lines_until(stdout, "kvroute demo: phase eagle3"));
+    assert!(
+        lines
+            .last()
+            .unwrap()
+            .contains(&format!("gateway on {gateway}")),
+        "the gateway keeps its URL: {lines:?}"
+    );
+
+    // The new workers' speculative counters grow as the workload goes on.
+    let drafts = |urls: &[String]| {
+        worker_counter(urls, "vllm:spec_decode_num_drafts_total")
+            .expect("EAGLE-3 workers export vllm:spec_decode_num_drafts_total")
+    };
+    let first = drafts(&eagle_workers);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while drafts(&eagle_workers) <= first {
+        assert!(Instant::now() < deadline, "the draft counter does not grow");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let accepted = worker_counter(&eagle_workers, "vllm:spec_decode_num_accepted_tokens_total");
+    assert!(accepted.is_some_and(|a| a > 0.0), "{accepted:?}");
+    demo.wait_for_status("acceptance at phase eagle3", |s| {
+        let m = &s["lanes"][0]["metrics"];
+        m["acceptance_rate"]
+            .as_f64()
+            .is_some_and(|a| (0.5..1.0).contains(&a))
+            && m["requests"].as_u64() > Some(2)
+    });
+    let status = get(&format!("{}/api/status", demo.url));
+    // The cancelled turns of phase kv are not failures, and the target kept its URL.
+    assert_eq!(status["lanes"][0]["metrics"]["errors"], 0, "{status}");
+    assert_eq!(status["lanes"][0]["target"], gateway.as_str());
+
+    // Down the ladder: round-robin, no speculative decoding.
+    let (code, status) = post_json(&addr, "/api/phase", &json!({"phase": "baseline"}));
+    assert_eq!(code, 200, "{status}");
+    assert_eq!(status["ladder"]["router"], "round_robin");
+    assert_eq!(status["lanes"][0]["router"], "round_robin");
+    assert_eq!(status["ladder"]["switches"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        worker_counter(
+            &ladder_workers(&status),
+            "vllm:spec_decode_num_drafts_total"
+        ),
+        None
+    );
+    demo.wait_for_status("turns at phase baseline", |s| {
+        s["lanes"][0]["metrics"]["requests"].as_u64() > Some(2)
+    });
+    assert!(demo.interrupt().success());
+}
+
+/// The engine targets Prometheus scrapes, as their scrape URLs (sorted).
+fn scraped_urls(prometheus: &str) -> Vec<String> {
+    let targets = get(&format!("{prometheus}/api/v1/targets?state=active"));
+    let mut urls: Vec<String> = targets["data"]["activeTargets"]
+        .as_array()
+        .expect("Prometheus's targets")
+        .iter()
+        .filter(|t| t["labels"]["job"] == "kvroute-engine")
+        .filter_map(|t| t["scrapeUrl"].as_str().map(str::to_owned))
+        .collect();
+    urls.sort();
+    urls
+}
+
+/// With `--prometheus`, a phase switch moves Prometheus's engine targets to the new workers,
+/// and the dashboard's speculative cards, read through PromQL, fill at phase eagle3.
+#[test]
+fn a_phase_switch_moves_prometheus_to_the_new_workers() {
+    let mut demo = Demo::start(&[
+        "--workers",
+        "1",
+        "--speedup",
+        "50",
+        "--concurrency",
+        "4",
+        "--start",
+        "--no-baseline",
+        "--phase",
+        "kv",
+        "--prometheus",
+        "--prometheus-port",
+        "0",
+    ]);
+    let prometheus = prometheus_url(&demo.lines);
+    let addr = demo.url.trim_start_matches("http://").to_owned();
+    let wait_for_targets = |expected: &[String]| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let scraped = scraped_urls(&prometheus);
+            if scraped == expected {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "Prometheus scrapes {scraped:?}, not {expected:?}"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    };
+    let kv_workers = ladder_workers(&get(&format!("{}/api/status", demo.url)));
+    wait_for_targets(&kv_workers);
+
+    let (code, status) = post_json(&addr, "/api/phase", &json!({"phase": "eagle3"}));
+    assert_eq!(code, 200, "{status}");
+    let eagle_workers = ladder_workers(&status);
+    assert_ne!(eagle_workers, kv_workers);
+    wait_for_targets(&eagle_workers);
+    demo.wait_for_status("acceptance through Prometheus", |s| {
+        let m = &s["lanes"][0]["metrics"];
+        m["acceptance_rate"]
+            .as_f64()
+            .is_some_and(|a| (0.5..1.0).contains(&a))
+            && m["tokens_per_step"].as_f64().is_some_and(|t| t > 1.5)
+    });
+    assert!(demo.interrupt().success());
 }

@@ -115,6 +115,17 @@ pub struct Totals {
     pub user_model_errors: u64,
 }
 
+/// The figures a lane reads from a Prometheus server's query API instead of scraping
+/// (`--prometheus-url`); `None` where a query failed or had no data.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrometheusFigures {
+    pub hit_rate: Option<f64>,
+    pub queued: Option<f64>,
+    /// Speculative decoding over the queries' window (`None` while the workers report none).
+    pub acceptance_rate: Option<f64>,
+    pub tokens_per_step: Option<f64>,
+}
+
 /// What the API reads of a lane.
 #[derive(Debug)]
 pub struct LaneState {
@@ -138,14 +149,17 @@ pub struct LaneState {
     pub gateway: GatewayHistory,
     pub gateway_error: Option<String>,
     pub workers: WorkersView,
-    /// From Prometheus, when the lane reads it: (hit rate, queued).
-    pub prometheus_figures: Option<(Option<f64>, Option<f64>)>,
+    /// From Prometheus, when the lane reads it.
+    pub prometheus_figures: Option<PrometheusFigures>,
     /// The workers' speculative-decoding counters over the window (none when they report
     /// none).
     pub spec: SpecHistory,
     pub time_scale: f64,
     /// The workers' (name, metrics URL) when a fleet resized the cluster; `None`: the spec's.
     pub worker_metrics: Option<Vec<(String, String)>>,
+    /// The target's router as the status shows it: the spec's, until a phase switch
+    /// (`ladder.rs`) changes it.
+    pub router: Option<String>,
 }
 
 impl LaneState {
@@ -218,6 +232,7 @@ impl Lane {
             spec: SpecHistory::new(config.window, 1_024),
             time_scale: config.time_scale,
             worker_metrics: None,
+            router: spec.router.clone(),
         }));
         let (commands, receiver) = mpsc::channel(64);
         let driver = Driver {

@@ -51,6 +51,7 @@
 mod access;
 mod baseline;
 mod client;
+pub mod ladder;
 mod lane;
 mod poll;
 mod reference;
@@ -76,7 +77,7 @@ pub use reference::{
     PhaseLevel, PhaseLine, PhaseReference, ReferenceError, ReferenceStatus, SHIPPED_PHASES,
 };
 pub use scenario::{Fleet, ScalingConfig};
-pub use scrape::{Sample, parse_text};
+pub use scrape::{Sample, SpecPoint, parse_text};
 pub use server::{ApiError, App, LaneMetrics, LaneStatus, Status};
 
 /// The largest concurrency the API accepts per lane.
@@ -154,6 +155,9 @@ pub struct LoadgenConfig {
     /// The bearer token of the control API and the WebSocket (`access.rs`); required when
     /// `listen` is not a loopback address.
     pub api_token: Option<String>,
+    /// Seed 003's phase ladder on a cluster the load generator may restart (`kvroute demo`);
+    /// `None`: `POST /api/phase` answers 409.
+    pub ladder: Option<ladder::LadderConfig>,
 }
 
 impl LoadgenConfig {
@@ -170,6 +174,7 @@ impl LoadgenConfig {
             autostart: false,
             scaling: ScalingConfig::default(),
             api_token: None,
+            ladder: None,
         }
     }
 }
@@ -305,6 +310,10 @@ impl Loadgen {
             scenario,
         );
         app.references = config.phase_reference.clone();
+        app.ladder = match config.ladder.clone() {
+            Some(ladder) => Some(ladder::LadderHandle::new(ladder).map_err(LoadgenError::Config)?),
+            None => None,
+        };
         let app = Arc::new(app);
         app.publish(false);
         tokio::spawn(server::status_loop(app.clone(), shutdown.clone()));

@@ -7,7 +7,7 @@ use std::time::Duration;
 use report::Percentiles;
 use tokio_util::sync::CancellationToken;
 
-use crate::lane::{LaneSpec, LaneState, lock};
+use crate::lane::{LaneSpec, LaneState, PrometheusFigures, lock};
 use crate::scrape::{self, GatewayPoint, PoolLatency, SpecPoint, WorkersView};
 
 pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(2);
@@ -126,7 +126,7 @@ async fn scrape_workers(
                 let point = SpecPoint::from_samples(0.0, &samples);
                 counters = Some(match counters {
                     None => point,
-                    Some(sum) => sum.zip(point).map(|(a, b)| a.add(b)),
+                    Some(sum) => sum.zip(point).map(|(a, b)| a + b),
                 });
             }
             Err(err) => errors.push(err),
@@ -144,6 +144,14 @@ async fn scrape_workers(
 pub const HIT_RATE_QUERY: &str = "sum(rate(dynamo_frontend_cached_tokens_sum[1m])) / \
      sum(rate(dynamo_frontend_input_sequence_tokens_sum[1m]))";
 pub const QUEUED_QUERY: &str = "sum(dynamo_frontend_queued_requests)";
+/// Speculative decoding from the workers' vLLM counters over the same 1-minute window, summed
+/// over the workers as deploy/grafana/kvroute-demo.json's panels do: tokens per step is the
+/// panel's `1 + accepted / drafts`; the acceptance α is accepted / evaluated positions, as in
+/// scrape mode (`SpecPoint`), which needs the per-position counts.
+pub const SPEC_ACCEPTED_QUERY: &str = "sum(rate(vllm:spec_decode_num_accepted_tokens_total[1m]))";
+pub const SPEC_DRAFTS_QUERY: &str = "sum(rate(vllm:spec_decode_num_drafts_total[1m]))";
+pub const SPEC_PER_POSITION_QUERY: &str =
+    "sum by (position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total[1m]))";
 const GPU_SERIES: [&str; 3] = [
     "DCGM_FI_DEV_GPU_UTIL",
     "DCGM_FI_DEV_FB_USED",
@@ -267,18 +275,47 @@ async fn instant_query(
         .collect())
 }
 
+/// Acceptance and tokens per step from Prometheus's rates of the workers' counters: the rates
+/// are fed to [`SpecPoint`] as if they were counter increases (its ratios are the same). No
+/// speculative series (decoding is plain) or no draft in the window: `None`.
+async fn query_spec(http: &reqwest::Client, base: &str) -> Result<Option<SpecPoint>, String> {
+    let accepted = instant_query(http, base, SPEC_ACCEPTED_QUERY).await?;
+    let drafts = instant_query(http, base, SPEC_DRAFTS_QUERY).await?;
+    let per_position = instant_query(http, base, SPEC_PER_POSITION_QUERY).await?;
+    let (Some(accepted), Some(drafts)) = (accepted.first(), drafts.first()) else {
+        return Ok(None);
+    };
+    let named = |name: &str, sample: &scrape::Sample| scrape::Sample {
+        name: name.to_owned(),
+        ..sample.clone()
+    };
+    let mut samples = vec![
+        named("vllm:spec_decode_num_accepted_tokens_total", accepted),
+        named("vllm:spec_decode_num_drafts_total", drafts),
+    ];
+    samples.extend(
+        per_position
+            .iter()
+            .map(|s| named("vllm:spec_decode_num_accepted_tokens_per_pos_total", s)),
+    );
+    // A NaN rate (no sample in the window) reads as no figure.
+    Ok(SpecPoint::from_samples(0.0, &samples)
+        .filter(|p| p.drafts.is_finite() && p.accepted.is_finite() && p.evaluated.is_finite()))
+}
+
 /// The hit rate, the queue and the GPU view from a Prometheus server; any failure makes the
 /// GPU view "unavailable" with the reason, as the seed's dashboard shows it.
 async fn query_prometheus(
     http: &reqwest::Client,
     base: &str,
     time_scale: f64,
-) -> ((Option<f64>, Option<f64>), WorkersView, Option<String>) {
+) -> (PrometheusFigures, WorkersView, Option<String>) {
     let scalar = |samples: Result<Vec<scrape::Sample>, String>| {
         samples.map(|s| s.first().map(|s| s.value).filter(|v| v.is_finite()))
     };
     let hit_rate = scalar(instant_query(http, base, HIT_RATE_QUERY).await);
     let queued = scalar(instant_query(http, base, QUEUED_QUERY).await);
+    let spec = query_spec(http, base).await;
     let mut gpu_samples = Vec::new();
     let mut error = None;
     for series in GPU_SERIES {
@@ -293,11 +330,15 @@ async fn query_prometheus(
     }
     let figure_error = [&hit_rate, &queued]
         .iter()
-        .find_map(|r| r.as_ref().err().cloned());
-    let figures = (
-        hit_rate.ok().flatten().map(|h| h.clamp(0.0, 1.0)),
-        queued.ok().flatten(),
-    );
+        .find_map(|r| r.as_ref().err().cloned())
+        .or_else(|| spec.as_ref().err().cloned());
+    let spec = spec.ok().flatten();
+    let figures = PrometheusFigures {
+        hit_rate: hit_rate.ok().flatten().map(|h| h.clamp(0.0, 1.0)),
+        queued: queued.ok().flatten(),
+        acceptance_rate: spec.and_then(|p| p.acceptance_rate()),
+        tokens_per_step: spec.and_then(|p| p.tokens_per_step()),
+    };
     if let Some(err) = error.or(figure_error.clone()) {
         let view = WorkersView {
             available: false,

@@ -295,9 +295,13 @@ impl SpecPoint {
             evaluated,
         })
     }
+}
 
-    /// Two workers' counters together.
-    pub fn add(self, other: SpecPoint) -> SpecPoint {
+/// Two workers' counters together (the left one's time).
+impl std::ops::Add for SpecPoint {
+    type Output = SpecPoint;
+
+    fn add(self, other: SpecPoint) -> SpecPoint {
         SpecPoint {
             at_s: self.at_s,
             drafts: self.drafts + other.drafts,
@@ -322,26 +326,42 @@ impl CounterPoint for SpecPoint {
 pub type SpecHistory = CounterWindow<SpecPoint>;
 
 impl SpecHistory {
-    fn delta(&self) -> Option<(f64, f64, f64)> {
+    /// The counters' increase between the oldest and newest point of the window; `None`
+    /// without a draft in between.
+    fn delta(&self) -> Option<SpecPoint> {
         let (first, last) = (self.points.front()?, self.points.back()?);
-        let drafts = last.drafts - first.drafts;
-        (drafts > 0.0).then_some((
-            drafts,
-            last.accepted - first.accepted,
-            last.evaluated - first.evaluated,
-        ))
+        let delta = SpecPoint {
+            at_s: last.at_s,
+            drafts: last.drafts - first.drafts,
+            accepted: last.accepted - first.accepted,
+            evaluated: last.evaluated - first.evaluated,
+        };
+        (delta.drafts > 0.0).then_some(delta)
     }
 
-    /// Per-token acceptance probability α over the window: accepted / evaluated positions.
+    /// Per-token acceptance probability α over the window (see [`SpecPoint::acceptance_rate`]).
     pub fn acceptance_rate(&self) -> Option<f64> {
-        let (_, accepted, evaluated) = self.delta()?;
-        (evaluated > 0.0).then(|| (accepted / evaluated).clamp(0.0, 1.0))
+        self.delta()?.acceptance_rate()
     }
 
-    /// Tokens per speculative step, bonus token included: 1 + accepted / drafts.
+    /// Tokens per speculative step over the window (see [`SpecPoint::tokens_per_step`]).
     pub fn tokens_per_step(&self) -> Option<f64> {
-        let (drafts, accepted, _) = self.delta()?;
-        Some(1.0 + accepted / drafts)
+        self.delta()?.tokens_per_step()
+    }
+}
+
+impl SpecPoint {
+    /// Read as increases (or rates) of the counters: the per-token acceptance probability α,
+    /// accepted / evaluated positions.
+    pub fn acceptance_rate(&self) -> Option<f64> {
+        (self.drafts > 0.0 && self.evaluated > 0.0)
+            .then(|| (self.accepted / self.evaluated).clamp(0.0, 1.0))
+    }
+
+    /// Read as increases (or rates): tokens per speculative step, bonus token included,
+    /// 1 + accepted / drafts (the Grafana panel's formula).
+    pub fn tokens_per_step(&self) -> Option<f64> {
+        (self.drafts > 0.0).then(|| 1.0 + self.accepted / self.drafts)
     }
 }
 
@@ -754,7 +774,7 @@ mod tests {
         assert_eq!(h.acceptance_rate(), Some(0.75));
         assert_eq!(h.tokens_per_step(), Some(2.8));
         // Two workers add up.
-        assert_eq!(p.add(p).drafts, 200.0);
+        assert_eq!((p + p).drafts, 200.0);
     }
 
     /// A gateway scrape: TTFT buckets (0.1, 0.5, +Inf) per pool, two models each.

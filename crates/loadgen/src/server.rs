@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::baseline::{Baseline, BaselineRow};
+use crate::ladder::{LadderHandle, LadderState};
 use crate::lane::{Lane, Totals, lock, unix_ms};
 use crate::reference::{PhaseReference, ReferenceStatus};
 use crate::scenario::{ScenarioHandle, ScenarioState};
@@ -49,6 +50,9 @@ pub struct App {
     pub status: watch::Sender<Arc<str>>,
     /// Seed 004's scenario controller and autoscalers (`scenario.rs`).
     pub scenario: ScenarioHandle,
+    /// Seed 003's phase ladder, when the cluster can be restarted at another phase
+    /// (`ladder.rs`).
+    pub ladder: Option<LadderHandle>,
     history: Mutex<Vec<VecDeque<HistoryPoint>>>,
     /// Serializes start / stop / config so that every lane sees them in the same order.
     control: tokio::sync::Mutex<()>,
@@ -79,6 +83,7 @@ impl App {
             initial_concurrency,
             system_excerpts,
             scenario,
+            ladder: None,
             status,
             history,
             control: tokio::sync::Mutex::new(()),
@@ -117,6 +122,7 @@ impl App {
             references: self.references.as_ref().and_then(|r| r.status(concurrency)),
             lanes,
             scenario: self.scenario.state(),
+            ladder: self.ladder.as_ref().map(LadderHandle::state),
         }
     }
 
@@ -234,6 +240,73 @@ impl App {
     }
 }
 
+impl App {
+    /// Restarts the cluster at seed 003's `phase` (`ladder.rs`): running lanes stop (their
+    /// requests in flight are cancelled), the ladder restarts the workers and the gateway's
+    /// router, and the lanes start again with fresh windows; the charts' history is kept.
+    pub async fn switch_phase(&self, phase: &str) -> Result<Status, ApiError> {
+        let Some(ladder) = &self.ladder else {
+            return Err(ApiError::conflict(
+                "no_ladder",
+                "this load generator cannot switch phases: only `kvroute demo` with one \
+                 aggregated simulated cluster restarts its workers",
+            ));
+        };
+        ladder.check(phase).map_err(|e| bad_field("phase", e))?;
+        let _serial = self.control.lock().await;
+        ladder.begin(phase);
+        // Stopped lanes first, so that no request waits on a worker that goes away.
+        let mut restart = Vec::new();
+        for (i, lane) in self.lanes.iter().enumerate() {
+            let (running, concurrency) = {
+                let s = lock(&lane.state);
+                (s.running, s.concurrency)
+            };
+            if running {
+                // Under the control lock a running lane can only fail to stop if its task has
+                // ended (the load generator is shutting down): then there is nothing to cancel.
+                if let Err(e) = lane.stop().await {
+                    tracing::warn!("phase switch: stopping lane {}: {e}", lane.spec.name);
+                }
+                restart.push((i, concurrency));
+            }
+        }
+        self.publish(false);
+        let switched = ladder.switch(phase).await;
+        let workers = match &switched {
+            Ok(workers) => Some(workers),
+            Err((_, workers)) => workers.as_ref(),
+        };
+        if let Some(workers) = workers {
+            let state = ladder.state();
+            for lane in &self.lanes {
+                let mut s = lock(&lane.state);
+                s.worker_metrics = Some(workers.clone());
+                s.router = Some(state.router.clone());
+            }
+        }
+        // Started again unless no cluster runs: a failed switch that restored the previous
+        // phase keeps the workload going there.
+        let mut start_error = None;
+        if workers.is_some() {
+            for (i, concurrency) in restart {
+                if let Err(e) = self.lanes[i].start(concurrency).await {
+                    start_error = Some(e);
+                }
+            }
+        }
+        let result = match (switched, start_error) {
+            (Err((e, _)), _) => Err(ApiError::internal(e)),
+            (Ok(_), Some(e)) => Err(ApiError::internal(format!(
+                "switched to {phase}, but restarting the workload failed: {e}"
+            ))),
+            (Ok(_), None) => Ok(()),
+        };
+        let status = self.publish(false);
+        result.map(|()| status)
+    }
+}
+
 fn check_concurrency(concurrency: u32) -> Result<(), ApiError> {
     if (1..=MAX_CONCURRENCY).contains(&concurrency) {
         Ok(())
@@ -274,6 +347,8 @@ pub struct Status {
     pub references: Option<ReferenceStatus>,
     /// Seed 004's scenario controller, autoscalers and pools.
     pub scenario: ScenarioState,
+    /// Seed 003's phase ladder (`null` when the load generator cannot restart its target).
+    pub ladder: Option<LadderState>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -334,7 +409,7 @@ fn lane_status(lane: &Lane) -> LaneStatus {
         sessions_by_class: s.sessions_by_class,
         arrivals_dropped: s.arrivals_dropped,
         name: lane.spec.name.clone(),
-        router: lane.spec.router.clone(),
+        router: s.router.clone(),
         target: lane.spec.target.clone(),
         metrics: LaneMetrics {
             ttft_ms: ms(w.ttft_s),
@@ -343,15 +418,23 @@ fn lane_status(lane: &Lane) -> LaneStatus {
             tpot_ms: ms(w.tpot_s),
             itl_ms: ms(w.itl_s),
             e2e_s: w.e2e_s,
-            acceptance_rate: running.then(|| s.spec.acceptance_rate()).flatten(),
-            tokens_per_step: running.then(|| s.spec.tokens_per_step()).flatten(),
+            acceptance_rate: match (running, s.prometheus_figures) {
+                (false, _) => None,
+                (true, Some(p)) => p.acceptance_rate,
+                (true, None) => s.spec.acceptance_rate(),
+            },
+            tokens_per_step: match (running, s.prometheus_figures) {
+                (false, _) => None,
+                (true, Some(p)) => p.tokens_per_step,
+                (true, None) => s.spec.tokens_per_step(),
+            },
             rps: w.rps,
             tops: w.tops,
             requests: s.totals.requests,
             errors: s.totals.errors,
             kv_hit_rate: match (running, s.prometheus_figures) {
                 (false, _) => None,
-                (true, Some((hit_rate, _))) => hit_rate,
+                (true, Some(p)) => p.hit_rate,
                 (true, None) => s.gateway.hit_rate(),
             },
             reuse_available: running.then(|| s.gateway.reuse().map(|r| r.0)).flatten(),
@@ -360,7 +443,7 @@ fn lane_status(lane: &Lane) -> LaneStatus {
                 .flatten(),
             queued: match (running, s.prometheus_figures) {
                 (false, _) => None,
-                (true, Some((_, queued))) => queued,
+                (true, Some(p)) => p.queued,
                 (true, None) => s.gateway.queued(),
             },
             in_flight: s.in_flight,
@@ -443,6 +526,7 @@ pub fn router(app: Arc<App>, access: crate::access::Access) -> Router {
         .route("/api/scenario/auto", post(post_scenario_auto))
         .route("/api/scenario/stop", post(post_scenario_manual))
         .route("/api/scenario/manual", post(post_scenario_manual))
+        .route("/api/phase", post(post_phase))
         .route("/api/baseline", get(get_baseline))
         .route("/api/history", get(get_history))
         .route("/api/conversations", get(get_conversations))
@@ -640,6 +724,60 @@ async fn post_scenario_auto(
     };
     app.scenario.auto(phase).await;
     Ok(axum::Json(app.publish(false)))
+}
+
+/// `POST /api/phase {"phase": "eagle3"}`: seed 003's ladder (`App::switch_phase`).
+async fn post_phase(
+    State(app): State<Arc<App>>,
+    body: Bytes,
+) -> Result<axum::Json<Status>, ApiError> {
+    let names = || {
+        app.ladder
+            .as_ref()
+            .map_or("baseline, kv, draft, eagle3".to_owned(), |l| {
+                l.names().join(", ")
+            })
+    };
+    let value: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::bad_request(
+            "invalid_json",
+            format!("expected a JSON object like {{\"phase\": \"eagle3\"}}: {e}"),
+        )
+    })?;
+    let serde_json::Value::Object(fields) = value else {
+        return Err(ApiError::bad_request(
+            "invalid_json",
+            "expected a JSON object like {\"phase\": \"eagle3\"}",
+        ));
+    };
+    let mut phase = None;
+    for (key, value) in fields {
+        match (key.as_str(), value) {
+            ("phase", serde_json::Value::String(name)) => phase = Some(name),
+            ("phase", other) => {
+                return Err(bad_field(
+                    "phase",
+                    format!("phase: expected a phase's name ({}), got {other}", names()),
+                ));
+            }
+            (other, _) => {
+                return Err(ApiError::bad_request(
+                    "invalid_json",
+                    format!("unknown field `{other}`: expected phase"),
+                ));
+            }
+        }
+    }
+    let Some(phase) = phase else {
+        return Err(ApiError::bad_request(
+            "missing_field",
+            format!(
+                "the body names no phase: expected {{\"phase\": NAME}} with NAME one of {}",
+                names()
+            ),
+        ));
+    };
+    app.switch_phase(&phase).await.map(axum::Json)
 }
 
 /// `POST /api/scenario/stop` and `/api/scenario/manual`: the cycle stops (the workload keeps

@@ -134,6 +134,24 @@ async fn cross_origin_requests_and_non_json_posts_are_refused_on_loopback() {
     )
     .await;
     assert_eq!((status, code(&body)), (403, "cross_origin"), "{body}");
+    // The phase switch is a control endpoint like the others.
+    let phase = format!("{url}/api/phase");
+    let (status, body) = answer(
+        client
+            .post(&phase)
+            .header(ORIGIN, "http://evil.example")
+            .json(&json!({"phase": "eagle3"})),
+    )
+    .await;
+    assert_eq!((status, code(&body)), (403, "cross_origin"), "{body}");
+    let (status, _) = answer(
+        client
+            .post(&phase)
+            .header(CONTENT_TYPE, "text/plain")
+            .body(r#"{"phase": "eagle3"}"#),
+    )
+    .await;
+    assert_eq!(status, 415);
     // Another loopback port is another origin too, and so is `null` (a sandboxed page).
     for origin in ["http://127.0.0.1:1", "null", "https://localhost"] {
         let (status, _) = answer(client.post(&start).header(ORIGIN, origin).json(&json!({}))).await;
@@ -259,6 +277,9 @@ async fn off_loopback_a_token_is_required_and_checked() {
         client
             .post(format!("{url}/api/scenario/auto"))
             .bearer_auth("wrong"),
+        client
+            .post(format!("{url}/api/phase"))
+            .json(&json!({"phase": "eagle3"})),
     ] {
         let response = request.send().await.unwrap();
         assert_eq!(response.status(), 401);

@@ -425,6 +425,14 @@ async fn failed_turns_count_as_errors_and_a_dead_metrics_source_says_why() {
             .contains("connection"),
         "{detail}"
     );
+    // An external target has no phase ladder: the status says so and a switch is refused.
+    assert_eq!(s["ladder"], Value::Null);
+    let (code, body) = post(
+        &format!("{url}/api/phase"),
+        Some(serde_json::json!({"phase": "eagle3"})),
+    )
+    .await;
+    assert_eq!((code, error_code(&body)), (409, "no_ladder"), "{body}");
     loadgen.shutdown().await;
 }
 

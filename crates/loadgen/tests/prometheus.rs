@@ -184,3 +184,86 @@ async fn pools_and_roles_come_from_prometheus() {
     loadgen.shutdown().await;
     cluster.gateway.shutdown().await;
 }
+
+/// Sums each worker's speculative counters (drafts, accepted, evaluated positions) as read
+/// from its own `/metrics`: the lifetime figures the windowed ones are checked against.
+async fn direct_spec_totals(cluster: &Cluster) -> loadgen::SpecPoint {
+    let mut total: Option<loadgen::SpecPoint> = None;
+    for engine in &cluster.engines {
+        let text = reqwest::get(format!("{}/metrics", engine.url()))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let point = loadgen::SpecPoint::from_samples(0.0, &loadgen::parse_text(&text))
+            .expect("the engine exports vllm:spec_decode_* counters");
+        total = Some(match total {
+            None => point,
+            Some(sum) => sum + point,
+        });
+    }
+    total.unwrap()
+}
+
+/// Speculative decoding through Prometheus: the acceptance and tokens-per-step cards come from
+/// `rate()` of the workers' `vllm:spec_decode_*` counters (direct scraping off), and agree
+/// with the same ratios of the engines' own lifetime counters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_figures_come_from_prometheus() {
+    let mut engines = Vec::new();
+    for id in 0..2 {
+        engines.push(
+            common::engine_with_spec(id, SPEEDUP, &format!("worker-{id}"), Some("eagle3")).await,
+        );
+    }
+    let gateway = common::gateway(&engines).await;
+    let cluster = Cluster { engines, gateway };
+    let mut targets = vec![cluster.gateway.local_addr().to_string()];
+    targets.extend(cluster.engines.iter().map(|e| e.local_addr().to_string()));
+    let prometheus = Prometheus::start(&targets);
+
+    let mut lane = LaneSpec::for_gateway("live", None, &cluster.gateway.url(), MODEL);
+    lane.gateway_metrics = None;
+    // No --worker-metrics either: only Prometheus can give the speculative figures.
+    lane.worker_metrics = Vec::new();
+    lane.prometheus = Some(prometheus.url.clone());
+    let mut config = loadgen_config(vec![lane], 4, SPEEDUP);
+    config.autostart = true;
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let metrics = loop {
+        let s = get_status(&url).await;
+        let m = s["lanes"][0]["metrics"].clone();
+        if m["acceptance_rate"].is_number() && m["tokens_per_step"].is_number() {
+            break m;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no speculative figures from Prometheus: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let alpha = metrics["acceptance_rate"].as_f64().unwrap();
+    let per_step = metrics["tokens_per_step"].as_f64().unwrap();
+    let lifetime = direct_spec_totals(&cluster).await;
+    let lifetime_alpha = lifetime.acceptance_rate().unwrap();
+    let lifetime_per_step = lifetime.tokens_per_step().unwrap();
+    // The window (1 minute of wall time) covers all or nearly all of the run, so the windowed
+    // ratios are the lifetime ones up to the sampling noise of a few hundred drafts.
+    assert!(
+        (alpha - lifetime_alpha).abs() < 0.08,
+        "α from Prometheus {alpha} vs the engines' counters {lifetime_alpha}"
+    );
+    assert!(
+        (per_step - lifetime_per_step).abs() < 0.3,
+        "tokens per step from Prometheus {per_step} vs the engines' counters {lifetime_per_step}"
+    );
+    // EAGLE-3 accepts most drafts: more than one token per step, never more than K + 1.
+    assert!((0.5..1.0).contains(&alpha), "{alpha}");
+    assert!(per_step > 1.5, "{per_step}");
+    loadgen.shutdown().await;
+    cluster.gateway.shutdown().await;
+}

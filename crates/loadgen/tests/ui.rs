@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
+use loadgen::ladder::{LadderConfig, PhaseLadder, PhaseSetup, Switched};
 use loadgen::scenario::{BoxFuture, PoolKind, PoolSizes};
 use loadgen::{Fleet, LaneSpec, Loadgen, LoadgenConfig, PhaseReference};
 use serde_json::{Value, json};
@@ -667,6 +668,8 @@ async fn cards_in(browser: &Client, testid: &str) -> Vec<String> {
 /// Auto mode's widgets follow the backend: shown when `/api/status` has a `scenario`, hidden
 /// (and nothing broken) when it has none.
 async fn assert_auto_mode_follows_the_backend(browser: &Client, url: &str) {
+    // No phase ladder on these targets: its panel stays hidden.
+    assert!(!shown(browser, "ladder-panel").await);
     let has_scenario = api(&format!("{url}/api/status"))
         .await
         .get("scenario")
@@ -1091,4 +1094,195 @@ async fn auto_mode_shows_the_phase_countdown_pools_and_scaling_events() {
     browser.close().await.unwrap();
     loadgen.shutdown().await;
     cluster.gateway.shutdown().await;
+}
+
+/// The load generator's side of `kvroute demo`'s phase switch on a real gateway and real
+/// engines: a switch replaces the gateway's engines with new ones started with the phase's
+/// speculative decoding (the demo restarts the gateway too, for its router; this test's phases
+/// share one router).
+struct SwappingLadder {
+    gateway: gateway::Gateway,
+    /// (worker id, engine) of the running phase.
+    engines: tokio::sync::Mutex<Vec<(u64, engine_server::EngineServerHandle)>>,
+    endpoints: std::sync::Mutex<Vec<(String, String)>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+fn endpoints(engines: &[(u64, engine_server::EngineServerHandle)]) -> Vec<(String, String)> {
+    engines
+        .iter()
+        .map(|(id, e)| (format!("worker-{id}"), format!("{}/metrics", e.url())))
+        .collect()
+}
+
+impl PhaseLadder for SwappingLadder {
+    fn phases(&self) -> Vec<PhaseSetup> {
+        // `draft` cannot start here (its engines are refused): the previous phase stays.
+        ["off", "draft", "eagle3"]
+            .into_iter()
+            .zip(["kv", "draft", "eagle3"])
+            .map(|(spec, name)| PhaseSetup {
+                name: name.to_owned(),
+                router: "kv_load".to_owned(),
+                spec_decode: spec.to_owned(),
+            })
+            .collect()
+    }
+
+    fn workers(&self) -> Vec<(String, String)> {
+        self.endpoints.lock().unwrap().clone()
+    }
+
+    fn switch(&self, phase: &str) -> BoxFuture<'_, Result<Switched, String>> {
+        let phase = phase.to_owned();
+        Box::pin(async move {
+            if phase == "draft" {
+                let workers = self.endpoints.lock().unwrap().clone();
+                let running = if workers.iter().any(|(n, _)| n == "worker-0") {
+                    "kv"
+                } else {
+                    "eagle3"
+                };
+                return Ok(Switched {
+                    phase: running.to_owned(),
+                    workers,
+                    error: Some(format!(
+                        "no draft model on this GPU; phase {running} runs again"
+                    )),
+                });
+            }
+            let spec = (phase == "eagle3").then_some("eagle3");
+            let mut engines = self.engines.lock().await;
+            for (id, engine) in engines.drain(..) {
+                self.gateway.remove_worker(kv_index::WorkerId(id));
+                engine.shutdown().await;
+            }
+            let id = self
+                .next_id
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let engine = common::engine_with_spec(id, SPEEDUP, &format!("worker-{id}"), spec).await;
+            self.gateway
+                .add_worker(&gateway::WorkerSpec::new(engine.url()))
+                .await
+                .map_err(|e| e.to_string())?;
+            engines.push((id, engine));
+            let workers = endpoints(&engines);
+            *self.endpoints.lock().unwrap() = workers.clone();
+            Ok(Switched {
+                phase,
+                workers,
+                error: None,
+            })
+        })
+    }
+}
+
+/// Seed 003's ladder stepped from the dashboard: the Phase panel shows the running phase and
+/// its setup, a click on eagle3 switches it (the panel says so while it runs), the workers'
+/// speculation cards appear, the charts mark the switch, and the status agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_phase_buttons_switch_the_ladder_live() {
+    let engine = common::engine(0, SPEEDUP, "worker-0").await;
+    let gateway = common::gateway(std::slice::from_ref(&engine)).await;
+    let mut lane = LaneSpec::for_gateway("kv_load", Some("kv_load"), &gateway.url(), MODEL);
+    lane.worker_metrics = vec![format!("{}/metrics", engine.url())];
+    let engines = vec![(0, engine)];
+    let ladder = Arc::new(SwappingLadder {
+        gateway,
+        endpoints: std::sync::Mutex::new(endpoints(&engines)),
+        engines: tokio::sync::Mutex::new(engines),
+        next_id: std::sync::atomic::AtomicU64::new(1),
+    });
+    let mut config = loadgen_config(vec![lane], 4, SPEEDUP);
+    config.autostart = true;
+    config.ladder = Some(LadderConfig {
+        ladder: ladder.clone(),
+        initial: "kv".to_owned(),
+    });
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+
+    let driver = ChromeDriver::start();
+    let browser = driver.browser().await;
+    browser.goto(&url).await.unwrap();
+    wait_until("the phase panel", Duration::from_secs(10), async || {
+        shown(&browser, "ladder-panel").await && text(&browser, "ladder-phase").await == "kv"
+    })
+    .await;
+    assert!(classes(&browser, "phase-kv").await.contains("active"));
+    assert!(!classes(&browser, "phase-eagle3").await.contains("active"));
+    assert_eq!(
+        text(&browser, "ladder-setup").await,
+        "router kv_load · speculative decoding off"
+    );
+    // Plain decoding: no speculation cards.
+    wait_until("turns at phase kv", Duration::from_secs(60), async || {
+        api(&format!("{url}/api/status")).await["lanes"][0]["metrics"]["requests"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0
+    })
+    .await;
+    assert!(browser.find(id("kpi-acceptance")).await.is_err());
+
+    // A phase that cannot start: the panel says why, the previous phase is still shown.
+    click(&browser, "phase-draft").await;
+    wait_until("the switch's error", Duration::from_secs(30), async || {
+        shown(&browser, "ladder-error").await
+            && text(&browser, "ladder-error")
+                .await
+                .contains("no draft model")
+    })
+    .await;
+    assert_eq!(text(&browser, "ladder-phase").await, "kv");
+    let status = api(&format!("{url}/api/status")).await;
+    assert_eq!(status["ladder"]["phase"], "kv", "{status}");
+    assert!(
+        status["ladder"]["error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("switching to draft: no draft model")),
+        "{status}"
+    );
+    assert_eq!(status["running"], true, "the workload goes on at phase kv");
+
+    click(&browser, "phase-eagle3").await;
+    wait_until("phase eagle3 shown", Duration::from_secs(30), async || {
+        text(&browser, "ladder-phase").await == "eagle3"
+            && classes(&browser, "phase-eagle3").await.contains("active")
+    })
+    .await;
+    assert!(!classes(&browser, "phase-kv").await.contains("active"));
+    // A successful switch clears the error.
+    wait_until("the error cleared", Duration::from_secs(10), async || {
+        !shown(&browser, "ladder-error").await
+    })
+    .await;
+    let status = api(&format!("{url}/api/status")).await;
+    assert_eq!(status["ladder"]["phase"], "eagle3", "{status}");
+    assert_eq!(status["running"], true);
+    assert_eq!(status["ladder"]["workers"][0]["name"], "worker-1");
+    wait_until(
+        "the speculation cards",
+        Duration::from_secs(90),
+        async || text(&browser, "kpi-acceptance").await.ends_with('%'),
+    )
+    .await;
+    // The switch is a marker on the charts once a point after it is drawn.
+    wait_until("the switch's marker", Duration::from_secs(30), async || {
+        attrs(
+            &browser,
+            "[data-testid=chart-itl] line.event-marker",
+            "data-event",
+        )
+        .await
+        .iter()
+        .any(|e| e == "\u{2192} eagle3")
+    })
+    .await;
+    browser.close().await.unwrap();
+    loadgen.shutdown().await;
+    let ladder = Arc::into_inner(ladder);
+    if let Some(ladder) = ladder {
+        ladder.gateway.shutdown().await;
+    }
 }
