@@ -53,6 +53,7 @@ pub mod code {
     pub const HEADERS_TOO_LARGE: &str = "request_headers_too_large";
     pub const RATE_LIMIT_EXCEEDED: &str = "rate_limit_exceeded";
     pub const NO_HEALTHY_WORKER: &str = "no_healthy_worker";
+    pub const TOO_MANY_CONNECTIONS: &str = "too_many_connections";
     pub const INTERNAL: &str = "internal_error";
 }
 
@@ -189,6 +190,20 @@ impl ApiError {
             message,
             None,
             Some(code::NO_HEALTHY_WORKER),
+        )
+    }
+
+    /// 503: the server holds as many client connections as it serves at once.
+    pub fn too_many_connections(max: usize) -> ApiError {
+        Self::new(
+            503,
+            kind::SERVICE_UNAVAILABLE,
+            format!(
+                "the server holds its maximum of {max} client connections; retry shortly, or \
+                 reuse a connection"
+            ),
+            None,
+            Some(code::TOO_MANY_CONNECTIONS),
         )
     }
 

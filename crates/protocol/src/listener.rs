@@ -11,12 +11,20 @@
 //! - the client's address in each request's extensions (axum's `ConnectInfo<SocketAddr>`),
 //!   for per-client limits;
 //! - request headers bounded by count and size, answered with OpenAI-style JSON (431) below
-//!   hyper's own, body-less limits ([`MAX_HEADERS`], [`MAX_HEADER_BYTES`]).
+//!   hyper's own, body-less limits ([`MAX_HEADERS`], [`MAX_HEADER_BYTES`]);
+//! - a bound on open client connections ([`default_max_connections`]: half the process's
+//!   open-file limit, so each client connection can have one connection of the server's own,
+//!   a gateway's to its worker). Past it, up to [`MAX_REFUSING`] more connections are answered
+//!   503 `too_many_connections` (JSON, `Retry-After: 1`, then closed); past those, the server
+//!   stops accepting until a connection closes (clients wait in the kernel's backlog). Without
+//!   the bound, a gateway out of descriptors could not reach its workers: every request failed
+//!   with 503 `no_healthy_worker`, not only the extra clients' (docs/RELIABILITY.md).
 //!
 //! Shutdown stops accepting and lets open connections finish (hyper-util's graceful
 //! shutdown); the caller bounds the wait.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -25,6 +33,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tower_service::Service;
 
 use crate::ApiError;
@@ -36,6 +45,54 @@ pub const MAX_HEADER_BYTES: usize = 64 << 10;
 /// hyper's own header count limit, above ours so that ours answers with JSON; beyond it (or
 /// beyond hyper's read buffer, about 400 KiB) hyper answers 431 with an empty body.
 const HYPER_MAX_HEADERS: usize = 4 * MAX_HEADERS;
+
+/// Connections answered 503 at once when the server is at its connection bound.
+pub const MAX_REFUSING: usize = 64;
+/// Descriptors kept for the server's own use (listeners, NATS, ZMQ, files) before halving.
+const RESERVED_DESCRIPTORS: u64 = 128;
+/// The bound where the open-file limit cannot be read (or is unlimited).
+const FALLBACK_MAX_CONNECTIONS: usize = 10_000;
+
+/// Client connections served at once by default: half of what the process's soft open-file
+/// limit leaves after a reserve, so that every client connection can have one of the server's
+/// own (a gateway's connection to the worker serving it). With the usual soft limit of 1,024
+/// that is 448; raise the limit (`ulimit -n`, systemd's `LimitNOFILE`) to serve more.
+pub fn default_max_connections() -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct it is given.
+    let read = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+    if !read || limit.rlim_cur == libc::RLIM_INFINITY {
+        return FALLBACK_MAX_CONNECTIONS;
+    }
+    let half = limit.rlim_cur.saturating_sub(RESERVED_DESCRIPTORS) / 2;
+    usize::try_from(half)
+        .unwrap_or(FALLBACK_MAX_CONNECTIONS)
+        .max(1)
+}
+
+/// What an accepted connection gets.
+enum Slot {
+    Serve(OwnedSemaphorePermit),
+    Refuse(OwnedSemaphorePermit),
+}
+
+/// Waits for a serving slot, or a refusing one when all serving slots are taken.
+async fn next_slot(serving: &Arc<Semaphore>, refusing: &Arc<Semaphore>) -> Slot {
+    if let Ok(permit) = serving.clone().try_acquire_owned() {
+        return Slot::Serve(permit);
+    }
+    if let Ok(permit) = refusing.clone().try_acquire_owned() {
+        return Slot::Refuse(permit);
+    }
+    // Semaphores that are never closed: acquiring fails only when closed.
+    tokio::select! {
+        Ok(permit) = serving.clone().acquire_owned() => Slot::Serve(permit),
+        Ok(permit) = refusing.clone().acquire_owned() => Slot::Refuse(permit),
+    }
+}
 
 /// Answers 431 with OpenAI's error JSON for requests with too many or too large headers.
 pub async fn limit_headers(request: Request, next: Next) -> Response {
@@ -51,20 +108,49 @@ pub async fn limit_headers(request: Request, next: Next) -> Response {
 }
 
 /// Serves `app` on `listener` until `shutdown` completes, then waits for open connections to
-/// finish (the caller bounds that wait). Requests carry `ConnectInfo<SocketAddr>`.
+/// finish (the caller bounds that wait). Requests carry `ConnectInfo<SocketAddr>`. At most
+/// [`default_max_connections`] client connections are served at once.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Router,
     header_timeout: Duration,
     shutdown: impl Future<Output = ()>,
 ) {
+    serve_with_limit(
+        listener,
+        app,
+        header_timeout,
+        default_max_connections(),
+        shutdown,
+    )
+    .await
+}
+
+/// [`serve`] with at most `max_connections` client connections served at once (see the
+/// module docs for what happens past it).
+pub async fn serve_with_limit(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    header_timeout: Duration,
+    max_connections: usize,
+    shutdown: impl Future<Output = ()>,
+) {
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(header_timeout)
         .max_headers(HYPER_MAX_HEADERS);
+    // Over the bound: one answer, then the connection closes.
+    let mut refuse_http = http.clone();
+    refuse_http.keep_alive(false);
+    let serving = Arc::new(Semaphore::new(max_connections));
+    let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
+        let slot = tokio::select! {
+            () = &mut shutdown => break,
+            slot = next_slot(&serving, &refusing) => slot,
+        };
         let accepted = tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => accepted,
@@ -82,6 +168,28 @@ pub async fn serve(
         // Streams are many small writes: without TCP_NODELAY, Nagle holds a token chunk back
         // until the previous one is acknowledged.
         let _ = tcp.set_nodelay(true);
+        let permit = match slot {
+            Slot::Serve(permit) => permit,
+            Slot::Refuse(permit) => {
+                let refusal =
+                    hyper::service::service_fn(move |_: Request<hyper::body::Incoming>| {
+                        let mut response =
+                            ApiError::too_many_connections(max_connections).into_response();
+                        response.headers_mut().insert(
+                            axum::http::header::RETRY_AFTER,
+                            axum::http::HeaderValue::from_static("1"),
+                        );
+                        std::future::ready(Ok::<_, std::convert::Infallible>(response))
+                    });
+                let connection =
+                    graceful.watch(refuse_http.serve_connection(TokioIo::new(tcp), refusal));
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                    drop(permit);
+                });
+                continue;
+            }
+        };
         let app = app.clone();
         let service =
             hyper::service::service_fn(move |mut request: Request<hyper::body::Incoming>| {
@@ -95,6 +203,7 @@ pub async fn serve(
                 // Timeouts, clients that went away, bad requests: the client's business.
                 tracing::debug!(error = %e, "client connection ended with an error");
             }
+            drop(permit);
         });
     }
     drop(listener);

@@ -128,20 +128,11 @@ impl Preprocessor {
         ending: ChatEnding,
         with_text: bool,
     ) -> Result<Prepared, FormatError> {
-        let rendered = |template: &ChatTemplate| {
-            let text = template
+        let rendered = |template: &ChatTemplate| match ending {
+            ChatEnding::ContinueFinal if !messages.is_empty() => continue_final(template, messages),
+            _ => template
                 .render(messages, ending == ChatEnding::GenerationPrompt)
-                .map_err(FormatError)?;
-            Ok::<_, FormatError>(match (ending, messages.last()) {
-                (ChatEnding::ContinueFinal, Some(last)) => {
-                    let content = last.content.trim();
-                    match text.rfind(content).filter(|_| !content.is_empty()) {
-                        Some(at) => text[..at + content.len()].to_string(),
-                        None => text,
-                    }
-                }
-                _ => text,
-            })
+                .map_err(FormatError),
         };
         match &self.fast {
             Some(format) => {
@@ -212,6 +203,36 @@ impl Preprocessor {
     }
 }
 
+/// Ends the final message's content in [`continue_final`]'s rendering: private-use characters
+/// no template trims or writes.
+const CONTINUE_MARKER: &str = "\u{E000}kvroute-continue\u{E001}";
+
+/// `messages` (at least one) rendered closed and cut right after the final message's trimmed
+/// content, where the model continues it. The cut is found by rendering the content with
+/// [`CONTINUE_MARKER`] after it: searching for the content itself (vLLM's way) cuts in the
+/// wrong place when the content is empty or also occurs in the template's text after it (a
+/// final message `|>` matched the `|>` of the closing `<|eot_id|>`). A template that alters
+/// the marker falls back to that search.
+fn continue_final(
+    template: &ChatTemplate,
+    messages: &[ChatMessage],
+) -> Result<String, FormatError> {
+    let mut marked = messages.to_vec();
+    if let Some(last) = marked.last_mut() {
+        last.content = format!("{}{CONTINUE_MARKER}", last.content.trim_end());
+    }
+    let text = template.render(&marked, false).map_err(FormatError)?;
+    if let Some(at) = text.rfind(CONTINUE_MARKER) {
+        return Ok(text[..at].to_string());
+    }
+    let text = template.render(messages, false).map_err(FormatError)?;
+    let content = messages.last().map_or("", |m| m.content.trim());
+    Ok(match text.rfind(content).filter(|_| !content.is_empty()) {
+        Some(at) => text[..at + content.len()].to_string(),
+        None => text,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,6 +257,27 @@ mod tests {
             if ending == ChatEnding::ContinueFinal {
                 assert!(text.ends_with("Prefix caching keeps"), "{text}");
             }
+        }
+    }
+
+    /// Found by fuzzing (`fuzz/fuzz_targets/chat_template.rs`): a continued final message that
+    /// is empty, or whose content also occurs in the closing `<|eot_id|>`, was cut in the
+    /// wrong place, so the rendered text disagreed with the fast path's (open) tokens.
+    #[test]
+    fn a_continued_final_message_is_cut_after_its_content_whatever_it_holds() {
+        let p = Preprocessor::builtin();
+        for last in ["", "   ", "|>", "eot_id|>", "<|eot_id|>", "x  \n"] {
+            let messages = [ChatMessage::user("hi"), ChatMessage::assistant(last)];
+            let prepared = p
+                .chat_ending(&messages, ChatEnding::ContinueFinal, true)
+                .unwrap();
+            let text = prepared.text.unwrap();
+            assert_eq!(prepared.tokens, p.tokenizer().encode(&text), "{last:?}");
+            let header = "<|start_header_id|>assistant<|end_header_id|>\n\n";
+            assert!(
+                text.ends_with(&format!("{header}{}", last.trim())),
+                "{last:?}: {text:?}"
+            );
         }
     }
 
