@@ -168,6 +168,17 @@ pub async fn serve_with_limit(
         // Streams are many small writes: without TCP_NODELAY, Nagle holds a token chunk back
         // until the previous one is acknowledged.
         let _ = tcp.set_nodelay(true);
+        // A serving slot may have freed while this refusing one waited in accept: serve.
+        let slot = match slot {
+            Slot::Refuse(refusing) => match serving.clone().try_acquire_owned() {
+                Ok(permit) => {
+                    drop(refusing);
+                    Slot::Serve(permit)
+                }
+                Err(_) => Slot::Refuse(refusing),
+            },
+            serve => serve,
+        };
         let permit = match slot {
             Slot::Serve(permit) => permit,
             Slot::Refuse(permit) => {
