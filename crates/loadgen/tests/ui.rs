@@ -3,11 +3,10 @@
 //! changes the live concurrency, and the tables, cards, colours and transcripts show the API's
 //! numbers with the formats of `web/js/format.js`.
 
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use fantoccini::{Client, ClientBuilder, Locator};
+use fantoccini::{Client, Locator};
 use loadgen::ladder::{LadderConfig, PhaseLadder, PhaseSetup, Switched};
 use loadgen::scenario::{BoxFuture, PoolKind, PoolSizes};
 use loadgen::{Fleet, LaneSpec, Loadgen, LoadgenConfig, PhaseReference};
@@ -16,69 +15,12 @@ use workload::scenario::ScenarioConfig;
 
 mod common;
 
+use common::browser::{ChromeDriver, id};
 use common::{Cluster, MODEL, get, loadgen_config, wait_until};
 const SPEEDUP: f64 = 50.0;
 
-/// A chromedriver process on a free port, killed on drop.
-struct ChromeDriver {
-    child: Child,
-    port: u16,
-}
-
-impl ChromeDriver {
-    fn start() -> ChromeDriver {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Command::new("chromedriver")
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect(
-                "chromedriver runs the UI tests: install Debian's chromium and chromium-driver \
-                 (`apt-get install chromium chromium-driver`; .ci/run does)",
-            );
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "chromedriver did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        ChromeDriver { child, port }
-    }
-
-    async fn browser(&self) -> Client {
-        let mut capabilities = serde_json::Map::new();
-        capabilities.insert(
-            "goog:chromeOptions".to_owned(),
-            json!({"args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                            "--disable-dev-shm-usage", "--window-size=1400,2400"]}),
-        );
-        ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
-            .capabilities(capabilities)
-            .connect(&format!("http://127.0.0.1:{}", self.port))
-            .await
-            .expect("a headless Chromium session")
-    }
-}
-
-impl Drop for ChromeDriver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 async fn api(url: &str) -> Value {
     get(url).await.1
-}
-
-/// The test id selector.
-fn id(testid: &str) -> Locator<'_> {
-    Locator::XPath(Box::leak(
-        format!("//*[@data-testid='{testid}']").into_boxed_str(),
-    ))
 }
 
 async fn text(browser: &Client, testid: &str) -> String {

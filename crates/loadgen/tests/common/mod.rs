@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod browser;
+
 use std::time::{Duration, Instant};
 
 use engine_server::{EngineServer, EngineServerConfig, EngineServerHandle};
