@@ -23,7 +23,7 @@ use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 /// Why a publisher could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
-    #[error("{0} (is nats-server running?)")]
+    #[error(transparent)]
     NatsConnect(protocol::nats_client::NatsConnectError),
     #[error(transparent)]
     Namespace(#[from] protocol::BadNamespace),

@@ -92,7 +92,7 @@ pub enum GatewayError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error("{0} (is nats-server running? --nats URL)")]
+    #[error(transparent)]
     Nats(protocol::nats_client::NatsConnectError),
     #[error("NATS, once connected, refused a subscription or request: {0}")]
     NatsSubscribe(String),

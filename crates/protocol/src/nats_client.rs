@@ -21,13 +21,16 @@ pub struct NatsSecurity {
 /// Why a NATS connection could not be made; the URL is redacted.
 #[derive(Debug, thiserror::Error)]
 pub enum NatsConnectError {
-    #[error("{flag} {path}: {source}")]
+    // `reason`, not `source`: the message carries it, so a printed chain does not repeat it.
+    #[error("{flag} {path}: {reason}")]
     File {
         flag: &'static str,
         path: String,
-        source: std::io::Error,
+        reason: std::io::Error,
     },
-    #[error("cannot connect to NATS at {url}: {message}")]
+    #[error(
+        "cannot connect to NATS at {url}: {message} (is nats-server running there? --nats URL)"
+    )]
     Connect { url: String, message: String },
 }
 
@@ -41,10 +44,10 @@ pub async fn connect(
     let readable = |flag: &'static str, path: &Path| {
         std::fs::metadata(path)
             .map(|_| ())
-            .map_err(|source| NatsConnectError::File {
+            .map_err(|reason| NatsConnectError::File {
                 flag,
                 path: path.display().to_string(),
-                source,
+                reason,
             })
     };
     let mut options = async_nats::ConnectOptions::new().connection_timeout(timeout);
@@ -54,10 +57,10 @@ pub async fn connect(
             options
                 .credentials_file(creds)
                 .await
-                .map_err(|source| NatsConnectError::File {
+                .map_err(|reason| NatsConnectError::File {
                     flag: "--nats-creds",
                     path: creds.display().to_string(),
-                    source,
+                    reason,
                 })?;
     }
     if let Some(ca) = &security.tls_ca {
