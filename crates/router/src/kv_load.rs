@@ -41,6 +41,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use kv_index::WorkerId;
+
 use crate::policy::{
     Candidate, PolicyKind, PolicyRng, RoutingPolicy, SelectionContext, WorkerTiming,
     argmin_random_tie,
@@ -74,6 +76,12 @@ pub struct KvLoadParams {
     pub slot_penalty_secs: f64,
     /// Timing used for workers that did not declare theirs.
     pub default_timing: WorkerTiming,
+    /// Send a request whose cached prefix is the same on every eligible worker (a new
+    /// conversation whose shared system prompt or passage is everywhere, or nothing cached
+    /// anywhere) to the eligible workers in turn instead of by cost. Off by default: it halves
+    /// the lock-step TTFT p50 on 3 H200s but does not win the robustness grid
+    /// (docs/ROUTING.md, "What did not work").
+    pub spread_fresh_requests: bool,
 }
 
 impl Default for KvLoadParams {
@@ -86,6 +94,7 @@ impl Default for KvLoadParams {
             slot_soft_limit: 0.85,
             slot_penalty_secs: 30.0,
             default_timing: WorkerTiming::H200_LLAMA70B_FP8,
+            spread_fresh_requests: false,
         }
     }
 }
@@ -144,6 +153,8 @@ pub struct KvLoad {
     /// Scratch buffers reused across decisions so routing does not allocate.
     costs: Vec<f64>,
     eligible: Vec<usize>,
+    /// The worker the last spread fresh request went to (`spread_fresh_requests`).
+    last_fresh_worker: Option<WorkerId>,
 }
 
 impl KvLoad {
@@ -153,6 +164,7 @@ impl KvLoad {
             replies: 0,
             costs: Vec::new(),
             eligible: Vec::new(),
+            last_fresh_worker: None,
         }
     }
 
@@ -219,6 +231,39 @@ impl KvLoad {
         ttft + stall + own_decode + imposed_decode + Self::slot_penalty(params, c)
     }
 
+    /// With `spread_fresh_requests`: when every eligible worker holds the same prefix of the
+    /// request, the eligible worker after the last one a fresh request went to (in worker-id
+    /// order, wrapping); `None` when some worker holds more of it.
+    fn next_fresh_worker(&mut self, ctx: &SelectionContext<'_>) -> Option<usize> {
+        let mut overlaps = self
+            .eligible
+            .iter()
+            .map(|&i| ctx.candidates[i].overlap_blocks);
+        let first = overlaps.next()?;
+        if overlaps.any(|o| o != first) {
+            return None;
+        }
+        let worker_of = |i: usize| ctx.candidates[i].worker;
+        let after = |i: &usize| {
+            self.last_fresh_worker
+                .is_none_or(|last| worker_of(*i) > last)
+        };
+        let lowest = self
+            .eligible
+            .iter()
+            .copied()
+            .min_by_key(|&i| worker_of(i))?;
+        let next = self
+            .eligible
+            .iter()
+            .copied()
+            .filter(after)
+            .min_by_key(|&i| worker_of(i))
+            .unwrap_or(lowest);
+        self.last_fresh_worker = Some(worker_of(next));
+        Some(next)
+    }
+
     /// Quadratic penalty from `slot_soft_limit × max_num_seqs` to the last slot.
     fn slot_penalty(params: &KvLoadParams, c: &Candidate) -> f64 {
         let Some(m) = c.limits.max_num_seqs.filter(|&m| m > 0) else {
@@ -254,6 +299,11 @@ impl RoutingPolicy for KvLoad {
             // elsewhere would also stall a full batch, so the cost (with its slot penalty,
             // which keeps growing past the limit) decides among all workers.
             self.eligible.extend(0..ctx.candidates.len());
+        }
+        if self.params.spread_fresh_requests
+            && let Some(i) = self.next_fresh_worker(ctx)
+        {
+            return i;
         }
         let shared = Self::shared_prefix_blocks(ctx);
         self.costs.clear();
@@ -401,6 +451,34 @@ mod tests {
             Worker::new(3, 20).active(DOC_BLOCKS),
         ];
         assert_eq!(pick(&workers), 1);
+    }
+
+    #[test]
+    fn spreading_sends_fresh_requests_to_the_workers_in_turn_and_history_home() {
+        let params = KvLoadParams {
+            spread_fresh_requests: true,
+            ..KvLoadParams::default()
+        };
+        let mut policy = KvLoad::new(params);
+        // The same passage cached everywhere, unequal loads: by cost the idle worker 3 would
+        // take every fresh request; spread, they go 1, 2, 3, 1.
+        let fresh = [
+            Worker::new(1, 20).cached(DOC_BLOCKS),
+            Worker::new(2, 12).cached(DOC_BLOCKS),
+            Worker::new(3, 0).cached(DOC_BLOCKS),
+        ];
+        let candidates: Vec<Candidate> = fresh.iter().map(Worker::candidate).collect();
+        let picks: Vec<u64> = (0..4).map(|_| choose(&mut policy, &candidates)).collect();
+        assert_eq!(picks, [1, 2, 3, 1]);
+        assert_eq!(pick(&fresh), 3, "without spreading the cost decides");
+        // A worker holding the conversation's history keeps it: that request is not fresh.
+        let history = [
+            Worker::new(1, 20).cached(DOC_BLOCKS),
+            Worker::new(2, 24).cached(PROMPT_BLOCKS - 1),
+            Worker::new(3, 20).cached(DOC_BLOCKS),
+        ];
+        let candidates: Vec<Candidate> = history.iter().map(Worker::candidate).collect();
+        assert_eq!(choose(&mut policy, &candidates), 2);
     }
 
     #[test]
