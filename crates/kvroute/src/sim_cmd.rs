@@ -112,31 +112,63 @@ pub struct ClusterArgs {
 }
 
 /// Sets `KEY=VALUE` pairs in a serializable value through its JSON form: `KEY` is a dotted
-/// path that must exist, `VALUE` is JSON (a bare word is taken as a string).
+/// path, `VALUE` is JSON (a bare word is taken as a string). A section that is absent because
+/// it is optional and off (`lockstep`, `speculative`, …) is created; a path that names no field
+/// is an error naming it, whether or not the type refuses unknown fields.
 pub fn patch<T: Serialize + DeserializeOwned>(value: T, sets: &[String], what: &str) -> Result<T> {
     if sets.is_empty() {
         return Ok(value);
     }
     let mut json = serde_json::to_value(&value)?;
+    // Keys this patch added: (the whole path, the key, the fields beside it).
+    let mut created: Vec<(&str, &str, String)> = Vec::new();
     for set in sets {
         let Some((path, raw)) = set.split_once('=') else {
             bail!("--{what}-set expects KEY=VALUE, got `{set}`");
         };
+        let path = path.trim();
         let new = serde_json::from_str(raw.trim())
             .unwrap_or_else(|_| serde_json::Value::String(raw.trim().to_string()));
         let mut slot = &mut json;
-        for key in path.trim().split('.') {
-            let fields = match slot.as_object() {
-                Some(map) => map.keys().cloned().collect::<Vec<_>>().join(", "),
-                None => String::new(),
+        for key in path.split('.') {
+            let Some(map) = slot.as_object_mut() else {
+                bail!("{what} has no field `{path}` (`{key}` would be inside a value)");
             };
-            slot = slot.get_mut(key).with_context(|| {
-                format!("{what} has no field `{path}` (at `{key}`; fields here: {fields})")
-            })?;
+            if !map.contains_key(key) {
+                let fields = map.keys().cloned().collect::<Vec<_>>().join(", ");
+                created.push((path, key, fields));
+            }
+            slot = map
+                .entry(key.to_string())
+                .or_insert_with(|| serde_json::Value::Object(Default::default()));
         }
         *slot = new;
     }
-    serde_json::from_value(json).with_context(|| format!("{what} settings {sets:?} do not fit"))
+    let no_field = |path: &str, key: &str, fields: &str| {
+        anyhow::anyhow!("{what} has no field `{path}` (at `{key}`; fields here: {fields})")
+    };
+    let patched: T = match serde_json::from_value(json) {
+        Ok(patched) => patched,
+        Err(e) => {
+            let message = e.to_string();
+            if message.starts_with("unknown field")
+                && let Some((path, key, fields)) = created
+                    .iter()
+                    .find(|(_, key, _)| message.contains(&format!("`{key}`")))
+            {
+                return Err(no_field(path, key, fields));
+            }
+            return Err(e).with_context(|| format!("{what} settings {sets:?} do not fit"));
+        }
+    };
+    // A type that ignores unknown fields drops a misspelt key silently: look for each one.
+    let back = serde_json::to_value(&patched)?;
+    for (path, key, fields) in &created {
+        if path.split('.').try_fold(&back, |at, k| at.get(k)).is_none() {
+            return Err(no_field(path, key, fields));
+        }
+    }
+    Ok(patched)
 }
 
 fn read_config<T: DeserializeOwned>(path: &Path, what: &str) -> Result<T> {

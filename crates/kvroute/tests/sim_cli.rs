@@ -199,9 +199,53 @@ fn bad_arguments_fail_with_a_clear_error() {
             &["sim", "--profile-set", "timing.warp_factor=9"],
             "no field `timing.warp_factor`",
         ),
+        (
+            &["sim", "--workload-set", "lockstep.new_token_ratio=1"],
+            "no field `lockstep.new_token_ratio`",
+        ),
+        (
+            &["sim", "--workload-set", "think_time_s.kind.x=1"],
+            "no field `think_time_s.kind.x`",
+        ),
+        (
+            &["sim", "--workload-set", "lockstep.new_tokens_ratio=often"],
+            "workload settings",
+        ),
         (&["sim", "--warmup", "100", "--duration", "50"], "--warmup"),
         (&["sim", "--engine-set", "max_num_seqs"], "KEY=VALUE"),
     ]);
+}
+
+#[test]
+fn an_optional_workload_section_that_is_off_can_be_set_from_the_command_line() {
+    // `lockstep` is absent from the default workload; setting one of its fields turns it on.
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "sim",
+            "--concurrency",
+            "1",
+            "--duration",
+            "60",
+            "--warmup",
+            "0",
+            "--json",
+            "--workload-set",
+            r#"turns={"min":4,"max":4}"#,
+            "--workload-set",
+            r#"output_tokens={"kind":"constant","value":150}"#,
+        ];
+        args.extend_from_slice(extra);
+        let out = ok(kvroute().args(&args).output().unwrap());
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["runs"][0]["mean_prompt_tokens"].as_f64().unwrap()
+    };
+    let chat = run(&[]);
+    let lockstep = run(&["--workload-set", "lockstep.new_tokens_ratio=2"]);
+    // Each lock-step turn adds twice its history, so prompts grow several-fold.
+    assert!(
+        lockstep > 2.0 * chat,
+        "lock-step prompts {lockstep} vs chat {chat}"
+    );
 }
 
 #[test]
