@@ -543,9 +543,29 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
             ),
             None => println!("kvroute loadgen: driving {target}; Ctrl-C stops"),
         }
+        let summaries = trace.as_ref().map(|loaded| {
+            tokio::spawn(print_replay_ends(
+                loadgen.app().clone(),
+                loaded.describe(),
+                args.trace_max_open,
+            ))
+        });
         run_or_wait(&loadgen, &args.drive, args.speedup).await?;
+        if let Some(task) = summaries {
+            task.abort();
+        }
+        let app = loadgen.app().clone();
+        let stopping_replay = app.trace.as_ref().is_some_and(|t| t.is_running());
         println!("kvroute loadgen: shutting down");
         loadgen.shutdown().await;
+        // The replay Ctrl-C stopped: its summary, as a headless replay prints it.
+        if let (true, Some(loaded), Some(handle)) = (stopping_replay, &trace, &app.trace) {
+            print_trace_summary(
+                &loaded.describe(),
+                args.trace_max_open,
+                &handle.status().replay,
+            );
+        }
         Ok(())
     })
 }
@@ -643,18 +663,26 @@ fn replay_trace(args: &LoadgenArgs, target: &str, loaded: &LoadedTrace) -> Resul
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
-        let s = &status.stats;
+        print_trace_summary(&loaded.describe(), args.trace_max_open, &status);
+    }
+    Ok(())
+}
+
+/// A replay's summary on stdout: counts, TTFT, the server's hit rate beside the bound, errors.
+fn print_trace_summary(describe: &str, max_open: u64, status: &loadgen::trace::TraceReplayStatus) {
+    let s = &status.stats;
+    {
         println!(
             "trace {}: {} of {} requests sent in {:.0} s; {} finished, {} failed, {} dropped \
              (over {} open){}",
-            loaded.describe(),
+            describe,
             s.issued,
             s.requests,
             status.elapsed_s,
             s.finished,
             s.failed,
             s.dropped,
-            args.trace_max_open,
+            max_open,
             if status.cancelled > 0 {
                 format!("; stopped, {} in flight cancelled", status.cancelled)
             } else {
@@ -667,14 +695,32 @@ fn replay_trace(args: &LoadgenArgs, target: &str, loaded: &LoadedTrace) -> Resul
              cached_tokens); the trace's oracle bound {:.1}%",
             ms(status.ttft_ms.p50),
             ms(status.ttft_ms.p95),
-            hit_rate(&status),
-            bound * 100.0
+            hit_rate(status),
+            status.oracle_prefix_hit_rate * 100.0
         );
         for e in &status.errors {
             println!("  error: {e}");
         }
     }
-    Ok(())
+}
+
+/// Prints the summary of each dashboard replay that ends (the panel shows it too), until the
+/// load generator shuts down.
+async fn print_replay_ends(app: Arc<loadgen::App>, describe: String, max_open: u64) {
+    use loadgen::trace::ReplayState;
+
+    let Some(trace) = &app.trace else { return };
+    let mut was_running = false;
+    let mut ticker = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        ticker.tick().await;
+        let status = trace.status().replay;
+        let running = status.state == ReplayState::Running;
+        if was_running && !running {
+            print_trace_summary(&describe, max_open, &status);
+        }
+        was_running = running;
+    }
 }
 
 /// Round-robin and the demo's routers on the demo's cluster, simulated by `kvroute bench` at

@@ -397,6 +397,14 @@ fn loadgen_replays_a_trace_under_the_dashboard_and_reports_it_in_the_status() {
         std::thread::sleep(Duration::from_millis(100));
     };
     assert!(saw_progress, "no progress seen while running");
+    // The terminal gets the summary too, as a headless replay prints it.
+    let mut line = String::new();
+    while !line.starts_with("trace ") {
+        line.clear();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "no summary line");
+    }
+    assert!(line.contains("40 of 40 requests sent"), "{line}");
+    assert!(line.contains("40 finished, 0 failed, 0 dropped"), "{line}");
     let t = &last["trace"];
     // Every request of the slice sent, and each ended once.
     assert_eq!(t["issued"], 40, "{t}");
