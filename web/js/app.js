@@ -7,6 +7,7 @@ import { Dashboard } from './dashboard.js';
 import { Booth, DEFAULT_MIX, DEFAULT_RATE_RPS } from './booth.js';
 import { Conversations } from './conversations.js';
 import { Ladder } from './ladder.js';
+import { TracePanel } from './trace.js';
 
 const STATUS_POLL_MS = 3000; // REST polling of /api/status while the WebSocket is down
 const TOAST_MS = 6000;
@@ -74,6 +75,8 @@ const ladder = new Ladder({
   // A failure rejects: the panel shows the API's message.
   onSwitch: async (phase) => applyAnswer(await api.switchPhase(phase)),
 });
+
+const tracePanel = new TracePanel();
 
 const conversations = new Conversations({
   isCompare: () => (state.status?.lanes?.length ?? 0) === 2,
@@ -159,6 +162,7 @@ function applyStatus(status) {
   dashboard.update(status);
   booth.update(status);
   ladder.update(status);
+  tracePanel.update(status);
 }
 
 function loadBaseline() {

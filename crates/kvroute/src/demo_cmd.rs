@@ -317,13 +317,16 @@ pub struct LoadgenArgs {
     speedup: f64,
     #[command(flatten)]
     drive: DriveArgs,
-    /// With --trace: replay it headless (no dashboard), printing progress to stderr every 5 s
-    /// and the summary to stdout; this many requests in flight at most (more due at once are
-    /// dropped and counted).
+    /// With --trace: this many requests in flight at most (more due at once are dropped and
+    /// counted).
     #[arg(long, value_name = "N", default_value_t = 1024, requires = "trace",
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     trace_max_open: u64,
-    /// With --trace: print the summary as JSON.
+    /// With --trace: replay it without the dashboard, printing progress to stderr every 5 s and
+    /// the summary to stdout, and exit when the replay ends.
+    #[arg(long, requires = "trace")]
+    headless: bool,
+    /// With --trace: replay it headless and print the summary as JSON (implies --headless).
     #[arg(long, requires = "trace")]
     json: bool,
     #[command(flatten)]
@@ -477,8 +480,21 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
     if !(target.starts_with("http://") || target.starts_with("https://")) {
         bail!("--target must be an http:// or https:// URL, got {target:?}");
     }
-    if let Some(loaded) = args.trace.load()? {
-        return replay_trace(&args, &target, &loaded);
+    // A missing or garbled trace is refused here, before anything listens.
+    let trace = args.trace.load()?;
+    if let Some(loaded) = &trace {
+        if args.headless || args.json {
+            return replay_trace(&args, &target, loaded);
+        }
+        if args.drive.run_for.is_some() {
+            bail!(
+                "--run-for does not apply to a trace replay, which ends with the trace: watch it \
+                 on the dashboard, or add --headless (--json) for a summary on stdout"
+            );
+        }
+        if args.drive.auto {
+            bail!("--auto does not apply to a trace replay: the trace sets the load");
+        }
     }
     let mut lane = LaneSpec::for_gateway(&args.name, None, &target, &args.model);
     lane.api_key = std::env::var(&args.api_key_env).ok();
@@ -498,6 +514,9 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
         autostart: args.drive.start,
         scaling,
         api_token: args.api_token.clone(),
+        trace: trace
+            .as_ref()
+            .map(|loaded| trace_setup(&args, &target, loaded)),
         ..LoadgenConfig::new(vec![lane])
     };
     let runtime = crate::server_runtime()?;
@@ -510,22 +529,113 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
                 loadgen.url()
             );
         }
-        println!("kvroute loadgen: driving {target}; Ctrl-C stops");
+        match &trace {
+            Some(loaded) => println!(
+                "kvroute loadgen: trace {} against {target}/v1/completions (oracle prefix-hit \
+                 bound {:.1}%); {}; Ctrl-C stops",
+                loaded.describe(),
+                loaded.trace.oracle_prefix_hit_rate() * 100.0,
+                if args.drive.start {
+                    "replaying now"
+                } else {
+                    "press Start on the dashboard (or pass --start)"
+                }
+            ),
+            None => println!("kvroute loadgen: driving {target}; Ctrl-C stops"),
+        }
+        let summaries = trace.as_ref().map(|loaded| {
+            tokio::spawn(print_replay_ends(
+                loadgen.app().clone(),
+                loaded.describe(),
+                args.trace_max_open,
+            ))
+        });
         run_or_wait(&loadgen, &args.drive, args.speedup).await?;
+        if let Some(task) = summaries {
+            task.abort();
+        }
+        let app = loadgen.app().clone();
+        let stopping_replay = app.trace.as_ref().is_some_and(|t| t.is_running());
         println!("kvroute loadgen: shutting down");
         loadgen.shutdown().await;
+        // The replay Ctrl-C stopped: its summary, as a headless replay prints it.
+        if let (true, Some(loaded), Some(handle)) = (stopping_replay, &trace, &app.trace) {
+            print_trace_summary(
+                &loaded.describe(),
+                args.trace_max_open,
+                &handle.status().replay,
+            );
+        }
         Ok(())
     })
 }
 
-/// `kvroute loadgen --trace`: the trace in real time against --target, headless.
-fn replay_trace(args: &LoadgenArgs, target: &str, loaded: &LoadedTrace) -> Result<()> {
-    use loadgen::trace::{TraceReplayConfig, TraceReplayStatus, replay_trace};
-
-    let mut config =
-        TraceReplayConfig::new(target, &args.model, Arc::clone(&loaded.trace), loaded.speed);
+/// The replay --trace and its flags ask for, against `target`.
+fn trace_replay_config(
+    args: &LoadgenArgs,
+    target: &str,
+    loaded: &LoadedTrace,
+) -> loadgen::trace::TraceReplayConfig {
+    let mut config = loadgen::trace::TraceReplayConfig::new(
+        target,
+        &args.model,
+        Arc::clone(&loaded.trace),
+        loaded.speed,
+    );
     config.api_key = std::env::var(&args.api_key_env).ok();
     config.max_open = usize::try_from(args.trace_max_open).unwrap_or(usize::MAX);
+    config
+}
+
+/// The dashboard's trace replay (`kvroute loadgen --trace` without --headless).
+fn trace_setup(
+    args: &LoadgenArgs,
+    target: &str,
+    loaded: &LoadedTrace,
+) -> loadgen::trace_run::TraceSetup {
+    loadgen::trace_run::TraceSetup {
+        replay: trace_replay_config(args, target, loaded),
+        file: loaded.path.display().to_string(),
+        requests_in_file: loaded.requests_in_file,
+    }
+}
+
+/// Prints a headless replay's progress to stderr.
+struct ProgressLines {
+    bound: f64,
+}
+
+impl loadgen::trace::ReplayObserver for ProgressLines {
+    fn progress(&mut self, s: &loadgen::trace::TraceReplayStatus) {
+        if s.state != loadgen::trace::ReplayState::Running {
+            // The summary follows on stdout.
+            return;
+        }
+        eprintln!(
+            "kvroute loadgen: {:.0} s: {} of {} sent, {} finished, {} failed, {} dropped; \
+             prefix-hit {} (bound {:.1}%)",
+            s.elapsed_s,
+            s.stats.issued,
+            s.stats.requests,
+            s.stats.finished,
+            s.stats.failed,
+            s.stats.dropped,
+            hit_rate(s),
+            self.bound * 100.0
+        );
+    }
+}
+
+fn hit_rate(s: &loadgen::trace::TraceReplayStatus) -> String {
+    s.kv_hit_rate
+        .map_or("–".to_string(), |h| format!("{:.1}%", h * 100.0))
+}
+
+/// `kvroute loadgen --trace --headless`: the trace in real time against --target, no dashboard.
+fn replay_trace(args: &LoadgenArgs, target: &str, loaded: &LoadedTrace) -> Result<()> {
+    use loadgen::trace::replay_trace;
+
+    let config = trace_replay_config(args, target, loaded);
     let bound = loaded.trace.oracle_prefix_hit_rate();
     eprintln!(
         "kvroute loadgen: replaying trace {} against {target}/v1/completions; the trace's \
@@ -533,10 +643,6 @@ fn replay_trace(args: &LoadgenArgs, target: &str, loaded: &LoadedTrace) -> Resul
         loaded.describe(),
         bound * 100.0
     );
-    let hit = |s: &TraceReplayStatus| {
-        s.kv_hit_rate
-            .map_or("–".to_string(), |h| format!("{:.1}%", h * 100.0))
-    };
     let runtime = crate::server_runtime()?;
     let status = runtime.block_on(async {
         let cancel = loadgen::trace::CancellationToken::new();
@@ -546,37 +652,42 @@ fn replay_trace(args: &LoadgenArgs, target: &str, loaded: &LoadedTrace) -> Resul
                 on_signal.cancel();
             }
         });
-        replay_trace(config, cancel, Duration::from_secs(5), |s| {
-            eprintln!(
-                "kvroute loadgen: {:.0} s: {} of {} sent, {} finished, {} failed, {} dropped; \
-                 prefix-hit {} (bound {:.1}%)",
-                s.elapsed_s,
-                s.stats.issued,
-                s.stats.requests,
-                s.stats.finished,
-                s.stats.failed,
-                s.stats.dropped,
-                hit(s),
-                bound * 100.0
-            );
-        })
+        replay_trace(
+            config,
+            cancel,
+            Duration::from_secs(5),
+            &mut ProgressLines { bound },
+        )
         .await
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
-        let s = &status.stats;
+        print_trace_summary(&loaded.describe(), args.trace_max_open, &status);
+    }
+    Ok(())
+}
+
+/// A replay's summary on stdout: counts, TTFT, the server's hit rate beside the bound, errors.
+fn print_trace_summary(describe: &str, max_open: u64, status: &loadgen::trace::TraceReplayStatus) {
+    let s = &status.stats;
+    {
         println!(
             "trace {}: {} of {} requests sent in {:.0} s; {} finished, {} failed, {} dropped \
-             (over {} open)",
-            loaded.describe(),
+             (over {} open){}",
+            describe,
             s.issued,
             s.requests,
             status.elapsed_s,
             s.finished,
             s.failed,
             s.dropped,
-            args.trace_max_open
+            max_open,
+            if status.cancelled > 0 {
+                format!("; stopped, {} in flight cancelled", status.cancelled)
+            } else {
+                String::new()
+            }
         );
         let ms = |v: Option<f64>| v.map_or("–".to_string(), |x| format!("{x:.1}"));
         println!(
@@ -584,14 +695,32 @@ fn replay_trace(args: &LoadgenArgs, target: &str, loaded: &LoadedTrace) -> Resul
              cached_tokens); the trace's oracle bound {:.1}%",
             ms(status.ttft_ms.p50),
             ms(status.ttft_ms.p95),
-            hit(&status),
-            bound * 100.0
+            hit_rate(status),
+            status.oracle_prefix_hit_rate * 100.0
         );
         for e in &status.errors {
             println!("  error: {e}");
         }
     }
-    Ok(())
+}
+
+/// Prints the summary of each dashboard replay that ends (the panel shows it too), until the
+/// load generator shuts down.
+async fn print_replay_ends(app: Arc<loadgen::App>, describe: String, max_open: u64) {
+    use loadgen::trace::ReplayState;
+
+    let Some(trace) = &app.trace else { return };
+    let mut was_running = false;
+    let mut ticker = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        ticker.tick().await;
+        let status = trace.status().replay;
+        let running = status.state == ReplayState::Running;
+        if was_running && !running {
+            print_trace_summary(&describe, max_open, &status);
+        }
+        was_running = running;
+    }
 }
 
 /// Round-robin and the demo's routers on the demo's cluster, simulated by `kvroute bench` at

@@ -1,13 +1,17 @@
 //! Public trace replay as a user runs it: `kvroute sim --trace` on a slice of the shipped
 //! Mooncake conversation trace (KV-aware routing beats round-robin, no run beats the trace's
 //! oracle bound, same seed ⇒ same JSON), closed-loop sessions, and one clear error per bad
-//! input; `kvroute loadgen --trace` against a gateway over real `kvroute engine` processes.
+//! input; `kvroute loadgen --trace` against a gateway over real `kvroute engine` processes,
+//! headless (`--json`) and under the dashboard (`/api/status`'s `trace`).
 
+use std::io::BufRead;
 use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{Server, assert_failures, engines, failure, http, stdout_of};
+use common::{Running, Server, assert_failures, engines, failure, http, stdout_of};
 
 fn shipped() -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -149,6 +153,22 @@ fn bad_traces_and_flags_get_one_clear_error() {
     );
     assert_eq!(stderr.matches("line 3").count(), 1, "said once: {stderr}");
     assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    // The dashboard's replay refuses it too, before it listens (nothing on stdout).
+    let out = common::kvroute()
+        .args(["loadgen", "--target", "http://127.0.0.1:9", "--port", "0"])
+        .args(["--trace", &bad_line])
+        .output()
+        .expect("kvroute runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!(
+            "--trace {bad_line}: trace line 3: `input_length` is negative"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "", "nothing started");
     let empty = temp_file("empty", "\n\n");
     let trace = shipped();
     assert_failures(&[
@@ -177,6 +197,33 @@ fn bad_traces_and_flags_get_one_clear_error() {
         (
             &["sim", "--trace", &trace, "--scenario", "seed004"],
             "--trace and --scenario",
+        ),
+        (
+            &[
+                "loadgen",
+                "--target",
+                "http://127.0.0.1:9",
+                "--trace",
+                "/nonexistent/t.jsonl",
+            ],
+            "--trace: cannot read /nonexistent/t.jsonl",
+        ),
+        (
+            &["loadgen", "--target", "http://127.0.0.1:9", "--headless"],
+            "--trace <FILE>",
+        ),
+        (
+            &[
+                "loadgen",
+                "--target",
+                "http://127.0.0.1:9",
+                "--trace",
+                &trace,
+                "--start",
+                "--run-for",
+                "10",
+            ],
+            "--run-for does not apply to a trace replay",
         ),
     ]);
 }
@@ -244,4 +291,156 @@ fn loadgen_replays_a_trace_against_real_engines_with_cache_hits_and_no_errors() 
     );
     assert!(status["oracle_prefix_hit_rate"].as_f64().unwrap() > 0.0);
     assert!(status["ttft_ms"]["p50"].is_number(), "{status}");
+}
+
+/// Two `kvroute engine`s behind a `kvroute gateway` whose workers are routable.
+fn cluster() -> (Vec<Server>, Server) {
+    let engines = engines(2);
+    let mut args = vec!["gateway", "--port", "0", "--health-interval", "0.2"];
+    for e in &engines {
+        args.extend(["--worker", e.url.as_str()]);
+    }
+    let gateway = Server::start(&args);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !http(gateway.addr(), "GET", "/health", "")
+        .1
+        .contains("\"routable_workers\":2")
+    {
+        assert!(Instant::now() < deadline, "workers never routable");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (engines, gateway)
+}
+
+/// `GET /api/status` of the load generator at `addr`.
+fn status(addr: &str) -> serde_json::Value {
+    let (code, body) = http(addr, "GET", "/api/status", "");
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).expect("status JSON")
+}
+
+#[test]
+fn loadgen_replays_a_trace_under_the_dashboard_and_reports_it_in_the_status() {
+    let (_engines, gateway) = cluster();
+    let trace = shipped();
+    // The first 40 requests (12 s recorded) at 4×: about 3 s of schedule to watch.
+    let mut loadgen = Running::spawn(
+        &[
+            "loadgen",
+            "--target",
+            &gateway.url,
+            "--port",
+            "0",
+            "--trace",
+            &trace,
+            "--trace-limit",
+            "40",
+            "--trace-speed",
+            "4",
+            "--start",
+        ],
+        Stdio::inherit(),
+    );
+    let mut stdout = loadgen.take_stdout();
+    let mut url = None;
+    let mut said = String::new();
+    for _ in 0..10 {
+        let mut line = String::new();
+        if stdout.read_line(&mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        if let Some(u) = line.trim().strip_prefix("kvroute loadgen: dashboard on ") {
+            url = Some(u.to_owned());
+        }
+        said.push_str(&line);
+        if line.contains("Ctrl-C stops") {
+            break;
+        }
+    }
+    let url = url.unwrap_or_else(|| panic!("no dashboard line in:\n{said}"));
+    assert!(said.contains("oracle prefix-hit bound"), "{said}");
+    assert!(said.contains("replaying now"), "{said}");
+    let addr = url.trim_start_matches("http://").to_owned();
+
+    // The bound is the slice's, as the workload crate computes it.
+    let bytes = std::fs::read(&trace).unwrap();
+    let bound = workload::Trace::parse_bytes(&bytes)
+        .unwrap()
+        .first(40)
+        .unwrap()
+        .oracle_prefix_hit_rate();
+
+    // Progress while it runs: some sent, not all ended.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut saw_progress = false;
+    let last = loop {
+        let s = status(&addr);
+        let t = &s["trace"];
+        assert_eq!(t["requests"], 40, "{t}");
+        assert_eq!(t["requests_in_file"], 12_031, "{t}");
+        assert_eq!(t["oracle_prefix_hit_rate"].as_f64(), Some(bound), "{t}");
+        assert_eq!(t["speed"].as_f64(), Some(4.0), "{t}");
+        if t["state"] == "running" {
+            assert_eq!(s["running"], true, "{s}");
+            let issued = t["issued"].as_u64().unwrap();
+            let ended = ["finished", "failed", "dropped"]
+                .iter()
+                .map(|k| t[k].as_u64().unwrap())
+                .sum::<u64>();
+            assert_eq!(ended + t["in_flight"].as_u64().unwrap(), issued, "{t}");
+            saw_progress |= issued > 0 && ended < 40;
+        }
+        if t["state"] == "finished" {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the replay never finished: {t}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(saw_progress, "no progress seen while running");
+    // The terminal gets the summary too, as a headless replay prints it.
+    let mut line = String::new();
+    while !line.starts_with("trace ") {
+        line.clear();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "no summary line");
+    }
+    assert!(line.contains("40 of 40 requests sent"), "{line}");
+    assert!(line.contains("40 finished, 0 failed, 0 dropped"), "{line}");
+    let t = &last["trace"];
+    // Every request of the slice sent, and each ended once.
+    assert_eq!(t["issued"], 40, "{t}");
+    let (finished, failed, dropped) = (
+        t["finished"].as_u64().unwrap(),
+        t["failed"].as_u64().unwrap(),
+        t["dropped"].as_u64().unwrap(),
+    );
+    assert_eq!(finished + failed + dropped, 40, "{t}");
+    assert_eq!((failed, dropped, finished), (0, 0, 40), "{t}");
+    assert_eq!(
+        (&t["in_flight"], &t["cancelled"]),
+        (&0.into(), &0.into()),
+        "{t}"
+    );
+    assert_eq!(t["trace_time_s"], t["trace_duration_s"], "{t}");
+    assert!(t["eta_s"].is_null(), "{t}");
+    assert!(t["lateness_ms"]["p95"].is_number(), "{t}");
+    assert!(t["ttft_ms"]["p50"].is_number(), "{t}");
+    // The server reported cached prompt tokens, never above what any cache could serve.
+    let hit = t["kv_hit_rate"].as_f64().expect("a hit rate");
+    assert!(
+        hit > 0.0 && hit <= bound,
+        "hit rate {hit}, bound {bound}: {t}"
+    );
+    assert_eq!(last["running"], false, "{last}");
+    // The usual cards were fed from the same requests.
+    assert_eq!(last["lanes"][0]["metrics"]["requests"], 40, "{last}");
+    assert_eq!(last["lanes"][0]["metrics"]["errors"], 0, "{last}");
+    // The chat workload's shape does not apply; Stop has nothing to stop.
+    let (code, body) = http(&addr, "POST", "/api/workload/config", "{\"rate\": 2}");
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("trace_replay"), "{body}");
+    let (code, body) = http(&addr, "POST", "/api/workload/stop", "");
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("not_running"), "{body}");
+    let exit = loadgen.stop(libc::SIGINT, Duration::from_secs(20));
+    assert!(exit.success(), "{exit}");
 }

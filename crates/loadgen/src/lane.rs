@@ -168,6 +168,57 @@ impl LaneState {
         self.started
             .map_or(0.0, |(at, _)| at.elapsed().as_secs_f64() * self.time_scale)
     }
+
+    /// A run starts at `epoch`: fresh window, counters and serving-side histories. The chat
+    /// workload's start and a trace replay's (`trace_run.rs`) both begin here.
+    pub fn begin_run(&mut self, epoch: Instant) {
+        self.running = true;
+        self.started = Some((epoch, unix_ms()));
+        self.window.reset(0.0);
+        self.totals = Totals::default();
+        self.in_flight = 0;
+        self.active_conversations = 0;
+        self.sessions_by_class = [0; 3];
+        self.arrivals_dropped = 0;
+        self.gateway.clear();
+        self.spec.clear();
+    }
+
+    /// A request that finished at `at_s` (lane clock) into the window and the totals;
+    /// `first_turn` as [`TurnSample`]'s. Durations are multiplied by the lane's time scale
+    /// (model time).
+    pub fn record_finished(
+        &mut self,
+        result: &TurnResult,
+        first_turn: bool,
+        at_s: f64,
+    ) -> TurnSample {
+        let scale = self.time_scale;
+        let sample = TurnSample {
+            at_s,
+            ttft_s: result.ttft.as_secs_f64() * scale,
+            tpot_s: result.tpot().map(|d| d.as_secs_f64() * scale),
+            itl_s: result.itl.map(|d| d.as_secs_f64() * scale),
+            e2e_s: result.e2e.as_secs_f64() * scale,
+            output_tokens: result.output_tokens,
+            first_turn,
+        };
+        self.window.push(sample);
+        let t = &mut self.totals;
+        t.requests += 1;
+        t.output_tokens += result.output_tokens;
+        t.ttft_sum_s += sample.ttft_s;
+        t.e2e_sum_s += sample.e2e_s;
+        if let Some(tpot) = sample.tpot_s {
+            t.tpot_sum_s += tpot;
+            t.tpot_count += 1;
+        }
+        if let Some(itl) = sample.itl_s {
+            t.itl_sum_s += itl;
+            t.itl_count += 1;
+        }
+        sample
+    }
 }
 
 enum Command {
@@ -392,17 +443,9 @@ impl Driver {
                                     self.base = self.next_number;
                                     self.conversations.clear();
                                     let mut s = lock(&self.state);
-                                    s.running = true;
+                                    s.begin_run(epoch);
                                     s.concurrency = concurrency;
-                                    s.started = Some((epoch, unix_ms()));
-                                    s.window.reset(0.0);
-                                    s.totals = Totals::default();
-                                    s.in_flight = 0;
                                     s.active_conversations = w.active_conversations();
-                                    s.sessions_by_class = [0; 3];
-                                    s.arrivals_dropped = 0;
-                                    s.gateway.clear();
-                                    s.spec.clear();
                                     drop(s);
                                     workload = Some(w);
                                     let _ = reply.send(Ok(()));
@@ -668,7 +711,6 @@ impl Driver {
         let last_turn = workload
             .conversation(id.conversation)
             .is_some_and(|c| id.turn + 1 >= c.turns);
-        let scale = self.config.time_scale;
         let mut s = lock(&self.state);
         let now_s = now.as_secs_f64();
         s.in_flight = s.in_flight.saturating_sub(1);
@@ -677,30 +719,7 @@ impl Driver {
         }
         match outcome.result {
             Ok(result) => {
-                let tpot = result.tpot();
-                let sample = TurnSample {
-                    at_s: now_s,
-                    ttft_s: result.ttft.as_secs_f64() * scale,
-                    tpot_s: tpot.map(|d| d.as_secs_f64() * scale),
-                    itl_s: result.itl.map(|d| d.as_secs_f64() * scale),
-                    e2e_s: result.e2e.as_secs_f64() * scale,
-                    output_tokens: result.output_tokens,
-                    first_turn: id.turn == 0,
-                };
-                s.window.push(sample);
-                let t = &mut s.totals;
-                t.requests += 1;
-                t.output_tokens += result.output_tokens;
-                t.ttft_sum_s += sample.ttft_s;
-                t.e2e_sum_s += sample.e2e_s;
-                if let Some(tpot) = sample.tpot_s {
-                    t.tpot_sum_s += tpot;
-                    t.tpot_count += 1;
-                }
-                if let Some(itl) = sample.itl_s {
-                    t.itl_sum_s += itl;
-                    t.itl_count += 1;
-                }
+                let sample = s.record_finished(&result, id.turn == 0, now_s);
                 let answer: Arc<str> = result.text.into();
                 conversation
                     .history

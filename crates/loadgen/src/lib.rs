@@ -60,6 +60,7 @@ mod scrape;
 mod server;
 mod store;
 pub mod trace;
+pub mod trace_run;
 mod window;
 
 use std::net::SocketAddr;
@@ -158,6 +159,9 @@ pub struct LoadgenConfig {
     /// Seed 003's phase ladder on a cluster the load generator may restart (`kvroute demo`);
     /// `None`: `POST /api/phase` answers 409.
     pub ladder: Option<ladder::LadderConfig>,
+    /// A trace to replay instead of the chat workload (`kvroute loadgen --trace`): Start and
+    /// Stop act on it, `status.trace` shows it, the first lane's cards and charts follow it.
+    pub trace: Option<trace_run::TraceSetup>,
 }
 
 impl LoadgenConfig {
@@ -175,6 +179,7 @@ impl LoadgenConfig {
             scaling: ScalingConfig::default(),
             api_token: None,
             ladder: None,
+            trace: None,
         }
     }
 }
@@ -233,6 +238,18 @@ impl Loadgen {
             return Err(LoadgenError::Config(
                 "the request timeout must be positive".into(),
             ));
+        }
+        if let Some(trace) = &config.trace {
+            if config.scaling.auto {
+                return Err(LoadgenError::Config(
+                    "a trace replay sets its own load: seed 004's auto mode does not apply".into(),
+                ));
+            }
+            if trace.replay.max_open == 0 {
+                return Err(LoadgenError::Config(
+                    "the trace replay needs at least one request in flight (max_open)".into(),
+                ));
+            }
         }
         let loopback = config.listen.ip().is_loopback();
         match config.api_token.as_deref() {
@@ -314,6 +331,7 @@ impl Loadgen {
             Some(ladder) => Some(ladder::LadderHandle::new(ladder).map_err(LoadgenError::Config)?),
             None => None,
         };
+        app.trace = config.trace.clone().map(trace_run::TraceHandle::new);
         let app = Arc::new(app);
         app.publish(false);
         tokio::spawn(server::status_loop(app.clone(), shutdown.clone()));

@@ -23,6 +23,7 @@ use crate::lane::{Lane, Totals, lock, unix_ms};
 use crate::reference::{PhaseReference, ReferenceStatus};
 use crate::scenario::{ScenarioHandle, ScenarioState};
 use crate::store::{ConversationRecord, ConversationStatus, TurnRecord};
+use crate::trace_run::{TraceHandle, TraceStatus};
 use crate::{MAX_CONCURRENCY, Slider, Slo};
 use workload::{MAX_RATE, Mix};
 
@@ -53,6 +54,9 @@ pub struct App {
     /// Seed 003's phase ladder, when the cluster can be restarted at another phase
     /// (`ladder.rs`).
     pub ladder: Option<LadderHandle>,
+    /// A trace replayed instead of the chat workload (`trace_run.rs`): Start and Stop act on
+    /// it, and the workload's shape does not apply.
+    pub trace: Option<TraceHandle>,
     history: Mutex<Vec<VecDeque<HistoryPoint>>>,
     /// Serializes start / stop / config so that every lane sees them in the same order.
     control: tokio::sync::Mutex<()>,
@@ -84,6 +88,7 @@ impl App {
             system_excerpts,
             scenario,
             ladder: None,
+            trace: None,
             status,
             history,
             control: tokio::sync::Mutex::new(()),
@@ -123,6 +128,7 @@ impl App {
             lanes,
             scenario: self.scenario.state(),
             ladder: self.ladder.as_ref().map(LadderHandle::state),
+            trace: self.trace.as_ref().map(TraceHandle::status),
         }
     }
 
@@ -175,6 +181,19 @@ impl App {
 
     pub async fn start(&self, concurrency: Option<u32>) -> Result<Status, ApiError> {
         let _serial = self.control.lock().await;
+        if let Some(trace) = &self.trace {
+            // The trace sets the load; a concurrency (the dashboard's Start sends the
+            // slider's) does not apply.
+            let lane = self
+                .lanes
+                .first()
+                .ok_or_else(|| ApiError::internal("no lane to replay the trace on".to_owned()))?;
+            trace
+                .start(lane.state.clone())
+                .map_err(|e| ApiError::conflict("already_running", &e))?;
+            self.clear_history();
+            return Ok(self.publish(false));
+        }
         let concurrency = concurrency.unwrap_or_else(|| {
             self.lanes
                 .first()
@@ -190,13 +209,26 @@ impl App {
         for lane in &self.lanes {
             lane.start(concurrency).await.map_err(ApiError::internal)?;
         }
+        self.clear_history();
+        Ok(self.publish(false))
+    }
+
+    fn clear_history(&self) {
         *self.history.lock().unwrap_or_else(|e| e.into_inner()) =
             self.lanes.iter().map(|_| VecDeque::new()).collect();
-        Ok(self.publish(false))
     }
 
     pub async fn stop(&self) -> Result<Status, ApiError> {
         let _serial = self.control.lock().await;
+        if let Some(trace) = &self.trace {
+            if !trace.stop().await.map_err(ApiError::internal)? {
+                return Err(ApiError::conflict(
+                    "not_running",
+                    "the trace replay is not running",
+                ));
+            }
+            return Ok(self.publish(false));
+        }
         if !self.lanes.iter().any(|l| lock(&l.state).running) {
             return Err(ApiError::conflict(
                 "not_running",
@@ -221,6 +253,7 @@ impl App {
     /// Applies a validated change of concurrency, mix and rate to every lane, in that order.
     pub async fn configure(&self, change: WorkloadChange) -> Result<Status, ApiError> {
         let _serial = self.control.lock().await;
+        self.refuse_in_trace_mode()?;
         if let Some(concurrency) = change.concurrency {
             check_concurrency(concurrency)?;
             for lane in &self.lanes {
@@ -307,6 +340,21 @@ impl App {
     }
 }
 
+impl App {
+    /// 409 `trace_replay` when a trace sets the load: the chat workload's shape (concurrency,
+    /// mix, rate) and seed 004's cycle do not apply.
+    pub fn refuse_in_trace_mode(&self) -> Result<(), ApiError> {
+        match &self.trace {
+            Some(_) => Err(ApiError::conflict(
+                "trace_replay",
+                "this load generator replays a trace (--trace), which sets the load: \
+                 concurrency, mix, rate and the scenario do not apply",
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 fn check_concurrency(concurrency: u32) -> Result<(), ApiError> {
     if (1..=MAX_CONCURRENCY).contains(&concurrency) {
         Ok(())
@@ -349,6 +397,8 @@ pub struct Status {
     pub scenario: ScenarioState,
     /// Seed 003's phase ladder (`null` when the load generator cannot restart its target).
     pub ladder: Option<LadderState>,
+    /// The trace replay (`kvroute loadgen --trace`); `null` when the chat workload runs.
+    pub trace: Option<TraceStatus>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -670,6 +720,7 @@ async fn post_scenario_auto(
     State(app): State<Arc<App>>,
     body: Bytes,
 ) -> Result<axum::Json<Status>, ApiError> {
+    app.refuse_in_trace_mode()?;
     let phase = if body.iter().all(u8::is_ascii_whitespace) {
         None
     } else {

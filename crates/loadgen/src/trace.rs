@@ -9,9 +9,14 @@
 //! it). `max_tokens` is the record's `output_length` with `ignore_eos`, so replies have the
 //! recorded length where the server honours it (vLLM, SGLang and `kvroute engine` do).
 //!
+//! The same replay runs headless (`--headless`: progress lines and a summary) and under the
+//! dashboard (`trace_run.rs`: the Trace panel, and the lane's cards and charts fed from the
+//! same requests); a [`ReplayObserver`] is how each watches it.
+//!
 //! Bounds: at most `max_open` requests in flight; a request due while that many are open is
-//! dropped and counted, never queued. Samples kept for the summary are one TTFT per finished
-//! request, bounded by the trace; error messages kept are capped at [`MAX_ERRORS_KEPT`].
+//! dropped and counted, never queued. The samples behind the percentiles (TTFT, E2E, lateness)
+//! are exact up to [`MAX_SAMPLES`] requests and a uniform reservoir of that many beyond; error
+//! messages kept are capped at [`MAX_ERRORS_KEPT`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,6 +33,9 @@ use crate::client::{TurnError, TurnResult, stream_turn};
 
 /// Distinct error messages kept for the summary.
 pub const MAX_ERRORS_KEPT: usize = 8;
+/// Samples kept per percentile figure (a reservoir beyond: an hour of the shipped trace is
+/// 12,031 requests, far below).
+pub const MAX_SAMPLES: usize = 100_000;
 
 /// What to replay, where.
 #[derive(Debug, Clone)]
@@ -61,11 +69,44 @@ impl TraceReplayConfig {
     }
 }
 
-/// Where a replay stands (for progress lines) and, at the end, its summary.
+/// Where a replay is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplayState {
+    /// Not started (the dashboard waits for Start).
+    #[default]
+    Idle,
+    Running,
+    /// Every request sent or dropped, and every one sent ended.
+    Finished,
+    /// Stopped before the end; the requests in flight were cancelled.
+    Stopped,
+}
+
+/// Where a replay stands (for progress lines and the dashboard) and, at the end, its summary.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct TraceReplayStatus {
+    pub state: ReplayState,
+    /// `requests` in the trace (after `--trace-limit`), `issued` (sent or dropped),
+    /// `finished`, `failed`, `dropped` (due while `max_open` were open).
     #[serde(flatten)]
     pub stats: ReplayStats,
+    /// Requests sent and not yet ended.
+    pub in_flight: u64,
+    /// Requests in flight when the replay was stopped: cancelled, counted apart from failures.
+    pub cancelled: u64,
+    /// The replay's speed factor (2: twice as fast as recorded).
+    pub speed: f64,
+    /// The trace's length (its last request's timestamp), recorded seconds.
+    pub trace_duration_s: f64,
+    /// How far the replay's clock has got, in the trace's recorded seconds (its length once
+    /// every request is due).
+    pub trace_time_s: f64,
+    /// Wall seconds until the last request is due; `null` once the replay ended.
+    pub eta_s: Option<f64>,
+    /// How late each request was sent (or dropped) against its schedule, wall milliseconds:
+    /// a sender that cannot keep up shows here first.
+    pub lateness_ms: Percentiles,
     /// Prompt and cached prompt tokens of finished requests, as the server's `usage` reported
     /// them (`prompt_tokens_details.cached_tokens`).
     pub prompt_tokens: u64,
@@ -74,6 +115,7 @@ pub struct TraceReplayStatus {
     pub kv_hit_rate: Option<f64>,
     /// The trace's bound (an infinite cache shared by all workers, in 512-token blocks).
     pub oracle_prefix_hit_rate: f64,
+    /// Wall-clock TTFT and end-to-end latency of finished requests.
     pub ttft_ms: Percentiles,
     pub e2e_s: Percentiles,
     pub output_tokens: u64,
@@ -83,10 +125,72 @@ pub struct TraceReplayStatus {
     pub errors: Vec<String>,
 }
 
+impl TraceReplayStatus {
+    /// The status of `config`'s replay before it starts.
+    pub fn idle(config: &TraceReplayConfig) -> TraceReplayStatus {
+        TraceReplayStatus {
+            stats: ReplayStats {
+                requests: config.trace.len() as u64,
+                ..ReplayStats::default()
+            },
+            speed: config.speed.factor(),
+            trace_duration_s: config.trace.duration().as_secs_f64(),
+            oracle_prefix_hit_rate: config.trace.oracle_prefix_hit_rate(),
+            ..TraceReplayStatus::default()
+        }
+    }
+}
+
+/// How a driver watches a replay besides its final status.
+pub trait ReplayObserver {
+    /// About every `every` of [`replay_trace`], with the status so far.
+    fn progress(&mut self, status: &TraceReplayStatus);
+    /// A request was sent (dropped ones are not).
+    fn sent(&mut self) {}
+    /// A request sent ended: its place in its session (0: a first request, or none) and how.
+    fn ended(&mut self, _turn: u32, _result: &Result<TurnResult, TurnError>) {}
+    /// The replay stopped with `in_flight` requests cancelled.
+    fn cancelled(&mut self, _in_flight: u64) {}
+}
+
+/// Samples for percentiles, bounded: every one up to `MAX_SAMPLES`, then a uniform reservoir
+/// (Vitter's algorithm R, a fixed-seed xorshift so a run is reproducible).
+#[derive(Default)]
+struct Samples {
+    values: Vec<f64>,
+    seen: u64,
+    rng: u64,
+}
+
+impl Samples {
+    fn push(&mut self, value: f64) {
+        self.seen += 1;
+        if self.values.len() < MAX_SAMPLES {
+            self.values.push(value);
+            return;
+        }
+        if self.rng == 0 {
+            self.rng = 0x9E37_79B9_7F4A_7C15;
+        }
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let slot = self.rng % self.seen;
+        if let Some(v) = self.values.get_mut(slot as usize) {
+            *v = value;
+        }
+    }
+
+    fn percentiles(&self) -> Percentiles {
+        Percentiles::of(&mut self.values.clone())
+    }
+}
+
 struct Tally {
     status: TraceReplayStatus,
-    ttft_ms: Vec<f64>,
-    e2e_s: Vec<f64>,
+    ttft_ms: Samples,
+    e2e_s: Samples,
+    lateness_ms: Samples,
 }
 
 impl Tally {
@@ -111,11 +215,24 @@ impl Tally {
     fn snapshot(&mut self, stats: ReplayStats, started: Instant) -> TraceReplayStatus {
         let s = &mut self.status;
         s.stats = stats;
+        s.in_flight = stats.open();
         s.kv_hit_rate =
             (s.prompt_tokens > 0).then(|| s.cached_tokens as f64 / s.prompt_tokens as f64);
-        s.ttft_ms = Percentiles::of(&mut self.ttft_ms.clone());
-        s.e2e_s = Percentiles::of(&mut self.e2e_s.clone());
+        s.ttft_ms = self.ttft_ms.percentiles();
+        s.e2e_s = self.e2e_s.percentiles();
+        s.lateness_ms = self.lateness_ms.percentiles();
         s.elapsed_s = started.elapsed().as_secs_f64();
+        s.trace_time_s = if stats.issued == stats.requests {
+            s.trace_duration_s
+        } else {
+            (s.elapsed_s * s.speed).min(s.trace_duration_s)
+        };
+        s.eta_s = match s.state {
+            ReplayState::Running | ReplayState::Idle => {
+                Some(((s.trace_duration_s - s.trace_time_s) / s.speed).max(0.0))
+            }
+            ReplayState::Finished | ReplayState::Stopped => None,
+        };
         s.clone()
     }
 }
@@ -135,14 +252,18 @@ fn body(config: &TraceReplayConfig, index: usize) -> Vec<u8> {
     body.to_string().into_bytes()
 }
 
+/// One request's end, from its task to the replay loop.
+type Ended = (usize, u32, Result<TurnResult, TurnError>);
+
 /// Replays the trace to its end (every request sent or dropped, and every one sent ended) or
-/// until `cancel`; calls `progress` about every `every` with the status so far, and returns
-/// the final status.
+/// until `cancel` (the requests in flight are then cancelled, and counted as `cancelled`);
+/// tells `observer` about every request and, about every `every`, the status so far, and
+/// returns the final status.
 pub async fn replay_trace(
     config: TraceReplayConfig,
     cancel: CancellationToken,
     every: Duration,
-    mut progress: impl FnMut(&TraceReplayStatus),
+    observer: &mut impl ReplayObserver,
 ) -> TraceReplayStatus {
     let config = Arc::new(config);
     let client = reqwest::Client::new();
@@ -150,41 +271,58 @@ pub async fn replay_trace(
     let mut replay = TraceReplay::new(Arc::clone(&config.trace), config.speed);
     let mut tally = Tally {
         status: TraceReplayStatus {
-            oracle_prefix_hit_rate: config.trace.oracle_prefix_hit_rate(),
-            ..TraceReplayStatus::default()
+            state: ReplayState::Running,
+            ..TraceReplayStatus::idle(&config)
         },
-        ttft_ms: Vec::new(),
-        e2e_s: Vec::new(),
+        ttft_ms: Samples::default(),
+        e2e_s: Samples::default(),
+        lateness_ms: Samples::default(),
     };
+    // Requests in flight end with the replay, whichever way it ends.
+    let requests = cancel.child_token();
+    let _cancel_requests = requests.clone().drop_guard();
     // Every request in flight sends one end, so this never holds more than `max_open`.
-    let (tx, mut rx) =
-        mpsc::channel::<(usize, Result<TurnResult, TurnError>)>(config.max_open.max(1));
+    let (tx, mut rx) = mpsc::channel::<Ended>(config.max_open.max(1));
     let mut open = 0usize;
     let started = Instant::now();
     let clock = |at: Instant| Nanos(at.duration_since(started).as_nanos() as u64);
     let mut next_progress = started + every;
+    let mut stopped = false;
     while !replay.is_done() {
-        replay.handle_timeout(clock(Instant::now()));
+        let now = clock(Instant::now());
+        replay.handle_timeout(now);
         while let Some(due) = replay.poll_request() {
+            let late = now.as_nanos().saturating_sub(due.at.as_nanos());
+            tally.lateness_ms.push(late as f64 / 1e6);
             if open >= config.max_open {
-                replay.on_dropped(due.record, clock(Instant::now()));
+                replay.on_dropped(due.record, now);
                 continue;
             }
             open += 1;
-            let (config, client, url, tx) =
-                (Arc::clone(&config), client.clone(), url.clone(), tx.clone());
+            observer.sent();
+            let (config, client, url, tx, cancel) = (
+                Arc::clone(&config),
+                client.clone(),
+                url.clone(),
+                tx.clone(),
+                requests.clone(),
+            );
             tokio::spawn(async move {
                 let body = body(&config, due.record);
-                let result = stream_turn(
+                let request = stream_turn(
                     &client,
                     &url,
                     config.api_key.as_deref(),
                     body,
                     config.request_timeout,
                     0,
-                )
-                .await;
-                let _ = tx.send((due.record, result)).await;
+                );
+                tokio::select! {
+                    () = cancel.cancelled() => {}
+                    result = request => {
+                        let _ = tx.send((due.record, due.turn, result)).await;
+                    }
+                }
             });
         }
         if replay.is_done() {
@@ -196,9 +334,12 @@ pub async fn replay_trace(
             .unwrap_or(next_progress)
             .min(next_progress);
         tokio::select! {
-            _ = cancel.cancelled() => break,
+            _ = cancel.cancelled() => {
+                stopped = true;
+                break;
+            }
             ended = rx.recv() => {
-                let Some((record, result)) = ended else { break };
+                let Some((record, turn, result)) = ended else { break };
                 open -= 1;
                 let now = clock(Instant::now());
                 match &result {
@@ -211,13 +352,49 @@ pub async fn replay_trace(
                         replay.on_failed(record, now);
                     }
                 }
+                observer.ended(turn, &result);
             }
             _ = tokio::time::sleep_until(wake.into()) => {}
         }
         if Instant::now() >= next_progress {
-            progress(&tally.snapshot(replay.stats(), started));
+            observer.progress(&tally.snapshot(replay.stats(), started));
             next_progress = Instant::now() + every;
         }
     }
-    tally.snapshot(replay.stats(), started)
+    requests.cancel();
+    if stopped {
+        tally.status.state = ReplayState::Stopped;
+        tally.status.cancelled = replay.stats().open();
+        observer.cancelled(tally.status.cancelled);
+    } else {
+        tally.status.state = ReplayState::Finished;
+    }
+    let status = tally.snapshot(replay.stats(), started);
+    observer.progress(&status);
+    status
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_keep_every_value_up_to_the_bound_then_a_reservoir_of_that_many() {
+        let mut s = Samples::default();
+        for i in 0..MAX_SAMPLES {
+            s.push(i as f64);
+        }
+        assert_eq!(s.values.len(), MAX_SAMPLES);
+        let exact = s.percentiles();
+        assert_eq!(exact.p50, Some((MAX_SAMPLES / 2 - 1) as f64));
+        // Twice as many again, all larger: the reservoir stays at the bound and the median
+        // moves into the new values' range, as it would over all of them.
+        for i in MAX_SAMPLES..3 * MAX_SAMPLES {
+            s.push(i as f64);
+        }
+        assert_eq!(s.values.len(), MAX_SAMPLES);
+        let p50 = s.percentiles().p50.unwrap();
+        let whole = 1.5 * MAX_SAMPLES as f64;
+        assert!((p50 - whole).abs() < 0.05 * whole, "{p50} vs {whole}");
+    }
 }
