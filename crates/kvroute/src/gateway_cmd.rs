@@ -290,10 +290,7 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
             } else {
                 seconds("ejection-time", args.ejection_time)?
             };
-            router::EjectionConfig {
-                base: base.into(),
-                max: (base * 10).into(),
-            }
+            router::EjectionConfig::with_base(base.into())
         },
         ..GatewayConfig::default()
     })
