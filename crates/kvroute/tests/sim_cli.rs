@@ -294,11 +294,11 @@ fn sim_with_faults_reports_what_happened_and_refuses_what_it_cannot_simulate() {
             "probability between 0 and 1",
         ),
         (
-            &["sim", "--faults", "worker-crash", "--ejection-time", "-1"],
+            &["sim", "--faults", "worker-crash", "--ejection-time=-1"],
             "--ejection-time must be a number of seconds between 0 and 86400",
         ),
         (
-            &["sim", "--faults", "worker-crash", "--migration-limit", "-1"],
+            &["sim", "--faults", "worker-crash", "--migration-limit=-1"],
             "--migration-limit",
         ),
         (&["sim", "--migration-limit", "2"], "--faults"),
