@@ -403,13 +403,13 @@ fn with_migration_a_stalled_stream_goes_on_elsewhere_and_the_worker_stays_out() 
                 .find(|(_, w)| w.contains(what))
                 .map(|(t, _)| *t)
         };
-        let (Some(answers), Some(back)) = (at("answers again"), at("back in the")) else {
+        let (Some(answers), Some(back), Some(ejected)) =
+            (at("answers again"), at("back in the"), at("ejected until"))
+        else {
             panic!("seed {seed}: {:?}", report.timeline)
         };
-        if let Some(ejected) = at("ejected until") {
-            assert!(back >= ejected + 30.0, "seed {seed}: {:?}", report.timeline);
-            assert!(back > answers + 2.0, "seed {seed}: {:?}", report.timeline);
-        }
+        assert!(back >= ejected + 30.0, "seed {seed}: {:?}", report.timeline);
+        assert!(back > answers + 2.0, "seed {seed}: {:?}", report.timeline);
     }
     assert!(migrated > 0, "no stalled stream was migrated");
 }
