@@ -2,6 +2,7 @@
 # Hit rate and TTFT under each fault scenario next to the fault-free run, as a Markdown table
 # (docs/RELIABILITY.md, "Seeded fault simulation").
 # Usage: docs/fault-table.sh [KVROUTE] [SEED] [more `kvroute sim` flags...]
+# (`--migration-limit 0 --ejection-time 0` among the flags: the gateway before migration.)
 # With --gateway-replicas N (N ≥ 2) among the flags, the gateway replicas' scenarios
 # (replica-restart, partition) and their columns instead.
 set -euo pipefail
@@ -20,8 +21,8 @@ if [ "$replicas" = 1 ]; then
 else
   scenarios=(none worker-crash worker-hang slow-worker event-loss event-delay event-duplicate \
     event-reorder "worker-crash,worker-hang,slow-worker,event-loss,event-delay,event-duplicate,event-reorder")
-  echo "| faults | KV hit rate | TTFT p50 (ms) | TTFT p95 (ms) | finished | failed | routed again | resyncs | longest stale claim (s) |"
-  echo "|---|---|---|---|---|---|---|---|---|"
+  echo "| faults | KV hit rate | TTFT p50 (ms) | TTFT p95 (ms) | finished | failed | migrated (crash / stall) | routed again | resyncs | longest stale claim (s) |"
+  echo "|---|---|---|---|---|---|---|---|---|---|"
 fi
 for f in "${scenarios[@]}"; do
   "$kvroute" sim --seed "$seed" --faults "$f" --json "$@" 2>/dev/null | REPLICAS=$replicas python3 -c '
@@ -34,7 +35,8 @@ if os.environ["REPLICAS"] == "1":
     cells += [f["gateway_failed_requests"], f["peer_updates_lost"], f["kv_events_missed"],
               f["snapshots_applied"]]
 else:
-    cells += [f["retried_requests"]]
+    m = f["migrations"]
+    cells += ["%d / %d" % (m["worker_failed"], m["worker_timeout"]), f["retried_requests"]]
 cells += [f["kv_resyncs"], "%.3f" % f["max_stale_claim_s"]]
 print("| " + " | ".join(str(c) for c in cells) + " |")'
 done

@@ -305,10 +305,11 @@ pub struct Timeouts {
 
 impl Default for Timeouts {
     fn default() -> Self {
+        let failover = router::FailoverConfig::default();
         Timeouts {
             connect: Duration::from_secs(2),
-            first_byte: Duration::from_secs(60),
-            stall: Duration::from_secs(30),
+            first_byte: failover.first_byte_timeout.into(),
+            stall: failover.stall_timeout.into(),
             header: Duration::from_secs(30),
             body: Duration::from_secs(30),
         }
@@ -317,6 +318,8 @@ impl Default for Timeouts {
 
 impl Default for GatewayConfig {
     fn default() -> Self {
+        // The failover defaults live in the router core, where the simulator reads them too.
+        let failover = router::FailoverConfig::default();
         GatewayConfig {
             listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8000),
             model: "kvroute".to_string(),
@@ -332,8 +335,8 @@ impl Default for GatewayConfig {
             rate_limit: None,
             max_body_bytes: 16 << 20,
             frontend: router::FrontendConfig::default(),
-            health_interval: Duration::from_secs(2),
-            probe_timeout: Duration::from_secs(2),
+            health_interval: failover.health_interval.into(),
+            probe_timeout: failover.probe_timeout.into(),
             tokenizer: None,
             tokenizer_config: None,
             max_workers: 1024,
@@ -341,8 +344,8 @@ impl Default for GatewayConfig {
             prefill_timeout: Duration::from_secs(60),
             timeouts: Timeouts::default(),
             max_response_bytes: 16 << 20,
-            ejection: router::EjectionConfig::default(),
-            migration_limit: 3,
+            ejection: failover.ejection,
+            migration_limit: failover.migration_limit,
             replica: ReplicaSettings::default(),
         }
     }

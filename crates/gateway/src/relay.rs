@@ -11,12 +11,14 @@
 //! ends a stream whose worker goes silent for longer than the stall timeout; a non-streamed
 //! reply is gathered up to a byte cap.
 //!
-//! Migration: when the worker's stream breaks or stalls, a [`Migration`] resends the request,
-//! with the output so far appended to its prompt and `max_tokens` reduced by it, to another
-//! worker, and the relay goes on with that worker's stream: the client's stream keeps its
-//! `id`, `created` and `model`, the role is not sent twice, and the usage counts both workers'
-//! tokens. Only what a resend needs is kept (the text and token ids so far), and only for
-//! single-choice requests, up to the response byte cap.
+//! Migration: when the worker's stream breaks or stalls, the request's
+//! [`router::MigrationState`] (the core's decision, the simulator's too) says whether to resend
+//! it, with the output so far appended to its prompt and `max_tokens` reduced by it; a
+//! [`Migration`] resends it to another worker, and the relay goes on with that worker's
+//! stream: the client's stream keeps its `id`, `created` and `model`, the role is not sent
+//! twice, and the usage counts both workers' tokens. Only what a resend needs is kept (the
+//! text and token ids so far), and only for single-choice requests, up to the response byte
+//! cap.
 //!
 //! Whatever ends a request — `[DONE]`, a broken worker stream, the client going away (the
 //! body stream is dropped, which drops the upstream response and so cancels the worker's
@@ -32,6 +34,10 @@ use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use protocol::sse::{self, SseDecoder, SseEvent};
 use protocol::{Api, ApiError, ChoiceOut, ChoiceView, ResponseHead, ResponseView, TokenIds, Usage};
+use router::{
+    ChoiceOutput, ChunkIds, Continuation, Decision, FailureReason, MigrationState, NotMigrated,
+    TokenUsage,
+};
 
 use crate::dispatch::Ticket;
 use crate::metrics::{Endpoint, Metrics, PoolLabel, Reuse};
@@ -61,30 +67,24 @@ pub type Upstream = (
     BoxStream<'static, reqwest::Result<Bytes>>,
 );
 
-/// What the workers generated for a request so far: what resending it needs.
-#[derive(Debug)]
-pub struct Generated {
-    pub text: String,
-    /// The ids, while every chunk with text carried them (`return_token_ids`); `None`
-    /// otherwise (the text is then tokenized again).
-    pub ids: Option<Vec<u32>>,
-    /// Output tokens counted so far (what `max_tokens` is reduced by).
-    pub tokens: u64,
-}
-
-/// Resends a request whose worker failed mid-stream to another worker, with its output so
-/// far; answers the new worker's ticket and stream.
+/// Resends a request whose worker failed mid-stream to another worker.
 pub trait Resend: Send {
-    fn resend<'a>(
-        &'a mut self,
-        so_far: &'a Generated,
-    ) -> BoxFuture<'a, Result<(Ticket, Upstream), ApiError>>;
+    /// The core's decision for the request ([`MigrationState::decide`]), with its prompt,
+    /// `max_tokens` and tokenizer.
+    fn decide(&self, state: &mut MigrationState, reason: FailureReason) -> Decision;
+
+    /// Sends `continuation`, routed again; answers the new worker's ticket and stream.
+    fn resend(
+        &mut self,
+        continuation: Continuation,
+    ) -> BoxFuture<'_, Result<(Ticket, Upstream), ApiError>>;
 }
 
-/// A relay's migrations: how to resend, and how many more times.
+/// A relay's migrations: how to resend, and the request's migration state (attempts left,
+/// output so far).
 pub struct Migration {
     pub resend: Box<dyn Resend>,
-    pub attempts_left: u32,
+    pub state: MigrationState,
 }
 
 /// A request's metrics, recorded once when it ends, however it ends.
@@ -254,7 +254,7 @@ pub struct Relay {
     body: BoxStream<'static, reqwest::Result<Bytes>>,
     /// The first upstream read, made before the relay started (to retry a silent worker).
     first: Option<Bytes>,
-    migration: Option<Migration>,
+    resend: Option<Box<dyn Resend>>,
     /// Reset before each read: the stream's only timer.
     stall: std::pin::Pin<Box<tokio::time::Sleep>>,
     stall_after: Duration,
@@ -282,12 +282,8 @@ struct Output {
     last_read: Option<Instant>,
     /// When the read holding the first token returned, until its frame goes out.
     first_token_read: Option<Instant>,
-    /// The output so far, while the request may be migrated.
-    generated: Option<Generated>,
-    /// The choice ended (a finish reason came): nothing is left to migrate.
-    choice_finished: bool,
-    /// Output tokens of the workers before the current one (migrations).
-    tokens_before: u64,
+    /// The output so far and the migrations left (the core's state).
+    migration: MigrationState,
 }
 
 impl Relay {
@@ -301,15 +297,14 @@ impl Relay {
         record: RequestRecord,
         limits: RelayLimits,
     ) -> Relay {
-        let generated = migration.as_ref().map(|_| Generated {
-            text: String::new(),
-            ids: Some(Vec::new()),
-            tokens: 0,
-        });
+        let (resend, state) = match migration {
+            Some(m) => (Some(m.resend), m.state),
+            None => (None, MigrationState::new(0, 1, 0)),
+        };
         Relay {
             body,
             first,
-            migration,
+            resend,
             stall: Box::pin(tokio::time::sleep(limits.stall)),
             stall_after: limits.stall,
             decoder: SseDecoder::new(MAX_EVENT_BYTES),
@@ -328,9 +323,7 @@ impl Relay {
                 finished: false,
                 last_read: Some(first_read),
                 first_token_read: None,
-                generated,
-                choice_finished: false,
-                tokens_before: 0,
+                migration: state,
             },
         }
     }
@@ -353,32 +346,41 @@ impl Relay {
         }
     }
 
-    /// Resends the request to another worker after its worker broke or stalled, if it may
-    /// be: attempts are left, it has one choice and that choice has not ended. On success the
-    /// relay reads the new worker's stream from now on.
+    /// Resends the request to another worker after its worker broke or stalled, if the core
+    /// says it may be ([`MigrationState::decide`]: attempts left, one choice that has not
+    /// ended, output within the cap, tokens left). On success the relay reads the new
+    /// worker's stream from now on.
     async fn migrate(&mut self) -> bool {
         let reason = match &self.output.ending {
-            Some(Ending::Broken(e)) if e.status == 504 => "worker_timeout",
-            Some(Ending::Broken(_)) => "worker_failed",
+            Some(Ending::Broken(e)) if e.status == 504 => FailureReason::WorkerTimeout,
+            Some(Ending::Broken(_)) => FailureReason::WorkerFailed,
             _ => return false,
         };
-        let (Some(migration), Some(generated)) = (&mut self.migration, &self.output.generated)
-        else {
+        let Some(resend) = &mut self.resend else {
             return false;
         };
-        if migration.attempts_left == 0 || self.output.choice_finished {
-            return false;
-        }
-        migration.attempts_left -= 1;
+        let continuation = match resend.decide(&mut self.output.migration, reason) {
+            Decision::Migrate(continuation) => continuation,
+            Decision::End { why, .. } => {
+                if why != NotMigrated::Off {
+                    tracing::info!(
+                        ?why,
+                        reason = reason.as_str(),
+                        "request not migrated; it ends with its worker's error"
+                    );
+                }
+                return false;
+            }
+        };
         let from = self.output.ticket.as_ref().map(|t| t.worker.id);
-        let tokens = generated.tokens;
+        let tokens = continuation.generated;
         // The failed worker's slot is released before routing again.
         self.output.ticket = None;
-        match migration.resend.resend(generated).await {
+        match resend.resend(continuation).await {
             Ok((ticket, (first, first_read, body))) => {
+                let reason = reason.as_str();
                 tracing::info!(?from, to = %ticket.worker.id, tokens, reason, "request migrated to another worker");
                 self.output.record.metrics.count_migration(reason);
-                self.output.tokens_before = self.output.record.output_tokens;
                 self.output.ticket = Some(ticket);
                 self.output.ending = None;
                 self.output.usage = None;
@@ -623,8 +625,8 @@ impl Output {
                 ticket.first_token();
             }
         }
-        if self.generated.is_some() {
-            self.track(&chunk.choices, tokens);
+        if self.migration.is_kept() {
+            self.track(&chunk.choices);
         }
         if self.stream {
             let role = (self.ctx.head.api == Api::Chat && !self.role_sent).then_some("assistant");
@@ -680,59 +682,49 @@ impl Output {
         }
     }
 
-    /// Keeps what a resend needs: the text and ids of the only choice; stops (no migration)
-    /// for a second choice or past the response cap.
-    fn track(&mut self, choices: &[ChoiceView<'_>], tokens: u64) {
-        let Some(generated) = &mut self.generated else {
-            return;
-        };
-        let mut keep = true;
+    /// Hands the core what a resend needs of each choice (its text, ids and tokens); the
+    /// core stops keeping it at a second choice or past the response cap.
+    fn track(&mut self, choices: &[ChoiceView<'_>]) {
         for c in choices {
-            if c.index != 0 {
-                keep = false;
-                break;
-            }
-            let text = c.content();
-            generated.text.push_str(text);
-            if let Some(ids) = &mut generated.ids {
-                let parsed = c
-                    .token_ids
-                    .map(|raw| serde_json::from_str::<Vec<u32>>(raw.get()));
-                match parsed {
-                    Some(Ok(more)) => ids.extend(more),
-                    // A chunk with only a finish reason may carry no ids.
-                    None if text.is_empty() => {}
-                    _ => generated.ids = None,
-                }
-            }
-            if c.finish_reason.is_some() {
-                self.choice_finished = true;
-            }
-        }
-        generated.tokens += tokens;
-        if !keep || generated.text.len() > self.max_response_bytes {
-            self.generated = None;
+            let parsed = c
+                .token_ids
+                .map(|raw| serde_json::from_str::<Vec<u32>>(raw.get()));
+            let ids = match &parsed {
+                Some(Ok(ids)) => ChunkIds::Ids(ids),
+                Some(Err(_)) => ChunkIds::Unreadable,
+                None => ChunkIds::Missing,
+            };
+            self.migration.on_choice(ChoiceOutput {
+                index: c.index,
+                text: c.content(),
+                ids,
+                tokens: choice_tokens(c),
+                finished: c.finish_reason.is_some(),
+            });
         }
     }
 
     /// A worker's usage after a migration, for the whole request: the client's prompt, and
-    /// the earlier workers' tokens added to this one's.
+    /// the earlier workers' tokens added to this one's (the core's accounting).
     fn with_earlier_workers(&self, usage: Usage) -> Usage {
-        if self.tokens_before == 0 {
+        if self.migration.earlier_tokens() == 0 {
             return usage;
         }
-        let before = u32::try_from(self.tokens_before).unwrap_or(u32::MAX);
-        let prompt = self.ctx.prompt_tokens;
-        let completion = usage.completion_tokens.saturating_add(before);
+        let whole = self.migration.request_usage(
+            self.ctx.prompt_tokens,
+            TokenUsage {
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+                cached_tokens: usage.prompt_tokens_details.map(|d| d.cached_tokens),
+            },
+        );
         Usage {
-            prompt_tokens: prompt,
-            completion_tokens: completion,
-            total_tokens: prompt.saturating_add(completion),
-            prompt_tokens_details: usage.prompt_tokens_details.map(|d| {
-                protocol::PromptTokensDetails {
-                    cached_tokens: d.cached_tokens.min(prompt),
-                }
-            }),
+            prompt_tokens: whole.prompt_tokens,
+            completion_tokens: whole.completion_tokens,
+            total_tokens: whole.total_tokens(),
+            prompt_tokens_details: whole
+                .cached_tokens
+                .map(|cached_tokens| protocol::PromptTokensDetails { cached_tokens }),
         }
     }
 

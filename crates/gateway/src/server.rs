@@ -17,6 +17,7 @@ use protocol::{
     Api, ApiError, ApiRequest, ChatCompletionRequest, CompletionRequest, KvTransferParams, Model,
     ModelList, Prompt, ResponseHead, StreamOptions,
 };
+use router::{Continuation, Decision, FailureReason, MigrationState};
 use serde_json::Value;
 
 use crate::config::{PromptFormat, Timeouts};
@@ -25,8 +26,7 @@ use crate::metrics::{CONTENT_TYPE, Metrics, PoolLabel};
 use crate::preprocess::{Prepared, Preprocessor};
 use crate::registry::WorkerInfo;
 use crate::relay::{
-    Generated, Migration, OutputCtx, Relay, RelayLimits, RequestRecord, Resend, Upstream, endpoint,
-    read_error,
+    Migration, OutputCtx, Relay, RelayLimits, RequestRecord, Resend, Upstream, endpoint, read_error,
 };
 
 /// Connection attempts per request: a worker that refuses the connection leaves the routing
@@ -478,15 +478,20 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         stall: state.timeouts.stall,
         max_response_bytes: state.max_response_bytes,
     };
-    // One choice only: the continuation of several is not one prompt.
-    let migration =
-        (state.migration_limit > 0 && parsed.params.n.unwrap_or(1) == 1).then(|| Migration {
-            attempts_left: state.migration_limit,
-            resend: Box::new(Migrator {
-                state: state.clone(),
-                parsed,
-            }),
-        });
+    // The core turns it off for several choices (their continuation is not one prompt) and
+    // for a limit of 0.
+    let migration = MigrationState::new(
+        state.migration_limit,
+        parsed.params.n.unwrap_or(1),
+        state.max_response_bytes,
+    );
+    let migration = migration.is_kept().then(|| Migration {
+        state: migration,
+        resend: Box::new(Migrator {
+            state: state.clone(),
+            parsed,
+        }),
+    });
     respond(
         ctx,
         stream,
@@ -509,7 +514,8 @@ struct Opened {
 }
 
 /// Routes a request and opens a worker's stream for it: up to [`CONNECT_ATTEMPTS`] workers
-/// that refuse the connection, and [`TIMEOUT_RETRIES`] that send nothing in time, are
+/// that refuse the connection, and `first_byte_retries` ([`router::FailoverConfig`]) that
+/// send nothing in time, are
 /// ejected and the request routed again.
 async fn open(state: &AppState, parsed: &Parsed, started: Instant) -> Result<Opened, ApiError> {
     let key = state.dispatcher.key(&parsed.prepared.tokens);
@@ -648,72 +654,70 @@ struct Migrator {
 }
 
 impl Migrator {
-    fn continuation(&self, so_far: &Generated) -> Result<Parsed, ApiError> {
+    /// The request to send for the core's `continuation`: its tokens, the output text
+    /// appended to a text prompt, `max_tokens` reduced.
+    fn continued(&self, continuation: Continuation) -> Parsed {
         let parsed = &self.parsed;
         let mut params = parsed.params.clone();
-        let generated = u32::try_from(so_far.tokens).unwrap_or(u32::MAX);
-        if let Some(max) = params.max_output_tokens() {
-            let left = max.saturating_sub(generated);
-            if left == 0 {
-                return Err(ApiError::internal(
-                    "the worker failed after its last token; nothing is left to generate",
-                ));
-            }
+        if let Some(left) = continuation.max_tokens {
             params.max_tokens = Some(left);
             params.max_completion_tokens = None;
         }
-        let mut tokens = parsed.prepared.tokens.clone();
-        match &so_far.ids {
-            Some(ids) if ids.len() as u64 == so_far.tokens => tokens.extend_from_slice(ids),
-            // Without the worker's ids: the text's, as the model's tokenizer writes it.
-            _ => tokens.extend(
-                self.state
-                    .preprocessor
-                    .tokenizer()
-                    .encode_ordinary(&so_far.text),
-            ),
-        }
         let text = parsed.prepared.text.as_ref().map(|prompt| {
-            let mut text = String::with_capacity(prompt.len() + so_far.text.len());
+            let output = &continuation.output_text;
+            let mut text = String::with_capacity(prompt.len() + output.len());
             text.push_str(prompt);
-            text.push_str(&so_far.text);
+            text.push_str(output);
             text
         });
-        Ok(Parsed {
+        Parsed {
             api: parsed.api,
             model: parsed.model.clone(),
-            prepared: Prepared { tokens, text },
+            prepared: Prepared {
+                tokens: continuation.tokens,
+                text,
+            },
             params,
             extra: parsed.extra.clone(),
-        })
+        }
     }
 }
 
 impl Resend for Migrator {
-    fn resend<'a>(
-        &'a mut self,
-        so_far: &'a Generated,
-    ) -> BoxFuture<'a, Result<(Ticket, Upstream), ApiError>> {
+    fn decide(&self, state: &mut MigrationState, reason: FailureReason) -> Decision {
+        let parsed = &self.parsed;
+        state.decide(
+            reason,
+            &parsed.prepared.tokens,
+            parsed.params.max_output_tokens(),
+            // Output without the worker's ids: the text's, as the model's tokenizer writes it.
+            |text| self.state.preprocessor.tokenizer().encode_ordinary(text),
+        )
+    }
+
+    fn resend(
+        &mut self,
+        continuation: Continuation,
+    ) -> BoxFuture<'_, Result<(Ticket, Upstream), ApiError>> {
         Box::pin(async move {
-            let continued = self.continuation(so_far)?;
+            let continued = self.continued(continuation);
             let opened = open(&self.state, &continued, Instant::now()).await?;
             Ok((opened.ticket, opened.upstream))
         })
     }
 }
 
-/// Retries after a worker timed out before sending anything (the request goes elsewhere).
-const TIMEOUT_RETRIES: u32 = 1;
-
 /// A worker sent nothing by the first-byte deadline: it is ejected (health checks bring it
-/// back) and the request is routed again, or, past [`TIMEOUT_RETRIES`], answered with 504.
+/// back) and the request is routed again, or, past `first_byte_retries`
+/// ([`router::FailoverConfig`], the simulator's too), answered with 504.
 fn silent_worker(state: &AppState, ticket: &Ticket, timeouts: &mut u32) -> Option<ApiError> {
     let after = state.timeouts.first_byte;
     tracing::warn!(worker = %ticket.worker.id, ?after, "worker sent nothing in time; ejected, routing again");
     state.metrics.worker_timeouts.inc();
     ticket.worker_failed();
     *timeouts += 1;
-    (*timeouts > TIMEOUT_RETRIES).then(|| {
+    let retries = router::FailoverConfig::default().first_byte_retries;
+    (*timeouts > retries).then(|| {
         ApiError::new(
             504,
             protocol::error::kind::SERVER,

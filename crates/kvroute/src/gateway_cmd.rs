@@ -168,7 +168,7 @@ pub struct GatewayArgs {
     #[arg(long, default_value_t = router::FrontendConfig::DEFAULT_QUEUE_TIMEOUT.as_secs_f64())]
     queue_timeout: f64,
     /// Seconds between health checks of each worker.
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = router::FailoverConfig::default().health_interval.as_secs_f64())]
     health_interval: f64,
     /// A Hugging Face tokenizer.json (default: the built-in cl100k + Llama-3 specials).
     #[arg(long)]
@@ -290,10 +290,7 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
             } else {
                 seconds("ejection-time", args.ejection_time)?
             };
-            router::EjectionConfig {
-                base: base.into(),
-                max: (base * 10).into(),
-            }
+            router::EjectionConfig::with_base(base.into())
         },
         ..GatewayConfig::default()
     })

@@ -331,6 +331,19 @@ pub struct SimArgs {
     /// Aggregated fleets only.
     #[arg(long, value_name = "SPEC", value_parser = parse_faults)]
     pub faults: Option<sim::faults::FaultSpec>,
+    /// With --faults: times the simulated gateway resends a request whose worker crashed or
+    /// stalled mid-stream to another worker, with its output so far (as `kvroute gateway
+    /// --migration-limit`). 0: the request ends with the error (`worker_failed`,
+    /// `worker_timeout`).
+    #[arg(long, value_name = "N", requires = "faults",
+          default_value_t = sim::FailoverConfig::default().migration_limit)]
+    pub migration_limit: u32,
+    /// With --faults: seconds a worker that failed a request stays out of the routing set
+    /// even if its health check passes, growing with failures in a row up to ten times it
+    /// (as `kvroute gateway --ejection-time`). 0: back at its first passing health check.
+    #[arg(long, value_name = "SECONDS", requires = "faults",
+          default_value_t = sim::FailoverConfig::default().ejection.base.as_secs_f64())]
+    pub ejection_time: f64,
     /// Gateway replicas behind one address: each turn goes to the next replica (round
     /// robin, as a client spreading requests would); every replica applies every worker's KV
     /// events and learns its peers' routing decisions and completions --replica-sync-ms late
@@ -573,6 +586,13 @@ pub fn run(args: SimArgs) -> Result<()> {
         cluster.base.disagg = Some(setup);
         cluster.base.slo = Some(report::Slo::SEED_004);
     }
+    cluster.base.failover.migration_limit = args.migration_limit;
+    let ejection = args.ejection_time;
+    if !(ejection.is_finite() && (0.0..=86_400.0).contains(&ejection)) {
+        bail!("--ejection-time must be a number of seconds between 0 and 86400, got {ejection}");
+    }
+    cluster.base.failover.ejection =
+        router::EjectionConfig::with_base(Nanos::from_secs_f64(ejection));
     cluster.base.replicas = sim::ReplicaSetup {
         count: args.gateway_replicas,
         sync: if args.no_replica_sync {
@@ -899,6 +919,10 @@ fn print_faults(f: &sim::faults::FaultReport, seed: u64) {
     println!(
         "  requests: {} failed with their crashed worker, {} timed out, {} routed again",
         f.worker_failed_requests, f.timed_out_requests, f.retried_requests
+    );
+    println!(
+        "  migrations: {} after a crash (worker_failed), {} after a stall (worker_timeout)",
+        f.migrations.worker_failed, f.migrations.worker_timeout
     );
     if f.plan
         .as_ref()

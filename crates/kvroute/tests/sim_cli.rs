@@ -282,6 +282,25 @@ fn sim_with_faults_reports_what_happened_and_refuses_what_it_cannot_simulate() {
         v["totals"]["failed"].as_u64().unwrap(),
         faults["worker_failed_requests"].as_u64().unwrap()
     );
+    // The simulated gateway migrates the crashed worker's requests, as `kvroute gateway`
+    // does; with `--migration-limit 0` they end with the error, as before migration.
+    assert!(
+        faults["migrations"]["worker_failed"].as_u64().unwrap() > 0,
+        "{faults}"
+    );
+    assert_eq!(faults["worker_failed_requests"], 0, "{faults}");
+    let off = ok(kvroute()
+        .args(args)
+        .args(["--migration-limit", "0", "--ejection-time", "0", "--json"])
+        .output()
+        .unwrap());
+    let v: serde_json::Value = serde_json::from_slice(&off.stdout).unwrap();
+    let faults = &v["faults"];
+    assert_eq!(faults["migrations"]["worker_failed"], 0, "{faults}");
+    assert!(
+        faults["worker_failed_requests"].as_u64().unwrap() > 0,
+        "{faults}"
+    );
     // A fault-free run's JSON has no `faults` key (its output is unchanged).
     let clean = ok(kvroute()
         .args(&args[..args.len() - 2])
@@ -318,6 +337,15 @@ fn sim_with_faults_reports_what_happened_and_refuses_what_it_cannot_simulate() {
             &["sim", "--faults", "event-loss=1.5"],
             "probability between 0 and 1",
         ),
+        (
+            &["sim", "--faults", "worker-crash", "--ejection-time=-1"],
+            "--ejection-time must be a number of seconds between 0 and 86400",
+        ),
+        (
+            &["sim", "--faults", "worker-crash", "--migration-limit=-1"],
+            "--migration-limit",
+        ),
+        (&["sim", "--migration-limit", "2"], "--faults"),
         (
             &[
                 "sim",

@@ -24,9 +24,20 @@ pub struct EjectionConfig {
 impl Default for EjectionConfig {
     fn default() -> Self {
         // Envoy's defaults: 30 s, at most 300 s.
+        EjectionConfig::with_base(Nanos::from_secs(30))
+    }
+}
+
+impl EjectionConfig {
+    /// Longest ejection, in first ejections: `--ejection-time`'s ten times.
+    pub const MAX_FACTOR: u64 = 10;
+
+    /// Ejections of `base` growing with failures in a row up to [`Self::MAX_FACTOR`] times
+    /// it (zero: no minimum ejection, health checks alone decide).
+    pub fn with_base(base: Nanos) -> EjectionConfig {
         EjectionConfig {
-            base: Nanos::from_secs(30),
-            max: Nanos::from_secs(300),
+            base,
+            max: base.saturating_mul(Self::MAX_FACTOR),
         }
     }
 }

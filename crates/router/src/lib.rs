@@ -31,6 +31,11 @@
 //!   own load accounting, in order, deduplicated and bounded.
 //! - [`ejection`]: outlier ejection with a minimum ejection time growing with failures in a
 //!   row (Envoy's `base_ejection_time`), asked before a health check returns a worker.
+//! - [`migration`]: request migration — whether a request whose worker broke or stalled
+//!   mid-stream is resent to another worker, and its continuation (prompt + output so far,
+//!   `max_tokens` reduced, usage of every worker) — and [`FailoverConfig`], the deadlines,
+//!   migration limit and ejection time with the one set of defaults the gateway and the
+//!   simulator read.
 //! - [`autoscale`]: pool autoscaling with KEDA's and the HPA's semantics (a latency quantile
 //!   against a threshold, activation, cooldown, stabilization, bounds, pause), the same
 //!   decisions in the simulator and the demo.
@@ -106,6 +111,7 @@ pub mod ejection;
 mod frontend;
 mod kv_load;
 mod load;
+pub mod migration;
 pub mod peers;
 pub mod policy;
 pub mod replica;
@@ -116,6 +122,10 @@ pub use ejection::{EjectionConfig, Ejections};
 pub use frontend::{AdmitError, Frontend, FrontendConfig, FrontendEvent};
 pub use kv_load::{KvLoad, KvLoadParamError, KvLoadParams};
 pub use load::WorkerLoad;
+pub use migration::{
+    ChoiceOutput, ChunkIds, Continuation, Decision, FailoverConfig, FailureReason, MigrationState,
+    NotMigrated, TokenUsage,
+};
 pub use policy::{
     Candidate, KvCost, KvCostParams, PolicyKind, PolicyParams, PolicyRng, Random, RoundRobin,
     RoutingPolicy, SelectionContext, UnknownPolicy, WorkerLimits, WorkerTiming,

@@ -2,7 +2,7 @@
 
 use engine::{EngineConfig, HardwareProfile, KvLink};
 use nanotime::Nanos;
-use router::{FrontendConfig, KvSource, PolicyKind, PolicyParams};
+use router::{FailoverConfig, FrontendConfig, KvSource, PolicyKind, PolicyParams};
 use thiserror::Error;
 
 /// The router in front of the fleet.
@@ -43,6 +43,10 @@ pub struct SimConfig {
     pub router: RouterSetup,
     /// Admission in front of the router: the gateway's settings, with its defaults.
     pub frontend: FrontendConfig,
+    /// What the gateway does when a worker fails a request (deadlines, migration limit,
+    /// ejection time), with its defaults; acted on under injected faults
+    /// ([`crate::faults`]).
+    pub failover: FailoverConfig,
     /// Round trip of the serving path outside the GPUs (client, load balancer, frontend,
     /// network), added to every turn's TTFT and E2E ([`crate::ServingPath`]).
     pub path_latency: Nanos,
@@ -151,6 +155,7 @@ impl SimConfig {
             engine,
             router: RouterSetup::new(policy),
             frontend: FrontendConfig::default(),
+            failover: FailoverConfig::default(),
             path_latency: Nanos::ZERO,
             seed: 0,
             oracle: true,

@@ -8,16 +8,16 @@ use kv_index::{BlockHasher, IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
 use router::autoscale::{BucketCounts, FRONTEND_ITL_BUCKETS, FRONTEND_TTFT_BUCKETS};
 use router::{
-    DisaggConfig, DisaggEvent, DisaggFrontend, Frontend, FrontendEvent, KvSource, Pool, RequestId,
-    Route, RouteDecision, Router, RouterConfig, RoutingKey, WorkerLoad,
+    ChoiceOutput, ChunkIds, Decision, DisaggConfig, DisaggEvent, DisaggFrontend, Ejections,
+    FailureReason, Frontend, FrontendEvent, KvSource, MigrationState, Pool, RequestId, Route,
+    RouteDecision, Router, RouterConfig, RoutingKey, TokenUsage, WorkerLoad,
 };
 use serde::Serialize;
 use thiserror::Error;
 
 use crate::config::{ConfigError, Phase, SimConfig};
 use crate::faults::{
-    Checker, EventChannel, FIRST_BYTE_TIMEOUT, FaultPlan, FaultReport, FaultRng, FaultSpec,
-    HEALTH_INTERVAL, PEER_LEASE, PROBE_TIMEOUT, STALL_TIMEOUT, TIMEOUT_RETRIES,
+    Checker, EventChannel, FaultPlan, FaultReport, FaultRng, FaultSpec, PEER_LEASE,
 };
 use crate::links::{LinkError, LinkShare};
 use crate::metrics::{
@@ -130,6 +130,19 @@ struct InFlight {
     prefill_cached: Option<u32>,
     /// How long its KV transfer took on the shared links (contention included).
     kv_transfer_took: Option<Nanos>,
+    /// When it was sent to its current worker, and whether that worker sent its first token
+    /// (before it, a silent worker costs the first-byte timeout; after, the stall timeout).
+    leg_sent_at: Nanos,
+    leg_first_token: bool,
+    /// After a migration: the prompt its current worker got (the client's prompt followed by
+    /// the output so far), and the output tokens earlier workers generated.
+    leg_prompt: Option<Arc<[u32]>>,
+    leg_offset: u32,
+    /// Its migrations (the router core's state), from its first worker failure on.
+    migration: Option<Box<MigrationState>>,
+    /// Resent after its worker failed and not routed yet: a refusal ends it with that
+    /// failure's error, as the gateway's failed resend does.
+    migrating: Option<FailureReason>,
 }
 
 impl InFlight {
@@ -585,6 +598,8 @@ struct FaultState {
     hang: Option<Hang>,
     /// First-byte timeouts so far, per request handle; bounded by the requests in flight.
     timeouts: rustc_hash::FxHashMap<u64, u32>,
+    /// Workers that failed a request, out for the ejection time (the gateway's core).
+    ejections: Ejections,
     step: u64,
     /// The first invariant violation seen inside an event handler.
     violation: Option<String>,
@@ -617,9 +632,9 @@ impl FaultState {
     }
 }
 
-/// The first health check at or after `t` (checks run every [`HEALTH_INTERVAL`] from zero).
-fn next_health_check(t: Nanos) -> Nanos {
-    let i = HEALTH_INTERVAL.0.max(1);
+/// The first health check at or after `t` (checks run every `interval` from zero).
+fn next_health_check(t: Nanos, interval: Nanos) -> Nanos {
+    let i = interval.0.max(1);
     Nanos(t.0.div_ceil(i) * i)
 }
 
@@ -986,6 +1001,10 @@ impl<W: Workload> Simulation<W> {
             lag: vec![Nanos::ZERO; self.engines.len()],
             hang: None,
             timeouts: rustc_hash::FxHashMap::default(),
+            ejections: Ejections::new(
+                self.cfg.failover.ejection,
+                self.cfg.max_workers.unwrap_or(self.cfg.workers) as usize + 1,
+            ),
             step: 0,
             violation: None,
         };
@@ -1501,6 +1520,12 @@ impl<W: Workload> Simulation<W> {
             prefilling: false,
             prefill_cached: None,
             kv_transfer_took: None,
+            leg_sent_at: now,
+            leg_first_token: false,
+            leg_prompt: None,
+            leg_offset: 0,
+            migration: None,
+            migrating: None,
         });
         self.admission.submit(RequestId(id), key, now);
         self.drain_frontend();
@@ -1516,7 +1541,12 @@ impl<W: Workload> Simulation<W> {
                 }
                 Admitted::One(FrontendEvent::Refused { id, .. })
                 | Admitted::Two(DisaggEvent::Refused { id, .. }) => {
-                    self.fail(id.0, Outcome::Dropped)
+                    // A resend that finds no worker ends with its worker's error.
+                    let outcome = match self.in_flight.get_mut(id.0).and_then(|f| f.migrating) {
+                        Some(reason) => failure_outcome(reason),
+                        None => Outcome::Dropped,
+                    };
+                    self.fail(id.0, outcome)
                 }
                 Admitted::Two(DisaggEvent::Assigned { id, route }) => self.start_legs(id.0, route),
             }
@@ -1715,7 +1745,10 @@ impl<W: Workload> Simulation<W> {
             .collect();
         for id in forgotten {
             self.remove_in_flight(w);
-            self.fail(id, Outcome::WorkerFailed);
+            if let Some(f) = self.in_flight.get_mut(id) {
+                f.worker = None;
+            }
+            self.migrate_or_fail(id, FailureReason::WorkerFailed);
         }
         if let Some(f) = &mut self.faults {
             if f.hang.as_ref().is_some_and(|h| h.worker == w) {
@@ -1750,6 +1783,7 @@ impl<W: Workload> Simulation<W> {
         self.engines[w as usize].sync(engine_now);
         self.drain_engine(w);
         self.timers.arm(Source::Engine(w), None);
+        let failover = self.cfg.failover;
         let deadlines: Vec<(Nanos, u64)> = self
             .in_flight
             .slots
@@ -1758,9 +1792,9 @@ impl<W: Workload> Simulation<W> {
             .filter_map(|(slot, (generation, turn))| {
                 let turn = turn.as_ref()?;
                 (turn.worker == Some(w)).then(|| {
-                    let due = match turn.last_token_at {
-                        Some(last) => last + STALL_TIMEOUT,
-                        None => turn.routed_at.unwrap_or(now) + FIRST_BYTE_TIMEOUT,
+                    let due = match (turn.leg_first_token, turn.last_token_at) {
+                        (true, Some(last)) => last + failover.stall_timeout,
+                        _ => turn.leg_sent_at + failover.first_byte_timeout,
                     };
                     (due.max(now), u64::from(*generation) << 32 | slot as u64)
                 })
@@ -1781,7 +1815,7 @@ impl<W: Workload> Simulation<W> {
             f.schedule(due, FaultAction::Deadline(id, w));
         }
         f.schedule(
-            next_health_check(now) + PROBE_TIMEOUT,
+            next_health_check(now, failover.health_interval) + failover.probe_timeout,
             FaultAction::Eject(w),
         );
         self.note(format!("worker {w} stopped answering"));
@@ -1804,8 +1838,9 @@ impl<W: Workload> Simulation<W> {
         self.drain_frontend();
     }
 
-    /// A request's deadline on the stopped worker: routed again once before any token (the
-    /// gateway's first-byte retry), failed otherwise.
+    /// A request's deadline on the stopped worker, which ejects it for the ejection time:
+    /// before the worker's first token, routed again (the gateway's first-byte retry, up to
+    /// `first_byte_retries`) or failed; after it, migrated or failed (the core decides).
     fn deadline(&mut self, id: u64, w: u32) {
         let now = self.now;
         let Some(f) = self.faults.as_ref() else {
@@ -1820,9 +1855,9 @@ impl<W: Workload> Simulation<W> {
         if turn.worker != Some(w) {
             return;
         }
-        let first_byte = turn.first_token_at.is_none();
+        let first_byte = !turn.leg_first_token;
         turn.worker = None;
-        let prompt = Arc::clone(&turn.prompt);
+        let prompt = Arc::clone(turn.leg_prompt.as_ref().unwrap_or(&turn.prompt));
         let why = if first_byte {
             "first-byte timeout"
         } else {
@@ -1842,15 +1877,85 @@ impl<W: Workload> Simulation<W> {
                 h.abandoned.push(RequestId(id));
             }
         }
+        // Its other requests timing out too are the same ejection, noted once.
+        let already_out = f
+            .ejections
+            .ejected_until(WorkerId(u64::from(w)), now)
+            .is_some();
+        let until = f.ejections.eject(WorkerId(u64::from(w)), now);
+        if !already_out && until > now {
+            f.report.note(
+                now,
+                format!(
+                    "worker {w} ejected until {:.1} s (ejection time)",
+                    until.as_secs_f64()
+                ),
+            );
+        }
+        if !first_byte {
+            self.migrate_or_fail(id, FailureReason::WorkerTimeout);
+            return;
+        }
+        let Some(f) = self.faults.as_mut() else {
+            return;
+        };
         let timeouts = f.timeouts.entry(id).or_insert(0);
         *timeouts += 1;
-        if first_byte && *timeouts <= TIMEOUT_RETRIES {
+        if *timeouts <= self.cfg.failover.first_byte_retries {
             f.report.retried_requests += 1;
             let key = self.admission.key(&prompt);
             self.admission.submit(RequestId(id), key, now);
             self.drain_frontend();
         } else {
             self.fail(id, Outcome::WorkerTimeout);
+        }
+    }
+
+    /// Request `id`'s worker failed for `reason` (it is no longer on it): the router core
+    /// decides, as in the gateway, whether it is resent through the admission core with its
+    /// output so far (the engine then gets the prompt followed by that output, and generates
+    /// the rest of its tokens), or ends with the failure's error.
+    fn migrate_or_fail(&mut self, id: u64, reason: FailureReason) {
+        let now = self.now;
+        let limit = self.cfg.failover.migration_limit;
+        let Some(f) = self.in_flight.get_mut(id) else {
+            return;
+        };
+        // One choice; the simulator's replies have no text, so no byte cap applies.
+        let m = f
+            .migration
+            .get_or_insert_with(|| Box::new(MigrationState::new(limit, 1, usize::MAX)));
+        // What it generated since the last decision (its worker's tokens so far).
+        let (kept, upto) = (m.earlier_tokens() as usize, f.tokens as usize);
+        if let Some(ids) = f.output.get(kept..upto) {
+            m.on_choice(ChoiceOutput {
+                index: 0,
+                text: "",
+                ids: ChunkIds::Ids(ids),
+                tokens: ids.len() as u64,
+                finished: false,
+            });
+        }
+        let max_tokens = u32::try_from(f.output.len()).unwrap_or(u32::MAX);
+        // Every id is given, so the text is never tokenized.
+        match m.decide(reason, &f.prompt, Some(max_tokens), |_| Vec::new()) {
+            Decision::Migrate(c) => {
+                let generated = u32::try_from(c.generated).unwrap_or(u32::MAX);
+                let prompt: Arc<[u32]> = Arc::from(c.tokens);
+                f.leg_offset = generated;
+                f.leg_prompt = Some(Arc::clone(&prompt));
+                f.leg_first_token = false;
+                f.worker = None;
+                f.migrating = Some(reason);
+                if let Some(faults) = &mut self.faults {
+                    // A new worker: its own first-byte retries.
+                    faults.timeouts.remove(&id);
+                }
+                let key = self.admission.key(&prompt);
+                self.admission.submit(RequestId(id), key, now);
+                self.drain_frontend();
+            }
+            Decision::End { reason, .. } => self.fail(id, failure_outcome(reason)),
         }
     }
 
@@ -1875,7 +1980,10 @@ impl<W: Workload> Simulation<W> {
             *lag += now.saturating_sub(h.since);
         }
         if ejected {
-            f.schedule(next_health_check(now), FaultAction::Readmit(w));
+            f.schedule(
+                next_health_check(now, self.cfg.failover.health_interval),
+                FaultAction::Readmit(w),
+            );
         }
         let engine_now = now.saturating_sub(self.lag(w));
         let engine = &mut self.engines[w as usize];
@@ -1890,15 +1998,25 @@ impl<W: Workload> Simulation<W> {
         self.note(format!("worker {w} answers again"));
     }
 
-    /// A passing health check puts the worker back in the routing set.
+    /// A passing health check puts the worker back in the routing set, once its ejection
+    /// time is over (`router::Ejections`, as the gateway asks before a health check returns
+    /// a worker); until then the health check after it is waited for.
     fn readmit(&mut self, w: u32) {
         let now = self.now;
         let Some(f) = &mut self.faults else {
             return;
         };
-        match &mut f.hang {
-            Some(h) if h.worker == w && h.ejected && !h.stopped => h.ejected = false,
+        match &f.hang {
+            Some(h) if h.worker == w && h.ejected && !h.stopped => {}
             _ => return,
+        }
+        if let Some(until) = f.ejections.ejected_until(WorkerId(u64::from(w)), now) {
+            let check = next_health_check(until, self.cfg.failover.health_interval);
+            f.schedule(check, FaultAction::Readmit(w));
+            return;
+        }
+        if let Some(h) = &mut f.hang {
+            h.ejected = false;
         }
         let limits = self.engines[w as usize].limits();
         let readmitted = match &mut self.admission {
@@ -2087,7 +2205,15 @@ impl<W: Workload> Simulation<W> {
                 _ => self.remove_in_flight(worker),
             }
             self.admission.on_finished(id, now);
-            self.fail(id.0, outcome);
+            if outcome == Outcome::WorkerFailed {
+                // A crash under injected faults: the gateway migrates the request.
+                if let Some(f) = self.in_flight.get_mut(id.0) {
+                    f.worker = None;
+                }
+                self.migrate_or_fail(id.0, FailureReason::WorkerFailed);
+            } else {
+                self.fail(id.0, outcome);
+            }
         }
         self.drain_frontend();
         self.pump();
@@ -2252,14 +2378,33 @@ impl<W: Workload> Simulation<W> {
             return;
         };
         let w = decision.worker.0 as u32;
-        f.routed_at = Some(now);
+        // A migrated request keeps the instant it was first routed.
+        if f.migration.is_none() {
+            f.routed_at = Some(now);
+        }
+        f.leg_sent_at = now;
+        // A resend counts as a migration once a worker takes it, as in the gateway.
+        if let Some(reason) = f.migrating.take()
+            && let Some(faults) = &mut self.faults
+        {
+            faults.report.migrations.count(reason);
+        }
         f.worker = Some(w);
         f.overlap_blocks = decision.overlap_blocks;
         f.available_blocks = decision.available_blocks;
+        // After a migration the worker gets the prompt followed by the output so far, and
+        // generates the rest.
+        let (prompt, output) = match &f.leg_prompt {
+            Some(prompt) => (
+                Arc::clone(prompt),
+                Arc::from(f.output.get(f.leg_offset as usize..).unwrap_or_default()),
+            ),
+            None => (Arc::clone(&f.prompt), Arc::clone(&f.output)),
+        };
         let req = EngineRequest {
             id: RequestId(id),
-            prompt: Arc::clone(&f.prompt),
-            output: OutputSpec::Tokens(Arc::clone(&f.output)),
+            prompt,
+            output: OutputSpec::Tokens(output),
             leg: Leg::ByRole,
         };
         self.add_in_flight(w);
@@ -2270,7 +2415,8 @@ impl<W: Workload> Simulation<W> {
             if f.stopped(w) {
                 // The stopped process reads it when it continues; the client waits for the
                 // first-byte deadline.
-                f.schedule(now + FIRST_BYTE_TIMEOUT, FaultAction::Deadline(id, w));
+                let deadline = now + self.cfg.failover.first_byte_timeout;
+                f.schedule(deadline, FaultAction::Deadline(id, w));
                 self.timers.arm(Source::Fault, f.next_action());
                 if let Some(h) = &mut f.hang {
                     h.inbox.push(req);
@@ -2331,14 +2477,19 @@ impl<W: Workload> Simulation<W> {
         match ev {
             EngineEvent::FirstToken { id, at } => {
                 if let Some(f) = self.in_flight.get_mut(id.0) {
-                    f.first_token_at = Some(at);
-                    if let Some(recorder) = &mut self.timeline {
-                        recorder.first_token(worker, at.saturating_sub(f.issued_at));
-                    }
-                    if let Some(m) = &mut self.pool_metrics {
-                        m.observe_ttft(None, at.saturating_sub(f.arrived_at));
+                    f.leg_first_token = true;
+                    // After a migration, the new worker's first token is not the request's.
+                    if f.first_token_at.is_none() {
+                        f.first_token_at = Some(at);
+                        if let Some(recorder) = &mut self.timeline {
+                            recorder.first_token(worker, at.saturating_sub(f.issued_at));
+                        }
+                        if let Some(m) = &mut self.pool_metrics {
+                            m.observe_ttft(None, at.saturating_sub(f.arrived_at));
+                        }
                     }
                 }
+                // The worker's own first token, for its load accounting.
                 self.admission.on_first_token(id, at);
             }
             EngineEvent::Tokens { id, start, end, at } => self.on_tokens(id.0, start, end, at),
@@ -2391,10 +2542,33 @@ impl<W: Workload> Simulation<W> {
         let Some(f) = self.in_flight.remove(id.0) else {
             return;
         };
-        if let Some(faults) = &mut self.faults
-            && let Err(what) = faults.checker.on_end(f.turn)
-        {
-            faults.violate(what);
+        // After a migration, the whole request's usage: the client's prompt and every
+        // worker's tokens (the core's accounting, as the gateway's usage).
+        let (prompt_tokens, cached_prompt_tokens, output_tokens) = match &f.migration {
+            Some(m) => {
+                let client_prompt = u32::try_from(f.prompt.len()).unwrap_or(u32::MAX);
+                let whole = m.request_usage(
+                    client_prompt,
+                    TokenUsage {
+                        prompt_tokens,
+                        completion_tokens: output_tokens,
+                        cached_tokens: Some(cached_prompt_tokens),
+                    },
+                );
+                (
+                    whole.prompt_tokens,
+                    whole.cached_tokens.unwrap_or(0),
+                    whole.completion_tokens,
+                )
+            }
+            None => (prompt_tokens, cached_prompt_tokens, output_tokens),
+        };
+        if let Some(faults) = &mut self.faults {
+            if let Err(what) = faults.checker.on_end(f.turn) {
+                faults.violate(what);
+            }
+            // Served to the end: its next failure counts as the first again.
+            faults.ejections.succeeded(WorkerId(u64::from(worker)), at);
         }
         self.admission.on_reply(id, output_tokens);
         self.admission.on_finished(id, at);
@@ -2578,6 +2752,9 @@ impl<W: Workload> Simulation<W> {
         let Some(f) = self.in_flight.get_mut(id) else {
             return;
         };
+        // A migrated request's worker counts from the output so far: the gap since the
+        // previous worker's last token (the stall included) is an inter-token gap.
+        let (start, end) = (start + f.leg_offset, end + f.leg_offset);
         let count = end.saturating_sub(start);
         let prev = match f.last_token_at {
             Some(p) if start > 0 => p,
@@ -2646,6 +2823,14 @@ impl<W: Workload> Simulation<W> {
         if self.cfg.keep_all_records {
             self.records.push(record);
         }
+    }
+}
+
+/// A failure's outcome when the request does not migrate.
+fn failure_outcome(reason: FailureReason) -> Outcome {
+    match reason {
+        FailureReason::WorkerFailed => Outcome::WorkerFailed,
+        FailureReason::WorkerTimeout => Outcome::WorkerTimeout,
     }
 }
 

@@ -8,22 +8,28 @@
 //! as reproducible as a clean one.
 //!
 //! What each fault does, and what the simulated gateway does about it, is modelled on the
-//! gateway's behaviour and defaults (docs/RELIABILITY.md):
+//! gateway's behaviour, with its settings and defaults from the same place the gateway reads
+//! them ([`router::FailoverConfig`], `SimConfig::failover`; docs/RELIABILITY.md):
 //!
-//! - **worker-crash**: the worker's engine is gone with its cache; every request on it ends
-//!   with a reported error (the gateway's `worker_failed` error event: a broken stream is
-//!   not retried), the worker leaves the routing set and the index at once. After the
-//!   restart delay an engine with an empty cache joins under a new id (a new instance).
+//! - **worker-crash**: the worker's engine is gone with its cache; the worker leaves the
+//!   routing set and the index at once. Every request on it is migrated as the gateway
+//!   migrates it ([`router::MigrationState`]: resent through the same admission core to
+//!   another worker, its prompt followed by its output so far, for the rest of its tokens,
+//!   up to `migration_limit` times); past the limit, or with no other worker, it ends with
+//!   the reported error `worker_failed`. After the restart delay an engine with an empty
+//!   cache joins under a new id (a new instance).
 //! - **worker-hang**: the worker's process stops (`SIGSTOP`) for the hang's duration: no
 //!   step advances, no event leaves it. The gateway's health check (every
-//!   [`HEALTH_INTERVAL`], answered within [`PROBE_TIMEOUT`]) ejects it; each request routed
-//!   to it waits its own deadline: [`FIRST_BYTE_TIMEOUT`] before any token (then it is
-//!   routed again, at most [`TIMEOUT_RETRIES`] time; a second timeout fails it, the
-//!   gateway's 504), [`STALL_TIMEOUT`] after its last token (then it fails: the error event
-//!   `worker_timeout`). When the process continues, its engine picks up where it stopped
-//!   (it is shifted in time by the hang), cancels the requests whose clients gave up, and
-//!   the next passing health check puts it back in the routing set (its blocks come back
-//!   through its events).
+//!   `health_interval`, answered within `probe_timeout`) takes it out of the routing set;
+//!   each request routed to it waits its own deadline: `first_byte_timeout` before its
+//!   worker's first token (then it is routed again, at most `first_byte_retries` times; one
+//!   more timeout fails it, the gateway's 504), `stall_timeout` after its last token (then
+//!   it is migrated as above, or fails with `worker_timeout`). A request's timeout ejects
+//!   the worker for the ejection time ([`router::Ejections`]). When the process continues,
+//!   its engine picks up where it stopped (it is shifted in time by the hang), cancels the
+//!   requests whose clients gave up or moved, and the first passing health check once its
+//!   ejection is over puts it back in the routing set (its blocks come back through its
+//!   events).
 //! - **slow-worker**: one worker's steps take `FACTOR` times as long (2: half speed), while it
 //!   declares the profile's timing, as a throttled GPU would.
 //! - **event-loss / -delay / -duplicate / -reorder**: KV events between the engines and the
@@ -59,7 +65,8 @@
 //!
 //! 1. every issued turn ends exactly once (finished or failed with a reported error), and
 //!    `issued = finished + failed + in flight` at every step; a turn in flight is queued or
-//!    on a worker that is alive (no request lost with a dead worker);
+//!    on a worker that is alive (no request lost with a dead worker); a migrated turn is
+//!    the same turn (its tokens counted once, its TTFT its first token's);
 //! 2. no request is routed to a worker known dead (crashed, or ejected while hung), and no
 //!    request gets output from a worker it is not on (no duplicate answer);
 //! 3. the index never claims a block a worker lacks once it has applied, or resynchronised
@@ -78,16 +85,6 @@ use serde::Serialize;
 use thiserror::Error;
 use workload::TurnKey;
 
-/// The gateway's first-byte timeout (`kvroute gateway --first-byte-timeout`'s default).
-pub const FIRST_BYTE_TIMEOUT: Nanos = Nanos::from_secs(60);
-/// The gateway's stall timeout between two chunks (`--stall-timeout`'s default).
-pub const STALL_TIMEOUT: Nanos = Nanos::from_secs(30);
-/// The gateway's health check interval (`--health-interval`'s default).
-pub const HEALTH_INTERVAL: Nanos = Nanos::from_secs(2);
-/// How long one health probe may take before it counts as failed.
-pub const PROBE_TIMEOUT: Nanos = Nanos::from_secs(2);
-/// Retries after a first-byte timeout before the client gets a 504.
-pub const TIMEOUT_RETRIES: u32 = 1;
 /// The gateway's peer lease (`ReplicaSettings::peer_lease`'s default): a replica silent this long is
 /// forgotten by its peers, its requests released.
 pub const PEER_LEASE: Nanos = Nanos::from_secs(3);
@@ -453,6 +450,9 @@ pub struct FaultReport {
     pub kv_stale_events: u64,
     /// Requests that ended with the error of a crashed worker (`worker_failed`).
     pub worker_failed_requests: u64,
+    /// Requests resent to another worker with their output so far, by the failure that
+    /// moved them (a request moved twice counts twice).
+    pub migrations: MigrationCounts,
     /// Requests that ended with a timeout error (`worker_timeout`, or a 504 after a retry).
     pub timed_out_requests: u64,
     /// Requests routed again after a first-byte timeout.
@@ -474,6 +474,26 @@ pub struct FaultReport {
     pub max_stale_claim_s: f64,
     /// Steps the invariants were checked after.
     pub checked_steps: u64,
+}
+
+/// Migrations by reason, as the gateway's `kvroute_gateway_migrations_total{reason}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct MigrationCounts {
+    pub worker_failed: u64,
+    pub worker_timeout: u64,
+}
+
+impl MigrationCounts {
+    pub fn count(&mut self, reason: router::FailureReason) {
+        match reason {
+            router::FailureReason::WorkerFailed => self.worker_failed += 1,
+            router::FailureReason::WorkerTimeout => self.worker_timeout += 1,
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.worker_failed + self.worker_timeout
+    }
 }
 
 impl FaultReport {

@@ -169,7 +169,7 @@ pub use driver::{
 pub use metrics::{Metrics, Outcome, RequestRecord};
 pub use replicas::ReplicaTotals;
 pub use report::Percentiles;
-pub use router::FrontendConfig;
+pub use router::{FailoverConfig, FrontendConfig};
 pub use timeline::{Timeline, TimelineConfig, TimelineError};
 pub use workload::{ServingPath, Turn, TurnKey, Workload};
 

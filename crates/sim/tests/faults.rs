@@ -73,6 +73,27 @@ fn run(seed: u64, faults: Option<&str>, seconds: u64) -> RunOutput {
         .unwrap_or_else(|e| panic!("seed {seed}, faults {faults:?}: {e}"))
 }
 
+/// The simulated gateway before migration: a failed stream ends with its error, and a
+/// worker returns at its first passing health check (`--migration-limit 0 --ejection-time 0`).
+fn run_without_migration(seed: u64, faults: &str, seconds: u64) -> RunOutput {
+    let mut cfg = config(seed);
+    cfg.failover.migration_limit = 0;
+    cfg.failover.ejection = router::EjectionConfig::with_base(Nanos::ZERO);
+    run_with(cfg, Some(faults), seconds)
+        .unwrap_or_else(|e| panic!("seed {seed}, faults {faults}: {e}"))
+}
+
+/// Every token a worker emitted is counted once: in the record of the turn it belongs to
+/// (a migrated turn's record counts every worker's tokens), or in a turn still in flight.
+fn assert_tokens_counted_once(out: &RunOutput) {
+    let recorded: u64 = out.records.iter().map(|r| u64::from(r.output_tokens)).sum();
+    assert_eq!(
+        out.totals.tokens_emitted,
+        recorded + out.totals.in_flight_tokens_at_end,
+        "tokens emitted vs recorded"
+    );
+}
+
 fn hit_rate(out: &RunOutput) -> f64 {
     out.phases[0].metrics.kv_hit_rate.expect("hit rate")
 }
@@ -271,11 +292,11 @@ fn an_empty_spec_only_adds_checks_and_changes_no_number() {
 }
 
 #[test]
-fn a_crash_loses_its_requests_and_its_cache() {
+fn without_migration_a_crash_loses_its_requests_and_its_cache() {
     let (mut clean_hits, mut crash_hits) = (0.0, 0.0);
     for seed in 0..4 {
         let clean = run(seed, None, 240);
-        let crashed = run(seed, Some("worker-crash=5"), 240);
+        let crashed = run_without_migration(seed, "worker-crash=5", 240);
         let report = crashed.faults.as_ref().unwrap();
         assert!(
             report.timeline.iter().any(|(_, w)| w.contains("crashed")),
@@ -288,6 +309,7 @@ fn a_crash_loses_its_requests_and_its_cache() {
         // Its requests in flight ended with the crash's error, each reported.
         assert!(report.worker_failed_requests > 0, "{report:?}");
         assert_eq!(crashed.totals.failed, report.worker_failed_requests);
+        assert_eq!(report.migrations.total(), 0);
         clean_hits += hit_rate(&clean);
         crash_hits += hit_rate(&crashed);
     }
@@ -300,10 +322,38 @@ fn a_crash_loses_its_requests_and_its_cache() {
 }
 
 #[test]
-fn a_hung_worker_costs_timeouts_and_retries_then_comes_back() {
+fn with_migration_a_crash_loses_no_request_and_counts_each_token_once() {
+    for seed in 0..4 {
+        let mut cfg = config(seed);
+        cfg.keep_all_records = true;
+        let out = run_with(cfg, Some("worker-crash=5"), 240).unwrap();
+        let report = out.faults.as_ref().unwrap();
+        assert!(
+            report.timeline.iter().any(|(_, w)| w.contains("crashed")),
+            "{report:?}"
+        );
+        // Every request in flight on the crashed worker went on on another one.
+        assert!(
+            report.migrations.worker_failed > 0,
+            "seed {seed}: {report:?}"
+        );
+        assert_eq!(report.worker_failed_requests, 0, "seed {seed}: {report:?}");
+        assert_eq!(out.totals.failed, 0, "seed {seed}: {report:?}");
+        assert_tokens_counted_once(&out);
+        // A migrated turn is one turn: its TTFT is its first token's, before its E2E.
+        for r in &out.records {
+            if let (Some(first), Some(last)) = (r.first_token_at, r.last_token_at) {
+                assert!(first <= last && last <= r.ended_at, "{r:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn without_migration_a_hung_worker_costs_timeouts_and_retries_then_comes_back() {
     let mut retried = 0;
     for seed in 0..4 {
-        let out = run(seed, Some("worker-hang=90"), 240);
+        let out = run_without_migration(seed, "worker-hang=90", 240);
         let report = out.faults.unwrap();
         let notes: Vec<&str> = report.timeline.iter().map(|(_, w)| w.as_str()).collect();
         for expected in [
@@ -325,6 +375,43 @@ fn a_hung_worker_costs_timeouts_and_retries_then_comes_back() {
     // Requests sent to it before the health check ejected it are routed again after the
     // first-byte timeout.
     assert!(retried > 0);
+}
+
+#[test]
+fn with_migration_a_stalled_stream_goes_on_elsewhere_and_the_worker_stays_out() {
+    let mut migrated = 0;
+    for seed in 0..4 {
+        let mut cfg = config(seed);
+        cfg.keep_all_records = true;
+        let out = run_with(cfg, Some("worker-hang=40"), 240).unwrap();
+        let report = out.faults.as_ref().unwrap();
+        // Streams that had started are migrated at their stall timeout; what still fails is
+        // a request silent twice before its first token (the gateway's 504).
+        assert_eq!(
+            out.totals.failed, report.timed_out_requests,
+            "seed {seed}: {report:?}"
+        );
+        assert_eq!(report.worker_failed_requests, 0);
+        migrated += report.migrations.worker_timeout;
+        assert_tokens_counted_once(&out);
+        // The worker continues after 40 s, but a request's timeout ejected it for the
+        // ejection time (30 s): it returns only after that, not at its next health check.
+        let at = |what: &str| {
+            report
+                .timeline
+                .iter()
+                .find(|(_, w)| w.contains(what))
+                .map(|(t, _)| *t)
+        };
+        let (Some(answers), Some(back), Some(ejected)) =
+            (at("answers again"), at("back in the"), at("ejected until"))
+        else {
+            panic!("seed {seed}: {:?}", report.timeline)
+        };
+        assert!(back >= ejected + 30.0, "seed {seed}: {:?}", report.timeline);
+        assert!(back > answers + 2.0, "seed {seed}: {:?}", report.timeline);
+    }
+    assert!(migrated > 0, "no stalled stream was migrated");
 }
 
 #[test]
