@@ -172,6 +172,15 @@ impl Tokenizer {
     /// `<eos>` that the vocabulary has; `<|begin_of_text|>`, `<s>` or `<bos>` is the BOS.
     #[cfg(feature = "hf")]
     pub fn from_hf_json(bytes: &[u8]) -> Result<Tokenizer, TextError> {
+        // `tokenizers` panics (`expect("Helper")` in its decoder's deserializer) on a file
+        // that is not JSON inside the `decoder` object (a syntax error, bytes that are not
+        // UTF-8), found by the `tokenizer_json` fuzz target: check both first, which gives a
+        // clean error with its line and column.
+        let not_json = |e: &dyn std::fmt::Display| {
+            TextError::Tokenizer(format!("not a usable tokenizer.json: not JSON: {e}"))
+        };
+        let text = std::str::from_utf8(bytes).map_err(|e| not_json(&e))?;
+        serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| not_json(&e))?;
         let with_specials = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| TextError::Tokenizer(format!("not a usable tokenizer.json: {e}")))?;
         let mut ordinary = with_specials.clone();
