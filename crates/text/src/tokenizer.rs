@@ -197,8 +197,18 @@ impl Tokenizer {
             "<eos>",
         ]);
         let bos = find(&["<|begin_of_text|>", "<s>", "<bos>"]);
-        let vocab_size = u32::try_from(with_specials.get_vocab_size(true))
-            .map_err(|_| TextError::Tokenizer("vocabulary larger than u32".to_owned()))?;
+        // Ids need not be dense (a vocabulary may skip some): `vocab_size` bounds every id, so
+        // it is past the largest one, not the count (found by the `tokenizer_json` fuzz
+        // target: `{"hello": 6, …}` with six tokens encoded "hello" as 6 ≥ 6).
+        let largest_id = with_specials.get_vocab(true).into_values().max();
+        let vocab_size = largest_id
+            .map_or(Some(0), |id| id.checked_add(1))
+            .and_then(|past| {
+                u32::try_from(with_specials.get_vocab_size(true))
+                    .ok()
+                    .map(|count| count.max(past))
+            })
+            .ok_or_else(|| TextError::Tokenizer("vocabulary larger than u32".to_owned()))?;
         Ok(Tokenizer {
             name: "huggingface".to_owned(),
             backend: Backend::Hf(Box::new(HfTokenizer {

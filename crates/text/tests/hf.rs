@@ -68,11 +68,24 @@ fn a_file_broken_inside_its_decoder_is_an_error_not_a_panic() {
         )
         .into_bytes();
     let marker = br#""a": "x""#;
-    let at = bytes.windows(marker.len()).position(|w| w == marker).unwrap();
+    let at = bytes
+        .windows(marker.len())
+        .position(|w| w == marker)
+        .unwrap();
     bytes[at + marker.len() - 2] = 0x80;
     let err = Tokenizer::from_hf_json(&bytes).unwrap_err();
     assert!(
         err.to_string().contains("tokenizer.json: not JSON"),
         "{err}"
     );
+}
+
+/// Found by the `tokenizer_json` fuzz target: ids need not be dense, and `vocab_size` bounds
+/// every id the tokenizer gives, not only the count of tokens.
+#[test]
+fn vocab_size_is_past_the_largest_id_of_a_sparse_vocabulary() {
+    let sparse = TOKENIZER_JSON.replace(r#""hello": 0"#, r#""hello": 9"#);
+    let tok = Tokenizer::from_hf_json(sparse.as_bytes()).unwrap();
+    assert_eq!(tok.encode("hello"), vec![9]);
+    assert_eq!(tok.vocab_size(), 10);
 }
