@@ -334,6 +334,81 @@ fn chat_seeds() {
     );
 }
 
+fn template_source_seeds() {
+    // Chat templates as Hugging Face models ship them (their formats, written here), the
+    // built-in one's shape, and the loops and recursion the fuel and limits stop.
+    let templates: [(&str, &str); 7] = [
+        (
+            "llama3",
+            "{{- bos_token -}}{%- for m in messages -%}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{%- endfor -%}{%- if add_generation_prompt -%}<|start_header_id|>assistant<|end_header_id|>{{ \"\\n\\n\" }}{%- endif -%}",
+        ),
+        (
+            "chatml",
+            "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+        ),
+        (
+            "alternating",
+            "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'].strip() + ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}",
+        ),
+        (
+            "system-first",
+            "{% set ns = namespace(system='') %}{% if messages[0].role == 'system' %}{% set ns.system = messages[0].content %}{% endif %}{{ ns.system | upper }}{% for m in messages[1:] if m.role != 'system' %}<{{ m.role }}>{{ m.content.startswith(' ') }}{{ m.content | length }}{% endfor %}",
+        ),
+        (
+            "nested-loops",
+            "{% for i in range(1000) %}{% for j in range(1000) %}{{ i * j }}{% endfor %}{% endfor %}",
+        ),
+        (
+            "recursion",
+            "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(messages | length * 100) }}",
+        ),
+        (
+            "repeat",
+            "{{ 'ab' * 10000 }}{% for m in messages %}{{ m.content * 100 }}{% endfor %}",
+        ),
+    ];
+    for (name, source) in templates {
+        write("chat_template_source", name, source.as_bytes());
+    }
+}
+
+fn tokenizer_seeds() {
+    // The tokenizer of crates/text/tests/hf.rs, and a byte-level BPE as Llama-3's is built.
+    write(
+        "tokenizer_json",
+        "word-level",
+        br#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [{"id": 4, "content": "<|begin_of_text|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}, {"id": 5, "content": "<|eot_id|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}], "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null, "model": {"type": "WordLevel", "vocab": {"hello": 0, "world": 1, "[UNK]": 2, "eot": 3}, "unk_token": "[UNK]"}}"#,
+    );
+    write(
+        "tokenizer_json",
+        "byte-level-bpe",
+        br#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [{"id": 7, "content": "<|eot_id|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}], "normalizer": null, "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}, "post_processor": null, "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}, "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": {"h": 0, "e": 1, "l": 2, "o": 3, "he": 4, "ll": 5, "hell": 6}, "merges": ["h e", "l l", "he ll"]}}"#,
+    );
+    // Found by the target: a vocabulary whose ids skip values (vocab_size was the count).
+    write(
+        "tokenizer_json",
+        "regression-sparse-ids",
+        br#"{"version": "1.0", "added_tokens": [], "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null, "model": {"type": "WordLevel", "vocab": {"hello": 6, "world": 1, "[UNK]": 2}, "unk_token": "[UNK]"}}"#,
+    );
+    // Found by the target: `tokenizers` panicked on a decoder object that is not JSON, or
+    // holds a byte that is not UTF-8.
+    write(
+        "tokenizer_json",
+        "regression-decoder-not-utf8",
+        &[
+            br#"{"version": "1.0", "added_tokens": [], "decoder": {"type": "ByteLevel", "a": ""#.as_slice(),
+            b"\x80",
+            br#""}, "model": {"type": "WordLevel", "vocab": {"hello": 0, "[UNK]": 1}, "unk_token": "[UNK]"}}"#,
+        ]
+        .concat(),
+    );
+    write(
+        "tokenizer_json",
+        "regression-broken-decoder",
+        br#"{"version": "1.0", "added_tokens": [], "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": {"type": "ByteLevel", "add_prefix_space": false true}, "model": {"type": "WordLevel", "vocab": {"hello": 0, "[UNK]": 1}, "unk_token": "[UNK]"}}"#,
+    );
+}
+
 fn main() {
     request_seeds();
     sse_seeds();
@@ -341,5 +416,7 @@ fn main() {
     nats_seeds();
     trace_seeds();
     chat_seeds();
+    template_source_seeds();
+    tokenizer_seeds();
     println!("seeds written under fuzz/seeds/");
 }

@@ -71,6 +71,9 @@ pub struct EngineServerConfig {
     pub header_timeout: std::time::Duration,
     /// A client's whole request body: 408 after it.
     pub body_timeout: std::time::Duration,
+    /// Client connections served at once (more get 503 `too_many_connections`); `None`: what
+    /// the open-file limit allows (`protocol::listener::default_max_connections`).
+    pub max_connections: Option<usize>,
     /// Submissions and cancellations waiting for the engine task (full: 429).
     pub command_queue: usize,
     /// KV event batches waiting for the publishers; when full, batches are dropped, counted
@@ -115,6 +118,7 @@ impl EngineServerConfig {
             body_limit_bytes: 32 << 20,
             header_timeout: std::time::Duration::from_secs(30),
             body_timeout: std::time::Duration::from_secs(30),
+            max_connections: None,
             command_queue: 4096,
             kv_event_queue: 4096,
             nats: None,

@@ -271,10 +271,13 @@ impl EngineServer {
         let app = http::router(state);
         let mut server_shutdown = shutdown_rx;
         // The gateway's listener (shared): header, idle and body deadlines, TCP_NODELAY.
-        let server = tokio::spawn(protocol::listener::serve(
+        let server = tokio::spawn(protocol::listener::serve_with_limit(
             listener,
             app,
             config.header_timeout,
+            config
+                .max_connections
+                .unwrap_or_else(protocol::listener::default_max_connections),
             async move {
                 let _ = server_shutdown.wait_for(|stop| *stop).await;
             },

@@ -246,6 +246,9 @@ pub struct GatewayConfig {
     pub migration_limit: u32,
     /// With `nats_url`: this gateway is one of several replicas that route as one.
     pub replica: ReplicaSettings,
+    /// Client connections served at once (more get 503 `too_many_connections`); `None`: what
+    /// the open-file limit allows (`protocol::listener::default_max_connections`).
+    pub max_connections: Option<usize>,
 }
 
 /// A gateway as one of several replicas behind one address ([`crate::replicas`]): with NATS,
@@ -347,6 +350,7 @@ impl Default for GatewayConfig {
             ejection: failover.ejection,
             migration_limit: failover.migration_limit,
             replica: ReplicaSettings::default(),
+            max_connections: None,
         }
     }
 }

@@ -339,10 +339,13 @@ impl Gateway {
                 rate_limit::limit,
             ));
         }
-        gateway.server = Some(tokio::spawn(protocol::listener::serve(
+        gateway.server = Some(tokio::spawn(protocol::listener::serve_with_limit(
             listener,
             app,
             config.timeouts.header,
+            config
+                .max_connections
+                .unwrap_or_else(protocol::listener::default_max_connections),
             cancel.clone().cancelled_owned(),
         )));
         tracing::info!(addr = %local_addr, "gateway listening");

@@ -46,9 +46,9 @@ pub fn load(
     };
     let template = match tokenizer_config {
         None => ChatTemplate::llama3(),
-        Some(path) => {
-            ChatTemplate::from_tokenizer_config(&read(path)?).map_err(|e| invalid(path, e))?
-        }
+        Some(path) => ChatTemplate::from_tokenizer_config(&read(path)?)
+            .map_err(|e| invalid(path, e))?
+            .named(format!("the chat template of {}", path.display())),
     };
     Ok(Preprocessor::new(tokenizer, template))
 }

@@ -47,6 +47,8 @@ pub struct EngineArgs {
     nats: Option<String>,
     #[command(flatten)]
     nats_security: crate::nats_args::NatsSecurityArgs,
+    #[command(flatten)]
+    connections: crate::listener_args::ConnectionArgs,
     /// NATS subject namespace (`kvroute.<namespace>.…`).
     #[arg(long, default_value = "default")]
     namespace: String,
@@ -319,10 +321,13 @@ fn serving_text(
     let template = match (chat_template, config.as_deref()) {
         (Some(path), config) => read(path)
             .and_then(|source| Ok(ChatTemplate::from_source_and_config(source, config)?))
-            .with_context(|| format!("--chat-template {}", path.display()))?,
+            .with_context(|| format!("--chat-template {}", path.display()))?
+            .named(format!("the chat template {}", path.display())),
         (None, Some(config)) => match ChatTemplate::from_tokenizer_config(config) {
             Err(TemplateError::MissingTemplate) => ChatTemplate::llama3(),
-            other => other.context("the --tokenizer folder's tokenizer_config.json")?,
+            other => other
+                .context("the --tokenizer folder's tokenizer_config.json")?
+                .named("the chat template of the --tokenizer folder's tokenizer_config.json"),
         },
         (None, None) => ChatTemplate::llama3(),
     };
@@ -330,7 +335,9 @@ fn serving_text(
 }
 
 pub fn run(args: EngineArgs) -> Result<()> {
-    let config = config(&args)?;
+    let mut config = config(&args)?;
+    let (max_connections, connections) = args.connections.bound()?;
+    config.max_connections = Some(max_connections);
     let spec = config.engine.spec_decode.as_ref().map(|s| {
         format!(
             "kvroute engine: speculative decoding {} (K = {}, mean acceptance {:.0}%, {:.2} tokens per step expected)",
@@ -353,6 +360,7 @@ pub fn run(args: EngineArgs) -> Result<()> {
             info.block_size.unwrap_or_default(),
             server.url()
         );
+        println!("kvroute engine: {connections}");
         if info.role != engine_server::WorkerRole::Both {
             println!(
                 "kvroute engine: role {} (vLLM kv_role {}), KV link {:?}",

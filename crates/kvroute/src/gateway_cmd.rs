@@ -92,6 +92,8 @@ pub struct GatewayArgs {
     nats: Option<String>,
     #[command(flatten)]
     nats_security: crate::nats_args::NatsSecurityArgs,
+    #[command(flatten)]
+    connections: crate::listener_args::ConnectionArgs,
     /// NATS subject namespace (`kvroute.<namespace>.…`), as the workers use.
     #[arg(long, default_value = "default")]
     namespace: String,
@@ -297,7 +299,9 @@ pub fn config(args: &GatewayArgs) -> Result<GatewayConfig> {
 }
 
 pub fn run(args: GatewayArgs) -> Result<()> {
-    let config = config(&args)?;
+    let mut config = config(&args)?;
+    let (max_connections, connections) = args.connections.bound()?;
+    config.max_connections = Some(max_connections);
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
         let mode = config.router.policy;
@@ -317,6 +321,7 @@ pub fn run(args: GatewayArgs) -> Result<()> {
             routable,
             gateway.url()
         );
+        println!("kvroute gateway: {connections}");
         // Engines on NATS are learned from their next heartbeat, not at once: say why the
         // first requests get 503 rather than leave the user guessing.
         if let (true, Some(nats)) = (workers.is_empty(), &nats) {

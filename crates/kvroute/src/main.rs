@@ -21,6 +21,7 @@ mod demo_prometheus;
 mod deploy_args;
 mod engine_cmd;
 mod gateway_cmd;
+mod listener_args;
 mod nats_args;
 mod profiles;
 mod robustness;

@@ -4,6 +4,8 @@
 //! credentials in the URL, register and route over it, and never print or announce the
 //! password. Each missing piece (no CA, a wrong password, a plain-text server) is refused at
 //! start with a message that says so. Certificates are made by `openssl` at test time.
+//! The same with a server in operator (JWT) mode and `--nats-creds`: the operator, account
+//! and user JWTs are made and signed here (`operator` below), as `nsc` would.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -297,6 +299,245 @@ fn a_missing_ca_a_wrong_password_or_a_plain_server_is_refused_at_start() {
         assert!(
             !stderr.contains(PASSWORD) && !stderr.contains("not-the-password"),
             "{stderr}"
+        );
+    }
+}
+
+/// NATS in operator (decentralized JWT) mode, with the keys and JWTs made here as `nsc` makes
+/// them (JWT v2: an `ed25519-nkey` header, base64url without padding, signed by the issuer's
+/// NKey): an operator, accounts it signs, users the accounts sign, `.creds` files.
+mod operator {
+    use std::path::{Path, PathBuf};
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use base64::Engine as _;
+    use nkeys::KeyPair;
+
+    fn base64url(bytes: &[u8]) -> String {
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+    }
+
+    /// A JWT with `nats` claims about `subject`, issued and signed by `issuer`.
+    pub fn jwt(issuer: &KeyPair, subject: &str, name: &str, nats: serde_json::Value) -> String {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let iat = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let claims = serde_json::json!({
+            // A unique id per JWT; nsc uses a hash of the claims, the server only reads it.
+            "jti": format!("KVROUTETEST{}X{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed)),
+            "iat": iat,
+            "iss": issuer.public_key(),
+            "sub": subject,
+            "name": name,
+            "nats": nats,
+        });
+        let signed = format!(
+            "{}.{}",
+            base64url(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#),
+            base64url(claims.to_string().as_bytes())
+        );
+        let signature = issuer.sign(signed.as_bytes()).expect("signing");
+        format!("{signed}.{}", base64url(&signature))
+    }
+
+    pub fn operator_jwt(operator: &KeyPair) -> String {
+        jwt(
+            operator,
+            &operator.public_key(),
+            "kvroute-test-operator",
+            serde_json::json!({"type": "operator", "version": 2}),
+        )
+    }
+
+    pub fn account_jwt(operator: &KeyPair, account: &KeyPair) -> String {
+        jwt(
+            operator,
+            &account.public_key(),
+            "kvroute",
+            serde_json::json!({
+                "limits": {
+                    "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+                    "wildcards": true, "conn": -1, "leaf": -1,
+                },
+                "default_permissions": {"pub": {}, "sub": {}},
+                "type": "account",
+                "version": 2,
+            }),
+        )
+    }
+
+    pub fn user_jwt(account: &KeyPair, user: &KeyPair) -> String {
+        jwt(
+            account,
+            &user.public_key(),
+            "kvroute-worker",
+            serde_json::json!({
+                "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1,
+                "type": "user", "version": 2,
+            }),
+        )
+    }
+
+    /// A `.creds` file: the user JWT and an NKey seed, in `nsc generate creds`'s layout.
+    pub fn write_creds(path: &Path, user_jwt: &str, seed: &str) {
+        let text = format!(
+            "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+             ************************* IMPORTANT *************************\n\
+             NKEY Seed printed below can be used to sign and prove identity.\n\
+             NKEYs are sensitive and should be treated as secrets.\n\n\
+             -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n\n\
+             *************************************************************\n"
+        );
+        std::fs::write(path, text).unwrap();
+    }
+
+    /// A directory with the server's configuration (the operator JWT, `resolver: MEMORY` with
+    /// `account`'s JWT preloaded) and `.creds` files; removed on drop.
+    pub struct Setup {
+        pub dir: PathBuf,
+        pub account: KeyPair,
+    }
+
+    impl Setup {
+        pub fn new(name: &str) -> Setup {
+            let dir = std::env::temp_dir()
+                .join(format!("kvroute-nats-jwt-{}-{name}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            let operator = KeyPair::new_operator();
+            let account = KeyPair::new_account();
+            std::fs::write(dir.join("operator.jwt"), operator_jwt(&operator)).unwrap();
+            let config = format!(
+                "operator: \"{}\"\nresolver: MEMORY\nresolver_preload: {{\n  {}: \"{}\"\n}}\n",
+                dir.join("operator.jwt").display(),
+                account.public_key(),
+                account_jwt(&operator, &account),
+            );
+            std::fs::write(dir.join("nats.conf"), config).unwrap();
+            Setup { dir, account }
+        }
+
+        pub fn config(&self) -> PathBuf {
+            self.dir.join("nats.conf")
+        }
+
+        /// A `.creds` file of a new user of `account`, with `seed` of that user or another.
+        pub fn creds(&self, file: &str, account: &KeyPair, seed_of_another: bool) -> String {
+            let user = KeyPair::new_user();
+            let seed = if seed_of_another {
+                KeyPair::new_user().seed().unwrap()
+            } else {
+                user.seed().unwrap()
+            };
+            let path = self.dir.join(file);
+            write_creds(&path, &user_jwt(account, &user), &seed);
+            path.display().to_string()
+        }
+    }
+
+    impl Drop for Setup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_and_gateway_sign_in_with_creds_to_an_operator_mode_server_and_route() {
+    let setup = operator::Setup::new("route");
+    let nats = NatsServer::start_with_config(&setup.config());
+    let url = nats.url();
+    let engine_creds = setup.creds("engine.creds", &setup.account, false);
+    let gateway_creds = setup.creds("gateway.creds", &setup.account, false);
+
+    let engine = Server::start(&[
+        "engine",
+        "--port",
+        "0",
+        "--speedup",
+        "50",
+        "--lease-ms",
+        "1000",
+        "--nats",
+        &url,
+        "--nats-creds",
+        &engine_creds,
+    ]);
+    let gateway = Server::start(&[
+        "gateway",
+        "--port",
+        "0",
+        "--nats",
+        &url,
+        "--nats-creds",
+        &gateway_creds,
+    ]);
+    common::wait_routable(&gateway.url, 1, Duration::from_secs(15)).await;
+    let reply = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", gateway.url))
+        .json(&serde_json::json!({
+            "model": "llama-3.1-70b-instruct",
+            "messages": [{"role": "user", "content": "Where does a KV cache live?"}],
+            "max_tokens": 5,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reply.status(), 200);
+    let reply: serde_json::Value = reply.json().await.unwrap();
+    assert_eq!(reply["usage"]["completion_tokens"], 5, "{reply}");
+    // The engine's answer came through the registration it made over NATS.
+    let info = get_json(&format!("{}/info", engine.url)).await;
+    assert!(info["nats_kv_subject"].is_string(), "{info}");
+}
+
+#[test]
+fn a_user_of_an_unknown_account_or_a_mismatched_seed_is_refused_at_start_saying_which() {
+    let setup = operator::Setup::new("refused");
+    let nats = NatsServer::start_with_config(&setup.config());
+    let url = nats.url();
+    // Signed by an account the operator never signed (not in the server's resolver).
+    let stranger = nkeys::KeyPair::new_account();
+    let foreign = setup.creds("foreign.creds", &stranger, false);
+    let mismatched = setup.creds("mismatched.creds", &setup.account, true);
+    for command in ["engine", "gateway"] {
+        let stderr = failure(&[
+            command,
+            "--port",
+            "0",
+            "--nats",
+            &url,
+            "--nats-creds",
+            &foreign,
+        ]);
+        assert!(
+            stderr.contains(&format!("of account {}", stranger.public_key()))
+                && stderr.contains("refused the user")
+                && stderr.contains("resolver")
+                && stderr.contains(&foreign),
+            "{command}: {stderr}"
+        );
+        let stderr = failure(&[
+            command,
+            "--port",
+            "0",
+            "--nats",
+            &url,
+            "--nats-creds",
+            &mismatched,
+        ]);
+        assert!(
+            stderr.contains(&format!("--nats-creds {mismatched}"))
+                && stderr.contains("its NKey seed belongs to")
+                && stderr.contains("two users"),
+            "{command}: {stderr}"
+        );
+        assert_eq!(
+            stderr.matches("NKey seed").count(),
+            1,
+            "printed once: {stderr}"
         );
     }
 }

@@ -19,6 +19,8 @@
 //!   stops accepting until a connection closes (clients wait in the kernel's backlog). Without
 //!   the bound, a gateway out of descriptors could not reach its workers: every request failed
 //!   with 503 `no_healthy_worker`, not only the extra clients' (docs/RELIABILITY.md).
+//!   [`raise_open_file_limit`] lifts the soft limit to the hard one at start-up, and
+//!   [`checked_max_connections`] checks an operator's lower bound (`--max-connections`).
 //!
 //! Shutdown stops accepting and lets open connections finish (hyper-util's graceful
 //! shutdown); the caller bounds the wait.
@@ -58,19 +60,110 @@ const FALLBACK_MAX_CONNECTIONS: usize = 10_000;
 /// own (a gateway's connection to the worker serving it). With the usual soft limit of 1,024
 /// that is 448; raise the limit (`ulimit -n`, systemd's `LimitNOFILE`) to serve more.
 pub fn default_max_connections() -> usize {
+    let limit = match read_open_file_limit() {
+        Ok(limit) if limit.rlim_cur != libc::RLIM_INFINITY => limit,
+        _ => return FALLBACK_MAX_CONNECTIONS,
+    };
+    let half = limit.rlim_cur.saturating_sub(RESERVED_DESCRIPTORS) / 2;
+    usize::try_from(half)
+        .unwrap_or(FALLBACK_MAX_CONNECTIONS)
+        .max(1)
+}
+
+/// The process's open-file limit (`RLIMIT_NOFILE`) after [`raise_open_file_limit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenFileLimit {
+    /// The soft limit now in force (`None`: unlimited).
+    pub soft: Option<u64>,
+    /// The hard limit, the most the soft one may be raised to without privileges.
+    pub hard: Option<u64>,
+    /// The soft limit before, when it was raised.
+    pub raised_from: Option<u64>,
+}
+
+impl std::fmt::Display for OpenFileLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let show = |limit: Option<u64>| limit.map_or("unlimited".to_string(), |l| l.to_string());
+        write!(f, "open-file limit {}", show(self.soft))?;
+        match self.raised_from {
+            Some(before) => write!(f, " (raised from {before})"),
+            None => write!(f, " (the hard limit is {})", show(self.hard)),
+        }
+    }
+}
+
+fn finite(limit: libc::rlim_t) -> Option<u64> {
+    (limit != libc::RLIM_INFINITY).then_some(limit)
+}
+
+fn read_open_file_limit() -> std::io::Result<libc::rlimit> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit only writes the struct it is given.
-    let read = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
-    if !read || limit.rlim_cur == libc::RLIM_INFINITY {
-        return FALLBACK_MAX_CONNECTIONS;
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return Err(std::io::Error::last_os_error());
     }
-    let half = limit.rlim_cur.saturating_sub(RESERVED_DESCRIPTORS) / 2;
-    usize::try_from(half)
-        .unwrap_or(FALLBACK_MAX_CONNECTIONS)
-        .max(1)
+    Ok(limit)
+}
+
+/// Raises the process's soft open-file limit to its hard limit, as Go's runtime does at
+/// start-up: the soft limit (often 1,024) only protects old `select()` users, and the
+/// connection bound follows it. Call it before [`checked_max_connections`]. Where the hard
+/// limit is unlimited or the kernel refuses it (Linux caps at `fs.nr_open`), the soft limit
+/// stays and the error says why.
+pub fn raise_open_file_limit() -> std::io::Result<OpenFileLimit> {
+    let limit = read_open_file_limit()?;
+    let before = OpenFileLimit {
+        soft: finite(limit.rlim_cur),
+        hard: finite(limit.rlim_max),
+        raised_from: None,
+    };
+    // An unlimited hard limit gives no number to raise to (Linux refuses one past
+    // `fs.nr_open`): the soft limit stays.
+    if limit.rlim_cur >= limit.rlim_max || limit.rlim_max == libc::RLIM_INFINITY {
+        return Ok(before);
+    }
+    let raised = libc::rlimit {
+        rlim_cur: limit.rlim_max,
+        rlim_max: limit.rlim_max,
+    };
+    // SAFETY: setrlimit only reads the struct it is given.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(OpenFileLimit {
+        soft: finite(limit.rlim_max),
+        raised_from: Some(limit.rlim_cur),
+        ..before
+    })
+}
+
+/// The connection bound to serve with: `requested` (`--max-connections`), which must be at
+/// least 1 and at most what the open-file limit allows ([`default_max_connections`]), or
+/// that default. The error says what to do.
+pub fn checked_max_connections(requested: Option<usize>) -> Result<usize, String> {
+    let allowed = default_max_connections();
+    match requested {
+        None => Ok(allowed),
+        Some(0) => Err("--max-connections must be at least 1".to_string()),
+        Some(n) if n > allowed => {
+            let soft = read_open_file_limit()
+                .ok()
+                .and_then(|l| finite(l.rlim_cur))
+                .map_or("unknown".to_string(), |l| l.to_string());
+            Err(format!(
+                "--max-connections {n} is more than the open-file limit allows: a limit of \
+                 {soft} descriptors serves at most {allowed} client connections (each needs \
+                 its own descriptor and one for the server's connection on its behalf, and \
+                 {RESERVED_DESCRIPTORS} are kept). Raise the hard limit (`ulimit -Hn` as \
+                 root, systemd's `LimitNOFILE`, Docker's `--ulimit nofile=`) or ask for at \
+                 most {allowed}"
+            ))
+        }
+        Some(n) => Ok(n),
+    }
 }
 
 /// What an accepted connection gets.

@@ -32,6 +32,73 @@ pub enum NatsConnectError {
         "cannot connect to NATS at {url}: {message} (is nats-server running there? --nats URL)"
     )]
     Connect { url: String, message: String },
+    /// The `.creds` file cannot sign in anyone: no JWT or seed, or a seed of another user.
+    #[error("--nats-creds {path}: {reason}")]
+    Creds { path: String, reason: String },
+    /// The server refused the `.creds` file's user.
+    #[error(
+        "NATS at {url} refused the user {user} of account {account} in --nats-creds {path}: \
+         {message} (in operator mode the server must trust that account: is its JWT in the \
+         server's resolver, signed by the server's operator?)"
+    )]
+    CredsRefused {
+        url: String,
+        path: String,
+        user: String,
+        account: String,
+        message: String,
+    },
+}
+
+/// Who a `.creds` file signs in as, from its user JWT.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CredsUser {
+    /// The user's public NKey (the JWT's `sub`, `U…`).
+    pub user: String,
+    /// The account that issued it (`nats.issuer_account` when a signing key issued it, else
+    /// the JWT's `iss`, `A…`).
+    pub account: String,
+}
+
+/// Reads a `.creds` file (`-----BEGIN NATS USER JWT-----` … `-----BEGIN USER NKEY SEED-----`
+/// …, as `nsc generate creds` writes it) and checks that its seed is the user JWT's key: a
+/// file that mixes two users' parts would be refused by the server with no hint why.
+pub fn check_creds(contents: &str) -> Result<CredsUser, String> {
+    use base64::Engine as _;
+    // The first non-empty line after the line that opens a block.
+    let block = |opening: &str| {
+        let mut lines = contents.lines().map(str::trim);
+        lines.find(|l| l.contains(opening))?;
+        lines.find(|l| !l.is_empty()).map(str::to_owned)
+    };
+    let jwt = block("BEGIN NATS USER JWT").ok_or("no user JWT (-----BEGIN NATS USER JWT-----)")?;
+    let seed =
+        block("BEGIN USER NKEY SEED").ok_or("no NKey seed (-----BEGIN USER NKEY SEED-----)")?;
+    let claims = jwt
+        .split('.')
+        .nth(1)
+        .and_then(|payload| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(payload.trim_end_matches('='))
+                .ok()
+        })
+        .and_then(|json| serde_json::from_slice::<serde_json::Value>(&json).ok())
+        .ok_or("the user JWT is not a JWT (header.claims.signature, base64url JSON claims)")?;
+    let text = |value: &serde_json::Value| value.as_str().map(str::to_owned);
+    let user = text(&claims["sub"]).ok_or("the user JWT has no subject (`sub`)")?;
+    let account = text(&claims["nats"]["issuer_account"])
+        .or_else(|| text(&claims["iss"]))
+        .ok_or("the user JWT has no issuer (`iss`)")?;
+    let key = nkeys::KeyPair::from_seed(&seed)
+        .map_err(|e| format!("the NKey seed is not a seed ({e})"))?;
+    if key.public_key() != user {
+        return Err(format!(
+            "its NKey seed belongs to {}, not to the user JWT's {user}: the seed and the JWT \
+             come from two users; write the file again (`nsc generate creds`)",
+            key.public_key()
+        ));
+    }
+    Ok(CredsUser { user, account })
 }
 
 /// Connects to `url` with `security`, failing within `timeout` if the server does not answer.
@@ -51,17 +118,25 @@ pub async fn connect(
             })
     };
     let mut options = async_nats::ConnectOptions::new().connection_timeout(timeout);
+    let mut creds_user = None;
     if let Some(creds) = &security.creds {
-        readable("--nats-creds", creds)?;
-        options =
-            options
-                .credentials_file(creds)
-                .await
-                .map_err(|reason| NatsConnectError::File {
-                    flag: "--nats-creds",
-                    path: creds.display().to_string(),
-                    reason,
-                })?;
+        let path = creds.display().to_string();
+        let contents = std::fs::read_to_string(creds).map_err(|reason| NatsConnectError::File {
+            flag: "--nats-creds",
+            path: path.clone(),
+            reason,
+        })?;
+        let user = check_creds(&contents).map_err(|reason| NatsConnectError::Creds {
+            path: path.clone(),
+            reason,
+        })?;
+        creds_user = Some((path.clone(), user));
+        options = options
+            .credentials(&contents)
+            .map_err(|reason| NatsConnectError::Creds {
+                path,
+                reason: reason.to_string(),
+            })?;
     }
     if let Some(ca) = &security.tls_ca {
         readable("--nats-tls-ca", ca)?;
@@ -84,13 +159,25 @@ pub async fn connect(
         Some(UrlCredentials::Token(token)) => options = options.token(token),
         None => {}
     }
-    options
-        .connect(servers.as_str())
-        .await
-        .map_err(|e| NatsConnectError::Connect {
-            url: redact(url),
-            message: e.to_string(),
-        })
+    options.connect(servers.as_str()).await.map_err(|e| {
+        let message = e.to_string();
+        match creds_user {
+            // The server answered and refused the user: say whom, and why it may.
+            Some((path, user)) if message.to_lowercase().contains("authorization") => {
+                NatsConnectError::CredsRefused {
+                    url: redact(url),
+                    path,
+                    user: user.user,
+                    account: user.account,
+                    message,
+                }
+            }
+            _ => NatsConnectError::Connect {
+                url: redact(url),
+                message,
+            },
+        }
+    })
 }
 
 /// A user and password (`user:pass@`) or a token (`token@`) in a NATS URL.

@@ -71,7 +71,7 @@ pub use corpus::{Corpus, KeyTerms, Passage, Term};
 pub use preprocess::{ChatEnding, FormatError, Prepared, Preprocessor};
 pub use question::{QuestionGenerator, QuestionPlan};
 pub use reply::{Reply, ReplyConfig, ReplyGenerator};
-pub use template::{ChatMessage, ChatTemplate, TemplateError};
+pub use template::{ChatMessage, ChatTemplate, TemplateError, fuel_for};
 pub use tokenizer::{BEGIN_OF_TEXT, END_HEADER_ID, EOT_ID, START_HEADER_ID, Tokenizer};
 
 /// Errors of this crate. Messages say what was wrong with the input.

@@ -17,6 +17,14 @@ use crate::{ChatMessage, ChatTemplate, Llama3Format, TemplateError, Tokenizer};
 #[error("the chat template cannot format these messages: {0}")]
 pub struct FormatError(TemplateError);
 
+impl FormatError {
+    /// Whether the template failed on its own (out of fuel, too deep, a bug of its own), not
+    /// refused the messages: a server error, not the client's.
+    pub fn is_template_failure(&self) -> bool {
+        self.0.is_template_failure()
+    }
+}
+
 /// A prompt ready for routing: its token ids, and its text when a worker needs text.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prepared {

@@ -172,6 +172,15 @@ impl Tokenizer {
     /// `<eos>` that the vocabulary has; `<|begin_of_text|>`, `<s>` or `<bos>` is the BOS.
     #[cfg(feature = "hf")]
     pub fn from_hf_json(bytes: &[u8]) -> Result<Tokenizer, TextError> {
+        // `tokenizers` panics (`expect("Helper")` in its decoder's deserializer) on a file
+        // that is not JSON inside the `decoder` object (a syntax error, bytes that are not
+        // UTF-8), found by the `tokenizer_json` fuzz target: check both first, which gives a
+        // clean error with its line and column.
+        let not_json = |e: &dyn std::fmt::Display| {
+            TextError::Tokenizer(format!("not a usable tokenizer.json: not JSON: {e}"))
+        };
+        let text = std::str::from_utf8(bytes).map_err(|e| not_json(&e))?;
+        serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| not_json(&e))?;
         let with_specials = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| TextError::Tokenizer(format!("not a usable tokenizer.json: {e}")))?;
         let mut ordinary = with_specials.clone();
@@ -188,8 +197,18 @@ impl Tokenizer {
             "<eos>",
         ]);
         let bos = find(&["<|begin_of_text|>", "<s>", "<bos>"]);
-        let vocab_size = u32::try_from(with_specials.get_vocab_size(true))
-            .map_err(|_| TextError::Tokenizer("vocabulary larger than u32".to_owned()))?;
+        // Ids need not be dense (a vocabulary may skip some): `vocab_size` bounds every id, so
+        // it is past the largest one, not the count (found by the `tokenizer_json` fuzz
+        // target: `{"hello": 6, …}` with six tokens encoded "hello" as 6 ≥ 6).
+        let largest_id = with_specials.get_vocab(true).into_values().max();
+        let vocab_size = largest_id
+            .map_or(Some(0), |id| id.checked_add(1))
+            .and_then(|past| {
+                u32::try_from(with_specials.get_vocab_size(true))
+                    .ok()
+                    .map(|count| count.max(past))
+            })
+            .ok_or_else(|| TextError::Tokenizer("vocabulary larger than u32".to_owned()))?;
         Ok(Tokenizer {
             name: "huggingface".to_owned(),
             backend: Backend::Hf(Box::new(HfTokenizer {

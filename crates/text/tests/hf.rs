@@ -45,3 +45,47 @@ fn rejects_a_broken_file() {
     let err = Tokenizer::from_hf_json(b"{\"model\": 3}").unwrap_err();
     assert!(err.to_string().contains("tokenizer.json"), "{err}");
 }
+
+/// Found by the `tokenizer_json` fuzz target: a file whose `decoder` object is not JSON made
+/// `tokenizers` panic (`expect("Helper")`); it is now a clean error.
+#[test]
+fn a_file_broken_inside_its_decoder_is_an_error_not_a_panic() {
+    let broken = TOKENIZER_JSON.replace(
+        r#""decoder": null"#,
+        r#""decoder": {"type": "ByteLevel", "add_prefix_space": false true}"#,
+    );
+    assert_ne!(broken, TOKENIZER_JSON);
+    let err = Tokenizer::from_hf_json(broken.as_bytes()).unwrap_err();
+    assert!(
+        err.to_string().contains("tokenizer.json: not JSON"),
+        "{err}"
+    );
+    // The same with a byte that is not UTF-8 inside the decoder's object.
+    let mut bytes = TOKENIZER_JSON
+        .replace(
+            r#""decoder": null"#,
+            r#""decoder": {"type": "ByteLevel", "a": "x"}"#,
+        )
+        .into_bytes();
+    let marker = br#""a": "x""#;
+    let at = bytes
+        .windows(marker.len())
+        .position(|w| w == marker)
+        .unwrap();
+    bytes[at + marker.len() - 2] = 0x80;
+    let err = Tokenizer::from_hf_json(&bytes).unwrap_err();
+    assert!(
+        err.to_string().contains("tokenizer.json: not JSON"),
+        "{err}"
+    );
+}
+
+/// Found by the `tokenizer_json` fuzz target: ids need not be dense, and `vocab_size` bounds
+/// every id the tokenizer gives, not only the count of tokens.
+#[test]
+fn vocab_size_is_past_the_largest_id_of_a_sparse_vocabulary() {
+    let sparse = TOKENIZER_JSON.replace(r#""hello": 0"#, r#""hello": 9"#);
+    let tok = Tokenizer::from_hf_json(sparse.as_bytes()).unwrap();
+    assert_eq!(tok.encode("hello"), vec![9]);
+    assert_eq!(tok.vocab_size(), 10);
+}
