@@ -48,6 +48,9 @@ pub struct DriveArgs {
     /// Start the workload at once instead of waiting for Start in the dashboard or the API.
     #[arg(long)]
     start: bool,
+    /// The dashboard's and API's connection bound (its WebSockets included).
+    #[command(flatten)]
+    connections: crate::listener_args::ConnectionArgs,
     /// Workload seed: the same seed gives the same conversations (passages, turns, lengths).
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -514,6 +517,7 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
         autostart: args.drive.start,
         scaling,
         api_token: args.api_token.clone(),
+        max_connections: Some(args.drive.connections.bound()?.0),
         trace: trace
             .as_ref()
             .map(|loaded| trace_setup(&args, &target, loaded)),
@@ -1062,6 +1066,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             autostart: args.drive.start,
             scaling,
             api_token: args.api_token.clone(),
+            max_connections: Some(args.drive.connections.bound()?.0),
             ladder: ladder
                 .as_ref()
                 .zip(ladder_start.as_ref())

@@ -22,6 +22,7 @@
 //! them as OpenAI error JSON, as every other answer of the API.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
@@ -40,13 +41,16 @@ pub struct Access {
     token: Option<Arc<str>>,
     /// Listening on a loopback address: the `Host` header must be `localhost` or an IP.
     loopback: bool,
+    /// How long a client may take to send a whole request body (408 after it).
+    body_timeout: Duration,
 }
 
 impl Access {
-    pub fn new(token: Option<&str>, loopback: bool) -> Access {
+    pub fn new(token: Option<&str>, loopback: bool, body_timeout: Duration) -> Access {
         Access {
             token: token.map(Arc::from),
             loopback,
+            body_timeout,
         }
     }
 }
@@ -117,8 +121,22 @@ pub async fn check(State(access): State<Arc<Access>>, request: Request, next: Ne
             "POST bodies must be JSON: send `Content-Type: application/json`",
         );
     }
-    json_errors(next.run(request).await).await
+    // The whole body within a deadline and a size cap, before any handler waits on it: a
+    // client trickling bytes cannot hold its connection (and what it sent) for longer.
+    let (parts, body) = request.into_parts();
+    let read = protocol::http::read_body(&parts.headers, body, MAX_BODY_BYTES);
+    let body = match tokio::time::timeout(access.body_timeout, read).await {
+        Ok(Ok(bytes)) => axum::body::Body::from(bytes),
+        Ok(Err(e)) => return e.into_response(),
+        Err(_) => {
+            return ApiError::request_timeout(access.body_timeout.as_secs_f64()).into_response();
+        }
+    };
+    json_errors(next.run(Request::from_parts(parts, body)).await).await
 }
+
+/// Most bytes of a request body: the API's bodies are small JSON objects (413 past it).
+pub const MAX_BODY_BYTES: usize = 2 << 20;
 
 /// `localhost` (or a name under it) or an IP literal, with or without a port.
 fn is_local_host(host: &str) -> bool {

@@ -65,6 +65,7 @@ mod window;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
 use tokio::task::JoinHandle;
@@ -162,6 +163,15 @@ pub struct LoadgenConfig {
     /// A trace to replay instead of the chat workload (`kvroute loadgen --trace`): Start and
     /// Stop act on it, `status.trace` shows it, the first lane's cards and charts follow it.
     pub trace: Option<trace_run::TraceSetup>,
+    /// Most client connections (the WebSocket's included) the UI and API serve at once; past
+    /// it, 503 `too_many_connections` (`protocol::listener`). `None`: what the open-file limit
+    /// allows.
+    pub max_connections: Option<usize>,
+    /// How long a client may take to send a request's headers, or the next request on an idle
+    /// keep-alive connection, before the UI and API server closes it (default 30 s).
+    pub header_timeout: Duration,
+    /// How long a client may take to send a whole request body: 408 after it (default 30 s).
+    pub body_timeout: Duration,
 }
 
 impl LoadgenConfig {
@@ -180,6 +190,9 @@ impl LoadgenConfig {
             api_token: None,
             ladder: None,
             trace: None,
+            max_connections: None,
+            header_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -343,16 +356,21 @@ impl Loadgen {
         ));
         let router = server::router(
             app.clone(),
-            access::Access::new(config.api_token.as_deref(), loopback),
+            access::Access::new(config.api_token.as_deref(), loopback, config.body_timeout),
         );
         let stop = shutdown.clone();
-        let server = tokio::spawn(async move {
-            let serve = axum::serve(listener, router)
-                .with_graceful_shutdown(async move { stop.cancelled().await });
-            if let Err(err) = serve.await {
-                tracing::error!("load generator server: {err}");
-            }
-        });
+        let max_connections = config
+            .max_connections
+            .unwrap_or_else(protocol::listener::default_max_connections);
+        // The gateway's and engine's listener: header and idle deadlines, the connection
+        // bound (the WebSocket counts until it closes), JSON for every refusal.
+        let server = tokio::spawn(protocol::listener::serve_with_limit(
+            listener,
+            router,
+            config.header_timeout,
+            max_connections,
+            async move { stop.cancelled().await },
+        ));
         if config.autostart {
             app.start(Some(concurrency))
                 .await

@@ -322,3 +322,86 @@ async fn off_loopback_a_token_is_required_and_checked() {
     assert_eq!(status, 403);
     loadgen.shutdown().await;
 }
+
+/// Reads what the server sends on `tcp` until it closes the connection (or 10 s pass).
+async fn read_to_close(tcp: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "the server closes the connection");
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test]
+async fn connections_are_bounded_websockets_included_and_slow_clients_are_cut_off() {
+    use tokio::io::AsyncWriteExt;
+    let mut config = loadgen_config(vec![dead_lane()], 2, 1.0);
+    config.max_connections = Some(2);
+    config.header_timeout = Duration::from_millis(500);
+    config.body_timeout = Duration::from_millis(500);
+    let loadgen = Loadgen::bind(config).await.unwrap();
+    let url = loadgen.url();
+    let addr = loadgen.local_addr().to_string();
+    let connect = || async {
+        tokio_tungstenite::connect_async(format!("ws://{addr}/ws"))
+            .await
+            .expect("WebSocket")
+            .0
+    };
+
+    // Two open WebSockets hold both slots after their upgrade: the next client is refused.
+    let first = connect().await;
+    let second = connect().await;
+    let fresh = || {
+        reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap()
+    };
+    let (status, body) = answer(fresh().get(format!("{url}/api/status"))).await;
+    assert_eq!(
+        (status, code(&body)),
+        (503, "too_many_connections"),
+        "{body}"
+    );
+    // Closing one frees its slot.
+    drop(first);
+    common::wait_until(
+        "a slot freed by the closed WebSocket",
+        Duration::from_secs(10),
+        async || {
+            fresh()
+                .get(format!("{url}/api/status"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        },
+    )
+    .await;
+    drop(second);
+
+    // A partial header (slowloris) is closed after the header deadline.
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    slow.write_all(b"GET /api/status HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .await
+        .unwrap();
+    let answer_to_slow = read_to_close(&mut slow).await;
+    assert!(!answer_to_slow.contains("200 OK"), "{answer_to_slow}");
+
+    // A body declared at 1 MiB with one byte sent gets 408 JSON after the body deadline.
+    let mut trickle = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    trickle
+        .write_all(
+            b"POST /api/workload/config HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+              Content-Type: application/json\r\nContent-Length: 1048576\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+    let answer_to_trickle = read_to_close(&mut trickle).await;
+    assert!(
+        answer_to_trickle.starts_with("HTTP/1.1 408")
+            && answer_to_trickle.contains("request_timeout"),
+        "{answer_to_trickle}"
+    );
+    loadgen.shutdown().await;
+}

@@ -22,8 +22,12 @@
 //!   [`raise_open_file_limit`] lifts the soft limit to the hard one at start-up, and
 //!   [`checked_max_connections`] checks an operator's lower bound (`--max-connections`).
 //!
-//! Shutdown stops accepting and lets open connections finish (hyper-util's graceful
-//! shutdown); the caller bounds the wait.
+//! Connections may be upgraded (the load generator's WebSocket): an upgraded socket keeps its
+//! slot until it closes, so WebSockets count against the bound like any connection.
+//!
+//! Shutdown stops accepting and lets open HTTP connections finish their requests (hyper's
+//! graceful shutdown of each connection); the caller bounds the wait. Upgraded sockets belong
+//! to their handlers and are not waited for.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -33,9 +37,17 @@ use axum::Router;
 use axum::extract::{ConnectInfo, Request};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use hyper::body::Incoming;
+use hyper::server::conn::http1::UpgradeableConnection;
+use hyper::service::HttpService;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio_util::task::TaskTracker;
 use tower_service::Service;
 
 use crate::ApiError;
@@ -237,7 +249,8 @@ pub async fn serve_with_limit(
     refuse_http.keep_alive(false);
     let serving = Arc::new(Semaphore::new(max_connections));
     let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
-    let graceful = GracefulShutdown::new();
+    let connections = TaskTracker::new();
+    let (stop, stopped) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let slot = tokio::select! {
@@ -275,41 +288,108 @@ pub async fn serve_with_limit(
         let permit = match slot {
             Slot::Serve(permit) => permit,
             Slot::Refuse(permit) => {
-                let refusal =
-                    hyper::service::service_fn(move |_: Request<hyper::body::Incoming>| {
-                        let mut response =
-                            ApiError::too_many_connections(max_connections).into_response();
-                        response.headers_mut().insert(
-                            axum::http::header::RETRY_AFTER,
-                            axum::http::HeaderValue::from_static("1"),
-                        );
-                        std::future::ready(Ok::<_, std::convert::Infallible>(response))
-                    });
-                let connection =
-                    graceful.watch(refuse_http.serve_connection(TokioIo::new(tcp), refusal));
-                tokio::spawn(async move {
-                    let _ = connection.await;
-                    drop(permit);
+                let refusal = hyper::service::service_fn(move |_: Request<Incoming>| {
+                    let mut response =
+                        ApiError::too_many_connections(max_connections).into_response();
+                    response.headers_mut().insert(
+                        axum::http::header::RETRY_AFTER,
+                        axum::http::HeaderValue::from_static("1"),
+                    );
+                    std::future::ready(Ok::<_, std::convert::Infallible>(response))
                 });
+                let io = TokioIo::new(SlotSocket { tcp, _slot: permit });
+                let connection = refuse_http.serve_connection(io, refusal).with_upgrades();
+                connections.spawn(until_done_or_stopped(connection, stopped.clone()));
                 continue;
             }
         };
         let app = app.clone();
-        let service =
-            hyper::service::service_fn(move |mut request: Request<hyper::body::Incoming>| {
-                request.extensions_mut().insert(ConnectInfo(peer));
-                app.clone().call(request.map(axum::body::Body::new))
-            });
-        let connection = http.serve_connection(TokioIo::new(tcp), service);
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
+        let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(peer));
+            app.clone().call(request.map(axum::body::Body::new))
+        });
+        let io = TokioIo::new(SlotSocket { tcp, _slot: permit });
+        let connection = http.serve_connection(io, service).with_upgrades();
+        let stopped = stopped.clone();
+        connections.spawn(async move {
+            if let Err(e) = until_done_or_stopped(connection, stopped).await {
                 // Timeouts, clients that went away, bad requests: the client's business.
                 tracing::debug!(error = %e, "client connection ended with an error");
             }
-            drop(permit);
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    let _ = stop.send(true);
+    connections.close();
+    connections.wait().await;
+}
+
+/// A client's socket holding its connection slot: the slot frees when the socket is dropped,
+/// which for an upgraded connection (a WebSocket) is when its handler lets go of it, not when
+/// hyper is done with the HTTP part.
+struct SlotSocket {
+    tcp: TcpStream,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl AsyncRead for SlotSocket {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for SlotSocket {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
+
+/// Serves one connection to its end, or, once the server stops, lets its request in progress
+/// finish and closes it (hyper's graceful shutdown of the connection).
+async fn until_done_or_stopped<S, B>(
+    connection: UpgradeableConnection<TokioIo<SlotSocket>, S>,
+    mut stopped: watch::Receiver<bool>,
+) -> hyper::Result<()>
+where
+    S: HttpService<Incoming, ResBody = B>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: hyper::body::Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut connection = std::pin::pin!(connection);
+    tokio::select! {
+        result = connection.as_mut() => return result,
+        // The sender is dropped only after it sent `true`.
+        _ = stopped.wait_for(|stopped| *stopped) => {}
+    }
+    connection.as_mut().graceful_shutdown();
+    connection.await
 }
