@@ -17,8 +17,11 @@
 //! [`Migration`] resends it to another worker, and the relay goes on with that worker's
 //! stream: the client's stream keeps its `id`, `created` and `model`, the role is not sent
 //! twice, and the usage counts both workers' tokens. Only what a resend needs is kept (the
-//! text and token ids so far), and only for single-choice requests, up to the response byte
-//! cap.
+//! text and token ids so far of each choice), up to the response byte cap over all choices.
+//! With several choices (`n` > 1), each choice that has not finished is resent on its own
+//! (`n` = 1), one after the other on the same client stream: each continuation's chunks are
+//! labelled with its choice's index, and the next choice is resent when the continuation
+//! before it ends ([`router::MigrationState::next_continuation`]).
 //!
 //! Whatever ends a request — `[DONE]`, a broken worker stream, the client going away (the
 //! body stream is dropped, which drops the upstream response and so cancels the worker's
@@ -72,6 +75,10 @@ pub trait Resend: Send {
     /// The core's decision for the request ([`MigrationState::decide`]), with its prompt,
     /// `max_tokens` and tokenizer.
     fn decide(&self, state: &mut MigrationState, reason: FailureReason) -> Decision;
+
+    /// The next choice left by a failed worker, once the continuation before it ended
+    /// ([`MigrationState::next_continuation`]).
+    fn next(&self, state: &mut MigrationState) -> Option<Continuation>;
 
     /// Sends `continuation`, routed again; answers the new worker's ticket and stream.
     fn resend(
@@ -284,6 +291,9 @@ struct Output {
     first_token_read: Option<Instant>,
     /// The output so far and the migrations left (the core's state).
     migration: MigrationState,
+    /// The client's choice the current worker continues (its chunks' index 0), for a
+    /// request with several choices after a migration.
+    relabel: Option<u32>,
 }
 
 impl Relay {
@@ -324,6 +334,7 @@ impl Relay {
                 last_read: Some(first_read),
                 first_token_read: None,
                 migration: state,
+                relabel: None,
             },
         }
     }
@@ -347,40 +358,66 @@ impl Relay {
     }
 
     /// Resends the request to another worker after its worker broke or stalled, if the core
-    /// says it may be ([`MigrationState::decide`]: attempts left, one choice that has not
-    /// ended, output within the cap, tokens left). On success the relay reads the new
-    /// worker's stream from now on.
+    /// says it may be ([`MigrationState::decide`]: attempts left, a choice that has not
+    /// ended, output within the cap, tokens left), or, after a continuation ended, the next
+    /// choice its failed worker left. On success the relay reads the new worker's stream from
+    /// now on.
     async fn migrate(&mut self) -> bool {
         let reason = match &self.output.ending {
-            Some(Ending::Broken(e)) if e.status == 504 => FailureReason::WorkerTimeout,
-            Some(Ending::Broken(_)) => FailureReason::WorkerFailed,
+            Some(Ending::Broken(e)) if e.status == 504 => Some(FailureReason::WorkerTimeout),
+            Some(Ending::Broken(_)) => Some(FailureReason::WorkerFailed),
+            // A continuation ended: another choice of the failed worker may be left.
+            Some(Ending::Done) if self.output.migration.has_pending() => None,
             _ => return false,
         };
         let Some(resend) = &mut self.resend else {
             return false;
         };
-        let continuation = match resend.decide(&mut self.output.migration, reason) {
-            Decision::Migrate(continuation) => continuation,
-            Decision::End { why, .. } => {
-                if why != NotMigrated::Off {
-                    tracing::info!(
-                        ?why,
-                        reason = reason.as_str(),
-                        "request not migrated; it ends with its worker's error"
-                    );
+        // What the current worker generated, before the core counts it as earlier.
+        let served = (self.output.record.output_tokens)
+            .saturating_sub(self.output.migration.earlier_tokens());
+        let continuation = match reason {
+            Some(reason) => match resend.decide(&mut self.output.migration, reason) {
+                Decision::Migrate(continuation) => continuation,
+                Decision::End { why, .. } => {
+                    if why != NotMigrated::Off {
+                        tracing::info!(
+                            ?why,
+                            reason = reason.as_str(),
+                            "request not migrated; it ends with its worker's error"
+                        );
+                    }
+                    return false;
                 }
-                return false;
-            }
+            },
+            None => match resend.next(&mut self.output.migration) {
+                Some(continuation) => continuation,
+                None => return false,
+            },
         };
         let from = self.output.ticket.as_ref().map(|t| t.worker.id);
         let tokens = continuation.generated;
-        // The failed worker's slot is released before routing again.
+        let choice = continuation.index;
+        let several = self.output.migration.choices() > 1;
+        // The earlier worker's slot is released before routing again; one that finished its
+        // continuation served it.
+        if let (None, Some(ticket)) = (reason, &mut self.output.ticket) {
+            ticket.served(served);
+        }
         self.output.ticket = None;
         match resend.resend(continuation).await {
             Ok((ticket, (first, first_read, body))) => {
-                let reason = reason.as_str();
-                tracing::info!(?from, to = %ticket.worker.id, tokens, reason, "request migrated to another worker");
-                self.output.record.metrics.count_migration(reason);
+                match reason {
+                    Some(reason) => {
+                        let reason = reason.as_str();
+                        tracing::info!(?from, to = %ticket.worker.id, choice, tokens, reason, "request migrated to another worker");
+                        self.output.record.metrics.count_migration(reason);
+                    }
+                    None => {
+                        tracing::info!(?from, to = %ticket.worker.id, choice, tokens, "next choice of a migrated request resent");
+                    }
+                }
+                self.output.relabel = several.then_some(choice);
                 self.output.ticket = Some(ticket);
                 self.output.ending = None;
                 self.output.usage = None;
@@ -391,7 +428,11 @@ impl Relay {
                 true
             }
             Err(e) => {
-                tracing::warn!(?from, error = %e.detail.message, "could not migrate the request; it ends with its worker's error");
+                tracing::warn!(?from, choice, error = %e.detail.message, "could not migrate the request; it ends with an error");
+                if reason.is_none() {
+                    // The stream ended well, but a choice is left: the request fails.
+                    self.output.ending = Some(Ending::Error(e));
+                }
                 false
             }
         }
@@ -595,7 +636,7 @@ impl Output {
 
     /// Handles one upstream event's data (a chunk of the worker's `/v1/completions` stream).
     fn handle(&mut self, data: &str) {
-        let chunk: ResponseView<'_> = match serde_json::from_str(data) {
+        let mut chunk: ResponseView<'_> = match serde_json::from_str(data) {
             Ok(chunk) => chunk,
             Err(e) => {
                 self.break_worker(format!("the worker sent a chunk that is not JSON: {e}"));
@@ -614,6 +655,12 @@ impl Output {
         }
         if chunk.choices.is_empty() {
             return;
+        }
+        if let Some(index) = self.relabel {
+            // A continuation of one choice: its worker's choice 0 is the client's `index`.
+            for c in &mut chunk.choices {
+                c.index = index;
+            }
         }
         let tokens = chunk.choices.iter().map(choice_tokens).sum();
         if self.record.tokens(tokens, Instant::now()) {
@@ -683,7 +730,7 @@ impl Output {
     }
 
     /// Hands the core what a resend needs of each choice (its text, ids and tokens); the
-    /// core stops keeping it at a second choice or past the response cap.
+    /// core stops keeping it at a choice past `n` or past the response cap.
     fn track(&mut self, choices: &[ChoiceView<'_>]) {
         for c in choices {
             let parsed = c

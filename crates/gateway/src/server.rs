@@ -482,8 +482,7 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         stall: state.timeouts.stall,
         max_response_bytes: state.max_response_bytes,
     };
-    // The core turns it off for several choices (their continuation is not one prompt) and
-    // for a limit of 0.
+    // The core turns it off for a limit of 0 and for more choices than it keeps.
     let migration = MigrationState::new(
         state.migration_limit,
         parsed.params.n.unwrap_or(1),
@@ -667,6 +666,10 @@ impl Migrator {
             params.max_tokens = Some(left);
             params.max_completion_tokens = None;
         }
+        // One choice of several is continued on its own.
+        if params.n.is_some_and(|n| n > 1) {
+            params.n = Some(1);
+        }
         let text = parsed.prepared.text.as_ref().map(|prompt| {
             let output = &continuation.output_text;
             let mut text = String::with_capacity(prompt.len() + output.len());
@@ -695,6 +698,15 @@ impl Resend for Migrator {
             &parsed.prepared.tokens,
             parsed.params.max_output_tokens(),
             // Output without the worker's ids: the text's, as the model's tokenizer writes it.
+            |text| self.state.preprocessor.tokenizer().encode_ordinary(text),
+        )
+    }
+
+    fn next(&self, state: &mut MigrationState) -> Option<Continuation> {
+        let parsed = &self.parsed;
+        state.next_continuation(
+            &parsed.prepared.tokens,
+            parsed.params.max_output_tokens(),
             |text| self.state.preprocessor.tokenizer().encode_ordinary(text),
         )
     }

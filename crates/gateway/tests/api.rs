@@ -589,6 +589,154 @@ async fn a_worker_dying_mid_stream_is_continued_by_another_with_the_output_so_fa
     gw.shutdown().await;
 }
 
+/// A gateway whose first worker (round robin) dies after two tokens of choice 0, three of
+/// choice 1 and the whole of choice 2 (one token, `stop`); the second, which takes prompts
+/// as text, continues with four tokens of its own.
+async fn multi_choice_crash() -> (FakeWorker, FakeWorker, gateway::Gateway) {
+    let crashing = FakeWorker::start(Script::CrashMidChoices {
+        choices: vec![(2, false), (3, false), (1, true)],
+    })
+    .await;
+    let healthy = FakeWorker::start(Script::Complete { tokens: 4 }).await;
+    let mut text_spec: WorkerSpec = format!("{},id=2", healthy.url()).parse().unwrap();
+    text_spec.prompt = PromptFormat::Text;
+    let gw = gateway(GatewayConfig {
+        health_interval: Duration::from_secs(3600),
+        ..round_robin(vec![
+            format!("{},id=1", crashing.url()).parse().unwrap(),
+            text_spec,
+        ])
+    })
+    .await;
+    (crashing, healthy, gw)
+}
+
+/// The prompts the continuing worker got, in order: each `n` = 1, for its choice's rest.
+fn resent_prompts(healthy: &FakeWorker, max_tokens: &[u64]) -> Vec<String> {
+    let requests = healthy.requests.lock().unwrap().clone();
+    assert_eq!(
+        requests.len(),
+        2,
+        "choices 0 and 1 resent, 2 finished: {requests:?}"
+    );
+    requests
+        .iter()
+        .zip(max_tokens)
+        .map(|(r, &max)| {
+            assert_eq!(r["n"], 1, "{r}");
+            assert_eq!(r["max_tokens"], max, "reduced by that choice's tokens: {r}");
+            r["prompt"].as_str().expect("a text prompt").to_string()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_choice_stream_whose_worker_dies_continues_each_unfinished_choice() {
+    let (crashing, healthy, gw) = multi_choice_crash().await;
+    let mut request = chat(&[("user", "hi")], 8, true);
+    request["n"] = json!(3);
+    let s = tokio::time::timeout(
+        Duration::from_secs(5),
+        post_stream(&gw.url(), "/v1/chat/completions", &request),
+    )
+    .await
+    .expect("no hang");
+    assert_eq!(s.status, 200);
+    assert!(s.error().is_none(), "no error event: {:?}", s.chunks);
+    assert!(s.done, "one [DONE], last");
+    let mut texts = vec![String::new(); 3];
+    let mut finishes = vec![Vec::new(); 3];
+    for choice in s
+        .chunks
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap())
+    {
+        let i = choice["index"].as_u64().unwrap() as usize;
+        assert!(i < 3, "{choice}");
+        if let Some(text) = choice["delta"]["content"].as_str() {
+            texts[i].push_str(text);
+        }
+        if let Some(finish) = choice["finish_reason"].as_str() {
+            finishes[i].push(finish.to_string());
+        }
+    }
+    // Each choice's tokens once, in order: the dead worker's, then its continuation's.
+    assert_eq!(texts[0], " c0t0 c0t1 w0 w1 w2 w3");
+    assert_eq!(texts[1], " c1t0 c1t1 c1t2 w0 w1 w2 w3");
+    assert_eq!(texts[2], " c2t0");
+    assert_eq!(finishes, [vec!["length"], vec!["length"], vec!["stop"]]);
+    let first = crashing.last_request();
+    assert_eq!(
+        (first["n"].clone(), first["max_tokens"].clone()),
+        (json!(3), json!(8))
+    );
+    let prompt_tokens = first["prompt"].as_array().unwrap().len() as u64;
+    // The client's prompt once, every choice's tokens over both workers: 6 + 4 + 4.
+    let usage = s.usage().expect("usage");
+    assert_eq!(usage["prompt_tokens"], prompt_tokens);
+    assert_eq!(usage["completion_tokens"], 14);
+    assert_eq!(usage["total_tokens"], prompt_tokens + 14);
+    // Each resend is the (text) prompt followed by its own choice's output.
+    let resent = resent_prompts(&healthy, &[6, 5]);
+    let prompt = resent[0]
+        .strip_suffix(" c0t0 c0t1")
+        .expect("choice 0's output appended");
+    assert!(prompt.starts_with("<|begin_of_text|>"), "{prompt}");
+    assert_eq!(resent[1], format!("{prompt} c1t0 c1t1 c1t2"));
+    let metrics = reqwest::get(format!("{}/metrics", gw.url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvroute_gateway_migrations_total{reason=\"worker_failed\"} 1"),
+        "one failure, one migration: {metrics}"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streamed_multi_choice_request_whose_worker_dies_gets_every_choice_whole() {
+    let (crashing, healthy, gw) = multi_choice_crash().await;
+    let request = json!({"model": MODEL, "prompt": "Say hi", "max_tokens": 8, "n": 3});
+    let (status, _, body) = tokio::time::timeout(
+        Duration::from_secs(5),
+        post_json(&gw.url(), "/v1/completions", &request),
+    )
+    .await
+    .expect("no hang");
+    assert_eq!(status, 200, "{body}");
+    let choices: Vec<(u64, &str, &str)> = body["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["index"].as_u64().unwrap(),
+                c["text"].as_str().unwrap(),
+                c["finish_reason"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        choices,
+        [
+            (0, " c0t0 c0t1 w0 w1 w2 w3", "length"),
+            (1, " c1t0 c1t1 c1t2 w0 w1 w2 w3", "length"),
+            (2, " c2t0", "stop"),
+        ]
+    );
+    let prompt_tokens = crashing.last_request()["prompt"].as_array().unwrap().len() as u64;
+    assert_eq!(body["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(body["usage"]["completion_tokens"], 14);
+    assert_eq!(
+        resent_prompts(&healthy, &[6, 5]),
+        ["Say hi c0t0 c0t1", "Say hi c1t0 c1t1 c1t2"]
+    );
+    gw.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_worker_is_skipped_and_health_checks_bring_workers_back() {
     let engine = engine(1, None).await;

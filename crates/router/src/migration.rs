@@ -14,6 +14,8 @@
 //!
 //! Sans-IO: no clock, no I/O; the driver times the deadlines and routes the continuation.
 
+use std::collections::VecDeque;
+
 use nanotime::Nanos;
 use serde::Serialize;
 
@@ -80,17 +82,18 @@ impl FailureReason {
 /// Why a failed request is not migrated: it ends with its worker's error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NotMigrated {
-    /// Migration is off for it: `migration_limit` 0, or several choices (`n` > 1), whose
-    /// continuation is not one prompt.
+    /// Migration is off for it: `migration_limit` 0, or more than
+    /// [`MAX_MIGRATED_CHOICES`] choices.
     Off,
     /// It has been resent `migration_limit` times already.
     LimitReached,
-    /// Its choice already ended (a finish reason came): nothing is left to resend.
+    /// Its choices already ended (a finish reason came for each): nothing is left to resend.
     ChoiceFinished,
-    /// Its output so far is over the response byte cap, or a second choice appeared: it is no
-    /// longer kept.
+    /// Its output so far is over the response byte cap, or a choice past `n` appeared: it is
+    /// no longer kept.
     NotKept,
-    /// Every token of `max_tokens` was generated: nothing is left to generate.
+    /// Every token of `max_tokens` was generated (for a choice that has not finished):
+    /// nothing is left to generate.
     NothingLeft,
 }
 
@@ -110,13 +113,15 @@ pub enum Decision {
 /// what was generated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Continuation {
+    /// The client's choice it continues (0 for a single-choice request).
+    pub index: u32,
     /// The prompt's tokens followed by the output's.
     pub tokens: Vec<u32>,
     /// The output text so far, for a worker that takes the prompt as text (appended to it).
     pub output_text: String,
     /// What is left of `max_tokens` (`None`: the request set none).
     pub max_tokens: Option<u32>,
-    /// Output tokens generated before this resend, by every earlier worker.
+    /// Output tokens of this choice generated before this resend, by every earlier worker.
     pub generated: u64,
     pub reason: FailureReason,
 }
@@ -143,14 +148,31 @@ pub struct ChoiceOutput<'a> {
     pub finished: bool,
 }
 
-/// The output so far of a request that may still migrate.
-#[derive(Debug, Clone, Default)]
+/// The output so far of one choice that may still migrate.
+#[derive(Debug, Clone)]
 struct SoFar {
     text: String,
     /// The ids, while every chunk with text carried them; `None` otherwise.
     ids: Option<Vec<u32>>,
     tokens: u64,
+    /// A finish reason came: nothing of it is resent.
+    finished: bool,
 }
+
+impl SoFar {
+    fn new() -> SoFar {
+        SoFar {
+            text: String::new(),
+            ids: Some(Vec::new()),
+            tokens: 0,
+            finished: false,
+        }
+    }
+}
+
+/// Most choices (`n`) a request may have and still migrate: the state kept per choice is
+/// bounded by it (the gateway aggregates no more either).
+pub const MAX_MIGRATED_CHOICES: u32 = 128;
 
 /// A usage report, the client's view of the whole request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,42 +188,71 @@ impl TokenUsage {
     }
 }
 
-/// One request's migrations: what it generated so far (only what a resend needs, within a
-/// byte cap), how many resends are left, and what earlier workers generated.
+/// One request's migrations: what each of its choices generated so far (only what a resend
+/// needs, within a byte cap over all choices), how many resends are left, and what earlier
+/// workers generated.
+///
+/// Several choices (`n` > 1): when the worker fails, each choice that has not finished is
+/// resent on its own (`n` = 1, its prompt followed by its output so far), one after the
+/// other: [`MigrationState::decide`] gives the first, [`MigrationState::next_continuation`]
+/// the others as each continuation ends. One worker failure uses one attempt, however many
+/// choices it leaves to resend. The driver labels each continuation's output with its
+/// [`Continuation::index`].
 #[derive(Debug, Clone)]
 pub struct MigrationState {
     attempts_left: u32,
     max_output_bytes: usize,
-    /// `None`: it cannot migrate (off, or no longer kept).
-    so_far: Option<SoFar>,
-    /// Why `so_far` is `None`.
+    /// The request's `n`.
+    choices: u32,
+    /// Each choice's output so far, by index, grown as choices appear (at most `choices`).
+    so_far: Vec<SoFar>,
+    /// `false`: it cannot migrate (off, or no longer kept); `not_kept` says why.
+    kept: bool,
     not_kept: NotMigrated,
-    choice_finished: bool,
+    /// Text bytes kept over all choices, against `max_output_bytes`.
+    kept_bytes: usize,
+    /// Output tokens of every choice, by every worker so far.
+    total_tokens: u64,
     /// Output tokens of the workers before the current one.
     earlier_tokens: u64,
+    /// Choices of a failed worker still to resend after the current continuation, and why
+    /// their worker failed.
+    pending: VecDeque<u32>,
+    pending_reason: FailureReason,
 }
 
 impl MigrationState {
     /// A request with `choices` choices (`n`), resent at most `limit` times, whose output is
-    /// kept for a resend up to `max_output_bytes` of text.
+    /// kept for a resend up to `max_output_bytes` of text (all choices together).
     pub fn new(limit: u32, choices: u32, max_output_bytes: usize) -> MigrationState {
-        let on = limit > 0 && choices == 1;
+        let kept = limit > 0 && (1..=MAX_MIGRATED_CHOICES).contains(&choices);
+        let mut so_far = Vec::new();
+        if kept {
+            so_far.push(SoFar::new());
+        }
         MigrationState {
             attempts_left: limit,
             max_output_bytes,
-            so_far: on.then(|| SoFar {
-                ids: Some(Vec::new()),
-                ..SoFar::default()
-            }),
+            choices,
+            so_far,
+            kept,
             not_kept: NotMigrated::Off,
-            choice_finished: false,
+            kept_bytes: 0,
+            total_tokens: 0,
             earlier_tokens: 0,
+            pending: VecDeque::new(),
+            pending_reason: FailureReason::WorkerFailed,
         }
     }
 
     /// Whether it may still migrate (its output is kept).
     pub fn is_kept(&self) -> bool {
-        self.so_far.is_some()
+        self.kept
+    }
+
+    /// The request's choices (`n`).
+    pub fn choices(&self) -> u32 {
+        self.choices
     }
 
     /// Output tokens of the workers before the current one.
@@ -209,21 +260,33 @@ impl MigrationState {
         self.earlier_tokens
     }
 
-    /// Keeps what a resend needs of one choice of a worker's chunk; stops keeping (no
-    /// migration) at a second choice or past the byte cap.
+    /// Whether choices of a failed worker are still to resend
+    /// ([`MigrationState::next_continuation`]) once the current continuation ends.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Keeps what a resend needs of one choice of a worker's chunk (`index`: the client's
+    /// choice); stops keeping (no migration) at an index past `n` or past the byte cap.
     pub fn on_choice(&mut self, choice: ChoiceOutput<'_>) {
-        if choice.finished {
-            self.choice_finished = true;
-        }
-        let Some(so_far) = &mut self.so_far else {
+        if !self.kept {
             return;
-        };
-        if choice.index != 0 {
+        }
+        if choice.index >= self.choices {
             self.stop_keeping();
             return;
         }
+        let i = choice.index as usize;
+        if self.so_far.len() <= i {
+            self.so_far.resize_with(i + 1, SoFar::new);
+        }
+        let so_far = &mut self.so_far[i];
+        if choice.finished {
+            so_far.finished = true;
+        }
         so_far.text.push_str(choice.text);
         so_far.tokens += choice.tokens;
+        self.total_tokens += choice.tokens;
         if let Some(ids) = &mut so_far.ids {
             match choice.ids {
                 ChunkIds::Ids(more) => ids.extend_from_slice(more),
@@ -232,19 +295,23 @@ impl MigrationState {
                 ChunkIds::Missing | ChunkIds::Unreadable => so_far.ids = None,
             }
         }
-        if so_far.text.len() > self.max_output_bytes {
+        self.kept_bytes += choice.text.len();
+        if self.kept_bytes > self.max_output_bytes {
             self.stop_keeping();
         }
     }
 
     fn stop_keeping(&mut self) {
-        self.so_far = None;
+        self.kept = false;
+        self.so_far = Vec::new();
         self.not_kept = NotMigrated::NotKept;
     }
 
     /// The current worker failed for `reason`: migrate (using up one attempt) or end. The
     /// continuation is `prompt` followed by the worker's ids when every chunk carried them,
-    /// else by `tokenize` of the text; `max_tokens` is the client's.
+    /// else by `tokenize` of the text; `max_tokens` is the client's. With several choices,
+    /// it continues the first that has not finished; the others follow
+    /// ([`MigrationState::next_continuation`]).
     pub fn decide(
         &mut self,
         reason: FailureReason,
@@ -253,24 +320,50 @@ impl MigrationState {
         tokenize: impl FnOnce(&str) -> Vec<u32>,
     ) -> Decision {
         let end = |why| Decision::End { reason, why };
-        let Some(so_far) = &self.so_far else {
+        if !self.kept {
             return end(self.not_kept);
-        };
-        if self.choice_finished {
+        }
+        // Choices the worker never started are resent whole.
+        if self.so_far.len() < self.choices as usize {
+            self.so_far.resize_with(self.choices as usize, SoFar::new);
+        }
+        let unfinished: VecDeque<u32> = (0..self.choices)
+            .filter(|&i| !self.so_far[i as usize].finished)
+            .collect();
+        if unfinished.is_empty() {
             return end(NotMigrated::ChoiceFinished);
         }
         if self.attempts_left == 0 {
             return end(NotMigrated::LimitReached);
         }
-        let generated = u32::try_from(so_far.tokens).unwrap_or(u32::MAX);
-        let max_tokens = match max_tokens {
-            Some(max) => match max.saturating_sub(generated) {
-                0 => return end(NotMigrated::NothingLeft),
-                left => Some(left),
-            },
-            None => None,
-        };
+        if let Some(max) = max_tokens {
+            let done = |i: &u32| self.so_far[*i as usize].tokens >= u64::from(max);
+            if unfinished.iter().any(done) {
+                return end(NotMigrated::NothingLeft);
+            }
+        }
         self.attempts_left -= 1;
+        self.pending = unfinished;
+        self.pending_reason = reason;
+        match self.next_continuation(prompt, max_tokens, tokenize) {
+            Some(continuation) => Decision::Migrate(continuation),
+            None => end(NotMigrated::ChoiceFinished),
+        }
+    }
+
+    /// The next choice of a failed worker to resend, after the continuation before it ended
+    /// (`None`: none is left). Uses no attempt: the failure that left it did.
+    pub fn next_continuation(
+        &mut self,
+        prompt: &[u32],
+        max_tokens: Option<u32>,
+        tokenize: impl FnOnce(&str) -> Vec<u32>,
+    ) -> Option<Continuation> {
+        let index = self.pending.pop_front()?;
+        let so_far = self.so_far.get(index as usize)?;
+        let generated = u32::try_from(so_far.tokens).unwrap_or(u32::MAX);
+        // `decide` checked that some of `max_tokens` is left.
+        let max_tokens = max_tokens.map(|max| max.saturating_sub(generated).max(1));
         let mut tokens = Vec::with_capacity(prompt.len() + so_far.tokens as usize);
         tokens.extend_from_slice(prompt);
         match &so_far.ids {
@@ -278,13 +371,14 @@ impl MigrationState {
             // Without the worker's ids: the text's, as the model's tokenizer writes it.
             _ => tokens.extend(tokenize(&so_far.text)),
         }
-        self.earlier_tokens = so_far.tokens;
-        Decision::Migrate(Continuation {
+        self.earlier_tokens = self.total_tokens;
+        Some(Continuation {
+            index,
             tokens,
             output_text: so_far.text.clone(),
             max_tokens,
             generated: so_far.tokens,
-            reason,
+            reason: self.pending_reason,
         })
     }
 
@@ -432,7 +526,10 @@ mod tests {
             d => panic!("{d:?}"),
         };
         assert_eq!(end(MigrationState::new(0, 1, 100), None), NotMigrated::Off);
-        assert_eq!(end(MigrationState::new(3, 2, 100), None), NotMigrated::Off);
+        assert_eq!(
+            end(MigrationState::new(3, MAX_MIGRATED_CHOICES + 1, 100), None),
+            NotMigrated::Off
+        );
         // A finished choice.
         let mut m = MigrationState::new(3, 1, 100);
         m.on_choice(ChoiceOutput {
@@ -445,7 +542,7 @@ mod tests {
         m.on_choice(chunk("abcde", &[1]));
         assert!(!m.is_kept());
         assert_eq!(end(m, None), NotMigrated::NotKept);
-        // A second choice.
+        // A choice past `n`.
         let mut m = MigrationState::new(3, 1, 100);
         m.on_choice(ChoiceOutput {
             index: 1,
@@ -456,6 +553,93 @@ mod tests {
         let mut m = MigrationState::new(3, 1, 100);
         m.on_choice(chunk("ab", &[1, 2]));
         assert_eq!(end(m, Some(2)), NotMigrated::NothingLeft);
+    }
+
+    #[test]
+    fn each_unfinished_choice_is_continued_on_its_own_for_one_attempt() {
+        let mut m = MigrationState::new(2, 3, 1 << 20);
+        let of = |index, text, ids: &[u32], finished| ChoiceOutput {
+            index,
+            finished,
+            ..chunk(text, ids)
+        };
+        m.on_choice(of(0, "a", &[10], false));
+        m.on_choice(of(1, "b", &[20], false));
+        m.on_choice(of(2, "c", &[30], true));
+        m.on_choice(of(0, "d", &[11], false));
+        assert!(m.is_kept() && !m.has_pending());
+        let d = m.decide(FailureReason::WorkerFailed, &[1], Some(5), no_tokenizer);
+        let Decision::Migrate(first) = d else {
+            panic!("{d:?}")
+        };
+        // Choice 0 first, with its own output; choice 2 finished and is not resent.
+        assert_eq!(
+            (
+                first.index,
+                &first.tokens[..],
+                first.max_tokens,
+                first.generated
+            ),
+            (0, &[1, 10, 11][..], Some(3), 2)
+        );
+        assert_eq!(first.output_text, "ad");
+        assert!(m.has_pending());
+        // Choice 0's continuation finishes; choice 1 follows, no attempt used.
+        m.on_choice(of(0, "e", &[12], true));
+        let second = m
+            .next_continuation(&[1], Some(5), no_tokenizer)
+            .expect("choice 1 is left");
+        assert_eq!(
+            (second.index, &second.tokens[..], second.max_tokens),
+            (1, &[1, 20][..], Some(4))
+        );
+        assert_eq!(second.reason, FailureReason::WorkerFailed);
+        assert!(!m.has_pending());
+        assert_eq!(m.next_continuation(&[1], Some(5), no_tokenizer), None);
+        // Every earlier token of every choice counts in the last worker's usage.
+        assert_eq!(m.earlier_tokens(), 5);
+        let worker = TokenUsage {
+            prompt_tokens: 2,
+            completion_tokens: 4,
+            cached_tokens: None,
+        };
+        assert_eq!(m.request_usage(1, worker).completion_tokens, 9);
+        // Its continuation fails too: the one attempt left resends only choice 1.
+        m.on_choice(of(1, "f", &[21], false));
+        let d = m.decide(FailureReason::WorkerTimeout, &[1], Some(5), no_tokenizer);
+        assert!(
+            matches!(&d, Decision::Migrate(c) if c.index == 1 && c.tokens == [1, 20, 21]),
+            "{d:?}"
+        );
+        assert!(!m.has_pending());
+        m.on_choice(of(1, "g", &[22], false));
+        assert!(matches!(
+            m.decide(FailureReason::WorkerFailed, &[1], Some(5), no_tokenizer),
+            Decision::End {
+                why: NotMigrated::LimitReached,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn the_byte_cap_covers_all_choices_and_a_choice_without_tokens_left_ends_it() {
+        let mut m = MigrationState::new(3, 2, 5);
+        m.on_choice(chunk("abc", &[1]));
+        m.on_choice(ChoiceOutput {
+            index: 1,
+            ..chunk("def", &[2])
+        });
+        assert!(!m.is_kept(), "6 bytes over both choices, against 5");
+        let mut m = MigrationState::new(3, 2, 100);
+        m.on_choice(chunk("ab", &[1, 2]));
+        assert!(matches!(
+            m.decide(FailureReason::WorkerFailed, &[9], Some(2), no_tokenizer),
+            Decision::End {
+                why: NotMigrated::NothingLeft,
+                ..
+            }
+        ));
     }
 
     #[test]

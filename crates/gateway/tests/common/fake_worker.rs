@@ -21,6 +21,10 @@ pub enum Script {
     Complete { tokens: u32 },
     /// Streams `tokens` chunks, then closes the connection without `[DONE]`.
     CrashAfter { tokens: u32 },
+    /// Streams several choices, one token of each in turn: choice `i` gets `choices[i].0`
+    /// chunks (` c{i}t{j}`), the last with finish reason `stop` when `choices[i].1`; then
+    /// closes the connection without `[DONE]`.
+    CrashMidChoices { choices: Vec<(u32, bool)> },
     /// Answers with this status and OpenAI error JSON.
     Fail { status: u16 },
     /// A vLLM prefill worker (NixlConnector): one token, unary, with the
@@ -106,11 +110,30 @@ impl Drop for FakeWorker {
 }
 
 fn chunk(text: &str, finish: Option<&str>) -> String {
+    choice_chunk(0, text, finish)
+}
+
+fn choice_chunk(index: u32, text: &str, finish: Option<&str>) -> String {
     let body = json!({
         "id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "fake",
-        "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+        "choices": [{"index": index, "text": text, "logprobs": null, "finish_reason": finish}],
     });
     format!("data: {body}\n\n")
+}
+
+/// A body of `chunks`, then an error: hyper aborts the connection without the chunked
+/// terminator, as a dying process would.
+fn crashing_body(chunks: Vec<String>) -> Response {
+    let chunks: Vec<Result<Bytes, std::io::Error>> =
+        chunks.into_iter().map(|c| Ok(Bytes::from(c))).collect();
+    let stream = futures::stream::iter(chunks).chain(futures::stream::once(async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        Err(std::io::Error::other("worker crashed"))
+    }));
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap()
 }
 
 async fn completions(State(state): State<FakeState>, body: Bytes) -> Response {
@@ -188,19 +211,20 @@ async fn completions(State(state): State<FakeState>, body: Bytes) -> Response {
                 .unwrap()
         }
         Script::CrashAfter { tokens } => {
-            // A body that yields some chunks, then an error: hyper aborts the connection
-            // without the chunked terminator, as a dying process would.
-            let chunks: Vec<Result<Bytes, std::io::Error>> = (0..tokens)
-                .map(|i| Ok(Bytes::from(chunk(&format!(" w{i}"), None))))
-                .collect();
-            let stream = futures::stream::iter(chunks).chain(futures::stream::once(async {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                Err(std::io::Error::other("worker crashed"))
-            }));
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(Body::from_stream(stream))
-                .unwrap()
+            crashing_body((0..tokens).map(|i| chunk(&format!(" w{i}"), None)).collect())
+        }
+        Script::CrashMidChoices { choices } => {
+            let longest = choices.iter().map(|c| c.0).max().unwrap_or(0);
+            let mut chunks = Vec::new();
+            for j in 0..longest {
+                for (i, &(tokens, finishes)) in (0u32..).zip(&choices) {
+                    if j < tokens {
+                        let finish = (finishes && j + 1 == tokens).then_some("stop");
+                        chunks.push(choice_chunk(i, &format!(" c{i}t{j}"), finish));
+                    }
+                }
+            }
+            crashing_body(chunks)
         }
     }
 }
