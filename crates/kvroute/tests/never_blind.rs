@@ -32,14 +32,11 @@ fn engines_started_alike_behind_a_plain_gateway_give_cache_hits() {
     let gateway = Server::start(&args);
 
     // Both engines are routable (distinct ids) and each one's cache view is its events.
-    let views: Vec<String> = (0..2)
-        .map(|_| {
-            gateway
-                .lines
-                .recv_timeout(Duration::from_secs(10))
-                .expect("a cache-view line per worker")
-        })
-        .collect();
+    let views: Vec<String> =
+        std::iter::from_fn(|| gateway.lines.recv_timeout(Duration::from_secs(10)).ok())
+            .filter(|line| line.contains("cache view"))
+            .take(2)
+            .collect();
     for url in &urls {
         assert!(
             views
