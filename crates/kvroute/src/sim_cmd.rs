@@ -156,7 +156,13 @@ pub fn patch<T: Serialize + DeserializeOwned>(value: T, sets: &[String], what: &
                     .iter()
                     .find(|(_, key, _)| message.contains(&format!("`{key}`")))
             {
-                return Err(no_field(path, key, fields));
+                // A section this patch created has no fields to list: serde's message names
+                // the ones it expects.
+                return Err(if fields.is_empty() {
+                    anyhow::anyhow!("{what} has no field `{path}` ({message})")
+                } else {
+                    no_field(path, key, fields)
+                });
             }
             return Err(e).with_context(|| format!("{what} settings {sets:?} do not fit"));
         }

@@ -201,7 +201,8 @@ fn bad_arguments_fail_with_a_clear_error() {
         ),
         (
             &["sim", "--workload-set", "lockstep.new_token_ratio=1"],
-            "no field `lockstep.new_token_ratio`",
+            "no field `lockstep.new_token_ratio` (unknown field `new_token_ratio`, expected \
+             `new_tokens_ratio`)",
         ),
         (
             &["sim", "--workload-set", "think_time_s.kind.x=1"],
