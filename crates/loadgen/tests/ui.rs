@@ -15,34 +15,12 @@ use workload::scenario::ScenarioConfig;
 
 mod common;
 
-use common::browser::{ChromeDriver, id};
+use common::browser::{ChromeDriver, click, disabled, id, text};
 use common::{Cluster, MODEL, get, loadgen_config, wait_until};
 const SPEEDUP: f64 = 50.0;
 
 async fn api(url: &str) -> Value {
     get(url).await.1
-}
-
-async fn text(browser: &Client, testid: &str) -> String {
-    // The cards are rebuilt when their set changes (speculation or reuse cards appear), so
-    // an element found just before may be gone when read: find it again.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let found = browser
-            .wait()
-            .at_most(Duration::from_secs(10))
-            .for_element(id(testid))
-            .await
-            .unwrap_or_else(|e| panic!("element {testid}: {e}"));
-        match found.text().await {
-            Ok(text) => return text,
-            Err(e) if std::time::Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("element {testid}: {e}"),
-        }
-    }
 }
 
 async fn classes(browser: &Client, testid: &str) -> String {
@@ -54,28 +32,6 @@ async fn classes(browser: &Client, testid: &str) -> String {
         .await
         .unwrap()
         .unwrap_or_default()
-}
-
-async fn click(browser: &Client, testid: &str) {
-    browser
-        .find(id(testid))
-        .await
-        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
-        .click()
-        .await
-        .unwrap();
-}
-
-async fn disabled(browser: &Client, testid: &str) -> bool {
-    browser
-        .find(id(testid))
-        .await
-        .unwrap()
-        .prop("disabled")
-        .await
-        .unwrap()
-        .as_deref()
-        == Some("true")
 }
 
 /// `web/js/format.js`'s rules.

@@ -5,59 +5,18 @@
 
 use std::time::Duration;
 
-use fantoccini::Client;
 use loadgen::Loadgen;
 use serde_json::Value;
 
 mod common;
 
-use common::browser::{ChromeDriver, id};
+use common::browser::{ChromeDriver, click, disabled, not_hidden, text};
 use common::{Cluster, loadgen_config, wait_until};
 
 const SPEEDUP: f64 = 50.0;
 /// Characters a query string must encode, so the page's decoding is exercised.
 const TOKEN: &str = "s3cret+/=&x";
 const TOKEN_IN_QUERY: &str = "s3cret%2B%2F%3D%26x";
-
-async fn text(browser: &Client, testid: &str) -> String {
-    browser
-        .wait()
-        .at_most(Duration::from_secs(10))
-        .for_element(id(testid))
-        .await
-        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
-        .text()
-        .await
-        .unwrap_or_default()
-}
-
-async fn prop(browser: &Client, testid: &str, name: &str) -> Option<String> {
-    browser
-        .find(id(testid))
-        .await
-        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
-        .prop(name)
-        .await
-        .unwrap()
-}
-
-async fn disabled(browser: &Client, testid: &str) -> bool {
-    prop(browser, testid, "disabled").await.as_deref() == Some("true")
-}
-
-async fn shown(browser: &Client, testid: &str) -> bool {
-    prop(browser, testid, "hidden").await.as_deref() == Some("false")
-}
-
-async fn click(browser: &Client, testid: &str) {
-    browser
-        .find(id(testid))
-        .await
-        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
-        .click()
-        .await
-        .unwrap();
-}
 
 /// `/api/status` with the token.
 async fn status(url: &str) -> Value {
@@ -86,7 +45,7 @@ async fn the_dashboard_opened_with_its_token_runs_and_without_it_says_what_to_do
     // Without the token: a clear message, nothing connected, no control enabled.
     browser.goto(&format!("{url}/")).await.unwrap();
     wait_until("the token message", Duration::from_secs(10), async || {
-        shown(&browser, "auth-banner").await
+        not_hidden(&browser, "auth-banner").await
     })
     .await;
     let message = text(&browser, "auth-banner").await;
@@ -104,7 +63,7 @@ async fn the_dashboard_opened_with_its_token_runs_and_without_it_says_what_to_do
         "the refused-token message",
         Duration::from_secs(10),
         async || {
-            shown(&browser, "auth-banner").await
+            not_hidden(&browser, "auth-banner").await
                 && text(&browser, "auth-banner")
                     .await
                     .contains("refused the token")
@@ -122,7 +81,7 @@ async fn the_dashboard_opened_with_its_token_runs_and_without_it_says_what_to_do
         text(&browser, "ws-state").await == "connected"
     })
     .await;
-    assert!(!shown(&browser, "auth-banner").await);
+    assert!(!not_hidden(&browser, "auth-banner").await);
     assert!(!disabled(&browser, "start").await);
     assert!(disabled(&browser, "stop").await);
     click(&browser, "start").await;

@@ -7,7 +7,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fantoccini::Client;
 use loadgen::Loadgen;
 use loadgen::trace::TraceReplayConfig;
 use loadgen::trace_run::TraceSetup;
@@ -16,47 +15,11 @@ use workload::{Speed, Trace};
 
 mod common;
 
-use common::browser::{ChromeDriver, id};
+use common::browser::{ChromeDriver, click, not_hidden, text};
 use common::{Cluster, MODEL, get, loadgen_config, wait_until};
 
 const SPEEDUP: f64 = 50.0;
 const REQUESTS: usize = 40;
-
-async fn text(browser: &Client, testid: &str) -> String {
-    browser
-        .wait()
-        .at_most(Duration::from_secs(10))
-        .for_element(id(testid))
-        .await
-        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
-        .text()
-        .await
-        .unwrap_or_default()
-}
-
-async fn prop(browser: &Client, testid: &str, name: &str) -> Option<String> {
-    browser
-        .find(id(testid))
-        .await
-        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
-        .prop(name)
-        .await
-        .unwrap()
-}
-
-async fn shown(browser: &Client, testid: &str) -> bool {
-    prop(browser, testid, "hidden").await.as_deref() == Some("false")
-}
-
-async fn click(browser: &Client, testid: &str) {
-    browser
-        .find(id(testid))
-        .await
-        .unwrap_or_else(|e| panic!("element {testid}: {e}"))
-        .click()
-        .await
-        .unwrap();
-}
 
 /// `web/js/format.js`'s `kvHit`.
 fn percent(v: &Value) -> String {
@@ -108,11 +71,11 @@ async fn the_trace_panel_shows_the_replay_its_bound_and_its_end() {
 
     // Before Start: the panel, the file, the bound; the chat workload's controls hidden.
     wait_until("the trace panel", Duration::from_secs(10), async || {
-        shown(&browser, "trace-panel").await
+        not_hidden(&browser, "trace-panel").await
     })
     .await;
     assert!(
-        !shown(&browser, "booth-panel").await,
+        !not_hidden(&browser, "booth-panel").await,
         "no mix/rate controls"
     );
     assert_eq!(text(&browser, "trace-state").await, "waiting for Start");
