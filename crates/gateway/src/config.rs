@@ -274,13 +274,14 @@ pub struct ReplicaSettings {
 
 impl Default for ReplicaSettings {
     fn default() -> Self {
+        let timing = router::ReplicaTiming::default();
         ReplicaSettings {
             id: None,
             sync: true,
-            flush_interval: Duration::from_millis(2),
-            heartbeat: Duration::from_millis(500),
-            peer_lease: Duration::from_secs(3),
-            snapshot_timeout: Duration::from_millis(500),
+            flush_interval: timing.flush_interval.into(),
+            heartbeat: timing.heartbeat.into(),
+            peer_lease: timing.peer_lease.into(),
+            snapshot_timeout: timing.snapshot_timeout.into(),
         }
     }
 }

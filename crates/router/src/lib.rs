@@ -131,7 +131,7 @@ pub use policy::{
     RoutingPolicy, SelectionContext, UnknownPolicy, WorkerLimits, WorkerTiming,
 };
 pub use replica::{
-    PeerChange, PeerSnapshot, PeerUpdate, ReplicaId, ReplicaSync, ReplicaSyncConfig,
+    PeerChange, PeerSnapshot, PeerUpdate, ReplicaId, ReplicaSync, ReplicaSyncConfig, ReplicaTiming,
     SnapshotRequest,
 };
 pub use router::{

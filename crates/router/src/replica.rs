@@ -87,6 +87,33 @@ pub enum PeerChange {
     Finished,
 }
 
+/// The replicas' timing, as `kvroute gateway` runs it and the simulator models it: one home
+/// for the defaults both drivers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaTiming {
+    /// Longest an update waits to be batched with others: with NATS delivery, the bound on
+    /// how stale a peer's view of this replica's load is.
+    pub flush_interval: Nanos,
+    /// A header-only message at least this often, so peers know this replica lives.
+    pub heartbeat: Nanos,
+    /// A peer not heard from for this long died without a goodbye: its requests are released
+    /// ([`ReplicaSync::expire_peers`]).
+    pub peer_lease: Nanos,
+    /// How long a starting replica waits for its peers' snapshots before it serves anyway.
+    pub snapshot_timeout: Nanos,
+}
+
+impl Default for ReplicaTiming {
+    fn default() -> Self {
+        ReplicaTiming {
+            flush_interval: Nanos::from_millis(2),
+            heartbeat: Nanos::from_millis(500),
+            peer_lease: Nanos::from_secs(3),
+            snapshot_timeout: Nanos::from_millis(500),
+        }
+    }
+}
+
 /// Bounds of a [`ReplicaSync`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReplicaSyncConfig {

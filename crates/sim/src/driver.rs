@@ -16,9 +16,7 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::config::{ConfigError, Phase, SimConfig};
-use crate::faults::{
-    Checker, EventChannel, FaultPlan, FaultReport, FaultRng, FaultSpec, PEER_LEASE,
-};
+use crate::faults::{Checker, EventChannel, FaultPlan, FaultReport, FaultRng, FaultSpec};
 use crate::links::{LinkError, LinkShare};
 use crate::metrics::{
     KvTransfer, Metrics, Outcome, RequestRecord, RouteTag, WindowAcc, tokens_in_window,
@@ -1029,14 +1027,15 @@ impl<W: Workload> Simulation<W> {
             state.schedule(at, FaultAction::HangStart(w));
             state.schedule(until, FaultAction::HangEnd(w));
         }
+        let peer_lease = router::ReplicaTiming::default().peer_lease;
         if let Some((r, at, up)) = plan.replica_restart {
             state.schedule(at, FaultAction::ReplicaDown(r));
-            state.schedule(at + PEER_LEASE, FaultAction::LeaseExpired(r));
+            state.schedule(at + peer_lease, FaultAction::LeaseExpired(r));
             state.schedule(up, FaultAction::ReplicaUp(r));
         }
         if let Some((r, at, until)) = plan.partition {
             state.schedule(at, FaultAction::PartitionStart(r));
-            state.schedule(at + PEER_LEASE, FaultAction::LeaseExpired(r));
+            state.schedule(at + peer_lease, FaultAction::LeaseExpired(r));
             state.schedule(until, FaultAction::PartitionEnd(r));
         }
         self.timers.arm(Source::Fault, state.next_action());

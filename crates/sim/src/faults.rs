@@ -45,14 +45,14 @@
 //!   clients whose requests it held see their connection break (each turn ends with the
 //!   reported error `gateway_failed`, and its engine cancels it, as for a client that
 //!   disconnects); the load balancer sends new turns to the other replicas. Its peers count
-//!   its requests until its lease ([`PEER_LEASE`]) passes without a word from it. It starts
+//!   its requests until its lease ([`router::ReplicaTiming::peer_lease`]) passes without a word from it. It starts
 //!   with an empty index (rebuilt from the workers' KV events from then on) and an empty
 //!   view of the fleet's load; before it serves, it asks its peers for their snapshots and
-//!   waits for them, at most [`SNAPSHOT_TIMEOUT`]; its first message (a new epoch) makes its
+//!   waits for them, at most [`router::ReplicaTiming::snapshot_timeout`]; its first message (a new epoch) makes its
 //!   peers release what they still counted for its old incarnation.
 //! - **partition**: one replica loses NATS for SECONDS (it still serves its clients and
 //!   reaches the workers over HTTP): it receives no KV event and no peer update, and its own
-//!   updates reach nobody. Past [`PEER_LEASE`] of silence, it and its peers forget each
+//!   updates reach nobody. Past the peer lease of silence, it and its peers forget each
 //!   other (releasing each other's requests). When NATS comes back, each side's next
 //!   header shows the updates lost, so it fetches snapshots; the first KV event of each
 //!   worker shows a gap, so the index clears that worker's blocks and re-baselines (the gap
@@ -85,12 +85,6 @@ use serde::Serialize;
 use thiserror::Error;
 use workload::TurnKey;
 
-/// The gateway's peer lease (`ReplicaSettings::peer_lease`'s default): a replica silent this long is
-/// forgotten by its peers, its requests released.
-pub const PEER_LEASE: Nanos = Nanos::from_secs(3);
-/// How long a starting replica waits for its peers' snapshots before it serves anyway
-/// (the gateway's `ReplicaSettings::snapshot_timeout` default).
-pub const SNAPSHOT_TIMEOUT: Nanos = Nanos::from_millis(500);
 /// Most KV events in transit at once; past it an event is dropped (and the gap policy
 /// resynchronises), so a delay fault cannot grow memory without bound.
 pub const MAX_EVENTS_IN_TRANSIT: usize = 1 << 20;

@@ -188,7 +188,7 @@ impl Replicas {
             partitioned: vec![false; n],
             epochs: vec![0; n],
             snapshot_wait: vec![None; n],
-            snapshot_timeout: crate::faults::SNAPSHOT_TIMEOUT,
+            snapshot_timeout: router::ReplicaTiming::default().snapshot_timeout,
             fault_counters: ReplicaFaultCounters::default(),
             owners: FxHashMap::default(),
             next: 0,
