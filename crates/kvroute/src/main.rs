@@ -171,11 +171,18 @@ fn hash(args: HashArgs) -> Result<()> {
 /// Logging and the async runtime of a server subcommand (`engine`, `gateway`): warnings
 /// (NATS or ZMQ trouble, dropped KV batches, failed workers) to stderr, `RUST_LOG` overrides.
 fn server_runtime() -> Result<tokio::runtime::Runtime> {
+    use std::io::IsTerminal as _;
     let _ = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour codes only on a terminal: in a file, a pipe or `kubectl logs` they are noise.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new(format!(
+                    "warn,{}",
+                    protocol::nats_client::QUIET_NATS_LOGS
+                ))
+            }),
         )
         .try_init();
     tokio::runtime::Builder::new_multi_thread()

@@ -7,11 +7,12 @@
 //! The same with a server in operator (JWT) mode and `--nats-creds`: the operator, account
 //! and user JWTs are made and signed here (`operator` below), as `nsc` would.
 
+use std::io::BufRead;
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Server, failure, get_json, kvroute};
+use common::{Running, Server, failure, get_json, kvroute};
 mod common;
 #[path = "../../gateway/tests/common/nats.rs"]
 mod nats;
@@ -230,6 +231,7 @@ fn a_missing_ca_a_wrong_password_or_a_plain_server_is_refused_at_start() {
     let right = url_with_password(&tls_server, PASSWORD);
     let wrong = url_with_password(&tls_server, "not-the-password");
     let plain = url_with_password(&plain_server, PASSWORD);
+    let anonymous = tls_server.url();
     for (args, expected) in [
         // TLS server, no CA: its certificate is not trusted.
         (
@@ -246,7 +248,7 @@ fn a_missing_ca_a_wrong_password_or_a_plain_server_is_refused_at_start() {
                 "--nats-tls-ca",
                 &ca,
             ],
-            "authorization",
+            "refused this client: authorization violation (check the user and password",
         ),
         (
             vec![
@@ -258,7 +260,20 @@ fn a_missing_ca_a_wrong_password_or_a_plain_server_is_refused_at_start() {
                 "--nats-tls-ca",
                 &ca,
             ],
-            "authorization",
+            "refused this client: authorization violation (check the user and password",
+        ),
+        // No credentials at all: the refusal says where they go.
+        (
+            vec![
+                "gateway",
+                "--port",
+                "0",
+                "--nats",
+                anonymous.as_str(),
+                "--nats-tls-ca",
+                &ca,
+            ],
+            "it requires credentials: nats://USER:PASSWORD@HOST:PORT",
         ),
         // A CA asks for TLS: a plain-text server is refused rather than used in the clear.
         (
@@ -300,7 +315,75 @@ fn a_missing_ca_a_wrong_password_or_a_plain_server_is_refused_at_start() {
             !stderr.contains(PASSWORD) && !stderr.contains("not-the-password"),
             "{stderr}"
         );
+        // One message, not async-nats's own line before it.
+        assert!(
+            stderr.matches("authorization violation").count() <= 1
+                && !stderr.contains("async_nats"),
+            "printed once: {stderr}"
+        );
     }
+}
+
+/// A NATS outage while a gateway runs is reported in three lines, whatever its length: the
+/// loss, the first failed reconnection (later ones are counted), and the return with the
+/// count; async-nats's own per-attempt lines stay off.
+#[test]
+fn a_nats_outage_is_reported_once_lost_once_failing_and_once_restored() {
+    let mut nats = NatsServer::start();
+    let url = nats.url();
+    let mut gateway = Running::spawn(&["gateway", "--port", "0", "--nats", &url], Stdio::piped());
+    let stdout = gateway.take_stdout();
+    let stderr = std::io::BufReader::new(gateway.0.stderr.take().expect("stderr is piped"));
+    let (tx, lines) = std::sync::mpsc::channel();
+    for reader in [
+        Box::new(stdout) as Box<dyn BufRead + Send>,
+        Box::new(stderr) as Box<dyn BufRead + Send>,
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in reader.lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    let mut seen = Vec::new();
+    let mut wait_for = |needle: &str, seen: &mut Vec<String>| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !seen.iter().any(|l: &String| l.contains(needle)) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(line) => seen.push(line),
+                Err(_) => panic!("no line with {needle:?}: {seen:#?}"),
+            }
+        }
+    };
+    wait_for("listening on", &mut seen);
+    // Down long enough for several reconnection attempts (async-nats backs off from 0 ms).
+    nats.restart_after(Duration::from_secs(2));
+    wait_for("NATS connection restored", &mut seen);
+    gateway.kill();
+    let count = |needle: &str| seen.iter().filter(|l| l.contains(needle)).count();
+    assert_eq!(count("NATS connection lost"), 1, "{seen:#?}");
+    assert_eq!(count("NATS reconnection failed"), 1, "{seen:#?}");
+    assert_eq!(count("async_nats"), 0, "{seen:#?}");
+    // Not a terminal: no colour codes in the log.
+    assert_eq!(count("\u{1b}["), 0, "{seen:#?}");
+    let restored = seen
+        .iter()
+        .find(|l| l.contains("NATS connection restored"))
+        .expect("seen above");
+    let attempts: u64 = restored
+        .rsplit("failed_attempts=")
+        .next()
+        .and_then(|rest| {
+            rest.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no attempt count: {restored}"));
+    assert!(attempts >= 2, "{restored}");
 }
 
 /// NATS in operator (decentralized JWT) mode, with the keys and JWTs made here as `nsc` makes
@@ -518,6 +601,11 @@ fn a_user_of_an_unknown_account_or_a_mismatched_seed_is_refused_at_start_saying_
                 && stderr.contains("resolver")
                 && stderr.contains(&foreign),
             "{command}: {stderr}"
+        );
+        assert_eq!(
+            stderr.matches("authorization violation").count(),
+            1,
+            "printed once: {stderr}"
         );
         let stderr = failure(&[
             command,

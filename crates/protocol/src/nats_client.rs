@@ -32,6 +32,13 @@ pub enum NatsConnectError {
         "cannot connect to NATS at {url}: {message} (is nats-server running there? --nats URL)"
     )]
     Connect { url: String, message: String },
+    /// The server answered and refused to let this client in (no `.creds` file given).
+    #[error("NATS at {url} refused this client: {message} ({hint})")]
+    Refused {
+        url: String,
+        message: String,
+        hint: &'static str,
+    },
     /// The `.creds` file cannot sign in anyone: no JWT or seed, or a seed of another user.
     #[error("--nats-creds {path}: {reason}")]
     Creds { path: String, reason: String },
@@ -152,6 +159,7 @@ pub async fn connect(
     // async-nats does not read credentials from the URL: they become its options, and the
     // servers are given without them.
     let (servers, credentials) = split_credentials(url);
+    let has_url_credentials = credentials.is_some();
     match credentials {
         Some(UrlCredentials::UserPassword(user, password)) => {
             options = options.user_and_password(user, password);
@@ -159,25 +167,95 @@ pub async fn connect(
         Some(UrlCredentials::Token(token)) => options = options.token(token),
         None => {}
     }
+    // Trouble after the first connection is logged here, in kvroute's words, once per event;
+    // async-nats's own lines for it are off by default (`QUIET_NATS_LOGS`), since at start-up
+    // they would repeat the error returned below.
+    let redacted = redact(url);
+    let outage = std::sync::Arc::new(Outage::default());
+    options = options.event_callback(move |event| {
+        let (url, outage) = (redacted.clone(), outage.clone());
+        async move { log_connection_event(&url, &outage, event) }
+    });
     options.connect(servers.as_str()).await.map_err(|e| {
-        let message = e.to_string();
+        let refused = e.kind() == async_nats::ConnectErrorKind::AuthorizationViolation;
+        let message = if refused {
+            "authorization violation".to_string()
+        } else {
+            e.to_string()
+        };
         match creds_user {
             // The server answered and refused the user: say whom, and why it may.
-            Some((path, user)) if message.to_lowercase().contains("authorization") => {
-                NatsConnectError::CredsRefused {
-                    url: redact(url),
-                    path,
-                    user: user.user,
-                    account: user.account,
-                    message,
-                }
-            }
+            Some((path, user)) if refused => NatsConnectError::CredsRefused {
+                url: redact(url),
+                path,
+                user: user.user,
+                account: user.account,
+                message,
+            },
+            None if refused => NatsConnectError::Refused {
+                url: redact(url),
+                message,
+                hint: if has_url_credentials {
+                    "check the user and password, or the token, in --nats URL"
+                } else {
+                    "it requires credentials: nats://USER:PASSWORD@HOST:PORT or \
+                     nats://TOKEN@HOST:PORT in --nats URL, or --nats-creds FILE"
+                },
+            },
             _ => NatsConnectError::Connect {
                 url: redact(url),
                 message,
             },
         }
     })
+}
+
+/// The `RUST_LOG`-style directive that turns off async-nats's connection lines, which
+/// [`connect`]'s error and [`log_connection_event`] say in kvroute's words (default logging).
+pub const QUIET_NATS_LOGS: &str = "async_nats::connector=off";
+
+/// What [`log_connection_event`] remembers of the current outage: whether the connection is
+/// lost, and how many reconnection attempts failed since (only the first is logged).
+#[derive(Default)]
+struct Outage {
+    lost: std::sync::atomic::AtomicBool,
+    failed_attempts: std::sync::atomic::AtomicU64,
+}
+
+/// One log line for a NATS connection event after the first connection: lost, back (with the
+/// attempts it took), the first failed reconnection of an outage, a slow consumer, the server
+/// going away.
+fn log_connection_event(url: &str, outage: &Outage, event: async_nats::Event) {
+    use async_nats::Event;
+    use std::sync::atomic::Ordering;
+    match event {
+        Event::Disconnected => {
+            outage.lost.store(true, Ordering::Relaxed);
+            outage.failed_attempts.store(0, Ordering::Relaxed);
+            tracing::warn!(%url, "NATS connection lost; reconnecting");
+        }
+        // Also sent for the first connection: only a return after a loss is news.
+        Event::Connected => {
+            if outage.lost.swap(false, Ordering::Relaxed) {
+                let failed_attempts = outage.failed_attempts.swap(0, Ordering::Relaxed);
+                tracing::warn!(%url, failed_attempts, "NATS connection restored");
+            }
+        }
+        // async-nats retries with a growing delay: one line per outage, not per attempt.
+        Event::ClientError(e) => {
+            if outage.failed_attempts.fetch_add(1, Ordering::Relaxed) == 0 {
+                tracing::warn!(%url, error = %e, "NATS reconnection failed; retrying (further failures are counted, not logged)");
+            }
+        }
+        Event::ServerError(e) => tracing::warn!(%url, error = %e, "NATS server error"),
+        Event::SlowConsumer(subscription) => {
+            tracing::warn!(%url, subscription, "NATS dropped messages: this process reads a subscription too slowly")
+        }
+        Event::LameDuckMode => {
+            tracing::warn!(%url, "the NATS server is shutting down (lame duck mode)")
+        }
+        Event::Draining | Event::Closed => tracing::info!(%url, "NATS connection {event}"),
+    }
 }
 
 /// A user and password (`user:pass@`) or a token (`token@`) in a NATS URL.

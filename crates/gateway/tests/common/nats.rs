@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 pub struct NatsServer {
     child: Child,
     port: u16,
+    /// Its arguments besides the address and port, to start it again the same way.
+    extra: Vec<String>,
 }
 
 /// `$NATS_SERVER_BIN`, else `nats-server` on the `PATH` or where Debian installs it.
@@ -53,34 +55,49 @@ impl NatsServer {
                 .expect("a free loopback port");
             probe.local_addr().unwrap().port()
         };
-        let binary = nats_binary();
-        let child = Command::new(&binary)
-            .args(extra)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot run {} ({e}): install nats-server (apt-get install nats-server)",
-                    binary.display()
-                )
-            });
-        let server = NatsServer { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not accept connections on port {port} within 10 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let child = spawn_on(port, &extra);
+        NatsServer { child, port, extra }
+    }
+
+    /// Kills the server (an outage, no goodbye), waits `down`, and starts it again on the
+    /// same port with the same arguments.
+    pub fn restart_after(&mut self, down: Duration) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::thread::sleep(down);
+        self.child = spawn_on(self.port, &self.extra);
     }
 
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }
+}
+
+/// Runs `nats-server` on loopback `port` and waits until it accepts connections.
+fn spawn_on(port: u16, extra: &[String]) -> Child {
+    let binary = nats_binary();
+    let child = Command::new(&binary)
+        .args(extra)
+        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run {} ({e}): install nats-server (apt-get install nats-server)",
+                binary.display()
+            )
+        });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "nats-server did not accept connections on port {port} within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
 }
 
 impl Drop for NatsServer {
