@@ -87,7 +87,8 @@ export class TracePanel {
       setText(summary, `Replay ${t.state}: ${t.issued} of ${t.requests} requests sent in `
         + `${fmt.duration(t.elapsed_s)}; ${t.finished} finished, ${t.failed} failed, `
         + `${t.dropped} dropped${cancelled}. Prefix hit ${fmt.kvHit(t.kv_hit_rate)} of prompt `
-        + `tokens, of a possible ${fmt.kvHit(t.oracle_hit_rate_finished)} ${hitOver(t.usage_requests)} `
+        + `tokens, of a possible ${fmt.kvHit(t.oracle_hit_rate_finished)} `
+        + `${hitOver(t.usage_requests)} `
         + `(the whole trace's bound: ${fmt.kvHit(t.oracle_prefix_hit_rate)}); `
         + `TTFT p50 ${fmt.ms(t.ttft_ms?.p50)} ms, p95 ${fmt.ms(t.ttft_ms?.p95)} ms.`);
     }
