@@ -14,6 +14,21 @@ const STATE_TEXT = {
   stopped: 'stopped',
 };
 
+/** Which requests the hit rate and its bound are over: those that finished with usage. */
+function hitOver(n) {
+  if (!(n > 0)) return 'no request finished yet';
+  return n === 1 ? 'on the 1 finished request' : `on the ${n} finished requests`;
+}
+
+/**
+ * The server's hit rate above the bound over the same requests: its cache held the trace's
+ * blocks before the replay (an earlier replay, another client), which the bound assumes not.
+ */
+function aboveBound(t) {
+  return typeof t.kv_hit_rate === 'number' && typeof t.oracle_hit_rate_finished === 'number'
+    && t.kv_hit_rate > t.oracle_hit_rate_finished + 1e-9;
+}
+
 /** `done` of `total` as a percentage 0..100 (0 without a total). */
 function share(done, total) {
   return total > 0 ? Math.min(100, (100 * done) / total) : 0;
@@ -53,7 +68,15 @@ export class TracePanel {
     const late = t.lateness_ms?.p95;
     setText($('trace-lateness'), typeof late === 'number' ? `${fmt.ms(late)} ms` : fmt.DASH);
     setText($('trace-ttft'), `${fmt.ms(t.ttft_ms?.p50)} / ${fmt.ms(t.ttft_ms?.p95)} ms`);
+    // The server's rate against the bound over the same finished requests; the whole trace's
+    // bound is over other requests until the last one finished.
     setText($('trace-hit'), fmt.kvHit(t.kv_hit_rate));
+    setText($('trace-bound-finished'), fmt.kvHit(t.oracle_hit_rate_finished));
+    const above = aboveBound(t);
+    const over = $('trace-hit-over');
+    setText(over, hitOver(t.usage_requests)
+      + (above ? ' (above it: the server\u2019s cache was not empty at the start)' : ''));
+    over.parentElement.classList.toggle('error', above);
     setText($('trace-bound'), fmt.kvHit(t.oracle_prefix_hit_rate));
 
     const ended = t.state === 'finished' || t.state === 'stopped';
@@ -64,7 +87,9 @@ export class TracePanel {
       setText(summary, `Replay ${t.state}: ${t.issued} of ${t.requests} requests sent in `
         + `${fmt.duration(t.elapsed_s)}; ${t.finished} finished, ${t.failed} failed, `
         + `${t.dropped} dropped${cancelled}. Prefix hit ${fmt.kvHit(t.kv_hit_rate)} of prompt `
-        + `tokens against the trace's bound of ${fmt.kvHit(t.oracle_prefix_hit_rate)}; `
+        + `tokens, of a possible ${fmt.kvHit(t.oracle_hit_rate_finished)} `
+        + `${hitOver(t.usage_requests)} `
+        + `(the whole trace's bound: ${fmt.kvHit(t.oracle_prefix_hit_rate)}); `
         + `TTFT p50 ${fmt.ms(t.ttft_ms?.p50)} ms, p95 ${fmt.ms(t.ttft_ms?.p95)} ms.`);
     }
     const errors = Array.isArray(t.errors) ? t.errors : [];

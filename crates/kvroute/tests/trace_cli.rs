@@ -290,7 +290,43 @@ fn loadgen_replays_a_trace_against_real_engines_with_cache_hits_and_no_errors() 
         "{status}"
     );
     assert!(status["oracle_prefix_hit_rate"].as_f64().unwrap() > 0.0);
+    assert_hit_within_its_bound(&status);
+    // Every request finished with usage: the bound over them is the whole slice's.
+    assert_eq!(status["usage_requests"], 40, "{status}");
+    assert_eq!(
+        status["oracle_hit_rate_finished"], status["oracle_prefix_hit_rate"],
+        "{status}"
+    );
     assert!(status["ttft_ms"]["p50"].is_number(), "{status}");
+}
+
+/// The server's prefix hits in a replay's status are within the oracle bound over the same
+/// finished requests, whose prompts the server counted as the trace does.
+fn assert_hit_within_its_bound(t: &serde_json::Value) {
+    let n = |k: &str| {
+        t[k].as_u64()
+            .unwrap_or_else(|| panic!("no count `{k}` in {t}"))
+    };
+    assert!(n("usage_requests") <= n("finished"), "{t}");
+    assert_eq!(n("prompt_tokens"), n("trace_input_tokens"), "{t}");
+    assert!(
+        n("cached_tokens") <= n("oracle_hit_tokens"),
+        "the server reported more cached tokens than any cache could serve: {t}"
+    );
+    assert!(n("oracle_hit_tokens") <= n("trace_input_tokens"), "{t}");
+    if n("usage_requests") == 0 {
+        assert!(t["kv_hit_rate"].is_null(), "{t}");
+        assert!(t["oracle_hit_rate_finished"].is_null(), "{t}");
+    } else {
+        let hit = t["kv_hit_rate"].as_f64().expect("a hit rate");
+        let bound = t["oracle_hit_rate_finished"].as_f64().expect("a bound");
+        assert!(hit <= bound, "hit rate {hit} over its bound {bound}: {t}");
+        assert_eq!(
+            bound,
+            n("oracle_hit_tokens") as f64 / n("trace_input_tokens") as f64,
+            "{t}"
+        );
+    }
 }
 
 /// Two `kvroute engine`s behind a `kvroute gateway` whose workers are routable.
@@ -380,6 +416,8 @@ fn loadgen_replays_a_trace_under_the_dashboard_and_reports_it_in_the_status() {
         assert_eq!(t["requests_in_file"], 12_031, "{t}");
         assert_eq!(t["oracle_prefix_hit_rate"].as_f64(), Some(bound), "{t}");
         assert_eq!(t["speed"].as_f64(), Some(4.0), "{t}");
+        // Whenever it is read, mid-replay included.
+        assert_hit_within_its_bound(t);
         if t["state"] == "running" {
             assert_eq!(s["running"], true, "{s}");
             let issued = t["issued"].as_u64().unwrap();
@@ -405,6 +443,16 @@ fn loadgen_replays_a_trace_under_the_dashboard_and_reports_it_in_the_status() {
     }
     assert!(line.contains("40 of 40 requests sent"), "{line}");
     assert!(line.contains("40 finished, 0 failed, 0 dropped"), "{line}");
+    line.clear();
+    stdout.read_line(&mut line).unwrap();
+    let whole = format!("the whole trace's oracle bound {:.1}%", bound * 100.0);
+    assert!(
+        line.contains(&format!(
+            "of a possible {:.1}% on the 40 requests that reported it; {whole}",
+            bound * 100.0
+        )),
+        "{line}"
+    );
     let t = &last["trace"];
     // Every request of the slice sent, and each ended once.
     assert_eq!(t["issued"], 40, "{t}");
@@ -424,12 +472,15 @@ fn loadgen_replays_a_trace_under_the_dashboard_and_reports_it_in_the_status() {
     assert!(t["eta_s"].is_null(), "{t}");
     assert!(t["lateness_ms"]["p95"].is_number(), "{t}");
     assert!(t["ttft_ms"]["p50"].is_number(), "{t}");
-    // The server reported cached prompt tokens, never above what any cache could serve.
+    // The server reported cached prompt tokens, never above what any cache could serve; with
+    // every request finished, the bound over them is the whole slice's.
     let hit = t["kv_hit_rate"].as_f64().expect("a hit rate");
     assert!(
         hit > 0.0 && hit <= bound,
         "hit rate {hit}, bound {bound}: {t}"
     );
+    assert_eq!(t["usage_requests"], 40, "{t}");
+    assert_eq!(t["oracle_hit_rate_finished"].as_f64(), Some(bound), "{t}");
     assert_eq!(last["running"], false, "{last}");
     // The usual cards were fed from the same requests.
     assert_eq!(last["lanes"][0]["metrics"]["requests"], 40, "{last}");

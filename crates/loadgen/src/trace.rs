@@ -9,6 +9,13 @@
 //! it). `max_tokens` is the record's `output_length` with `ignore_eos`, so replies have the
 //! recorded length where the server honours it (vLLM, SGLang and `kvroute engine` do).
 //!
+//! The server's prefix-hit rate (`cached_tokens / prompt_tokens` over the requests that
+//! finished with usage) is reported beside the bound over the same requests ([`PrefixOracle`],
+//! told of each request as it is sent and as it finishes) and the whole trace's: mid-replay
+//! the finished requests are not a sample of the trace, so only the first is comparable. The
+//! prompts are token ids, so `prompt_tokens` counts the records' `input_length`s, the tokens
+//! the bound is over.
+//!
 //! The same replay runs headless (`--headless`: progress lines and a summary) and under the
 //! dashboard (`trace_run.rs`: the Trace panel, and the lane's cards and charts fed from the
 //! same requests); a [`ReplayObserver`] is how each watches it.
@@ -27,7 +34,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 pub use tokio_util::sync::CancellationToken;
 use workload::replay::{ReplayStats, TraceReplay};
-use workload::{PromptSynth, Speed, Trace};
+use workload::{PrefixOracle, PromptSynth, Speed, Trace, TraceRecord};
 
 use crate::client::{TurnError, TurnResult, stream_turn};
 
@@ -107,13 +114,27 @@ pub struct TraceReplayStatus {
     /// How late each request was sent (or dropped) against its schedule, wall milliseconds:
     /// a sender that cannot keep up shows here first.
     pub lateness_ms: Percentiles,
-    /// Prompt and cached prompt tokens of finished requests, as the server's `usage` reported
+    /// Finished requests whose `usage` reported prompt and cached tokens: the requests
+    /// `kv_hit_rate` and `oracle_hit_rate_finished` are over.
+    pub usage_requests: u64,
+    /// Prompt and cached prompt tokens of those requests, as the server's `usage` reported
     /// them (`prompt_tokens_details.cached_tokens`).
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     /// `cached_tokens / prompt_tokens`; `None` before a finished request reported usage.
     pub kv_hit_rate: Option<f64>,
-    /// The trace's bound (an infinite cache shared by all workers, in 512-token blocks).
+    /// The same requests' `input_length`s: the prompts were sent as that many token ids, so
+    /// a server that counts what it was sent reports it as `prompt_tokens`.
+    pub trace_input_tokens: u64,
+    /// The most of those input tokens a cache could have served ([`PrefixOracle`]: an infinite
+    /// cache shared by all workers, empty at the start, in the trace's 512-token blocks,
+    /// whatever order the server saw the requests in).
+    pub oracle_hit_tokens: u64,
+    /// `oracle_hit_tokens / trace_input_tokens`: the bound `kv_hit_rate` is under; `None`
+    /// before a finished request reported usage.
+    pub oracle_hit_rate_finished: Option<f64>,
+    /// The same bound over every request of the trace (after `--trace-limit`): what the
+    /// finished requests' figure becomes once every request finished.
     pub oracle_prefix_hit_rate: f64,
     /// Wall-clock TTFT and end-to-end latency of finished requests.
     pub ttft_ms: Percentiles,
@@ -188,19 +209,23 @@ impl Samples {
 
 struct Tally {
     status: TraceReplayStatus,
+    /// The bound over the requests that finished with usage, fed as they are sent and end.
+    oracle: PrefixOracle,
     ttft_ms: Samples,
     e2e_s: Samples,
     lateness_ms: Samples,
 }
 
 impl Tally {
-    fn finished(&mut self, r: &TurnResult) {
+    fn finished(&mut self, record: &TraceRecord, r: &TurnResult) {
         self.ttft_ms.push(r.ttft.as_secs_f64() * 1e3);
         self.e2e_s.push(r.e2e.as_secs_f64());
         self.status.output_tokens += r.output_tokens;
         if let (Some(p), Some(c)) = (r.prompt_tokens, r.cached_tokens) {
+            self.status.usage_requests += 1;
             self.status.prompt_tokens += p;
             self.status.cached_tokens += c;
+            self.oracle.finished(record);
         }
     }
 
@@ -218,6 +243,9 @@ impl Tally {
         s.in_flight = stats.open();
         s.kv_hit_rate =
             (s.prompt_tokens > 0).then(|| s.cached_tokens as f64 / s.prompt_tokens as f64);
+        s.trace_input_tokens = self.oracle.finished_input_tokens();
+        s.oracle_hit_tokens = self.oracle.hit_tokens();
+        s.oracle_hit_rate_finished = self.oracle.hit_rate();
         s.ttft_ms = self.ttft_ms.percentiles();
         s.e2e_s = self.e2e_s.percentiles();
         s.lateness_ms = self.lateness_ms.percentiles();
@@ -274,6 +302,7 @@ pub async fn replay_trace(
             state: ReplayState::Running,
             ..TraceReplayStatus::idle(&config)
         },
+        oracle: PrefixOracle::default(),
         ttft_ms: Samples::default(),
         e2e_s: Samples::default(),
         lateness_ms: Samples::default(),
@@ -299,6 +328,7 @@ pub async fn replay_trace(
                 continue;
             }
             open += 1;
+            tally.oracle.sent(&config.trace.records()[due.record]);
             observer.sent();
             let (config, client, url, tx, cancel) = (
                 Arc::clone(&config),
@@ -344,7 +374,7 @@ pub async fn replay_trace(
                 let now = clock(Instant::now());
                 match &result {
                     Ok(r) => {
-                        tally.finished(r);
+                        tally.finished(&config.trace.records()[record], r);
                         replay.on_finished(record, now);
                     }
                     Err(e) => {

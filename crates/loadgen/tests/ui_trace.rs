@@ -1,6 +1,7 @@
 //! A trace replayed under the dashboard (`kvroute loadgen --trace`), in headless Chromium (as
-//! `tests/ui.rs`): the Trace panel shows the file, the progress while it runs, the trace's
-//! oracle bound beside the server's hit rate, and the final summary; Stop cancels a replay
+//! `tests/ui.rs`): the Trace panel shows the file, the progress while it runs, the server's hit
+//! rate against the oracle bound over the same finished requests (never above it, whenever the
+//! panel is read) beside the whole trace's, and the final summary; Stop cancels a replay
 //! without counting its requests in flight as failures; the chat workload's controls are
 //! hidden.
 
@@ -25,6 +26,26 @@ const REQUESTS: usize = 40;
 fn percent(v: &Value) -> String {
     v.as_f64()
         .map_or("—".to_owned(), |v| format!("{:.1}%", v * 100.0))
+}
+
+/// A percentage as the panel shows it ("7.6%"), as a number; `None` for "—".
+fn shown_percent(text: &str) -> Option<f64> {
+    text.strip_suffix('%').and_then(|n| n.parse().ok())
+}
+
+/// The server's hit rate and the bound over the same requests as the panel shows them, read
+/// in one script so that both come from the same status.
+async fn hit_and_bound(browser: &fantoccini::Client) -> (String, String) {
+    let both = browser
+        .execute(
+            "return ['trace-hit', 'trace-bound-finished']\
+               .map((id) => document.getElementById(id).textContent);",
+            vec![],
+        )
+        .await
+        .unwrap();
+    let text = |i: usize| both[i].as_str().unwrap_or_default().to_owned();
+    (text(0), text(1))
 }
 
 /// The number of requests sent, from the panel's "SENT / TOTAL".
@@ -89,9 +110,19 @@ async fn the_trace_panel_shows_the_replay_its_bound_and_its_end() {
     assert_eq!(text(&browser, "trace-speed").await, "2×");
     assert_eq!(text(&browser, "trace-sent").await, "0 / 40");
     assert_eq!(text(&browser, "trace-bound").await, percent(&bound.into()));
+    assert_eq!(text(&browser, "trace-bound-finished").await, "—");
     assert_eq!(
-        get(&status_url).await.1["trace"]["oracle_prefix_hit_rate"].as_f64(),
+        text(&browser, "trace-hit-over").await,
+        "no request finished yet"
+    );
+    let idle = get(&status_url).await.1;
+    assert_eq!(
+        idle["trace"]["oracle_prefix_hit_rate"].as_f64(),
         Some(bound)
+    );
+    assert!(
+        idle["trace"]["oracle_hit_rate_finished"].is_null(),
+        "{idle}"
     );
 
     // Start from the page: progress shows while it runs.
@@ -100,6 +131,11 @@ async fn the_trace_panel_shows_the_replay_its_bound_and_its_end() {
         "progress on the panel",
         Duration::from_secs(20),
         async || {
+            // Whenever the panel is read, the server's rate is within its bound.
+            let (hit, possible) = hit_and_bound(&browser).await;
+            if let (Some(hit), Some(possible)) = (shown_percent(&hit), shown_percent(&possible)) {
+                assert!(hit <= possible, "{hit}% of a possible {possible}%");
+            }
             text(&browser, "trace-state").await == "replaying"
                 && (1..REQUESTS as u64).contains(&sent(&text(&browser, "trace-sent").await))
         },
@@ -141,12 +177,31 @@ async fn the_trace_panel_shows_the_replay_its_bound_and_its_end() {
         percent(&t["kv_hit_rate"])
     );
     assert!(text(&browser, "trace-hit").await.ends_with('%'));
+    // Every request finished: the bound over them is the whole slice's, and the server's rate
+    // is within it.
+    assert_eq!(t["oracle_hit_rate_finished"].as_f64(), Some(bound), "{t}");
+    assert!(t["kv_hit_rate"].as_f64().unwrap() <= bound, "{t}");
+    assert_eq!(
+        text(&browser, "trace-bound-finished").await,
+        percent(&bound.into())
+    );
+    assert_eq!(
+        text(&browser, "trace-hit-over").await,
+        "on the 40 finished requests"
+    );
     let summary = text(&browser, "trace-summary").await;
     assert!(
         summary.starts_with("Replay finished: 40 of 40 requests sent in"),
         "{summary}"
     );
-    assert!(summary.contains(&percent(&bound.into())), "{summary}");
+    let bound_shown = percent(&bound.into());
+    assert!(
+        summary.contains(&format!(
+            "of a possible {bound_shown} on the 40 finished requests (the whole trace's bound: \
+             {bound_shown})"
+        )),
+        "{summary}"
+    );
     // The cards follow the same requests.
     wait_until("the cards", Duration::from_secs(5), async || {
         text(&browser, "kpi-requests").await == "40"
@@ -179,6 +234,21 @@ async fn the_trace_panel_shows_the_replay_its_bound_and_its_end() {
     assert_eq!(status["lanes"][0]["metrics"]["errors"], 0, "{status}");
     let summary = text(&browser, "trace-summary").await;
     assert!(summary.starts_with("Replay stopped:"), "{summary}");
+    // The engines kept the first replay's blocks, which the bound (a cache empty at the start)
+    // does not count: where the server's rate is above it, the panel says why.
+    let above = match (
+        t["kv_hit_rate"].as_f64(),
+        t["oracle_hit_rate_finished"].as_f64(),
+    ) {
+        (Some(hit), Some(possible)) => hit > possible + 1e-9,
+        _ => false,
+    };
+    let over = text(&browser, "trace-hit-over").await;
+    assert_eq!(
+        over.contains("the server\u{2019}s cache was not empty at the start"),
+        above,
+        "{over}: {t}"
+    );
 
     browser.close().await.unwrap();
     loadgen.shutdown().await;

@@ -86,7 +86,8 @@ pub use schedule::{Arrivals, ChatWorkload, ConversationInfo, WorkloadStats};
 pub use script::{Ask, Script, TurnPlan};
 pub use text::Assets;
 pub use trace::{
-    PromptSynth, SessionStep, Speed, TRACE_BLOCK_TOKENS, Trace, TraceError, TraceRecord,
+    PrefixOracle, PromptSynth, SessionStep, Speed, TRACE_BLOCK_TOKENS, Trace, TraceError,
+    TraceRecord,
 };
 
 /// Why a workload could not be built.

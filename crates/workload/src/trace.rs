@@ -13,7 +13,8 @@
 //! [`Trace::scaled`] replays the arrival times faster or slower, [`PromptSynth`] turns a
 //! record into prompt tokens whose prefix structure is the trace's (equal ids ⇒ equal
 //! 512-token blocks, which engine blocks of 32 or 64 tokens tile exactly), and
-//! [`Trace::oracle_prefix_hit_rate`] is the bound no cache can beat.
+//! [`Trace::oracle_prefix_hit_rate`] is the bound no cache can beat ([`PrefixOracle`]: the
+//! same bound over the requests of a replay that finished so far).
 //!
 //! **Architecture invariant:** no I/O, no clock: the caller passes the file's text or bytes.
 //!
@@ -511,33 +512,22 @@ impl Trace {
         self.session_names.get(session).map(String::as_str)
     }
 
-    /// Input tokens that an infinite cache shared by all workers could serve, in the trace's
-    /// own 512-token blocks: for each request, the longest prefix of its `hash_ids` that an
-    /// earlier request (in file order) had as the same chain (the same ids at the same
-    /// positions), times 512, capped at its input length.
+    /// Input tokens that an infinite cache shared by all workers, starting empty, could serve,
+    /// in the trace's own 512-token blocks: [`PrefixOracle`] with every request finished. Each
+    /// token of a block (a node of the trace's block chains: the same ids at the same
+    /// positions) is computed once, by its first visitor, and served to every later one; the
+    /// tokens a block's visits cover minus the most one visit covers (only a partial last
+    /// block covers fewer than 512). That does not depend on the order a server saw the
+    /// requests in, and where a block's visits cover it alike (the shipped trace's all do) it
+    /// is the file-order count: for each request, the longest prefix of its `hash_ids` an
+    /// earlier request had, times 512, capped at its input length.
     pub fn oracle_prefix_hit_tokens(&self) -> u64 {
-        // A trie of block chains: (parent node, id) → node; node 0 is the empty prefix.
-        let mut trie: FxHashMap<(u64, u64), u64> = FxHashMap::default();
-        let mut hit_tokens = 0u64;
+        let mut oracle = PrefixOracle::default();
         for r in &self.records {
-            let mut node = 0u64;
-            let mut matched = 0usize;
-            let mut on_seen_path = true;
-            for &id in &r.hash_ids {
-                let next = trie.len() as u64 + 1;
-                let child = *trie.entry((node, id)).or_insert_with(|| {
-                    on_seen_path = false;
-                    next
-                });
-                if on_seen_path {
-                    matched += 1;
-                }
-                node = child;
-            }
-            let tokens = (matched * TRACE_BLOCK_TOKENS) as u64;
-            hit_tokens += tokens.min(u64::from(r.input_length));
+            oracle.sent(r);
+            oracle.finished(r);
         }
-        hit_tokens
+        oracle.hit_tokens()
     }
 
     /// [`Trace::oracle_prefix_hit_tokens`] over the total input tokens: the prefix-hit rate no
@@ -584,6 +574,172 @@ impl Trace {
             records: self.records.iter(),
             speed,
         }
+    }
+}
+
+/// The oracle's prefix-hit bound over the requests of a replay that finished so far, whatever
+/// order the server saw them in ([`Trace::oracle_prefix_hit_tokens`] is its whole-trace case).
+///
+/// An infinite cache shared by all workers, starting empty, serves every visit of a block's
+/// tokens but the first (a block: a node of the trace's block chains, the same ids at the same
+/// positions). Mid-replay, the first visit of a block that a finished request has may be a
+/// request's still in flight, or one's that failed; and requests sent at the same instant
+/// reach the server in any order. So a finished request's visit of a block counts whole as a
+/// possible hit, less, per block, the tokens known to have been computed by a finished
+/// visitor: once every visitor sent finished, the most one visit covers (only a partial last
+/// block covers fewer than 512); before, those of the first visitor to finish, if every
+/// visitor sent before it finished has finished too (one sent later cannot have been first).
+/// Once every request sent finished, that is exactly [`Trace::oracle_prefix_hit_tokens`] over
+/// them; at any time it is at least what any order of serving them could give, so a server
+/// whose cache started empty cannot report more.
+///
+/// The driver reports each request it sends ([`PrefixOracle::sent`], once), and each that
+/// finished with its usage reported ([`PrefixOracle::finished`]); a request that failed, was
+/// cancelled or reported no usage stays sent. Bounded: one node per distinct block chain of
+/// the requests sent and one entry per request sent and not finished, both at most the
+/// trace's.
+#[derive(Debug, Clone, Default)]
+pub struct PrefixOracle {
+    /// A trie of block chains: (parent node, id) → node; node 0 is the empty prefix, node `n`
+    /// is `blocks[n - 1]`.
+    children: FxHashMap<(u64, u64), u64>,
+    blocks: Vec<BlockVisits>,
+    /// Each request sent and not finished ([`TraceRecord::index`]): when it was sent.
+    in_flight: FxHashMap<usize, u64>,
+    /// Calls so far: the order of sends and finishes.
+    events: u64,
+    /// Σ, over the finished requests' visits, of the tokens each covers.
+    finished_block_tokens: u64,
+    /// Σ [`BlockVisits::computed_by_finished`]: tokens no cache served a finished request.
+    computed_by_finished: u64,
+    finished_requests: u64,
+    finished_input_tokens: u64,
+}
+
+/// Who visited one block of the trie.
+#[derive(Debug, Clone, Copy, Default)]
+struct BlockVisits {
+    sent: u32,
+    finished: u32,
+    /// The most tokens a finished visit covered.
+    most_tokens: u32,
+    first_finish: Option<FirstFinish>,
+}
+
+/// The first visitor of a block to finish.
+#[derive(Debug, Clone, Copy)]
+struct FirstFinish {
+    at: u64,
+    /// The tokens its visit covered.
+    tokens: u32,
+    /// Visitors sent before it finished that have not finished: one of them may have been
+    /// first at the block.
+    sent_before_in_flight: u32,
+}
+
+impl BlockVisits {
+    /// Tokens of the block that a finished visitor must have computed (and was not served).
+    fn computed_by_finished(&self) -> u32 {
+        match self.first_finish {
+            _ if self.finished > 0 && self.finished == self.sent => self.most_tokens,
+            Some(first) if first.sent_before_in_flight == 0 => first.tokens,
+            _ => 0,
+        }
+    }
+}
+
+impl PrefixOracle {
+    /// The tokens of `record`'s block at `depth` (512, or fewer for a partial last block).
+    fn block_tokens(record: &TraceRecord, depth: usize) -> u32 {
+        let before = depth.saturating_mul(TRACE_BLOCK_TOKENS);
+        (record.input_length as usize)
+            .saturating_sub(before)
+            .min(TRACE_BLOCK_TOKENS) as u32
+    }
+
+    /// Applies `update` to a block, keeping [`PrefixOracle::computed_by_finished`] its sum.
+    fn update(&mut self, node: u64, update: impl FnOnce(&mut BlockVisits)) {
+        let block = &mut self.blocks[(node - 1) as usize];
+        self.computed_by_finished -= u64::from(block.computed_by_finished());
+        update(block);
+        self.computed_by_finished += u64::from(block.computed_by_finished());
+    }
+
+    /// `record` was sent: its blocks have one more visitor that may be the first there.
+    pub fn sent(&mut self, record: &TraceRecord) {
+        self.events += 1;
+        self.in_flight.insert(record.index, self.events);
+        let mut node = 0u64;
+        for &id in &record.hash_ids {
+            let next = self.blocks.len() as u64 + 1;
+            node = *self.children.entry((node, id)).or_insert(next);
+            if node == next {
+                self.blocks.push(BlockVisits::default());
+            }
+            self.update(node, |block| block.sent = block.sent.saturating_add(1));
+        }
+    }
+
+    /// `record`, sent before, finished and its usage was reported: it joins the requests the
+    /// bound is over. A request never sent, or reported twice, is ignored.
+    pub fn finished(&mut self, record: &TraceRecord) {
+        let Some(sent_at) = self.in_flight.remove(&record.index) else {
+            debug_assert!(false, "record {} finished but not in flight", record.index);
+            return;
+        };
+        self.events += 1;
+        let now = self.events;
+        self.finished_requests += 1;
+        self.finished_input_tokens += u64::from(record.input_length);
+        let mut node = 0u64;
+        for (depth, &id) in record.hash_ids.iter().enumerate() {
+            // Every block of a request sent is in the trie.
+            let Some(&child) = self.children.get(&(node, id)) else {
+                return;
+            };
+            node = child;
+            let tokens = Self::block_tokens(record, depth);
+            self.finished_block_tokens += u64::from(tokens);
+            self.update(node, |block| {
+                block.finished += 1;
+                block.most_tokens = block.most_tokens.max(tokens);
+                match &mut block.first_finish {
+                    None => {
+                        block.first_finish = Some(FirstFinish {
+                            at: now,
+                            tokens,
+                            sent_before_in_flight: block.sent.saturating_sub(block.finished),
+                        })
+                    }
+                    Some(first) if sent_at < first.at => {
+                        first.sent_before_in_flight = first.sent_before_in_flight.saturating_sub(1)
+                    }
+                    Some(_) => {}
+                }
+            });
+        }
+    }
+
+    /// The most prompt tokens of the finished requests a cache could have served.
+    pub fn hit_tokens(&self) -> u64 {
+        self.finished_block_tokens - self.computed_by_finished
+    }
+
+    /// How many requests finished.
+    pub fn finished_requests(&self) -> u64 {
+        self.finished_requests
+    }
+
+    /// The finished requests' input tokens (their records' `input_length`s).
+    pub fn finished_input_tokens(&self) -> u64 {
+        self.finished_input_tokens
+    }
+
+    /// [`PrefixOracle::hit_tokens`] over [`PrefixOracle::finished_input_tokens`]; `None`
+    /// before a request finished.
+    pub fn hit_rate(&self) -> Option<f64> {
+        (self.finished_input_tokens > 0)
+            .then(|| self.hit_tokens() as f64 / self.finished_input_tokens as f64)
     }
 }
 
