@@ -347,7 +347,7 @@ fn a_nats_outage_is_reported_once_lost_once_failing_and_once_restored() {
         });
     }
     let mut seen = Vec::new();
-    let mut wait_for = |needle: &str, seen: &mut Vec<String>| {
+    let wait_for = |needle: &str, seen: &mut Vec<String>| {
         let deadline = Instant::now() + Duration::from_secs(30);
         while !seen.iter().any(|l: &String| l.contains(needle)) {
             let left = deadline.saturating_duration_since(Instant::now());
