@@ -683,8 +683,8 @@ impl PrefixOracle {
     /// `record`, sent before, finished and its usage was reported: it joins the requests the
     /// bound is over. A request never sent, or reported twice, is ignored.
     pub fn finished(&mut self, record: &TraceRecord) {
+        // A driver's mistake (finished twice, or never sent) changes nothing.
         let Some(sent_at) = self.in_flight.remove(&record.index) else {
-            debug_assert!(false, "record {} finished but not in flight", record.index);
             return;
         };
         self.events += 1;
