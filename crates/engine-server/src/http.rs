@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, watch};
 use crate::config::ReplyLength;
 use crate::driver::{Clock, Command, FinishInfo, Progress, RequestState, Snapshot, Submission};
 use crate::metrics::ServerMetrics;
-use crate::replies::{LengthRequest, PlannedReply, TextAssets, plan_reply};
+use crate::replies::{ChatPromptError, LengthRequest, PlannedReply, TextAssets, plan_reply};
 
 /// Shared by every handler.
 pub struct AppState {
@@ -157,7 +157,10 @@ fn chat_prompt(
     state
         .assets
         .chat_prompt_ending(&messages, ending)
-        .map_err(ApiError::internal)
+        .map_err(|e| match e {
+            ChatPromptError::Refused(e) => ApiError::invalid_param("messages", e.to_string()),
+            ChatPromptError::Failed(message) => ApiError::internal(message),
+        })
 }
 
 /// Cancels the engine request when dropped while armed (the client went away).

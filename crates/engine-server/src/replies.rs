@@ -80,7 +80,7 @@ impl TextAssets {
 
     /// The prompt ids of a chat, as the template renders it and the tokenizer encodes it.
     #[cfg(test)]
-    pub fn chat_prompt(&self, messages: &[text::ChatMessage]) -> Result<Vec<u32>, String> {
+    pub fn chat_prompt(&self, messages: &[text::ChatMessage]) -> Result<Vec<u32>, ChatPromptError> {
         self.chat_prompt_ending(messages, ChatEnding::GenerationPrompt)
     }
 
@@ -90,14 +90,21 @@ impl TextAssets {
         &self,
         messages: &[text::ChatMessage],
         ending: ChatEnding,
-    ) -> Result<Vec<u32>, String> {
+    ) -> Result<Vec<u32>, ChatPromptError> {
         if let Some(custom) = &self.custom {
             return custom
                 .chat_ending(messages, ending, false)
                 .map(|prepared| prepared.tokens)
-                .map_err(|e| e.to_string());
+                .map_err(|e| {
+                    if e.is_template_failure() {
+                        ChatPromptError::Failed(e.to_string())
+                    } else {
+                        ChatPromptError::Refused(e)
+                    }
+                });
         }
-        let mut chat = ChatTokens::new(self.tokenizer.clone()).map_err(|e| e.to_string())?;
+        let mut chat = ChatTokens::new(self.tokenizer.clone())
+            .map_err(|e| ChatPromptError::Failed(e.to_string()))?;
         for message in messages {
             chat.push(message);
         }
@@ -293,6 +300,19 @@ fn generate_in(
     }
     ids.truncate(count);
     Ok(ids.into())
+}
+
+/// Why a chat could not become prompt ids.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatPromptError {
+    /// The chat template refused these messages (its `raise_exception`, a role it does not
+    /// take): the client's to fix, answered 400 as the gateway answers it.
+    #[error(transparent)]
+    Refused(text::FormatError),
+    /// The template (out of fuel, too deep, a bug of its own) or the tokenizer failed: the
+    /// operator's, answered 500.
+    #[error("{0}")]
+    Failed(String),
 }
 
 #[cfg(test)]

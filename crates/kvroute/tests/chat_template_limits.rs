@@ -1,7 +1,8 @@
 //! Chat templates from files are an operator's code, run with minijinja's fuel and recursion
 //! limits (`text::template`): one that fails on any chat stops `kvroute gateway` / `kvroute
 //! engine` at start-up; one that fails on some chats answers those with a 500 OpenAI error
-//! naming its file, and keeps serving the others.
+//! naming its file, and keeps serving the others. A template that refuses a chat
+//! (`raise_exception`) is the client's business: 400, from the gateway and the engine alike.
 
 mod common;
 
@@ -106,4 +107,59 @@ fn a_template_that_never_ends_on_some_chats_answers_them_500_naming_its_file() {
     );
     let (status, body) = chat(1);
     assert_eq!(status, 200, "shorter chats are served: {body}");
+}
+
+/// Refuses a system message (as some models' templates do) and loops without end on chats of
+/// more than three messages.
+const REFUSES_SYSTEM_ENDLESS_ON_LONG_CHATS: &str = "{% if messages[0].role == 'system' %}\
+     {{ raise_exception('this model takes no system message') }}{% endif %}\
+     {% if messages | length > 3 %}{% for i in range(100000) %}\
+     {% for j in range(100000) %}x{% endfor %}{% endfor %}{% endif %}{{ bos_token }}\
+     {% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] ";
+
+#[test]
+fn the_engine_answers_a_refused_chat_400_and_a_failing_template_500() {
+    let dir = Dir::new("engine");
+    let template = dir.0.join("template.jinja");
+    std::fs::write(&template, REFUSES_SYSTEM_ENDLESS_ON_LONG_CHATS).unwrap();
+    let template = template.display().to_string();
+    let engine = Server::start(&[
+        "engine",
+        "--port",
+        "0",
+        "--speedup",
+        "50",
+        "--chat-template",
+        &template,
+    ]);
+    let chat = |roles: &[&str]| {
+        let messages: Vec<_> = roles
+            .iter()
+            .map(|role| serde_json::json!({"role": role, "content": "hi"}))
+            .collect();
+        post_json(
+            engine.addr(),
+            "/v1/chat/completions",
+            &serde_json::json!({"model": "llama-3.1-70b-instruct", "messages": messages, "max_tokens": 2}),
+        )
+    };
+    let (status, body) = chat(&["system", "user"]);
+    assert_eq!(status, 400, "the template refused the chat: {body}");
+    assert_eq!(body["error"]["param"], "messages", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("this model takes no system message")),
+        "{body}"
+    );
+    let (status, body) = chat(&["user", "assistant", "user", "assistant", "user"]);
+    assert_eq!(status, 500, "the template itself failed: {body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("more work than this conversation allows")),
+        "{body}"
+    );
+    let (status, body) = chat(&["user"]);
+    assert_eq!(status, 200, "other chats are served: {body}");
 }
