@@ -127,6 +127,24 @@ impl Drop for Pki {
 }
 
 /// `nats://kv:PASSWORD@127.0.0.1:PORT` (or another password) for `server`.
+/// One chat through the gateway at `url`: answered 200 with exactly `max_tokens` tokens, so
+/// a worker it learnt over NATS served it.
+async fn assert_chat_served(url: &str, max_tokens: u64) {
+    let reply = reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&serde_json::json!({
+            "model": "llama-3.1-70b-instruct",
+            "messages": [{"role": "user", "content": "Where does a KV cache live?"}],
+            "max_tokens": max_tokens,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reply.status(), 200);
+    let reply: serde_json::Value = reply.json().await.unwrap();
+    assert_eq!(reply["usage"]["completion_tokens"], max_tokens, "{reply}");
+}
+
 fn url_with_password(server: &NatsServer, password: &str) -> String {
     server
         .url()
@@ -185,19 +203,7 @@ async fn engine_and_gateway_register_and_route_over_mutual_tls_with_a_password()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let reply = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", gateway.url))
-        .json(&serde_json::json!({
-            "model": "llama-3.1-70b-instruct",
-            "messages": [{"role": "user", "content": "Where does a KV cache live?"}],
-            "max_tokens": 6,
-        }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(reply.status(), 200);
-    let reply: serde_json::Value = reply.json().await.unwrap();
-    assert_eq!(reply["usage"]["completion_tokens"], 6, "{reply}");
+    assert_chat_served(&gateway.url, 6).await;
 
     // The password stays in the processes: not in /info, /metrics or what they print.
     let info = get_json(&format!("{}/info", engine.url)).await.to_string();
@@ -558,19 +564,7 @@ async fn engine_and_gateway_sign_in_with_creds_to_an_operator_mode_server_and_ro
         &gateway_creds,
     ]);
     common::wait_routable(&gateway.url, 1, Duration::from_secs(15)).await;
-    let reply = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", gateway.url))
-        .json(&serde_json::json!({
-            "model": "llama-3.1-70b-instruct",
-            "messages": [{"role": "user", "content": "Where does a KV cache live?"}],
-            "max_tokens": 5,
-        }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(reply.status(), 200);
-    let reply: serde_json::Value = reply.json().await.unwrap();
-    assert_eq!(reply["usage"]["completion_tokens"], 5, "{reply}");
+    assert_chat_served(&gateway.url, 5).await;
     // The engine's answer came through the registration it made over NATS.
     let info = get_json(&format!("{}/info", engine.url)).await;
     assert!(info["nats_kv_subject"].is_string(), "{info}");
