@@ -220,6 +220,33 @@ pub const QUIET_NATS_LOGS: &str = "async_nats::connector=off";
 struct Outage {
     lost: std::sync::atomic::AtomicBool,
     failed_attempts: std::sync::atomic::AtomicU64,
+    /// A server that refuses every publish (a permissions violation) or a subscription read
+    /// too slowly sends one event per message: at most a line per [`Throttle::EVERY`] each.
+    server_errors: Throttle,
+    slow_consumer: Throttle,
+}
+
+/// At most one log line per [`Throttle::EVERY`], counting the events left out in between.
+#[derive(Default)]
+struct Throttle {
+    /// When the last line was allowed, and the events left out since.
+    state: std::sync::Mutex<(Option<std::time::Instant>, u64)>,
+}
+
+impl Throttle {
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+    /// `Some(events left out since the last line)` when one may be logged at `now`.
+    fn allow(&self, now: std::time::Instant) -> Option<u64> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let (last, left_out) = &mut *state;
+        if last.is_some_and(|at| now.duration_since(at) < Self::EVERY) {
+            *left_out += 1;
+            return None;
+        }
+        *last = Some(now);
+        Some(std::mem::take(left_out))
+    }
 }
 
 /// One log line for a NATS connection event after the first connection: lost, back (with the
@@ -247,9 +274,15 @@ fn log_connection_event(url: &str, outage: &Outage, event: async_nats::Event) {
                 tracing::warn!(%url, error = %e, "NATS reconnection failed; retrying (further failures are counted, not logged)");
             }
         }
-        Event::ServerError(e) => tracing::warn!(%url, error = %e, "NATS server error"),
+        Event::ServerError(e) => {
+            if let Some(left_out) = outage.server_errors.allow(std::time::Instant::now()) {
+                tracing::warn!(%url, error = %e, left_out, "NATS server error (at most one line per 10 s; left_out: those since the last)");
+            }
+        }
         Event::SlowConsumer(subscription) => {
-            tracing::warn!(%url, subscription, "NATS dropped messages: this process reads a subscription too slowly")
+            if let Some(left_out) = outage.slow_consumer.allow(std::time::Instant::now()) {
+                tracing::warn!(%url, subscription, left_out, "NATS dropped messages: this process reads a subscription too slowly (at most one line per 10 s)");
+            }
         }
         Event::LameDuckMode => {
             tracing::warn!(%url, "the NATS server is shutting down (lame duck mode)")
@@ -327,6 +360,23 @@ pub fn redact(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_throttle_allows_one_line_per_period_and_counts_the_rest() {
+        let throttle = Throttle::default();
+        let start = std::time::Instant::now();
+        let at = |secs: u64| start + std::time::Duration::from_secs(secs);
+        assert_eq!(throttle.allow(at(0)), Some(0));
+        assert_eq!(throttle.allow(at(1)), None);
+        assert_eq!(throttle.allow(at(9)), None);
+        assert_eq!(
+            throttle.allow(at(10)),
+            Some(2),
+            "the two left out are counted"
+        );
+        assert_eq!(throttle.allow(at(15)), None);
+        assert_eq!(throttle.allow(at(40)), Some(1));
+    }
 
     #[test]
     fn redaction_hides_every_kind_of_secret_and_keeps_the_rest() {
