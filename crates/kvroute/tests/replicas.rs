@@ -379,11 +379,17 @@ async fn three_replicas_route_as_one_and_survive_a_restart() {
         one.hit_rate(),
         round_robin.hit_rate()
     );
+    // The peak is sampled every 20 ms, so it moves by one or two from run to run (6–8 for
+    // each of the three set-ups here): held to the higher of the two references' plus 2. A
+    // pile-up on one worker holds twice its share (12) or more.
+    let reference_peak = one.busiest_peak.max(round_robin.busiest_peak);
     assert!(
-        three.busiest_peak <= one.busiest_peak + 2,
-        "busiest worker held {} with three replicas against {} with one",
+        three.busiest_peak <= reference_peak + 2,
+        "busiest worker held {} with three replicas against {} with one gateway and {} with \
+         round robin",
         three.busiest_peak,
-        one.busiest_peak
+        one.busiest_peak,
+        round_robin.busiest_peak
     );
     let urls: Vec<String> = gateways.iter().map(|g| g.url.clone()).collect();
     assert_all_released(&urls).await;
