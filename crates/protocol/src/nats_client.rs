@@ -167,9 +167,9 @@ pub async fn connect(
         Some(UrlCredentials::Token(token)) => options = options.token(token),
         None => {}
     }
-    // Trouble after the first connection is logged here, in kvroute's words, once per event;
-    // async-nats's own lines for it are off by default (`QUIET_NATS_LOGS`), since at start-up
-    // they would repeat the error returned below.
+    // Trouble after the first connection is logged here, in kvroute's words (an outage in
+    // three lines, repeated server errors throttled); async-nats's own lines for it are off by
+    // default (`QUIET_NATS_LOGS`), since at start-up they would repeat the error below.
     let redacted = redact(url);
     let outage = std::sync::Arc::new(Outage::default());
     options = options.event_callback(move |event| {
