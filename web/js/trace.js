@@ -20,15 +20,6 @@ function hitOver(n) {
   return n === 1 ? 'on the 1 finished request' : `on the ${n} finished requests`;
 }
 
-/**
- * The server's hit rate above the bound over the same requests: its cache held the trace's
- * blocks before the replay (an earlier replay, another client), which the bound assumes not.
- */
-function aboveBound(t) {
-  return typeof t.kv_hit_rate === 'number' && typeof t.oracle_hit_rate_finished === 'number'
-    && t.kv_hit_rate > t.oracle_hit_rate_finished + 1e-9;
-}
-
 /** `done` of `total` as a percentage 0..100 (0 without a total). */
 function share(done, total) {
   return total > 0 ? Math.min(100, (100 * done) / total) : 0;
@@ -72,7 +63,8 @@ export class TracePanel {
     // bound is over other requests until the last one finished.
     setText($('trace-hit'), fmt.kvHit(t.kv_hit_rate));
     setText($('trace-bound-finished'), fmt.kvHit(t.oracle_hit_rate_finished));
-    const above = aboveBound(t);
+    // The server's rate above its bound (decided by the load generator, `above_bound`).
+    const above = t.above_bound === true;
     const over = $('trace-hit-over');
     setText(over, hitOver(t.usage_requests)
       + (above ? ' (above it: the server\u2019s cache was not empty at the start)' : ''));

@@ -639,11 +639,10 @@ fn hit_rate(s: &loadgen::trace::TraceReplayStatus) -> String {
 /// it when it is (the bound assumes a cache empty at the start).
 fn bound_finished(s: &loadgen::trace::TraceReplayStatus) -> String {
     let bound = percent(s.oracle_hit_rate_finished);
-    match (s.kv_hit_rate, s.oracle_hit_rate_finished) {
-        (Some(hit), Some(possible)) if hit > possible + 1e-9 => {
-            format!("{bound} (above it: the server's cache was not empty at the start)")
-        }
-        _ => bound,
+    if s.above_bound {
+        format!("{bound} (above it: the server's cache was not empty at the start)")
+    } else {
+        bound
     }
 }
 

@@ -314,6 +314,8 @@ fn assert_hit_within_its_bound(t: &serde_json::Value) {
         "the server reported more cached tokens than any cache could serve: {t}"
     );
     assert!(n("oracle_hit_tokens") <= n("trace_input_tokens"), "{t}");
+    // A cold server is never reported as warm.
+    assert_eq!(t["above_bound"], false, "{t}");
     if n("usage_requests") == 0 {
         assert!(t["kv_hit_rate"].is_null(), "{t}");
         assert!(t["oracle_hit_rate_finished"].is_null(), "{t}");

@@ -133,6 +133,10 @@ pub struct TraceReplayStatus {
     /// `oracle_hit_tokens / trace_input_tokens`: the bound `kv_hit_rate` is under; `None`
     /// before a finished request reported usage.
     pub oracle_hit_rate_finished: Option<f64>,
+    /// `kv_hit_rate` is above `oracle_hit_rate_finished`: the server's cache held the trace's
+    /// blocks before the replay (an earlier replay, another client), which the bound assumes
+    /// not. Decided here once for the dashboard and the terminal.
+    pub above_bound: bool,
     /// The same bound over every request of the trace (after `--trace-limit`): what the
     /// finished requests' figure becomes once every request finished.
     pub oracle_prefix_hit_rate: f64,
@@ -246,6 +250,8 @@ impl Tally {
         s.trace_input_tokens = self.oracle.finished_input_tokens();
         s.oracle_hit_tokens = self.oracle.hit_tokens();
         s.oracle_hit_rate_finished = self.oracle.hit_rate();
+        s.above_bound = matches!((s.kv_hit_rate, s.oracle_hit_rate_finished),
+            (Some(hit), Some(possible)) if hit > possible + 1e-9);
         s.ttft_ms = self.ttft_ms.percentiles();
         s.e2e_s = self.e2e_s.percentiles();
         s.lateness_ms = self.lateness_ms.percentiles();

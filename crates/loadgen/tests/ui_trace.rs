@@ -243,6 +243,7 @@ async fn the_trace_panel_shows_the_replay_its_bound_and_its_end() {
         (Some(hit), Some(possible)) => hit > possible + 1e-9,
         _ => false,
     };
+    assert_eq!(t["above_bound"].as_bool(), Some(above), "{t}");
     let over = text(&browser, "trace-hit-over").await;
     assert_eq!(
         over.contains("the server\u{2019}s cache was not empty at the start"),
