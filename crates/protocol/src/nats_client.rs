@@ -171,10 +171,10 @@ pub async fn connect(
     // three lines, repeated server errors throttled); async-nats's own lines for it are off by
     // default (`QUIET_NATS_LOGS`), since at start-up they would repeat the error below.
     let redacted = redact(url);
-    let outage = std::sync::Arc::new(Outage::default());
+    let log = std::sync::Arc::new(ConnectionLog::default());
     options = options.event_callback(move |event| {
-        let (url, outage) = (redacted.clone(), outage.clone());
-        async move { log_connection_event(&url, &outage, event) }
+        let (url, log) = (redacted.clone(), log.clone());
+        async move { log_connection_event(&url, &log, event) }
     });
     options.connect(servers.as_str()).await.map_err(|e| {
         let refused = e.kind() == async_nats::ConnectErrorKind::AuthorizationViolation;
@@ -214,10 +214,10 @@ pub async fn connect(
 /// [`connect`]'s error and [`log_connection_event`] say in kvroute's words (default logging).
 pub const QUIET_NATS_LOGS: &str = "async_nats::connector=off";
 
-/// What [`log_connection_event`] remembers of the current outage: whether the connection is
-/// lost, and how many reconnection attempts failed since (only the first is logged).
+/// What [`log_connection_event`] remembers: whether the connection is lost, how many
+/// reconnection attempts failed since (only the first is logged), and its throttles.
 #[derive(Default)]
-struct Outage {
+struct ConnectionLog {
     lost: std::sync::atomic::AtomicBool,
     failed_attempts: std::sync::atomic::AtomicU64,
     /// A server that refuses every publish (a permissions violation) or a subscription read
@@ -252,35 +252,35 @@ impl Throttle {
 /// One log line for a NATS connection event after the first connection: lost, back (with the
 /// attempts it took), the first failed reconnection of an outage, a slow consumer, the server
 /// going away.
-fn log_connection_event(url: &str, outage: &Outage, event: async_nats::Event) {
+fn log_connection_event(url: &str, log: &ConnectionLog, event: async_nats::Event) {
     use async_nats::Event;
     use std::sync::atomic::Ordering;
     match event {
         Event::Disconnected => {
-            outage.lost.store(true, Ordering::Relaxed);
-            outage.failed_attempts.store(0, Ordering::Relaxed);
+            log.lost.store(true, Ordering::Relaxed);
+            log.failed_attempts.store(0, Ordering::Relaxed);
             tracing::warn!(%url, "NATS connection lost; reconnecting");
         }
         // Also sent for the first connection: only a return after a loss is news.
         Event::Connected => {
-            if outage.lost.swap(false, Ordering::Relaxed) {
-                let failed_attempts = outage.failed_attempts.swap(0, Ordering::Relaxed);
+            if log.lost.swap(false, Ordering::Relaxed) {
+                let failed_attempts = log.failed_attempts.swap(0, Ordering::Relaxed);
                 tracing::warn!(%url, failed_attempts, "NATS connection restored");
             }
         }
         // async-nats retries with a growing delay: one line per outage, not per attempt.
         Event::ClientError(e) => {
-            if outage.failed_attempts.fetch_add(1, Ordering::Relaxed) == 0 {
+            if log.failed_attempts.fetch_add(1, Ordering::Relaxed) == 0 {
                 tracing::warn!(%url, error = %e, "NATS reconnection failed; retrying (further failures are counted, not logged)");
             }
         }
         Event::ServerError(e) => {
-            if let Some(left_out) = outage.server_errors.allow(std::time::Instant::now()) {
+            if let Some(left_out) = log.server_errors.allow(std::time::Instant::now()) {
                 tracing::warn!(%url, error = %e, left_out, "NATS server error (at most one line per 10 s; left_out: those since the last)");
             }
         }
         Event::SlowConsumer(subscription) => {
-            if let Some(left_out) = outage.slow_consumer.allow(std::time::Instant::now()) {
+            if let Some(left_out) = log.slow_consumer.allow(std::time::Instant::now()) {
                 tracing::warn!(%url, subscription, left_out, "NATS dropped messages: this process reads a subscription too slowly (at most one line per 10 s)");
             }
         }
