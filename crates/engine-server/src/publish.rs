@@ -10,13 +10,15 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use futures::StreamExt;
+use kv_index::CacheMirror;
 use kv_index::{KvEvent, WorkerId};
 use protocol::nats_client::NatsSecurity;
 use protocol::vllm::{
     EventEncoding, ReplayBuffer, VllmEvent, VllmEventBatch, decode_replay_request,
     encode_multipart, encode_replay_end, encode_replay_frame,
 };
-use protocol::{KvEventBatch, Subjects, WorkerAnnounce, WorkerMessage};
+use protocol::{KvEventBatch, KvStateRequest, Subjects, WorkerAnnounce, WorkerMessage};
 use tokio::sync::{mpsc, watch};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -176,12 +178,32 @@ pub async fn run_kv_publisher(
 ) {
     let mut zmq_seq: u64 = 0;
     let subject = nats.as_ref().map(|n| n.subjects.kv_events(worker));
+    // What the published stream says this worker caches, for gateways that subscribe late.
+    let mut mirror = CacheMirror::default();
+    let mut state_requests = match &nats {
+        Some(n) => match n.client.subscribe(n.subjects.kv_state(worker)).await {
+            Ok(requests) => Some(requests),
+            Err(err) => {
+                tracing::warn!(%err, "cannot take cache-state requests over NATS; a gateway that starts later learns this worker's cache from new events only");
+                None
+            }
+        },
+        None => None,
+    };
     loop {
         let events = tokio::select! {
             events = batches.recv() => match events {
                 Some(events) => events,
                 None => break,
             },
+            request = next_state_request(&mut state_requests) => {
+                match (request, &nats) {
+                    (Some(request), Some(nats)) => answer_state_request(nats, worker, instance, &mirror, request).await,
+                    (None, _) => state_requests = None,
+                    (Some(_), None) => {}
+                }
+                continue;
+            }
             request = next_replay_request(&mut zmq) => {
                 match (request, zmq.as_mut().and_then(|z| z.replay.as_mut())) {
                     (Ok(request), Some(replay)) => serve_replay(replay, request).await,
@@ -192,6 +214,7 @@ pub async fn run_kv_publisher(
             }
         };
         if let (Some(nats), Some(subject)) = (&nats, &subject) {
+            mirror.apply(&events);
             match KvEventBatch::from_events(worker, instance, &events) {
                 Ok(batch) => {
                     if let Err(err) = nats
@@ -231,6 +254,61 @@ pub async fn run_kv_publisher(
             }
         }
     }
+}
+
+/// The next cache-state request, or never when not taking them.
+async fn next_state_request(
+    requests: &mut Option<async_nats::Subscriber>,
+) -> Option<async_nats::Message> {
+    match requests {
+        Some(requests) => requests.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Answers a gateway's cache-state request with the mirror, in parts, on its reply subject.
+/// Called between batches, so the snapshot is exactly the stream up to its `next_seq`.
+async fn answer_state_request(
+    nats: &Nats,
+    worker: WorkerId,
+    instance: u64,
+    mirror: &CacheMirror,
+    request: async_nats::Message,
+) {
+    let Some(reply) = request.reply else {
+        return;
+    };
+    match KvStateRequest::decode(&request.payload) {
+        Ok(r) if r.worker == worker.0 => {}
+        Ok(r) => {
+            tracing::debug!(
+                asked = r.worker,
+                "cache-state request for another worker; ignored"
+            );
+            return;
+        }
+        Err(err) => {
+            tracing::debug!(%err, "undecodable cache-state request; ignored");
+            return;
+        }
+    }
+    let Some(snapshot) = mirror.snapshot() else {
+        tracing::warn!(
+            "cache-state request not answered: this worker's cache passed the snapshot bound"
+        );
+        return;
+    };
+    for part in protocol::state_parts(worker, instance, mirror.next_seq(), &snapshot) {
+        if let Err(err) = nats
+            .client
+            .publish(reply.clone(), Bytes::from(part.encode()))
+            .await
+        {
+            tracing::warn!(%err, "answering a cache-state request failed");
+            return;
+        }
+    }
+    tracing::debug!(blocks = mirror.len(), "answered a cache-state request");
 }
 
 /// A worker's announcement and goodbye, encoded once, before anything is published.

@@ -12,8 +12,11 @@
 //! the batches from the first missing one, they are applied in order, and only a replay that
 //! fails, times out ([`REPLAY_TIMEOUT`]) or no longer reaches back falls back to the clear.
 //! A subscriber that joins late (its first batch is not the publisher's first) replays the
-//! publisher's buffer too, so a gateway restart does not start from a cold view. Replays that
-//! filled their gap are counted (`kvroute_worker_kv_replays_total`), resyncs as before.
+//! publisher's buffer too, so a gateway restart does not start from a cold view. Over NATS a
+//! kvroute engine answers the same need with its whole cache: the first batch this gateway
+//! sees from a worker asks it for a snapshot (`protocol::kv_state`) and holds its batches until
+//! the snapshot is applied. Replays that filled their gap and snapshots applied are counted
+//! (`kvroute_worker_kv_replays_total`), resyncs as before.
 //!
 //! Bad input is counted in the metrics (`decode_errors`, `resyncs`) frame by frame, but logged
 //! sparingly ([`WarnBudget`]): a flood of garbage frames writes a few lines and a periodic
@@ -118,7 +121,26 @@ impl WarnBudget {
     }
 }
 
+/// How long the gateway waits for a worker's cache snapshot (its first batches are held
+/// meanwhile) before it applies them and learns that worker's cache from new events only.
+pub(crate) const STATE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Most batches held per worker while its snapshot comes; past this the wait ends.
+const MAX_HELD_BATCHES: usize = 4_096;
+
+/// Where a worker's NATS stream stands in this gateway.
+enum StreamSync {
+    /// Its snapshot was asked for: its live batches wait here.
+    Waiting(Vec<KvEventBatch>),
+    /// Snapshot applied (or not to be had): batches go straight to the index.
+    Live,
+}
+
 /// Consumes `kvroute.<ns>.kv.*` until cancelled.
+///
+/// The first batch from each worker (this gateway may have started long after the worker
+/// cached its blocks) asks the worker for its whole cache (`protocol::kv_state`) and holds
+/// that worker's batches until the snapshot is applied or [`STATE_TIMEOUT`] passes.
 pub(crate) async fn run_nats_events(
     client: async_nats::Client,
     subjects: Subjects,
@@ -137,10 +159,71 @@ pub(crate) async fn run_nats_events(
     // The last `instance` seen per worker, to notice restarts. Bounded: past the bound the
     // map is cleared, which at worst costs one unnecessary clear per worker.
     let mut instances: BTreeMap<WorkerId, u64> = BTreeMap::new();
+    // Bounded the same way: past the bound, workers are asked for their snapshot again.
+    let mut streams: BTreeMap<WorkerId, StreamSync> = BTreeMap::new();
+    let (states_tx, mut states) = tokio::sync::mpsc::channel(64);
+    // Announcements (and their heartbeats) name workers before they publish anything: an
+    // idle engine's cache is learnt at once, not when its next event comes.
+    let mut announcements = match client.subscribe(subjects.workers()).await {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot hear worker announcements for cache snapshots; each worker's snapshot is asked for at its first KV event");
+            None
+        }
+    };
+    let ask = |streams: &mut BTreeMap<WorkerId, StreamSync>, worker: WorkerId, held| {
+        if streams.len() >= max_workers && !streams.contains_key(&worker) {
+            streams.clear();
+        }
+        streams.insert(worker, StreamSync::Waiting(held));
+        let (client, subject, tx) = (client.clone(), subjects.kv_state(worker), states_tx.clone());
+        tokio::spawn(async move {
+            let state = fetch_kv_state(&client, subject, worker).await;
+            // The loop may have ended; nothing to do then.
+            let _ = tx.send((worker, state)).await;
+        });
+    };
     let mut warnings = WarnBudget::new();
     loop {
         let message = tokio::select! {
             _ = cancel.cancelled() => break,
+            Some(announcement) = next_message(&mut announcements) => {
+                match protocol::WorkerMessage::decode(&announcement.payload) {
+                    Ok(m @ protocol::WorkerMessage::Announce(_)) if !streams.contains_key(&m.worker()) => {
+                        ask(&mut streams, m.worker(), Vec::new());
+                    }
+                    Ok(m @ protocol::WorkerMessage::Goodbye { .. }) => {
+                        // Back later, it is asked again.
+                        streams.remove(&m.worker());
+                    }
+                    _ => {}
+                }
+                continue;
+            }
+            Some((worker, state)) = states.recv() => {
+                let Some(StreamSync::Waiting(held)) = streams.insert(worker, StreamSync::Live) else {
+                    continue;
+                };
+                let mut covered = None;
+                match state {
+                    Ok(state) => {
+                        let blocks = dispatcher.restore_worker(source, &state);
+                        tracing::info!(%worker, blocks, "learnt the worker's cache from its snapshot");
+                        instances.insert(worker, state.instance);
+                        covered = state.next_seq.map(|next| (state.instance, next));
+                    }
+                    Err(why) => tracing::info!(%worker, %why, "no cache snapshot from the worker; its blocks are learnt from its new events"),
+                }
+                for mut batch in held {
+                    if let Some((instance, next)) = covered
+                        && batch.instance == instance
+                    {
+                        batch.events.retain(|e| e.seq >= next);
+                    }
+                    apply_nats_batch(&dispatcher, &mut instances, max_workers, worker, batch, &mut warnings);
+                }
+                continue;
+            }
             m = subscriber.next() => match m { Some(m) => m, None => break },
         };
         warnings.tick(source);
@@ -166,25 +249,117 @@ pub(crate) async fn run_nats_events(
                 continue;
             }
         };
-        if instances.len() >= max_workers && !instances.contains_key(&worker) {
-            instances.clear();
-        }
-        let previous = instances.insert(worker, batch.instance);
-        if previous.is_some_and(|p| p != batch.instance) {
-            tracing::info!(%worker, "worker restarted (new instance); clearing its blocks");
-            dispatcher.resync_worker(source, worker);
-        }
-        match batch.to_kv_events() {
-            Ok(events) => dispatcher.apply_events(source, &events),
-            Err(e) => {
-                if warnings.allow(source) {
-                    tracing::warn!(%worker, error = %e, "bad KV event batch; clearing the worker's blocks");
-                }
-                dispatcher.count_decode_error(source);
-                dispatcher.resync_worker(source, worker);
+        match streams.get_mut(&worker) {
+            Some(StreamSync::Live) => {
+                apply_nats_batch(
+                    &dispatcher,
+                    &mut instances,
+                    max_workers,
+                    worker,
+                    batch,
+                    &mut warnings,
+                );
             }
+            Some(StreamSync::Waiting(held)) if held.len() < MAX_HELD_BATCHES => held.push(batch),
+            Some(StreamSync::Waiting(_)) => {
+                // The snapshot is too slow for this stream: go on without it.
+                if let Some(StreamSync::Waiting(held)) = streams.insert(worker, StreamSync::Live) {
+                    for batch in held.into_iter().chain([batch]) {
+                        apply_nats_batch(
+                            &dispatcher,
+                            &mut instances,
+                            max_workers,
+                            worker,
+                            batch,
+                            &mut warnings,
+                        );
+                    }
+                }
+            }
+            None => ask(&mut streams, worker, vec![batch]),
         }
     }
+}
+
+/// The next message of an optional subscription; never when there is none (or it ended).
+async fn next_message(
+    subscription: &mut Option<async_nats::Subscriber>,
+) -> Option<async_nats::Message> {
+    match subscription {
+        Some(s) => match s.next().await {
+            Some(m) => Some(m),
+            None => {
+                *subscription = None;
+                std::future::pending().await
+            }
+        },
+        None => std::future::pending().await,
+    }
+}
+
+/// One batch of a worker whose stream is live: a new `instance` is a restart (empty cache).
+fn apply_nats_batch(
+    dispatcher: &Dispatcher,
+    instances: &mut BTreeMap<WorkerId, u64>,
+    max_workers: usize,
+    worker: WorkerId,
+    batch: KvEventBatch,
+    warnings: &mut WarnBudget,
+) {
+    let source = EventSource::Nats;
+    if instances.len() >= max_workers && !instances.contains_key(&worker) {
+        instances.clear();
+    }
+    let previous = instances.insert(worker, batch.instance);
+    if previous.is_some_and(|p| p != batch.instance) {
+        tracing::info!(%worker, "worker restarted (new instance); clearing its blocks");
+        dispatcher.resync_worker(source, worker);
+    }
+    match batch.to_kv_events() {
+        Ok(events) => dispatcher.apply_events(source, &events),
+        Err(e) => {
+            if warnings.allow(source) {
+                tracing::warn!(%worker, error = %e, "bad KV event batch; clearing the worker's blocks");
+            }
+            dispatcher.count_decode_error(source);
+            dispatcher.resync_worker(source, worker);
+        }
+    }
+}
+
+/// Asks `worker` for its whole cache on `subject` and gathers the parts, within
+/// [`STATE_TIMEOUT`].
+async fn fetch_kv_state(
+    client: &async_nats::Client,
+    subject: String,
+    worker: WorkerId,
+) -> Result<protocol::KvState, String> {
+    let inbox = client.new_inbox();
+    let mut answers = client
+        .subscribe(inbox.clone())
+        .await
+        .map_err(|e| format!("cannot subscribe for the answer: {e}"))?;
+    let request = protocol::KvStateRequest { worker: worker.0 };
+    client
+        .publish_with_reply(subject, inbox, request.encode().into())
+        .await
+        .map_err(|e| format!("cannot ask: {e}"))?;
+    let mut assembly = protocol::KvStateAssembly::new(worker);
+    let gather = async {
+        loop {
+            let Some(message) = answers.next().await else {
+                return Err("the answer subscription closed".to_string());
+            };
+            let part =
+                protocol::KvStatePart::decode(&message.payload).map_err(|e| e.to_string())?;
+            if let Some(state) = assembly.push(&part).map_err(|e| e.to_string())? {
+                return Ok(state);
+            }
+        }
+    };
+    tokio::time::timeout(STATE_TIMEOUT, gather)
+        .await
+        .map_err(|_| format!("no complete answer within {STATE_TIMEOUT:?} (an engine older than this gateway, or not a kvroute engine)"))?
 }
 
 /// How long one replay may take, connecting included, before its gap falls back to a resync.

@@ -467,6 +467,45 @@ impl KvIndex {
         }
     }
 
+    /// Replaces what the index holds of `worker` with `stored` and expects `next_seq` next
+    /// (`None`: the next event sets the baseline). For a worker's snapshot of its own cache
+    /// (a gateway that subscribed after the worker cached blocks): `stored` lists `Stored`
+    /// events, parents before children; other kinds are ignored. A block whose parent is not
+    /// among those before it is skipped, as in [`apply`](Self::apply).
+    pub fn restore_worker(
+        &mut self,
+        worker: WorkerId,
+        next_seq: Option<u64>,
+        stored: &[KvEventKind],
+    ) -> Result<ApplyOutcome, EventError> {
+        let Some(slot) = self.slot_or_insert(worker) else {
+            self.counters.refused_workers += 1;
+            return Err(EventError::TooManyWorkers {
+                worker,
+                max: self.config.max_workers,
+            });
+        };
+        let mut out = ApplyOutcome {
+            removed: self.drop_entries_of(slot),
+            baseline: next_seq.is_none(),
+            ..ApplyOutcome::default()
+        };
+        for kind in stored {
+            if let KvEventKind::Stored { parent, blocks } = kind {
+                let mut one = ApplyOutcome::default();
+                self.store(slot, *parent, blocks, &mut one);
+                out.stored += one.stored;
+                out.refreshed += one.refreshed;
+                out.evicted += one.evicted;
+                out.unknown_parent_blocks += one.unknown_parent_blocks;
+            }
+        }
+        if let Some(state) = self.worker_mut(slot) {
+            state.next_seq = next_seq;
+        }
+        Ok(out)
+    }
+
     /// Whether the index holds engine block `block` for `worker`.
     pub fn holds(&self, worker: WorkerId, block: EngineBlockId) -> bool {
         self.slots

@@ -88,6 +88,7 @@
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod mirror;
 pub mod overlap;
 
 pub use event::{
@@ -101,4 +102,5 @@ pub use index::{
     ApplyOutcome, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_WORKERS, EventError, IndexConfig, IndexCounters,
     KvIndex,
 };
+pub use mirror::{CacheMirror, MAX_MIRROR_BLOCKS};
 pub use overlap::OverlapScores;

@@ -72,6 +72,8 @@ pub enum KvWireError {
         "KV event batch: block {id:#x} carries {what}, expected exactly one of tokens or local_hash"
     )]
     BadBlock { id: u64, what: &'static str },
+    #[error("a cache snapshot holds an event other than Stored")]
+    NotStored,
     #[error("KV event batch from worker {batch} holds an event of worker {event}")]
     MixedWorkers { batch: u64, event: u64 },
     #[error(

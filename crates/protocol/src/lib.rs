@@ -11,6 +11,7 @@
 //! | [`http`] | what both HTTP servers do to a request: [`http::parse_json`], [`http::check_model`]; with the `axum` feature, a size-limited `read_body` and `json_response` |
 //! | [`sse`] | `data:` event writers and the one incremental, bounded, zero-copy [`SseDecoder`] |
 //! | [`kv_events`] | [`KvEventBatch`]: a worker's KV events in msgpack, 1:1 with [`kv_index::KvEvent`] |
+//! | [`kv_state`] | [`KvStatePart`]: a worker's whole prefix cache, for a gateway that subscribed late |
 //! | [`subjects`] | NATS subjects `kvroute.<ns>.kv.<worker>`, `kvroute.<ns>.workers`, `kvroute.<ns>.replicas[.snapshot]` |
 //! | [`replicas`] | [`ReplicaBatch`], [`SnapshotRequest`], [`SnapshotPart`]: gateway replicas' routing updates and snapshots in msgpack |
 //! | [`worker`] | [`WorkerCard`]: what a worker declares (`GET /info`, and the [`WorkerMessage`] announce/heartbeat/goodbye over NATS) |
@@ -60,6 +61,7 @@
 pub mod error;
 pub mod http;
 pub mod kv_events;
+pub mod kv_state;
 #[cfg(feature = "axum")]
 pub mod listener;
 #[cfg(feature = "nats")]
@@ -73,6 +75,9 @@ pub mod worker;
 
 pub use error::{ApiError, ErrorBody, ErrorDetail};
 pub use kv_events::{KvEventBatch, KvWireError, WireBlock, WireKvEvent, WireKvKind};
+pub use kv_state::{
+    KvState, KvStateAssembly, KvStateError, KvStatePart, KvStateRequest, state_parts,
+};
 pub use openai::{
     Api, ApiRequest, ChatCompletionRequest, ChoiceOut, ChoiceView, CompletionRequest, FinishReason,
     KvTransferParams, MessageContent, MessageView, Model, ModelList, Prompt, PromptTokensDetails,

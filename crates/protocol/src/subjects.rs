@@ -2,6 +2,8 @@
 //!
 //! - `kvroute.<namespace>.kv.<worker>`: a worker's KV event batches
 //!   ([`KvEventBatch`](crate::KvEventBatch), msgpack).
+//! - `kvroute.<namespace>.kv_state.<worker>`: requests for a worker's whole cache
+//!   ([`KvStateRequest`](crate::KvStateRequest)); it answers on the reply subject.
 //! - `kvroute.<namespace>.workers`: [`WorkerMessage`](crate::WorkerMessage)s (JSON):
 //!   announcements, repeated as heartbeats within each lease, and goodbyes.
 //! - `kvroute.<namespace>.replicas`: gateway replicas' [`ReplicaBatch`](crate::ReplicaBatch)es
@@ -79,6 +81,11 @@ impl Subjects {
         rest.parse().ok().map(WorkerId)
     }
 
+    /// Where `worker` answers requests for its whole cache ([`KvStateRequest`](crate::KvStateRequest)).
+    pub fn kv_state(&self, worker: WorkerId) -> String {
+        format!("{PREFIX}.{}.kv_state.{}", self.namespace, worker.0)
+    }
+
     /// Worker announcements, heartbeats and goodbyes.
     pub fn workers(&self) -> String {
         format!("{PREFIX}.{}.workers", self.namespace)
@@ -104,6 +111,9 @@ mod tests {
         let s = Subjects::new("demo").unwrap();
         assert_eq!(s.kv_events(WorkerId(12)), "kvroute.demo.kv.12");
         assert_eq!(s.kv_events_all(), "kvroute.demo.kv.*");
+        // Not under the events wildcard.
+        assert_eq!(s.kv_state(WorkerId(3)), "kvroute.demo.kv_state.3");
+        assert_eq!(s.parse_kv_events(&s.kv_state(WorkerId(3))), None);
         assert_eq!(s.workers(), "kvroute.demo.workers");
         assert_eq!(s.replicas(), "kvroute.demo.replicas");
         assert_eq!(s.replica_snapshots(), "kvroute.demo.replicas.snapshot");

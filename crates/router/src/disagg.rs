@@ -301,6 +301,32 @@ impl DisaggFrontend {
         }
     }
 
+    /// Replaces what the index of `worker`'s pool holds for it (both pools' indexes, for a
+    /// worker not registered) with the worker's snapshot of its cache.
+    pub fn restore_worker(
+        &mut self,
+        worker: WorkerId,
+        next_seq: Option<u64>,
+        stored: &[kv_index::KvEventKind],
+    ) -> Result<ApplyOutcome, EventError> {
+        match self.pools.get(&worker).copied() {
+            Some(pool) => self
+                .pool_mut(pool)
+                .router_mut()
+                .restore_worker(worker, next_seq, stored),
+            None => {
+                let prefill = self
+                    .prefill
+                    .router_mut()
+                    .restore_worker(worker, next_seq, stored);
+                self.decode
+                    .router_mut()
+                    .restore_worker(worker, next_seq, stored)
+                    .and(prefill)
+            }
+        }
+    }
+
     /// Drops every block the index of `worker`'s pool holds for it (both pools' indexes, for
     /// a worker not registered): its event stream lost messages, so what the index held
     /// cannot be vouched for.

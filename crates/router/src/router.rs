@@ -510,6 +510,18 @@ impl Router {
         self.index.apply_resyncing(event)
     }
 
+    /// Replaces the index's view of `worker` with the worker's own snapshot of its cache
+    /// (`KvIndex::restore_worker`): what a gateway that subscribed late asks an engine for.
+    pub fn restore_worker(
+        &mut self,
+        worker: WorkerId,
+        next_seq: Option<u64>,
+        stored: &[KvEventKind],
+    ) -> Result<kv_index::ApplyOutcome, kv_index::EventError> {
+        self.on_worker_event(worker);
+        self.index.restore_worker(worker, next_seq, stored)
+    }
+
     /// The prefix index (read-only), e.g. for metrics.
     pub fn index(&self) -> &KvIndex {
         &self.index

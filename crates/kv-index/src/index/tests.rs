@@ -462,3 +462,63 @@ fn apply_resyncing_clears_on_a_gap_and_refuses_stale_events() {
     assert!(!out.resynced && out.removed == 1);
     assert_eq!(index.next_seq(WorkerId(7)), None);
 }
+
+#[test]
+fn restore_worker_rebuilds_what_the_stream_built_and_continues_it() {
+    // What worker 1's stream built: a shared root with two branches, one block removed.
+    let history = [
+        stored(1, 0, None, &[10, 11], &[1, 2]),
+        stored(1, 1, Some(11), &[12], &[3]),
+        stored(1, 2, Some(11), &[13, 14], &[4, 5]),
+        removed(1, 3, &[14]),
+    ];
+    let live = index_after(&history);
+    // The same cache as a snapshot (parents first), into an index that holds stale blocks
+    // of that worker and another worker's blocks.
+    let snapshot: Vec<KvEventKind> = [
+        stored(1, 0, None, &[10, 11], &[1, 2]),
+        stored(1, 0, Some(11), &[12], &[3]),
+        stored(1, 0, Some(11), &[13], &[4]),
+        // An orphan (its parent is not in the snapshot) is skipped.
+        stored(1, 0, Some(99), &[15], &[6]),
+    ]
+    .into_iter()
+    .map(|e| e.kind)
+    .collect();
+    let mut restored = index_after(&[
+        stored(1, 7, None, &[50], &[9]),
+        stored(2, 0, None, &[10], &[1]),
+    ]);
+    let out = restored
+        .restore_worker(WorkerId(1), Some(4), &snapshot)
+        .unwrap();
+    assert_eq!(
+        (out.removed, out.stored, out.unknown_parent_blocks),
+        (1, 4, 1)
+    );
+    restored.check_invariants();
+    for tokens in [&[1, 2, 3][..], &[1, 2, 4, 5], &[9], &[1]] {
+        let want: Vec<(u64, u32)> = {
+            // Worker 2 keeps its block; worker 1's stale block (tokens [9]) is gone.
+            let mut s = scores(&live, tokens);
+            if tokens[0] == 1 {
+                s.push((2, 1));
+            }
+            s
+        };
+        assert_eq!(scores(&restored, tokens), want, "{tokens:?}");
+    }
+    // The stream continues after the snapshot: event 4 applies, a replayed 3 is stale.
+    assert_eq!(restored.next_seq(WorkerId(1)), Some(4));
+    assert!(matches!(
+        restored.apply(&removed(1, 3, &[13])),
+        Err(EventError::Stale { .. })
+    ));
+    restored.apply(&removed(1, 4, &[13])).unwrap();
+    assert_eq!(scores(&restored, &[1, 2, 4]), vec![(1, 2), (2, 1)]);
+    // With nothing published yet, the next event sets the baseline.
+    let out = restored.restore_worker(WorkerId(3), None, &[]).unwrap();
+    assert!(out.baseline && out.stored == 0);
+    restored.apply(&stored(3, 41, None, &[60], &[8])).unwrap();
+    assert_eq!(restored.next_seq(WorkerId(3)), Some(42));
+}
