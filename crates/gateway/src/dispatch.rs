@@ -983,13 +983,14 @@ impl Dispatcher {
     /// Applies KV events from `source`. A sequence gap clears that worker's blocks and
     /// re-applies the event as a new baseline, so the index never keeps a state it cannot
     /// vouch for; the resync is counted. In approximate mode workers' events are ignored (the
-    /// router predicts caches itself).
-    pub fn apply_events(&self, source: EventSource, events: &[KvEvent]) {
+    /// router predicts caches itself). Returns whether a gap cleared a worker's blocks.
+    pub fn apply_events(&self, source: EventSource, events: &[KvEvent]) -> bool {
         let s = source as usize;
         self.events.received[s].fetch_add(events.len() as u64, Ordering::Relaxed);
         if !self.kv_events || events.is_empty() {
-            return;
+            return false;
         }
+        let mut any_resync = false;
         let mut core = lock(&self.core);
         let now = Instant::now();
         for event in events {
@@ -997,6 +998,7 @@ impl Dispatcher {
             // simulator: a gap clears the worker's blocks and re-baselines on this event.
             let outcome = core.frontend.apply_event_resyncing(event);
             let resynced = matches!(outcome, Ok(o) if o.resynced);
+            any_resync |= resynced;
             if let Some(w) = core.workers.get_mut(&event.worker) {
                 w.last_event = Some(now);
                 w.resyncs += u64::from(resynced);
@@ -1010,6 +1012,7 @@ impl Dispatcher {
                 Err(e) => tracing::debug!(error = %e, "KV event not applied"),
             }
         }
+        any_resync
     }
 
     /// A worker's event stream lost messages at the transport level (e.g. a ZMQ batch

@@ -57,6 +57,7 @@ impl KvEventSink {
 
     /// Applies `events` now (a short critical section, no waiting).
     pub fn publish(&self, events: &[KvEvent]) {
+        // In process nothing is lost: no gap to fill.
         self.dispatcher.apply_events(EventSource::InProcess, events);
     }
 }
@@ -136,11 +137,156 @@ enum StreamSync {
     Live,
 }
 
+/// A worker's snapshot as fetched: the cache, or why there is none.
+type FetchedState = (WorkerId, Result<protocol::KvState, String>);
+
+/// The NATS event consumer's state: per worker, its instance and where its stream stands.
+struct NatsStreams {
+    client: async_nats::Client,
+    subjects: Subjects,
+    dispatcher: Arc<Dispatcher>,
+    max_workers: usize,
+    /// The last `instance` seen per worker, to notice restarts. Bounded: past the bound the
+    /// map is cleared, which at worst costs one unnecessary clear per worker.
+    instances: BTreeMap<WorkerId, u64>,
+    /// Bounded the same way: past the bound, workers are asked for their snapshot again.
+    streams: BTreeMap<WorkerId, StreamSync>,
+    fetched: tokio::sync::mpsc::Sender<FetchedState>,
+    warnings: WarnBudget,
+}
+
+impl NatsStreams {
+    /// Asks `worker` for its snapshot; its batches wait (after `held`) until it comes.
+    fn ask(&mut self, worker: WorkerId, held: Vec<KvEventBatch>) {
+        if self.streams.len() >= self.max_workers && !self.streams.contains_key(&worker) {
+            self.streams.clear();
+        }
+        self.streams.insert(worker, StreamSync::Waiting(held));
+        let (client, subject) = (self.client.clone(), self.subjects.kv_state(worker));
+        let fetched = self.fetched.clone();
+        tokio::spawn(async move {
+            let state = fetch_kv_state(&client, subject, worker).await;
+            // The loop may have ended; nothing to do then.
+            let _ = fetched.send((worker, state)).await;
+        });
+    }
+
+    /// Announcements (and their heartbeats) name workers before they publish anything: an
+    /// idle engine's cache is learnt at once, not when its next event comes.
+    fn on_announcement(&mut self, payload: &[u8]) {
+        match protocol::WorkerMessage::decode(payload) {
+            Ok(m @ protocol::WorkerMessage::Announce(_))
+                if !self.streams.contains_key(&m.worker()) =>
+            {
+                self.ask(m.worker(), Vec::new());
+            }
+            Ok(m @ protocol::WorkerMessage::Goodbye { .. }) => {
+                // Back later, it is asked again.
+                self.streams.remove(&m.worker());
+            }
+            _ => {}
+        }
+    }
+
+    /// A snapshot came (or will not): restore the worker's blocks, then apply the batches
+    /// held meanwhile from the snapshot's sequence number on.
+    fn on_fetched(&mut self, (worker, state): FetchedState) {
+        let Some(StreamSync::Waiting(held)) = self.streams.insert(worker, StreamSync::Live) else {
+            // The wait was given up (too many batches held): the index went on without it.
+            return;
+        };
+        let mut covered = None;
+        match state {
+            Ok(state) => {
+                let blocks = self.dispatcher.restore_worker(EventSource::Nats, &state);
+                tracing::info!(%worker, blocks, "learnt the worker's cache from its snapshot");
+                self.instances.insert(worker, state.instance);
+                covered = state.next_seq.map(|next| (state.instance, next));
+            }
+            Err(why) => {
+                tracing::info!(%worker, %why, "no cache snapshot from the worker; its blocks are learnt from its new events")
+            }
+        }
+        let mut cleared = false;
+        for mut batch in held {
+            if let Some((instance, next)) = covered
+                && batch.instance == instance
+            {
+                batch.events.retain(|e| e.seq >= next);
+            }
+            cleared |= self.apply(worker, batch);
+        }
+        if cleared && covered.is_some() {
+            // Events were lost after the snapshot too: ask again.
+            self.ask(worker, Vec::new());
+        }
+    }
+
+    /// A decoded batch from `worker`.
+    fn on_batch(&mut self, worker: WorkerId, batch: KvEventBatch) {
+        match self.streams.get_mut(&worker) {
+            Some(StreamSync::Live) => {
+                if self.apply(worker, batch) {
+                    // A gap cleared the worker's blocks: its snapshot gives them back.
+                    self.ask(worker, Vec::new());
+                }
+            }
+            Some(StreamSync::Waiting(held)) if held.len() < MAX_HELD_BATCHES => held.push(batch),
+            Some(StreamSync::Waiting(_)) => {
+                // The snapshot is too slow for this stream: go on without it.
+                if let Some(StreamSync::Waiting(held)) =
+                    self.streams.insert(worker, StreamSync::Live)
+                {
+                    for batch in held.into_iter().chain([batch]) {
+                        self.apply(worker, batch);
+                    }
+                }
+            }
+            None => self.ask(worker, vec![batch]),
+        }
+    }
+
+    /// A batch that cannot be used: the worker's blocks cannot be vouched for any more.
+    fn on_bad_batch(&mut self, worker: WorkerId) {
+        self.dispatcher.resync_worker(EventSource::Nats, worker);
+        if matches!(self.streams.get(&worker), Some(StreamSync::Live)) {
+            self.ask(worker, Vec::new());
+        }
+    }
+
+    /// One batch of a live stream: a new `instance` is a restart (empty cache). Returns
+    /// whether the worker's blocks were cleared for a gap or a bad batch (not a restart): its
+    /// snapshot would give them back.
+    fn apply(&mut self, worker: WorkerId, batch: KvEventBatch) -> bool {
+        let source = EventSource::Nats;
+        if self.instances.len() >= self.max_workers && !self.instances.contains_key(&worker) {
+            self.instances.clear();
+        }
+        let previous = self.instances.insert(worker, batch.instance);
+        if previous.is_some_and(|p| p != batch.instance) {
+            tracing::info!(%worker, "worker restarted (new instance); clearing its blocks");
+            self.dispatcher.resync_worker(source, worker);
+        }
+        match batch.to_kv_events() {
+            Ok(events) => self.dispatcher.apply_events(source, &events),
+            Err(e) => {
+                if self.warnings.allow(source) {
+                    tracing::warn!(%worker, error = %e, "bad KV event batch; clearing the worker's blocks");
+                }
+                self.dispatcher.count_decode_error(source);
+                self.dispatcher.resync_worker(source, worker);
+                true
+            }
+        }
+    }
+}
+
 /// Consumes `kvroute.<ns>.kv.*` until cancelled.
 ///
-/// The first batch from each worker (this gateway may have started long after the worker
-/// cached its blocks) asks the worker for its whole cache (`protocol::kv_state`) and holds
-/// that worker's batches until the snapshot is applied or [`STATE_TIMEOUT`] passes.
+/// The first word from each worker (its announcement or first batch: this gateway may have
+/// started long after the worker cached its blocks), and any gap in its stream, asks the
+/// worker for its whole cache (`protocol::kv_state`) and holds that worker's batches until the
+/// snapshot is applied or [`STATE_TIMEOUT`] passes.
 pub(crate) async fn run_nats_events(
     client: async_nats::Client,
     subjects: Subjects,
@@ -155,15 +301,6 @@ pub(crate) async fn run_nats_events(
             return;
         }
     };
-    let source = EventSource::Nats;
-    // The last `instance` seen per worker, to notice restarts. Bounded: past the bound the
-    // map is cleared, which at worst costs one unnecessary clear per worker.
-    let mut instances: BTreeMap<WorkerId, u64> = BTreeMap::new();
-    // Bounded the same way: past the bound, workers are asked for their snapshot again.
-    let mut streams: BTreeMap<WorkerId, StreamSync> = BTreeMap::new();
-    let (states_tx, mut states) = tokio::sync::mpsc::channel(64);
-    // Announcements (and their heartbeats) name workers before they publish anything: an
-    // idle engine's cache is learnt at once, not when its next event comes.
     let mut announcements = match client.subscribe(subjects.workers()).await {
         Ok(s) => Some(s),
         Err(e) => {
@@ -171,112 +308,51 @@ pub(crate) async fn run_nats_events(
             None
         }
     };
-    let ask = |streams: &mut BTreeMap<WorkerId, StreamSync>, worker: WorkerId, held| {
-        if streams.len() >= max_workers && !streams.contains_key(&worker) {
-            streams.clear();
-        }
-        streams.insert(worker, StreamSync::Waiting(held));
-        let (client, subject, tx) = (client.clone(), subjects.kv_state(worker), states_tx.clone());
-        tokio::spawn(async move {
-            let state = fetch_kv_state(&client, subject, worker).await;
-            // The loop may have ended; nothing to do then.
-            let _ = tx.send((worker, state)).await;
-        });
+    let source = EventSource::Nats;
+    let (fetched, mut snapshots) = tokio::sync::mpsc::channel(64);
+    let mut state = NatsStreams {
+        client,
+        subjects,
+        dispatcher,
+        max_workers,
+        instances: BTreeMap::new(),
+        streams: BTreeMap::new(),
+        fetched,
+        warnings: WarnBudget::new(),
     };
-    let mut warnings = WarnBudget::new();
     loop {
         let message = tokio::select! {
             _ = cancel.cancelled() => break,
             Some(announcement) = next_message(&mut announcements) => {
-                match protocol::WorkerMessage::decode(&announcement.payload) {
-                    Ok(m @ protocol::WorkerMessage::Announce(_)) if !streams.contains_key(&m.worker()) => {
-                        ask(&mut streams, m.worker(), Vec::new());
-                    }
-                    Ok(m @ protocol::WorkerMessage::Goodbye { .. }) => {
-                        // Back later, it is asked again.
-                        streams.remove(&m.worker());
-                    }
-                    _ => {}
-                }
+                state.on_announcement(&announcement.payload);
                 continue;
             }
-            Some((worker, state)) = states.recv() => {
-                let Some(StreamSync::Waiting(held)) = streams.insert(worker, StreamSync::Live) else {
-                    continue;
-                };
-                let mut covered = None;
-                match state {
-                    Ok(state) => {
-                        let blocks = dispatcher.restore_worker(source, &state);
-                        tracing::info!(%worker, blocks, "learnt the worker's cache from its snapshot");
-                        instances.insert(worker, state.instance);
-                        covered = state.next_seq.map(|next| (state.instance, next));
-                    }
-                    Err(why) => tracing::info!(%worker, %why, "no cache snapshot from the worker; its blocks are learnt from its new events"),
-                }
-                for mut batch in held {
-                    if let Some((instance, next)) = covered
-                        && batch.instance == instance
-                    {
-                        batch.events.retain(|e| e.seq >= next);
-                    }
-                    apply_nats_batch(&dispatcher, &mut instances, max_workers, worker, batch, &mut warnings);
-                }
+            Some(snapshot) = snapshots.recv() => {
+                state.on_fetched(snapshot);
                 continue;
             }
             m = subscriber.next() => match m { Some(m) => m, None => break },
         };
-        warnings.tick(source);
-        let Some(worker) = subjects.parse_kv_events(message.subject.as_str()) else {
-            dispatcher.count_decode_error(source);
+        state.warnings.tick(source);
+        let Some(worker) = state.subjects.parse_kv_events(message.subject.as_str()) else {
+            state.dispatcher.count_decode_error(source);
             continue;
         };
-        let batch = match KvEventBatch::decode(&message.payload) {
-            Ok(batch) if batch.worker == worker.0 => batch,
+        match KvEventBatch::decode(&message.payload) {
+            Ok(batch) if batch.worker == worker.0 => state.on_batch(worker, batch),
             Ok(batch) => {
-                if warnings.allow(source) {
+                if state.warnings.allow(source) {
                     tracing::warn!(%worker, batch_worker = batch.worker, "KV batch names another worker than its subject; dropped");
                 }
-                dispatcher.count_decode_error(source);
-                continue;
+                state.dispatcher.count_decode_error(source);
             }
             Err(e) => {
-                if warnings.allow(source) {
+                if state.warnings.allow(source) {
                     tracing::warn!(%worker, error = %e, "undecodable KV event batch; clearing the worker's blocks");
                 }
-                dispatcher.count_decode_error(source);
-                dispatcher.resync_worker(source, worker);
-                continue;
+                state.dispatcher.count_decode_error(source);
+                state.on_bad_batch(worker);
             }
-        };
-        match streams.get_mut(&worker) {
-            Some(StreamSync::Live) => {
-                apply_nats_batch(
-                    &dispatcher,
-                    &mut instances,
-                    max_workers,
-                    worker,
-                    batch,
-                    &mut warnings,
-                );
-            }
-            Some(StreamSync::Waiting(held)) if held.len() < MAX_HELD_BATCHES => held.push(batch),
-            Some(StreamSync::Waiting(_)) => {
-                // The snapshot is too slow for this stream: go on without it.
-                if let Some(StreamSync::Waiting(held)) = streams.insert(worker, StreamSync::Live) {
-                    for batch in held.into_iter().chain([batch]) {
-                        apply_nats_batch(
-                            &dispatcher,
-                            &mut instances,
-                            max_workers,
-                            worker,
-                            batch,
-                            &mut warnings,
-                        );
-                    }
-                }
-            }
-            None => ask(&mut streams, worker, vec![batch]),
         }
     }
 }
@@ -294,36 +370,6 @@ async fn next_message(
             }
         },
         None => std::future::pending().await,
-    }
-}
-
-/// One batch of a worker whose stream is live: a new `instance` is a restart (empty cache).
-fn apply_nats_batch(
-    dispatcher: &Dispatcher,
-    instances: &mut BTreeMap<WorkerId, u64>,
-    max_workers: usize,
-    worker: WorkerId,
-    batch: KvEventBatch,
-    warnings: &mut WarnBudget,
-) {
-    let source = EventSource::Nats;
-    if instances.len() >= max_workers && !instances.contains_key(&worker) {
-        instances.clear();
-    }
-    let previous = instances.insert(worker, batch.instance);
-    if previous.is_some_and(|p| p != batch.instance) {
-        tracing::info!(%worker, "worker restarted (new instance); clearing its blocks");
-        dispatcher.resync_worker(source, worker);
-    }
-    match batch.to_kv_events() {
-        Ok(events) => dispatcher.apply_events(source, &events),
-        Err(e) => {
-            if warnings.allow(source) {
-                tracing::warn!(%worker, error = %e, "bad KV event batch; clearing the worker's blocks");
-            }
-            dispatcher.count_decode_error(source);
-            dispatcher.resync_worker(source, worker);
-        }
     }
 }
 

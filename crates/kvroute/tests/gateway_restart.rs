@@ -6,7 +6,8 @@
 //! Without the engines' cache snapshots (`protocol::kv_state`) the fresh gateway's index
 //! would never hold the first turns' blocks (they are not stored again), nor any block stored
 //! on top of them (its parent unknown), so it would route blind: each second turn would find
-//! its history with probability 1/3.
+//! its history with probability 1/3. A gap in a worker's stream, which clears its blocks,
+//! is filled the same way.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -90,9 +91,9 @@ fn opening(conversation: usize) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_fresh_gateway_learns_what_engines_cached_before_it_started() {
+async fn a_gateway_learns_what_engines_cached_before_it_started_or_across_a_gap() {
     let nats = NatsServer::start();
-    let _engines: Vec<Server> = (1..=3).map(|id| engine(&nats, id)).collect();
+    let engines: Vec<Server> = (1..=3).map(|id| engine(&nats, id)).collect();
     let client = reqwest::Client::new();
 
     let first = gateway(&nats);
@@ -142,6 +143,58 @@ async fn a_fresh_gateway_learns_what_engines_cached_before_it_started() {
         metrics.contains("kvroute_router_kv_replays_total{source=\"nats\"} 3\n"),
         "one snapshot per engine:\n{metrics}"
     );
+
+    // A gap in one worker's stream (a batch far ahead of the last, as after lost messages)
+    // clears its blocks; its snapshot brings them back, and the forged block goes with the
+    // clear.
+    let (worker, blocks) = before
+        .iter()
+        .max_by_key(|(_, blocks)| **blocks)
+        .map(|(w, b)| (w.clone(), *b))
+        .unwrap();
+    let engine = &engines[worker.parse::<usize>().unwrap() - 1];
+    let instance = common::get_json(&format!("{}/info", engine.url)).await["instance"]
+        .as_u64()
+        .expect("the engine's card has its instance");
+    let forged = protocol::KvEventBatch {
+        worker: worker.parse().unwrap(),
+        instance,
+        events: vec![protocol::WireKvEvent {
+            seq: 1 << 40,
+            kind: protocol::WireKvKind::Stored {
+                parent: None,
+                blocks: vec![protocol::WireBlock {
+                    id: 1,
+                    tokens: None,
+                    local_hash: Some(1),
+                }],
+            },
+        }],
+    };
+    let publisher = async_nats::connect(nats.url()).await.expect("NATS");
+    publisher
+        .publish(
+            format!("kvroute.{NAMESPACE}.kv.{worker}"),
+            forged.encode().into(),
+        )
+        .await
+        .expect("published");
+    publisher.flush().await.expect("flushed");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = get_text(&format!("{}/metrics", fresh.url)).await;
+        let restored = metrics.contains("kvroute_router_kv_replays_total{source=\"nats\"} 4\n");
+        let resynced = metrics.contains("kvroute_router_kv_resyncs_total{source=\"nats\"} 1\n");
+        if restored && resynced && indexed_blocks(&fresh.url).await[&worker] == blocks {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "worker {worker} after a gap: {:?} blocks (engine: {blocks}), restored {restored}, resynced {resynced}",
+            indexed_blocks(&fresh.url).await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // Every second turn goes back to its history.
     for (c, (messages, answer, first_prompt)) in histories.into_iter().enumerate() {
