@@ -16,12 +16,12 @@ done
 if [ "$replicas" = 1 ]; then
   scenarios=(none replica-restart partition=2 partition \
     "replica-restart,partition,worker-crash,event-loss,event-delay")
-  echo "| faults | KV hit rate | TTFT p50 (ms) | TTFT p95 (ms) | finished | failed | of which lost with a replica | peer updates lost | KV events missed | snapshots applied | resyncs | longest stale claim (s) |"
+  echo "| faults | KV hit rate | TTFT p50 (ms) | TTFT p95 (ms) | finished | failed | of which lost with a replica | peer updates lost | KV events missed | peer snapshots applied | resyncs / filled from cache snapshots | longest stale claim (s) |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 else
   scenarios=(none worker-crash worker-hang slow-worker event-loss event-delay event-duplicate \
     event-reorder "worker-crash,worker-hang,slow-worker,event-loss,event-delay,event-duplicate,event-reorder")
-  echo "| faults | KV hit rate | TTFT p50 (ms) | TTFT p95 (ms) | finished | failed | migrated (crash / stall) | routed again | resyncs | longest stale claim (s) |"
+  echo "| faults | KV hit rate | TTFT p50 (ms) | TTFT p95 (ms) | finished | failed | migrated (crash / stall) | routed again | resyncs / filled from cache snapshots | longest stale claim (s) |"
   echo "|---|---|---|---|---|---|---|---|---|---|"
 fi
 for f in "${scenarios[@]}"; do
@@ -37,6 +37,6 @@ if os.environ["REPLICAS"] == "1":
 else:
     m = f["migrations"]
     cells += ["%d / %d" % (m["worker_failed"], m["worker_timeout"]), f["retried_requests"]]
-cells += [f["kv_resyncs"], "%.3f" % f["max_stale_claim_s"]]
+cells += ["%d / %d" % (f["kv_resyncs"], f["kv_snapshots"]), "%.3f" % f["max_stale_claim_s"]]
 print("| " + " | ".join(str(c) for c in cells) + " |")'
 done

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use engine::{Engine, EngineEvent, EngineRequest, KvLink, Leg, OutputSpec, Role, TransferStart};
-use kv_index::{BlockHasher, IndexConfig, KvEvent, SequenceHash, WorkerId};
+use kv_index::{BlockHasher, CacheMirror, IndexConfig, KvEvent, SequenceHash, WorkerId};
 use nanotime::Nanos;
 use router::autoscale::{BucketCounts, FRONTEND_ITL_BUCKETS, FRONTEND_TTFT_BUCKETS};
 use router::{
@@ -493,12 +493,26 @@ impl Admission {
     }
 
     /// The gateway's gap policy (`KvIndex::apply_resyncing`), in every index that receives
-    /// the event.
-    fn apply_event_resyncing(&mut self, ev: &KvEvent) -> EventTally {
+    /// the event; an index a gap cleared restores the worker from `fill` (its cache snapshot).
+    fn apply_event_resyncing(&mut self, ev: &KvEvent, fill: Option<&CacheMirror>) -> EventTally {
         match self {
-            Admission::One(f) => EventTally::of(f.router_mut().apply_event_resyncing(ev)),
+            Admission::One(f) => {
+                let outcome = f.router_mut().apply_event_resyncing(ev);
+                let resynced = matches!(outcome, Ok(o) if o.resynced);
+                let mut tally = EventTally::of(outcome);
+                if let (true, Some(mirror)) = (resynced, fill)
+                    && let Some(stored) = mirror.snapshot()
+                    && f.router_mut()
+                        .restore_worker(ev.worker, mirror.next_seq(), &stored)
+                        .is_ok()
+                {
+                    tally.filled += 1;
+                }
+                tally
+            }
+            // Faults run on aggregated fleets only.
             Admission::Two(d) => EventTally::of(d.apply_event_resyncing(ev)),
-            Admission::Many(m) => m.apply_event_resyncing(ev),
+            Admission::Many(m) => m.apply_event_resyncing(ev, fill),
         }
     }
 
@@ -594,6 +608,9 @@ struct FaultState {
     /// Per worker: how far its engine's clock lags the run's (the time it spent stopped).
     lag: Vec<Nanos>,
     hang: Option<Hang>,
+    /// Per live worker, its cache as its own events say (the engine's `CacheMirror`): what it
+    /// answers a gateway that lost its events or restarted.
+    mirrors: rustc_hash::FxHashMap<WorkerId, CacheMirror>,
     /// First-byte timeouts so far, per request handle; bounded by the requests in flight.
     timeouts: rustc_hash::FxHashMap<u64, u32>,
     /// Workers that failed a request, out for the ejection time (the gateway's core).
@@ -998,6 +1015,7 @@ impl<W: Workload> Simulation<W> {
             order: 0,
             lag: vec![Nanos::ZERO; self.engines.len()],
             hang: None,
+            mirrors: rustc_hash::FxHashMap::default(),
             timeouts: rustc_hash::FxHashMap::default(),
             ejections: Ejections::new(
                 self.cfg.failover.ejection,
@@ -1457,8 +1475,11 @@ impl<W: Workload> Simulation<W> {
             return;
         }
         if let Some(f) = &mut self.faults {
-            let tally = self.admission.apply_event_resyncing(ev);
+            let tally = self
+                .admission
+                .apply_event_resyncing(ev, f.mirrors.get(&ev.worker));
             f.report.kv_resyncs += u64::from(tally.resynced);
+            f.report.kv_snapshots += u64::from(tally.filled);
             f.report.kv_stale_events += u64::from(tally.stale);
             self.totals.kv_event_errors += u64::from(tally.errors);
             return;
@@ -1754,6 +1775,7 @@ impl<W: Workload> Simulation<W> {
                 f.hang = None;
             }
             f.checker.on_worker_gone(WorkerId(u64::from(w)));
+            f.mirrors.remove(&WorkerId(u64::from(w)));
             if let Some(c) = &mut f.channel {
                 c.forget(WorkerId(u64::from(w)));
             }
@@ -2109,14 +2131,30 @@ impl<W: Workload> Simulation<W> {
         self.mark_dirty(w);
     }
 
-    /// The dead replica starts again, empty, and fetches its peers' snapshots.
+    /// The dead replica starts again, empty, and fetches its peers' snapshots and the
+    /// workers' cache snapshots (the gateway asks each worker it hears announce itself; here
+    /// at once, as the heartbeat interval is short against the replica's downtime).
     fn replica_up(&mut self, r: u32) {
         let now = self.now;
         if let Admission::Many(m) = &mut self.admission {
             m.restart(r as usize, now);
+            let mut restored = 0u64;
+            if let Some(f) = &mut self.faults {
+                // In worker order, so the run does not depend on the map's.
+                let mut workers: Vec<_> = f.mirrors.keys().copied().collect();
+                workers.sort_unstable();
+                for worker in workers {
+                    if let Some(mirror) = f.mirrors.get(&worker)
+                        && m.restore_worker(r as usize, worker, mirror)
+                    {
+                        restored += 1;
+                    }
+                }
+                f.report.kv_snapshots += restored;
+            }
             self.note(format!(
-                "gateway replica {r} started again (new epoch, empty index), fetching its \
-                 peers' snapshots"
+                "gateway replica {r} started again (new epoch), fetching its peers' snapshots \
+                 and {restored} workers' cache snapshots"
             ));
         }
         self.drain_frontend();
@@ -2618,6 +2656,10 @@ impl<W: Workload> Simulation<W> {
         let delay = self.cfg.router.kv_event_delay;
         if let Some(f) = &mut self.faults {
             f.checker.on_engine_kv(&ev, self.now);
+            f.mirrors
+                .entry(ev.worker)
+                .or_default()
+                .apply(std::slice::from_ref(&ev));
             if let Some(channel) = &mut f.channel {
                 channel.send(self.now, delay, ev, &mut f.report);
                 self.timers.arm(Source::KvDelivery, channel.next_delivery());

@@ -38,7 +38,9 @@
 //!   delivers one twice, or holds one back so the next ones overtake it. The index applies
 //!   what arrives with the gap policy the gateway uses ([`kv_index::KvIndex::apply_resyncing`]):
 //!   a gap clears the worker's blocks and re-baselines; duplicates and overtaken events are
-//!   refused as stale.
+//!   refused as stale. Then, as the gateway asks a kvroute engine over NATS, the worker's
+//!   snapshot of its cache restores its blocks ([`kv_index::KvIndex::restore_worker`] from the
+//!   engine side's [`kv_index::CacheMirror`], applied at once).
 //!
 //! - **replica-restart**: one gateway replica's process dies (with `--gateway-replicas` ≥ 2)
 //!   and comes back SECONDS later, as the gateway does (`gateway/src/replicas.rs`): the
@@ -46,8 +48,9 @@
 //!   reported error `gateway_failed`, and its engine cancels it, as for a client that
 //!   disconnects); the load balancer sends new turns to the other replicas. Its peers count
 //!   its requests until its lease ([`router::ReplicaTiming::peer_lease`]) passes without a word from it. It starts
-//!   with an empty index (rebuilt from the workers' KV events from then on) and an empty
-//!   view of the fleet's load; before it serves, it asks its peers for their snapshots and
+//!   with an empty index, filled at once from each worker's snapshot of its cache (the
+//!   gateway asks each worker it hears announce itself), and an empty view of the fleet's
+//!   load; before it serves, it asks its peers for their snapshots and
 //!   waits for them, at most [`router::ReplicaTiming::snapshot_timeout`]; its first message (a new epoch) makes its
 //!   peers release what they still counted for its old incarnation.
 //! - **partition**: one replica loses NATS for SECONDS (it still serves its clients and
@@ -55,8 +58,8 @@
 //!   updates reach nobody. Past the peer lease of silence, it and its peers forget each
 //!   other (releasing each other's requests). When NATS comes back, each side's next
 //!   header shows the updates lost, so it fetches snapshots; the first KV event of each
-//!   worker shows a gap, so the index clears that worker's blocks and re-baselines (the gap
-//!   policy above).
+//!   worker shows a gap, so the index clears that worker's blocks, re-baselines and restores
+//!   them from the worker's snapshot (the gap policy above).
 //!
 //! # Invariants (`Checker`)
 //!
@@ -442,6 +445,9 @@ pub struct FaultReport {
     pub kv_resyncs: u64,
     /// Events refused as stale (duplicates, overtaken events).
     pub kv_stale_events: u64,
+    /// Gaps and restarts after which an index learnt a worker's blocks from the worker's own
+    /// cache snapshot (what the gateway asks a kvroute engine for over NATS).
+    pub kv_snapshots: u64,
     /// Requests that ended with the error of a crashed worker (`worker_failed`).
     pub worker_failed_requests: u64,
     /// Requests resent to another worker with their output so far, by the failure that

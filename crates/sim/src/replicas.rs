@@ -10,7 +10,7 @@
 
 use std::collections::VecDeque;
 
-use kv_index::{ApplyOutcome, EventError, KvEvent, WorkerId};
+use kv_index::{ApplyOutcome, CacheMirror, EventError, KvEvent, KvEventKind, WorkerId};
 use nanotime::Nanos;
 use router::replica::{PEER_REQUEST_ID_BASE, ReplicaSyncCounters};
 use router::{
@@ -91,6 +91,8 @@ pub(crate) struct EventTally {
     pub(crate) stale: u32,
     /// Refused otherwise.
     pub(crate) errors: u32,
+    /// Resyncs filled from the worker's cache snapshot.
+    pub(crate) filled: u32,
 }
 
 impl EventTally {
@@ -533,9 +535,16 @@ impl Replicas {
     }
 
     /// The gateway's gap policy (`KvIndex::apply_resyncing`) in every replica on NATS; a
-    /// replica cut off or down misses the event (and sees the gap when it is back).
-    pub(crate) fn apply_event_resyncing(&mut self, ev: &KvEvent) -> EventTally {
+    /// replica cut off or down misses the event (and sees the gap when it is back). A replica
+    /// whose index a gap cleared restores the worker from `fill`, the worker's cache as its
+    /// own stream says (the gateway asks a kvroute engine for it over NATS).
+    pub(crate) fn apply_event_resyncing(
+        &mut self,
+        ev: &KvEvent,
+        fill: Option<&CacheMirror>,
+    ) -> EventTally {
         let mut tally = EventTally::default();
+        let mut snapshot: Option<Option<Vec<KvEventKind>>> = None;
         for r in 0..self.frontends.len() {
             if !self.reachable(r) {
                 if self.partitioned[r] {
@@ -543,9 +552,38 @@ impl Replicas {
                 }
                 continue;
             }
-            tally.add(self.frontends[r].router_mut().apply_event_resyncing(ev));
+            let outcome = self.frontends[r].router_mut().apply_event_resyncing(ev);
+            let resynced = matches!(outcome, Ok(o) if o.resynced);
+            tally.add(outcome);
+            if let (true, Some(mirror)) = (resynced, fill)
+                && let Some(stored) = snapshot.get_or_insert_with(|| mirror.snapshot())
+                && self.frontends[r]
+                    .router_mut()
+                    .restore_worker(ev.worker, mirror.next_seq(), stored)
+                    .is_ok()
+            {
+                tally.filled += 1;
+            }
         }
         tally
+    }
+
+    /// Replica `r` learns `worker`'s cache from the worker's snapshot (a restarted replica
+    /// asks each worker it hears of). Returns whether it applied.
+    pub(crate) fn restore_worker(
+        &mut self,
+        r: usize,
+        worker: WorkerId,
+        mirror: &CacheMirror,
+    ) -> bool {
+        let Some(stored) = mirror.snapshot() else {
+            return false;
+        };
+        self.frontends.get_mut(r).is_some_and(|f| {
+            f.router_mut()
+                .restore_worker(worker, mirror.next_seq(), &stored)
+                .is_ok()
+        })
     }
 
     /// Every replica consumes every worker's events; replica 0's outcome stands for all
