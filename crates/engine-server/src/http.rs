@@ -158,8 +158,8 @@ fn chat_prompt(
         .assets
         .chat_prompt_ending(&messages, ending)
         .map_err(|e| match e {
-            ChatPromptError::Refused(e) => ApiError::invalid_param("messages", e.to_string()),
-            ChatPromptError::Failed(message) => ApiError::internal(message),
+            ChatPromptError::Refused(e) => ApiError::chat_template(false, e.to_string()),
+            ChatPromptError::Failed(message) => ApiError::chat_template(true, message),
         })
 }
 

@@ -404,14 +404,10 @@ impl Prepare for ChatCompletionRequest {
             .map(|m| text::ChatMessage::new(m.role.clone(), m.text()))
             .collect();
         let need_text = state.dispatcher.has_text_workers();
-        state.preprocessor.chat(&messages, need_text).map_err(|e| {
-            // A template that fails on its own (an operator's file) is no client error.
-            if e.is_template_failure() {
-                ApiError::internal(e.to_string())
-            } else {
-                ApiError::invalid_param("messages", e.to_string())
-            }
-        })
+        state
+            .preprocessor
+            .chat(&messages, need_text)
+            .map_err(|e| ApiError::chat_template(e.is_template_failure(), e.to_string()))
     }
 }
 

@@ -212,6 +212,18 @@ impl ApiError {
         Self::new(500, kind::SERVER, message, None, Some(code::INTERNAL))
     }
 
+    /// A chat the chat template could not render: a template that failed on its own (an
+    /// operator's file: out of fuel, too deep, a bug of its own) is a 500; one that refused
+    /// these messages (its `raise_exception`, a role it does not take) is the client's 400
+    /// on `messages`. The gateway and the engine server answer alike.
+    pub fn chat_template(template_failed: bool, message: impl Into<String>) -> ApiError {
+        if template_failed {
+            Self::internal(message)
+        } else {
+            Self::invalid_param("messages", message)
+        }
+    }
+
     pub fn message(&self) -> &str {
         &self.detail.message
     }
@@ -264,6 +276,17 @@ impl ApiError {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_refused_chat_is_the_clients_400_and_a_failing_template_our_500() {
+        let refused = ApiError::chat_template(false, "no system messages");
+        assert_eq!(
+            (refused.status, refused.detail.param.as_deref()),
+            (400, Some("messages"))
+        );
+        let failed = ApiError::chat_template(true, "out of fuel");
+        assert_eq!((failed.status, failed.detail.param), (500, None));
+    }
 
     #[test]
     fn error_json_shape() {
