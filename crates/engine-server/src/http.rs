@@ -43,6 +43,8 @@ pub struct AppState {
     pub clock: Clock,
     /// Unix seconds at start-up (`created` of `/v1/models`).
     pub started: u64,
+    /// The NATS connection's state, when KV events and registration go over NATS.
+    pub nats: Option<protocol::nats_client::NatsStatus>,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -637,11 +639,19 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     json_response(200, &ModelList::new(vec![model]))
 }
 
+/// 200 while the engine serves. With NATS, its state too: a lost connection or a server
+/// that refuses this worker's publishes (its KV events and announcements reach no gateway,
+/// which then routes to it blind) does not stop it serving, so it stays a 200 and says so.
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     if state.commands.is_closed() {
-        ApiError::service_unavailable("the engine stopped").into_response()
-    } else {
-        json_response(200, &serde_json::json!({"status": "ok"}))
+        return ApiError::service_unavailable("the engine stopped").into_response();
+    }
+    match &state.nats {
+        Some(nats) => json_response(
+            200,
+            &serde_json::json!({"status": "ok", "nats": nats.health()}),
+        ),
+        None => json_response(200, &serde_json::json!({"status": "ok"})),
     }
 }
 

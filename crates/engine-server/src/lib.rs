@@ -267,6 +267,7 @@ impl EngineServer {
                 .duration_since(UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
+            nats: nats.as_ref().map(|n| n.status.clone()),
         });
         let app = http::router(state);
         let mut server_shutdown = shutdown_rx;

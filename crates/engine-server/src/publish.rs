@@ -43,6 +43,8 @@ pub enum PublishError {
 pub struct Nats {
     pub client: async_nats::Client,
     pub subjects: Subjects,
+    /// The connection's state since, for `/health`.
+    pub status: protocol::nats_client::NatsStatus,
 }
 
 impl Nats {
@@ -52,10 +54,15 @@ impl Nats {
         namespace: &str,
     ) -> Result<Nats, PublishError> {
         let subjects = Subjects::new(namespace)?;
-        let client = protocol::nats_client::connect(url, security, Duration::from_secs(5))
-            .await
-            .map_err(PublishError::NatsConnect)?;
-        Ok(Nats { client, subjects })
+        let (client, status) =
+            protocol::nats_client::connect_with_status(url, security, Duration::from_secs(5))
+                .await
+                .map_err(PublishError::NatsConnect)?;
+        Ok(Nats {
+            client,
+            subjects,
+            status,
+        })
     }
 }
 

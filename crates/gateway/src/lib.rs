@@ -268,11 +268,16 @@ impl Gateway {
             })?;
         }
 
+        let mut nats_status = None;
         if let (Some(url), Some(subjects)) = (&config.nats_url, subjects) {
-            let client =
-                protocol::nats_client::connect(url, &config.nats_security, Duration::from_secs(5))
-                    .await
-                    .map_err(GatewayError::Nats)?;
+            let (client, status) = protocol::nats_client::connect_with_status(
+                url,
+                &config.nats_security,
+                Duration::from_secs(5),
+            )
+            .await
+            .map_err(GatewayError::Nats)?;
+            nats_status = Some(status);
             gateway.tasks.push(tokio::spawn(events::run_nats_events(
                 client.clone(),
                 subjects.clone(),
@@ -330,6 +335,7 @@ impl Gateway {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             next_id: AtomicU64::new(0),
+            nats: nats_status,
         });
         let mut app = server::routes(state);
         if let Some(limit) = config.rate_limit {

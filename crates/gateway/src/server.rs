@@ -48,6 +48,8 @@ pub(crate) struct AppState {
     pub migration_limit: u32,
     pub started: u64,
     pub next_id: AtomicU64,
+    /// The NATS connection's state, with `--nats` (for `/health`).
+    pub nats: Option<protocol::nats_client::NatsStatus>,
 }
 
 pub(crate) fn routes(state: Arc<AppState>) -> HttpRouter {
@@ -110,13 +112,18 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     } else {
         (503, "unhealthy")
     };
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "status": word,
         "model": state.model.as_ref(),
         "workers": known,
         "routable_workers": routable,
         "routable_decode_workers": serving,
     });
+    if let Some(nats) = &state.nats {
+        // A lost connection or refused subscriptions leave the index blind but the gateway
+        // serving: reported, not a 503.
+        body["nats"] = serde_json::json!(nats.health());
+    }
     json_response(status, &body)
 }
 

@@ -392,6 +392,70 @@ fn a_nats_outage_is_reported_once_lost_once_failing_and_once_restored() {
     assert!(attempts >= 2, "{restored}");
 }
 
+/// An engine whose NATS user may not publish on kvroute's subjects keeps serving (its
+/// `/health` stays 200, so gateways keep routing to it over HTTP) but says what NATS refuses:
+/// its KV events and announcements reach no gateway.
+#[tokio::test]
+async fn an_engine_refused_publishing_says_so_in_its_health() {
+    let dir = std::env::temp_dir().join(format!("kvroute-nats-deny-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("deny.conf");
+    std::fs::write(
+        &config,
+        format!(
+            "authorization {{ users = [ {{ user: kv, password: \"{PASSWORD}\", \
+             permissions: {{ publish: {{ deny: [\"kvroute.>\"] }} }} }} ] }}\n"
+        ),
+    )
+    .unwrap();
+    let nats = NatsServer::start_with_config(&config);
+    let url = url_with_password(&nats, PASSWORD);
+    let engine = Server::start(&[
+        "engine",
+        "--port",
+        "0",
+        "--worker-id",
+        "4",
+        "--nats",
+        &url,
+        "--zmq-pub",
+        "off",
+    ]);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let health = loop {
+        let health = get_json(&format!("{}/health", engine.url)).await;
+        if health["nats"]["server_errors"].as_u64().unwrap_or(0) > 0 {
+            break health;
+        }
+        assert!(Instant::now() < deadline, "no NATS error in {health}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(health["status"], "ok", "{health}");
+    assert_eq!(health["nats"]["connected"], true, "{health}");
+    let error = health["nats"]["last_server_error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        error.to_lowercase().contains("permissions violation") && error.contains("kvroute."),
+        "{health}"
+    );
+    assert_chat_served(&engine.url, 4).await;
+    // A gateway refused the same way (its replica updates, its requests for engines' caches)
+    // says so too, while it serves.
+    let gateway = Server::start(&["gateway", "--port", "0", "--nats", &url]);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let health = get_json(&format!("{}/health", gateway.url)).await;
+        if health["nats"]["server_errors"].as_u64().unwrap_or(0) > 0 {
+            assert_eq!(health["nats"]["connected"], true, "{health}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no NATS error in {health}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// NATS in operator (decentralized JWT) mode, with the keys and JWTs made here as `nsc` makes
 /// them (JWT v2: an `ed25519-nkey` header, base64url without padding, signed by the issuer's
 /// NKey): an operator, accounts it signs, users the accounts sign, `.creds` files.

@@ -114,6 +114,18 @@ pub async fn connect(
     security: &NatsSecurity,
     timeout: Duration,
 ) -> Result<async_nats::Client, NatsConnectError> {
+    connect_with_status(url, security, timeout)
+        .await
+        .map(|(client, _)| client)
+}
+
+/// [`connect`], and a handle on the connection's state since: for a `/health` that says when
+/// the process is up but NATS is not doing its part (lost, or refusing its publishes).
+pub async fn connect_with_status(
+    url: &str,
+    security: &NatsSecurity,
+    timeout: Duration,
+) -> Result<(async_nats::Client, NatsStatus), NatsConnectError> {
     // Unreadable files get an error naming their flag, not a TLS or parse error later.
     let readable = |flag: &'static str, path: &Path| {
         std::fs::metadata(path)
@@ -172,11 +184,12 @@ pub async fn connect(
     // default (`QUIET_NATS_LOGS`), since at start-up they would repeat the error below.
     let redacted = redact(url);
     let log = std::sync::Arc::new(ConnectionLog::default());
+    let status = NatsStatus(log.clone());
     options = options.event_callback(move |event| {
         let (url, log) = (redacted.clone(), log.clone());
         async move { log_connection_event(&url, &log, event) }
     });
-    options.connect(servers.as_str()).await.map_err(|e| {
+    let client = options.connect(servers.as_str()).await.map_err(|e| {
         let refused = e.kind() == async_nats::ConnectErrorKind::AuthorizationViolation;
         let message = if refused {
             "authorization violation".to_string()
@@ -207,7 +220,47 @@ pub async fn connect(
                 message,
             },
         }
-    })
+    })?;
+    Ok((client, status))
+}
+
+/// A NATS connection's state, as its events told it (see [`connect_with_status`]).
+#[derive(Clone, Default)]
+pub struct NatsStatus(std::sync::Arc<ConnectionLog>);
+
+/// What [`NatsStatus::health`] reports (`/health`'s `nats` field).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct NatsHealth {
+    /// False while the connection is lost (async-nats reconnects by itself).
+    pub connected: bool,
+    /// Errors the server sent since start-up: each refused publish or subscription (a
+    /// permissions violation) is one.
+    pub server_errors: u64,
+    /// The latest of them, as the server worded it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_server_error: Option<String>,
+}
+
+impl std::fmt::Debug for NatsStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("NatsStatus").field(&self.health()).finish()
+    }
+}
+
+impl NatsStatus {
+    pub fn health(&self) -> NatsHealth {
+        use std::sync::atomic::Ordering;
+        let log = &self.0;
+        NatsHealth {
+            connected: !log.lost.load(Ordering::Relaxed),
+            server_errors: log.server_error_count.load(Ordering::Relaxed),
+            last_server_error: log
+                .last_server_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        }
+    }
 }
 
 /// The `RUST_LOG`-style directive that turns off async-nats's connection lines, which
@@ -224,6 +277,9 @@ struct ConnectionLog {
     /// too slowly sends one event per message: at most a line per [`Throttle::EVERY`] each.
     server_errors: Throttle,
     slow_consumer: Throttle,
+    /// For [`NatsStatus::health`].
+    server_error_count: std::sync::atomic::AtomicU64,
+    last_server_error: std::sync::Mutex<Option<String>>,
 }
 
 /// At most one log line per [`Throttle::EVERY`], counting the events left out in between.
@@ -275,6 +331,10 @@ fn log_connection_event(url: &str, log: &ConnectionLog, event: async_nats::Event
             }
         }
         Event::ServerError(e) => {
+            log.server_error_count.fetch_add(1, Ordering::Relaxed);
+            *log.last_server_error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
             if let Some(left_out) = log.server_errors.allow(std::time::Instant::now()) {
                 tracing::warn!(%url, error = %e, left_out, "NATS server error (at most one line per 10 s; left_out: those since the last)");
             }
