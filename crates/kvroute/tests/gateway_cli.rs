@@ -225,15 +225,7 @@ async fn engines_register_over_nats_and_a_killed_one_expires() {
         "--lease-ms",
         "1000",
     ]);
-    let gateway = Server::start(&[
-        "gateway",
-        "--port",
-        "0",
-        "--nats",
-        &nats.url(),
-        "--namespace",
-        "cli",
-    ]);
+    let gateway = common::nats_gateway(&nats.url(), "cli", &[]);
     wait_health(&gateway.url, 2).await;
     let (first, _) = stream_chat(&gateway.url, "What is a KV cache?", 8).await;
     assert!(first.text().await.unwrap().ends_with("data: [DONE]\n\n"));

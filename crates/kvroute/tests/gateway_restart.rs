@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{Server, get_text, wait_routable};
+use common::{Server, get_text, nats_engine, nats_gateway, wait_routable};
 
 #[path = "../../gateway/tests/common/nats.rs"]
 mod nats;
@@ -25,35 +25,11 @@ use nats::NatsServer;
 const NAMESPACE: &str = "restart";
 
 fn engine(nats: &NatsServer, id: u32) -> Server {
-    Server::start(&[
-        "engine",
-        "--port",
-        "0",
-        "--worker-id",
-        &id.to_string(),
-        "--speedup",
-        "20",
-        "--nats",
-        &nats.url(),
-        "--namespace",
-        NAMESPACE,
-        "--lease-ms",
-        "1000",
-        "--zmq-pub",
-        "off",
-    ])
+    nats_engine(&nats.url(), NAMESPACE, id, 20, &[])
 }
 
 fn gateway(nats: &NatsServer) -> Server {
-    Server::start(&[
-        "gateway",
-        "--port",
-        "0",
-        "--nats",
-        &nats.url(),
-        "--namespace",
-        NAMESPACE,
-    ])
+    nats_gateway(&nats.url(), NAMESPACE, &[])
 }
 
 /// `kvroute_worker_cached_blocks` per `worker_id`: what the gateway's index holds.

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{Server, get_text, wait_routable};
+use common::{Server, get_text, nats_engine, nats_gateway, wait_routable};
 
 #[path = "../../gateway/tests/common/nats.rs"]
 mod nats;
@@ -25,31 +25,7 @@ const NAMESPACE: &str = "replicas";
 
 fn engines(nats: &NatsServer, extra: &[&str]) -> Vec<Server> {
     (1..=3)
-        .map(|id| {
-            Server::start(
-                &[
-                    &[
-                        "engine",
-                        "--port",
-                        "0",
-                        "--worker-id",
-                        &id.to_string(),
-                        "--speedup",
-                        "10",
-                        "--nats",
-                        &nats.url(),
-                        "--namespace",
-                        NAMESPACE,
-                        "--lease-ms",
-                        "1000",
-                        "--zmq-pub",
-                        "off",
-                    ][..],
-                    extra,
-                ]
-                .concat(),
-            )
-        })
+        .map(|id| nats_engine(&nats.url(), NAMESPACE, id, 10, extra))
         .collect()
 }
 
@@ -59,23 +35,12 @@ fn gateway(nats: &NatsServer, replica: u32, sync: bool) -> Server {
 
 fn gateway_with(nats: &NatsServer, replica: u32, sync: bool, extra: &[&str]) -> Server {
     let id = replica.to_string();
-    let nats_url = nats.url();
-    let mut args = vec![
-        "gateway",
-        "--port",
-        "0",
-        "--nats",
-        &nats_url,
-        "--namespace",
-        NAMESPACE,
-        "--replica-id",
-        &id,
-    ];
+    let mut args = vec!["--replica-id", &id];
     if !sync {
         args.push("--no-replica-sync");
     }
     args.extend_from_slice(extra);
-    Server::start(&args)
+    nats_gateway(&nats.url(), NAMESPACE, &args)
 }
 
 /// The client's view of a run.

@@ -173,6 +173,46 @@ pub fn engines(n: u32) -> Vec<Server> {
         .collect()
 }
 
+/// `kvroute engine` worker `id` publishing KV events and registering over NATS at `nats` in
+/// `namespace`, at `speedup`× real time, with a 1 s lease and no ZMQ publisher; then `extra`.
+pub fn nats_engine(nats: &str, namespace: &str, id: u32, speedup: u32, extra: &[&str]) -> Server {
+    let (id, speedup) = (id.to_string(), speedup.to_string());
+    let mut args = vec![
+        "engine",
+        "--port",
+        "0",
+        "--worker-id",
+        &id,
+        "--speedup",
+        &speedup,
+        "--nats",
+        nats,
+        "--namespace",
+        namespace,
+        "--lease-ms",
+        "1000",
+        "--zmq-pub",
+        "off",
+    ];
+    args.extend_from_slice(extra);
+    Server::start(&args)
+}
+
+/// `kvroute gateway` on a free port, following NATS at `nats` in `namespace`; then `extra`.
+pub fn nats_gateway(nats: &str, namespace: &str, extra: &[&str]) -> Server {
+    let mut args = vec![
+        "gateway",
+        "--port",
+        "0",
+        "--nats",
+        nats,
+        "--namespace",
+        namespace,
+    ];
+    args.extend_from_slice(extra);
+    Server::start(&args)
+}
+
 /// Polls a gateway's `/health` until it counts `routable` routable workers, for up to `within`.
 pub async fn wait_routable(url: &str, routable: u64, within: Duration) {
     let deadline = Instant::now() + within;
