@@ -127,7 +127,11 @@ impl WarnBudget {
 pub(crate) const STATE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Most batches held per worker while its snapshot comes; past this the wait ends.
-const MAX_HELD_BATCHES: usize = 4_096;
+const MAX_HELD_BATCHES: usize = 1_024;
+
+/// Snapshots fetched at once: a gateway (re)starting before a thousand engines asks them all
+/// within a heartbeat, and each answer is up to a few MiB until applied.
+const MAX_CONCURRENT_FETCHES: usize = 16;
 
 /// Where a worker's NATS stream stands in this gateway.
 enum StreamSync {
@@ -152,6 +156,8 @@ struct NatsStreams {
     /// Bounded the same way: past the bound, workers are asked for their snapshot again.
     streams: BTreeMap<WorkerId, StreamSync>,
     fetched: tokio::sync::mpsc::Sender<FetchedState>,
+    /// [`MAX_CONCURRENT_FETCHES`] permits.
+    fetching: Arc<tokio::sync::Semaphore>,
     warnings: WarnBudget,
 }
 
@@ -163,8 +169,13 @@ impl NatsStreams {
         }
         self.streams.insert(worker, StreamSync::Waiting(held));
         let (client, subject) = (self.client.clone(), self.subjects.kv_state(worker));
-        let fetched = self.fetched.clone();
+        let (fetched, fetching) = (self.fetched.clone(), self.fetching.clone());
         tokio::spawn(async move {
+            // Held until the answer is handed to the loop: with the channel's capacity, it
+            // bounds the answers in memory, not just the requests in flight.
+            let Ok(_permit) = fetching.acquire_owned().await else {
+                return;
+            };
             let state = fetch_kv_state(&client, subject, worker).await;
             // The loop may have ended; nothing to do then.
             let _ = fetched.send((worker, state)).await;
@@ -309,7 +320,7 @@ pub(crate) async fn run_nats_events(
         }
     };
     let source = EventSource::Nats;
-    let (fetched, mut snapshots) = tokio::sync::mpsc::channel(64);
+    let (fetched, mut snapshots) = tokio::sync::mpsc::channel(MAX_CONCURRENT_FETCHES);
     let mut state = NatsStreams {
         client,
         subjects,
@@ -318,6 +329,7 @@ pub(crate) async fn run_nats_events(
         instances: BTreeMap::new(),
         streams: BTreeMap::new(),
         fetched,
+        fetching: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_FETCHES)),
         warnings: WarnBudget::new(),
     };
     loop {
