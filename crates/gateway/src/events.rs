@@ -13,9 +13,10 @@
 //! fails, times out ([`REPLAY_TIMEOUT`]) or no longer reaches back falls back to the clear.
 //! A subscriber that joins late (its first batch is not the publisher's first) replays the
 //! publisher's buffer too, so a gateway restart does not start from a cold view. Over NATS a
-//! kvroute engine answers the same need with its whole cache: the first batch this gateway
-//! sees from a worker asks it for a snapshot (`protocol::kv_state`) and holds its batches until
-//! the snapshot is applied. Replays that filled their gap and snapshots applied are counted
+//! kvroute engine answers the same need with its whole cache: the first announcement or batch
+//! this gateway hears from a worker, and a gap that cleared its blocks, ask it for a snapshot
+//! (`protocol::kv_state`), and its batches wait until the snapshot is applied
+//! ([`NatsStreams`]). Replays that filled their gap and snapshots applied are counted
 //! (`kvroute_worker_kv_replays_total`), resyncs as before.
 //!
 //! Bad input is counted in the metrics (`decode_errors`, `resyncs`) frame by frame, but logged
@@ -211,7 +212,7 @@ impl NatsStreams {
             Ok(state) => {
                 let blocks = self.dispatcher.restore_worker(EventSource::Nats, &state);
                 tracing::info!(%worker, blocks, "learnt the worker's cache from its snapshot");
-                self.instances.insert(worker, state.instance);
+                self.note_instance(worker, state.instance);
                 covered = state.next_seq.map(|next| (state.instance, next));
             }
             Err(why) => {
@@ -265,15 +266,20 @@ impl NatsStreams {
         }
     }
 
+    /// Remembers `worker`'s instance (within the bound); returns the one it had.
+    fn note_instance(&mut self, worker: WorkerId, instance: u64) -> Option<u64> {
+        if self.instances.len() >= self.max_workers && !self.instances.contains_key(&worker) {
+            self.instances.clear();
+        }
+        self.instances.insert(worker, instance)
+    }
+
     /// One batch of a live stream: a new `instance` is a restart (empty cache). Returns
     /// whether the worker's blocks were cleared for a gap or a bad batch (not a restart): its
     /// snapshot would give them back.
     fn apply(&mut self, worker: WorkerId, batch: KvEventBatch) -> bool {
         let source = EventSource::Nats;
-        if self.instances.len() >= self.max_workers && !self.instances.contains_key(&worker) {
-            self.instances.clear();
-        }
-        let previous = self.instances.insert(worker, batch.instance);
+        let previous = self.note_instance(worker, batch.instance);
         if previous.is_some_and(|p| p != batch.instance) {
             tracing::info!(%worker, "worker restarted (new instance); clearing its blocks");
             self.dispatcher.resync_worker(source, worker);
