@@ -496,20 +496,7 @@ impl Admission {
     /// the event; an index a gap cleared restores the worker from `fill` (its cache snapshot).
     fn apply_event_resyncing(&mut self, ev: &KvEvent, fill: Option<&CacheMirror>) -> EventTally {
         match self {
-            Admission::One(f) => {
-                let outcome = f.router_mut().apply_event_resyncing(ev);
-                let resynced = matches!(outcome, Ok(o) if o.resynced);
-                let mut tally = EventTally::of(outcome);
-                if let (true, Some(mirror)) = (resynced, fill)
-                    && let Some(stored) = mirror.snapshot()
-                    && f.router_mut()
-                        .restore_worker(ev.worker, mirror.next_seq(), &stored)
-                        .is_ok()
-                {
-                    tally.filled += 1;
-                }
-                tally
-            }
+            Admission::One(f) => EventTally::apply(f.router_mut(), ev, fill),
             // Faults run on aggregated fleets only.
             Admission::Two(d) => EventTally::of(d.apply_event_resyncing(ev)),
             Admission::Many(m) => m.apply_event_resyncing(ev, fill),

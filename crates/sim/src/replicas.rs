@@ -10,12 +10,12 @@
 
 use std::collections::VecDeque;
 
-use kv_index::{ApplyOutcome, CacheMirror, EventError, KvEvent, KvEventKind, WorkerId};
+use kv_index::{ApplyOutcome, CacheMirror, EventError, KvEvent, WorkerId};
 use nanotime::Nanos;
 use router::replica::{PEER_REQUEST_ID_BASE, ReplicaSyncCounters};
 use router::{
     Frontend, FrontendConfig, FrontendEvent, PeerSnapshot, PeerUpdate, ReplicaId, ReplicaSync,
-    ReplicaSyncConfig, RequestId, RouteError, RouterConfig, RouterConfigError, RoutingKey,
+    ReplicaSyncConfig, RequestId, RouteError, Router, RouterConfig, RouterConfigError, RoutingKey,
     WorkerLimits,
 };
 use rustc_hash::FxHashMap;
@@ -95,12 +95,41 @@ pub(crate) struct EventTally {
     pub(crate) filled: u32,
 }
 
+/// `worker`'s blocks in `router`'s index replaced by its snapshot (`mirror`); whether it
+/// applied.
+fn restore_from(router: &mut Router, worker: WorkerId, mirror: &CacheMirror) -> bool {
+    mirror.snapshot().is_some_and(|stored| {
+        router
+            .restore_worker(worker, mirror.next_seq(), &stored)
+            .is_ok()
+    })
+}
+
 impl EventTally {
     /// One index's outcome.
     pub(crate) fn of(outcome: Result<ApplyOutcome, EventError>) -> Self {
         let mut t = EventTally::default();
         t.add(outcome);
         t
+    }
+
+    /// The gap policy in one index; a gap that cleared the worker's blocks is filled from
+    /// its snapshot (`fill`), as the gateway asks a kvroute engine for it.
+    pub(crate) fn apply(router: &mut Router, ev: &KvEvent, fill: Option<&CacheMirror>) -> Self {
+        let outcome = router.apply_event_resyncing(ev);
+        let resynced = matches!(outcome, Ok(o) if o.resynced);
+        let mut t = EventTally::of(outcome);
+        if resynced && fill.is_some_and(|mirror| restore_from(router, ev.worker, mirror)) {
+            t.filled += 1;
+        }
+        t
+    }
+
+    fn merge(&mut self, other: EventTally) {
+        self.resynced += other.resynced;
+        self.stale += other.stale;
+        self.errors += other.errors;
+        self.filled += other.filled;
     }
 
     fn add(&mut self, outcome: Result<ApplyOutcome, EventError>) {
@@ -544,7 +573,6 @@ impl Replicas {
         fill: Option<&CacheMirror>,
     ) -> EventTally {
         let mut tally = EventTally::default();
-        let mut snapshot: Option<Option<Vec<KvEventKind>>> = None;
         for r in 0..self.frontends.len() {
             if !self.reachable(r) {
                 if self.partitioned[r] {
@@ -552,18 +580,7 @@ impl Replicas {
                 }
                 continue;
             }
-            let outcome = self.frontends[r].router_mut().apply_event_resyncing(ev);
-            let resynced = matches!(outcome, Ok(o) if o.resynced);
-            tally.add(outcome);
-            if let (true, Some(mirror)) = (resynced, fill)
-                && let Some(stored) = snapshot.get_or_insert_with(|| mirror.snapshot())
-                && self.frontends[r]
-                    .router_mut()
-                    .restore_worker(ev.worker, mirror.next_seq(), stored)
-                    .is_ok()
-            {
-                tally.filled += 1;
-            }
+            tally.merge(EventTally::apply(self.frontends[r].router_mut(), ev, fill));
         }
         tally
     }
@@ -576,14 +593,9 @@ impl Replicas {
         worker: WorkerId,
         mirror: &CacheMirror,
     ) -> bool {
-        let Some(stored) = mirror.snapshot() else {
-            return false;
-        };
-        self.frontends.get_mut(r).is_some_and(|f| {
-            f.router_mut()
-                .restore_worker(worker, mirror.next_seq(), &stored)
-                .is_ok()
-        })
+        self.frontends
+            .get_mut(r)
+            .is_some_and(|f| restore_from(f.router_mut(), worker, mirror))
     }
 
     /// Every replica consumes every worker's events; replica 0's outcome stands for all
