@@ -438,13 +438,20 @@ pub(crate) const MAX_REPLAY_BATCHES: u64 = 16_384;
 /// `until` (the gap is filled); otherwise why not. A fresh DEALER per replay, dropped after,
 /// so a late answer never reaches the next replay. Reads at most [`MAX_REPLAY_BATCHES`]
 /// messages, one at a time, within [`REPLAY_TIMEOUT`].
+/// What a replay applied: how many batches, and the number of the first (the publisher's
+/// oldest kept, for a late subscriber).
+struct Replayed {
+    batches: u64,
+    first: Option<u64>,
+}
+
 async fn replay(
     endpoint: &str,
     stream: &mut VllmEventStream,
     from: u64,
     until: u64,
     dispatcher: &Dispatcher,
-) -> Result<u64, String> {
+) -> Result<Replayed, String> {
     let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
     let timed_out = |what: &str| format!("timed out {what} after {REPLAY_TIMEOUT:?}");
     let mut socket = zeromq::DealerSocket::new();
@@ -461,7 +468,10 @@ async fn replay(
         .await
         .map_err(|_| timed_out("sending the request"))?
         .map_err(|e| format!("cannot send the request: {e}"))?;
-    let mut applied = 0;
+    let mut applied = Replayed {
+        batches: 0,
+        first: None,
+    };
     for _ in 0..MAX_REPLAY_BATCHES {
         if stream.next_frame_seq() == Some(until) {
             return Ok(applied);
@@ -478,7 +488,8 @@ async fn replay(
                     .map_err(|e| e.to_string())?
                 {
                     dispatcher.apply_events(EventSource::Zmq, &accepted.events);
-                    applied += 1;
+                    applied.batches += 1;
+                    applied.first.get_or_insert(frame.seq);
                 }
             }
         }
@@ -577,9 +588,15 @@ pub(crate) async fn run_zmq_events(
                 r = replay(replay_endpoint, &mut stream, from, frame.seq, &dispatcher) => r,
             };
             match replayed {
-                Ok(batches) => {
+                Ok(Replayed { batches, first }) => {
                     tracing::info!(%worker, ?continuity, batches, "KV event replay filled the gap");
                     dispatcher.count_replay(source, worker);
+                    // A late subscriber whose replay does not reach the publisher's first
+                    // batch misses what was cached before it: say so, once per subscription.
+                    let oldest = first.unwrap_or(frame.seq);
+                    if matches!(continuity, Continuity::First) && oldest > 0 {
+                        tracing::warn!(%worker, oldest_batch = oldest, "this gateway subscribed after the worker's first {oldest} KV event batches, which its replay buffer no longer holds: blocks it cached before are unknown here until stored again (a larger --zmq-replay-buffer on the worker, or NATS, where kvroute engines answer with their whole cache)");
+                    }
                 }
                 Err(why) => {
                     if warnings.allow(source) {

@@ -179,3 +179,78 @@ fn workers_without_events_are_predicted_and_reuse_is_attributed() {
     assert!(reused <= prompt && predicted <= available && available <= prompt);
     assert!(predicted > 0.0, "the router predicted the histories");
 }
+
+/// A gateway that subscribes after the engine's replay buffer has moved on cannot learn what
+/// the engine cached before: it says so, once, instead of counting a partial replay as a
+/// whole one.
+#[test]
+fn a_late_gateway_whose_replay_does_not_reach_back_says_so() {
+    use std::io::BufRead;
+    use std::process::Stdio;
+
+    let engine = Server::start(&["engine", "--port", "0", "--zmq-replay-buffer", "2"]);
+    let long = "a message long enough to fill several blocks of the cache ".repeat(8);
+    // More batches than the buffer keeps, before any gateway subscribes.
+    for i in 0..6 {
+        chat(
+            engine.addr(),
+            &[json!({"role": "user", "content": format!("{i} {long}")})],
+        );
+    }
+    let mut gateway = common::Running::spawn(
+        &["gateway", "--port", "0", "--worker", &engine.url],
+        Stdio::piped(),
+    );
+    let stdout = gateway.take_stdout();
+    let stderr = std::io::BufReader::new(gateway.0.stderr.take().expect("stderr is piped"));
+    let (tx, lines) = std::sync::mpsc::channel();
+    for reader in [
+        Box::new(stdout) as Box<dyn BufRead + Send>,
+        Box::new(stderr) as Box<dyn BufRead + Send>,
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in reader.lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    let mut seen: Vec<String> = Vec::new();
+    let mut wait_for = |needle: &str| -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(line) = seen.iter().find(|l| l.contains(needle)) {
+                return line.clone();
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(line) => seen.push(line),
+                Err(_) => panic!("no line with {needle:?}: {seen:#?}"),
+            }
+        }
+    };
+    let listening = wait_for("listening on ");
+    let url = listening.rsplit("listening on ").next().unwrap().trim();
+    let addr = url.trim_start_matches("http://").to_string();
+    // Its first batch shows the gateway how late it is.
+    chat(
+        &addr,
+        &[json!({"role": "user", "content": format!("late {long}")})],
+    );
+    let warning = wait_for("replay buffer no longer holds");
+    assert!(warning.contains("oldest_batch="), "{warning}");
+    chat(
+        &addr,
+        &[json!({"role": "user", "content": format!("later {long}")})],
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    while let Ok(line) = lines.try_recv() {
+        seen.push(line);
+    }
+    gateway.kill();
+    let warnings = seen
+        .iter()
+        .filter(|l| l.contains("replay buffer no longer holds"))
+        .count();
+    assert_eq!(warnings, 1, "{seen:#?}");
+}
