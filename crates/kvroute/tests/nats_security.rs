@@ -7,7 +7,6 @@
 //! The same with a server in operator (JWT) mode and `--nats-creds`: the operator, account
 //! and user JWTs are made and signed here (`operator` below), as `nsc` would.
 
-use std::io::BufRead;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -338,20 +337,7 @@ fn a_nats_outage_is_reported_once_lost_once_failing_and_once_restored() {
     let mut nats = NatsServer::start();
     let url = nats.url();
     let mut gateway = Running::spawn(&["gateway", "--port", "0", "--nats", &url], Stdio::piped());
-    let stdout = gateway.take_stdout();
-    let stderr = std::io::BufReader::new(gateway.0.stderr.take().expect("stderr is piped"));
-    let (tx, lines) = std::sync::mpsc::channel();
-    for reader in [
-        Box::new(stdout) as Box<dyn BufRead + Send>,
-        Box::new(stderr) as Box<dyn BufRead + Send>,
-    ] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in reader.lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-    }
+    let lines = gateway.merged_lines();
     let mut seen = Vec::new();
     let wait_for = |needle: &str, seen: &mut Vec<String>| {
         let deadline = Instant::now() + Duration::from_secs(30);

@@ -185,7 +185,6 @@ fn workers_without_events_are_predicted_and_reuse_is_attributed() {
 /// whole one.
 #[test]
 fn a_late_gateway_whose_replay_does_not_reach_back_says_so() {
-    use std::io::BufRead;
     use std::process::Stdio;
 
     let engine = Server::start(&["engine", "--port", "0", "--zmq-replay-buffer", "2"]);
@@ -201,20 +200,7 @@ fn a_late_gateway_whose_replay_does_not_reach_back_says_so() {
         &["gateway", "--port", "0", "--worker", &engine.url],
         Stdio::piped(),
     );
-    let stdout = gateway.take_stdout();
-    let stderr = std::io::BufReader::new(gateway.0.stderr.take().expect("stderr is piped"));
-    let (tx, lines) = std::sync::mpsc::channel();
-    for reader in [
-        Box::new(stdout) as Box<dyn BufRead + Send>,
-        Box::new(stderr) as Box<dyn BufRead + Send>,
-    ] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in reader.lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-    }
+    let lines = gateway.merged_lines();
     let mut seen: Vec<String> = Vec::new();
     let mut wait_for = |needle: &str| -> String {
         let deadline = std::time::Instant::now() + Duration::from_secs(20);

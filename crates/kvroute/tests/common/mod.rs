@@ -116,6 +116,26 @@ impl Running {
         BufReader::new(self.0.stdout.take().expect("stdout is piped"))
     }
 
+    /// Its stdout and stderr lines, merged as they come (spawned with `Stdio::piped()`
+    /// stderr), read to their ends by two threads so a chatty process never blocks.
+    pub fn merged_lines(&mut self) -> mpsc::Receiver<String> {
+        let stdout = self.take_stdout();
+        let stderr = BufReader::new(self.0.stderr.take().expect("stderr is piped"));
+        let (tx, lines) = mpsc::channel();
+        for reader in [
+            Box::new(stdout) as Box<dyn BufRead + Send>,
+            Box::new(stderr) as Box<dyn BufRead + Send>,
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in reader.lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+        }
+        lines
+    }
+
     pub fn kill(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
