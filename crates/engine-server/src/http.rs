@@ -45,6 +45,8 @@ pub struct AppState {
     pub started: u64,
     /// The NATS connection's state, when KV events and registration go over NATS.
     pub nats: Option<protocol::nats_client::NatsStatus>,
+    /// Asks the KV publisher for its whole cache (`GET /kv_state`), when it publishes on ZMQ.
+    pub zmq_state: Option<mpsc::Sender<crate::publish::ZmqStateRequest>>,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -57,6 +59,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/info", get(info))
+        .route("/kv_state", get(kv_state))
         .route("/tokenize", post(tokenize))
         .route("/metrics", get(metrics));
     crate::compat::routes(api)
@@ -657,6 +660,40 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 
 async fn info(State(state): State<Arc<AppState>>) -> Response {
     json_response(200, &state.info)
+}
+
+/// How long `GET /kv_state` waits for the publisher, which answers between batches.
+const KV_STATE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// `GET /kv_state`: the whole cache the ZMQ event stream implies, and the batch it covers up
+/// to ([`protocol::ZmqKvState`], msgpack), for a gateway that subscribed late or lost
+/// batches the replay buffer no longer holds.
+async fn kv_state(State(state): State<Arc<AppState>>) -> Response {
+    let Some(requests) = &state.zmq_state else {
+        return ApiError::not_found(
+            "this engine publishes no ZMQ KV events (--zmq-pub off), so it keeps no cache \
+             snapshot to go with them",
+        )
+        .into_response();
+    };
+    let (answer, answered) = tokio::sync::oneshot::channel();
+    if requests.try_send(answer).is_err() {
+        return ApiError::service_unavailable("too many cache snapshots asked at once; retry")
+            .into_response();
+    }
+    match tokio::time::timeout(KV_STATE_TIMEOUT, answered).await {
+        Ok(Ok(Ok(body))) => (
+            [(axum::http::header::CONTENT_TYPE, "application/msgpack")],
+            body,
+        )
+            .into_response(),
+        Ok(Ok(Err(why))) => ApiError::service_unavailable(why).into_response(),
+        Ok(Err(_)) => ApiError::service_unavailable("the KV publisher stopped").into_response(),
+        Err(_) => ApiError::service_unavailable(format!(
+            "the KV publisher did not answer within {KV_STATE_TIMEOUT:?}"
+        ))
+        .into_response(),
+    }
 }
 
 /// `POST /tokenize`, as vLLM takes it: `{"prompt": "…"}` or `{"messages": […]}`.

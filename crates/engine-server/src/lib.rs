@@ -187,6 +187,7 @@ impl EngineServer {
                 .map(|n| n.subjects.kv_events(config.worker_id)),
             zmq_endpoint: zmq.as_ref().map(|z| z.endpoint.clone()),
             zmq_replay_endpoint: zmq.as_ref().and_then(publish::Zmq::replay_endpoint),
+            zmq_kv_state_path: zmq.as_ref().map(|_| "/kv_state".to_string()),
             returns_token_ids: true,
             role: worker_role(config.engine.role),
             speculative: engine
@@ -235,6 +236,7 @@ impl EngineServer {
         };
         let driver = driver::Driver::new(engine, clock, links);
         let driver = tokio::spawn(driver.run());
+        let (zmq_state_tx, zmq_state_rx) = mpsc::channel(publish::ZMQ_STATE_QUEUE);
         let publisher = tokio::spawn(publish::run_kv_publisher(
             kv_rx,
             config.worker_id,
@@ -242,6 +244,7 @@ impl EngineServer {
             block_size,
             nats.clone(),
             zmq,
+            zmq_state_rx,
         ));
         let registration = registration.map(|(client, registration)| {
             tokio::spawn(publish::run_registration(
@@ -268,6 +271,7 @@ impl EngineServer {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             nats: nats.as_ref().map(|n| n.status.clone()),
+            zmq_state: card.zmq_kv_state_path.is_some().then_some(zmq_state_tx),
         });
         let app = http::router(state);
         let mut server_shutdown = shutdown_rx;

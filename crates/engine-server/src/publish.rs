@@ -22,6 +22,13 @@ use protocol::{KvEventBatch, KvStateRequest, Subjects, WorkerAnnounce, WorkerMes
 use tokio::sync::{mpsc, watch};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
+/// One `GET /kv_state` waiting for the publisher: it answers between batches, with the
+/// encoded [`protocol::ZmqKvState`] or why there is none.
+pub type ZmqStateRequest = tokio::sync::oneshot::Sender<Result<Vec<u8>, String>>;
+
+/// `GET /kv_state` requests the publisher holds at once; more are refused (503) at once.
+pub const ZMQ_STATE_QUEUE: usize = 4;
+
 /// Why a publisher could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
@@ -182,6 +189,7 @@ pub async fn run_kv_publisher(
     block_size: u32,
     nats: Option<Nats>,
     mut zmq: Option<Zmq>,
+    mut zmq_state_requests: mpsc::Receiver<ZmqStateRequest>,
 ) {
     let mut zmq_seq: u64 = 0;
     let subject = nats.as_ref().map(|n| n.subjects.kv_events(worker));
@@ -211,6 +219,10 @@ pub async fn run_kv_publisher(
                 }
                 continue;
             }
+            Some(answer) = zmq_state_requests.recv(), if zmq.is_some() => {
+                let _ = answer.send(zmq_state(worker, instance, zmq_seq, &mirror));
+                continue;
+            }
             request = next_replay_request(&mut zmq) => {
                 match (request, zmq.as_mut().and_then(|z| z.replay.as_mut())) {
                     (Ok(request), Some(replay)) => serve_replay(replay, request).await,
@@ -220,8 +232,10 @@ pub async fn run_kv_publisher(
                 continue;
             }
         };
-        if let (Some(nats), Some(subject)) = (&nats, &subject) {
+        if nats.is_some() || zmq.is_some() {
             mirror.apply(&events);
+        }
+        if let (Some(nats), Some(subject)) = (&nats, &subject) {
             match KvEventBatch::from_events(worker, instance, &events) {
                 Ok(batch) => {
                     if let Err(err) = nats
@@ -261,6 +275,21 @@ pub async fn run_kv_publisher(
             }
         }
     }
+}
+
+/// The answer to `GET /kv_state`: the mirror, which covers every ZMQ batch before
+/// `next_batch` (it is asked between batches).
+fn zmq_state(
+    worker: WorkerId,
+    instance: u64,
+    next_batch: u64,
+    mirror: &CacheMirror,
+) -> Result<Vec<u8>, String> {
+    let snapshot = mirror
+        .snapshot()
+        .ok_or("this worker's cache passed the snapshot bound")?;
+    let parts = protocol::state_parts(worker, instance, mirror.next_seq(), &snapshot);
+    Ok(protocol::ZmqKvState { next_batch, parts }.encode())
 }
 
 /// The next cache-state request, or never when not taking them.

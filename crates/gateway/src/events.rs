@@ -514,18 +514,93 @@ fn replay_start(continuity: Continuity, seq: u64) -> Option<u64> {
     }
 }
 
+/// How long after a snapshot live batches below its number are taken as covered by it. A
+/// subscriber holds at most a few moments of batches while it asks; a batch numbered below
+/// after that is a restarted publisher's, which must clear the worker.
+const COVERED_FOR: Duration = Duration::from_secs(5);
+
+/// The batches a snapshot covered: below `next_batch`, while they can still be in flight.
+#[derive(Debug, Clone, Copy)]
+struct Covered {
+    next_batch: u64,
+    until: tokio::time::Instant,
+}
+
+impl Covered {
+    fn covers(&self, seq: u64) -> bool {
+        seq < self.next_batch && tokio::time::Instant::now() < self.until
+    }
+}
+
+/// Most bytes of one `/kv_state` answer (about 40 bytes per block on the wire, and at most
+/// `kv_index::MAX_MIRROR_BLOCKS` blocks).
+const MAX_STATE_BYTES: usize = 64 * kv_index::MAX_MIRROR_BLOCKS;
+
+/// Asks the worker for its whole cache (`GET /kv_state`), replaces the index's view of the
+/// worker with it and resumes `stream` after the batches it covers.
+async fn restore_from_state(
+    http: &reqwest::Client,
+    url: &str,
+    stream: &mut VllmEventStream,
+    dispatcher: &Dispatcher,
+) -> Result<Covered, String> {
+    let worker = stream.worker();
+    let fetch = async {
+        let response = http
+            .get(url)
+            .send()
+            .await
+            .map_err(|e| format!("GET {url}: {e}"))?;
+        let status = response.status();
+        if !status.is_success() {
+            let body = response.text().await.unwrap_or_default();
+            return Err(format!("GET {url}: {status} {}", body.trim()));
+        }
+        if response
+            .content_length()
+            .is_some_and(|n| n > MAX_STATE_BYTES as u64)
+        {
+            return Err(format!(
+                "GET {url}: the answer is over {MAX_STATE_BYTES} bytes"
+            ));
+        }
+        let body = response
+            .bytes()
+            .await
+            .map_err(|e| format!("GET {url}: {e}"))?;
+        protocol::ZmqKvState::decode(&body, worker).map_err(|e| e.to_string())
+    };
+    let (next_batch, mut state) = tokio::time::timeout(STATE_TIMEOUT, fetch)
+        .await
+        .map_err(|_| format!("GET {url}: no answer within {STATE_TIMEOUT:?}"))??;
+    // The index numbers this worker's events as the stream converts them.
+    state.next_seq = Some(stream.next_event_seq());
+    let blocks = dispatcher.restore_worker(EventSource::Zmq, &state);
+    stream.resume_at(next_batch);
+    tracing::info!(%worker, blocks, next_batch, "the worker's cache snapshot replaced this gateway's view of it");
+    Ok(Covered {
+        next_batch,
+        until: tokio::time::Instant::now() + COVERED_FOR,
+    })
+}
+
 /// Subscribes to one vLLM (or SGLang) publisher and feeds its events as `worker`'s until
 /// cancelled or aborted. Reconnects by itself (the ZMQ socket does). With `replay`, the
 /// publisher's replay endpoint, gaps are filled from there before falling back to a resync.
 pub(crate) async fn run_zmq_events(
-    endpoint: String,
-    replay_endpoint: Option<String>,
+    source_at: ZmqSource,
+    http: reqwest::Client,
     worker: WorkerId,
     block_size: u32,
     dispatcher: Arc<Dispatcher>,
     cancel: CancellationToken,
 ) {
     let source = EventSource::Zmq;
+    let ZmqSource {
+        endpoint,
+        replay: replay_endpoint,
+        state: state_url,
+    } = source_at;
     let mut socket = zeromq::SubSocket::new();
     loop {
         let connected = tokio::select! {
@@ -551,6 +626,21 @@ pub(crate) async fn run_zmq_events(
     tracing::info!(%worker, %endpoint, replay = ?replay_endpoint, "subscribed to vLLM-format KV events");
     let mut stream = VllmEventStream::new(worker, block_size);
     let mut warnings = WarnBudget::new();
+    // Live batches the last snapshot already covers: skipped, not taken for a restart.
+    let mut covered: Option<Covered> = None;
+    // Subscribed first, then asked: every batch after the snapshot arrives on the socket.
+    if let Some(url) = &state_url {
+        let restored = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = restore_from_state(&http, url, &mut stream, &dispatcher) => r,
+        };
+        match restored {
+            Ok(c) => covered = Some(c),
+            Err(why) => {
+                tracing::warn!(%worker, %why, "the worker's cache snapshot is not available; replaying its recent KV event batches instead");
+            }
+        }
+    }
     loop {
         let message = tokio::select! {
             _ = cancel.cancelled() => return,
@@ -579,6 +669,12 @@ pub(crate) async fn run_zmq_events(
                 continue;
             }
         };
+        if let Some(c) = covered {
+            if c.covers(frame.seq) {
+                continue;
+            }
+            covered = None;
+        }
         let continuity = stream.continuity(frame.seq);
         if let (Some(replay_endpoint), Some(from)) =
             (&replay_endpoint, replay_start(continuity, frame.seq))
@@ -601,6 +697,25 @@ pub(crate) async fn run_zmq_events(
                 Err(why) => {
                     if warnings.allow(source) {
                         tracing::warn!(%worker, ?continuity, %why, "KV event replay failed");
+                    }
+                }
+            }
+        }
+        // A gap the replay could not fill (or nothing to replay from): the whole cache.
+        if let (Some(url), Continuity::Gap { .. }) = (&state_url, stream.continuity(frame.seq)) {
+            let restored = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = restore_from_state(&http, url, &mut stream, &dispatcher) => r,
+            };
+            match restored {
+                Ok(c) if c.covers(frame.seq) => {
+                    covered = Some(c);
+                    continue;
+                }
+                Ok(_) => {}
+                Err(why) => {
+                    if warnings.allow(source) {
+                        tracing::warn!(%worker, %why, "the worker's cache snapshot is not available to fill a KV event gap");
                     }
                 }
             }
@@ -632,22 +747,40 @@ pub(crate) struct ZmqSubscriptions {
     tasks: std::sync::Mutex<BTreeMap<WorkerId, Subscription>>,
 }
 
-/// A worker's (event, replay) endpoints and the task reading them.
-type Subscription = ((String, Option<String>), JoinHandle<()>);
+/// Where one worker's vLLM-format events come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ZmqSource {
+    /// The PUB endpoint.
+    endpoint: String,
+    /// Its replay ROUTER, asked to fill a gap.
+    replay: Option<String>,
+    /// Its whole-cache answer over HTTP ([`protocol::ZmqKvState`]).
+    state: Option<String>,
+}
+
+/// A worker's event source and the task reading it.
+type Subscription = (ZmqSource, JoinHandle<()>);
 
 impl ZmqSubscriptions {
     /// Subscribes to `endpoint` (replaying gaps from `replay`) for `worker` unless already
     /// subscribed there.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn ensure(
         &self,
         worker: WorkerId,
         endpoint: &str,
         replay: Option<&str>,
+        state: Option<&str>,
         block_size: u32,
+        http: &reqwest::Client,
         dispatcher: &Arc<Dispatcher>,
         cancel: &CancellationToken,
     ) {
-        let wanted = (endpoint.to_string(), replay.map(str::to_string));
+        let wanted = ZmqSource {
+            endpoint: endpoint.to_string(),
+            replay: replay.map(str::to_string),
+            state: state.map(str::to_string),
+        };
         let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((current, handle)) = tasks.get(&worker) {
             if *current == wanted && !handle.is_finished() {
@@ -656,8 +789,8 @@ impl ZmqSubscriptions {
             handle.abort();
         }
         let task = tokio::spawn(run_zmq_events(
-            wanted.0.clone(),
-            wanted.1.clone(),
+            wanted.clone(),
+            http.clone(),
             worker,
             block_size,
             dispatcher.clone(),

@@ -447,7 +447,7 @@ impl Collector for RouterCollector {
             ),
             (
                 "kvroute_router_kv_replays",
-                "Event gaps filled by the publisher: a ZMQ replay of the missed batches, or a kvroute engine's cache snapshot over NATS for a gateway that subscribed late (no blocks cleared), by source",
+                "Event gaps filled by the publisher: a ZMQ replay of the missed batches, or a kvroute engine's whole-cache snapshot (over NATS, or /kv_state beside ZMQ) for a gateway that subscribed late or lost more than the replay holds (no blocks cleared), by source",
                 s.events.replays,
             ),
             (
@@ -550,7 +550,7 @@ impl Collector for RouterCollector {
             ),
             (
                 "kvroute_worker_kv_replays",
-                "Event gaps each worker's publisher filled (ZMQ replay, NATS cache snapshot), so nothing was cleared",
+                "Event gaps each worker's publisher filled (ZMQ replay, or a kvroute engine's cache snapshot over NATS or /kv_state), so nothing was cleared",
                 |w: &WorkerSnapshot| w.replays,
             ),
         ] {

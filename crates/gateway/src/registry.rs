@@ -45,6 +45,9 @@ pub struct WorkerInfo {
     pub zmq: Option<String>,
     /// That publisher's replay endpoint (ROUTER), asked to fill a sequence gap, if any.
     pub zmq_replay: Option<String>,
+    /// That publisher's whole-cache answer over HTTP (a kvroute engine's `/kv_state`), asked
+    /// when a subscription starts and when a replay cannot fill a gap.
+    pub zmq_state: Option<String>,
     /// The worker returns generated token ids when asked (`return_token_ids`), so the relay
     /// counts tokens exactly even when one chunk carries several.
     pub token_ids: bool,
@@ -64,6 +67,7 @@ impl WorkerInfo {
             limits: WorkerLimits::default(),
             zmq: None,
             zmq_replay: None,
+            zmq_state: None,
             token_ids: false,
             role: WorkerRole::Both,
         }
@@ -100,6 +104,11 @@ pub fn describe(spec: &WorkerSpec, card: &WorkerCard, router_block_size: usize) 
             ),
             _ => (None, None),
         },
+    };
+    // The snapshot describes the card's own stream, so only that stream is resumed from it.
+    w.zmq_state = match (&spec.zmq, &w.zmq, &card.zmq_kv_state_path) {
+        (None, Some(_), Some(path)) => Some(format!("{}{path}", w.url)),
+        _ => None,
     };
     w.token_ids = card.returns_token_ids;
     w.role = spec.role.unwrap_or(card.role);
@@ -244,7 +253,9 @@ impl RegistryCtx {
                 info.id,
                 endpoint,
                 info.zmq_replay.as_deref(),
+                info.zmq_state.as_deref(),
                 block_size,
+                &self.http,
                 &self.dispatcher,
                 &self.cancel,
             );

@@ -536,10 +536,101 @@ async fn a_gap_is_filled_from_the_replay_socket_and_cleared_only_when_it_cannot_
     gw.shutdown().await;
 }
 
-/// The end-to-end path with kvroute's own engine, which offers vLLM's replay socket: a
-/// gateway that starts after the engine has served requests (its first batch is not the
-/// engine's first) replays the engine's buffer and routes on the cache the engine already
-/// holds. A gateway told the same engine without the replay endpoint starts cold.
+/// A worker whose `/info` offers a ZMQ stream with no replay socket but a whole-cache answer
+/// (`/kv_state`, as a kvroute engine does), serving `state` there.
+async fn snapshotting_worker(
+    id: u64,
+    events: &str,
+    state: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+) -> std::net::SocketAddr {
+    use axum::routing::get;
+    let card = serde_json::json!({
+        "worker": id, "instance": 1, "url": "", "model": MODEL, "block_size": BLOCK,
+        "zmq_endpoint": events, "zmq_kv_state_path": "/kv_state", "returns_token_ids": true,
+    });
+    let app = axum::Router::new()
+        .route("/info", get(move || async move { axum::Json(card) }))
+        .route("/health", get(|| async { "ok" }))
+        .route(
+            "/kv_state",
+            get(move || async move { state.lock().unwrap().clone() }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+/// A gap that no replay can fill is filled from the worker's snapshot of its whole cache:
+/// nothing is cleared, and the stream goes on after the batches the snapshot covers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_no_replay_fills_is_filled_from_the_workers_cache_snapshot() {
+    use kv_index::{BlockContent, EngineBlockId, StoredBlock};
+    let mut socket = zeromq::PubSocket::new();
+    let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let mut publisher = VllmPublisher { socket, seq: 0 };
+    let worker = WorkerId(8);
+    let snapshot = |blocks: &[(u64, std::ops::Range<u32>)], next_batch: u64| {
+        let stored = vec![KvEventKind::Stored {
+            parent: None,
+            blocks: blocks
+                .iter()
+                .map(|(id, range)| StoredBlock {
+                    id: EngineBlockId(*id),
+                    content: BlockContent::Tokens(range.clone().collect()),
+                })
+                .collect(),
+        }];
+        let parts = protocol::state_parts(worker, 1, None, &stored);
+        protocol::ZmqKvState { next_batch, parts }.encode()
+    };
+    // Nothing cached yet when the gateway subscribes.
+    let state = std::sync::Arc::new(std::sync::Mutex::new(snapshot(&[], 0)));
+    let http = snapshotting_worker(8, &endpoint, state.clone()).await;
+    let gw = gateway(GatewayConfig {
+        workers: vec![format!("http://{http}").parse::<WorkerSpec>().unwrap()],
+        ..config()
+    })
+    .await;
+    let replays = "kvroute_router_kv_replays_total{source=\"zmq\"} ";
+    let resyncs = "kvroute_router_kv_resyncs_total{source=\"zmq\"} ";
+    wait_for("the first snapshot", Duration::from_secs(5), || {
+        metric(&gw, replays) == 1.0
+    })
+    .await;
+    // The subscription may join after the first frames: send until one is in.
+    while gw.dispatcher().cached_blocks(worker) == 0 {
+        publisher.seq = 0;
+        publisher
+            .send(batch_array(vec![stored_array(&[101, 102], None, 0..8)]))
+            .await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Batches 1 to 3 are lost and there is no replay socket: the worker's snapshot, which
+    // covers them, fills the gap the live batch 4 reveals.
+    *state.lock().unwrap() = snapshot(&[(101, 0..4), (102, 4..8), (103, 8..12)], 4);
+    for _ in 0..3 {
+        publisher.lose_one();
+    }
+    publisher
+        .send(batch_map(vec![stored_map(&[104], Some(103), 12..16)]))
+        .await;
+    wait_for_blocks(&gw, worker, 4, "the snapshot and the live batch").await;
+    let key = gw.dispatcher().key(&tokens(0..16));
+    assert_eq!(
+        gw.dispatcher().overlaps(&key).get(worker),
+        4,
+        "the whole prefix is known: the snapshot's blocks and the live one on top"
+    );
+    assert_eq!(metric(&gw, resyncs), 0.0);
+    assert_eq!(metric(&gw, replays), 2.0);
+    gw.shutdown().await;
+}
+
+/// The end-to-end path with kvroute's own engine, which offers vLLM's replay socket and its
+/// whole cache (`/kv_state`): a gateway that starts after the engine has served requests
+/// takes the engine's snapshot and routes on the cache the engine already holds. A gateway
+/// told the same engine's event endpoint by flag (as for vLLM) starts cold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_gateway_replays_the_engines_buffer_instead_of_starting_cold() {
     let engine = start_engine(EngineServerConfig {

@@ -180,9 +180,75 @@ fn workers_without_events_are_predicted_and_reuse_is_attributed() {
     assert!(predicted > 0.0, "the router predicted the histories");
 }
 
-/// A gateway that subscribes after the engine's replay buffer has moved on cannot learn what
-/// the engine cached before: it says so, once, instead of counting a partial replay as a
-/// whole one.
+/// The engine's `/info` card.
+fn card(engine: &Server) -> Value {
+    let (status, body) = common::http(engine.addr(), "GET", "/info", "");
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// A gateway that starts after its kvroute engine cached conversations (a restart, a rolling
+/// update) learns that whole cache from the engine's `/kv_state` when it subscribes, not only
+/// the batches the replay buffer still holds: a conversation from before it started is
+/// predicted on its worker, as much as the engine then reuses.
+#[test]
+fn a_late_gateway_learns_the_whole_cache_from_the_engines_snapshot() {
+    let engine = Server::start(&["engine", "--port", "0", "--zmq-replay-buffer", "2"]);
+    assert_eq!(card(&engine)["zmq_kv_state_path"], "/kv_state");
+    let long = "a message long enough to fill several blocks of the cache ".repeat(8);
+    let first = [json!({"role": "user", "content": format!("0 {long}")})];
+    // More batches than the buffer keeps, before any gateway subscribes.
+    chat(engine.addr(), &first);
+    for i in 1..6 {
+        chat(
+            engine.addr(),
+            &[json!({"role": "user", "content": format!("{i} {long}")})],
+        );
+    }
+    let gateway = gateway_over(std::slice::from_ref(&engine));
+    let replays = "kvroute_router_kv_replays_total{source=\"zmq\"}";
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, text) = common::http(gateway.addr(), "GET", "/metrics", "");
+        if text.contains(replays) && metric(&text, replays) >= 1.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no snapshot applied:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The first conversation again, through the gateway: its blocks were cached before the
+    // gateway existed and are far outside the replay buffer.
+    let reply = chat(gateway.addr(), &first);
+    let reused = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(reused >= 64, "the engine reused {reused} tokens: {reply}");
+    let (_, text) = common::http(gateway.addr(), "GET", "/metrics", "");
+    let predicted = metric(
+        &text,
+        "kvroute_gateway_reuse_tokens_total{kind=\"predicted\"}",
+    );
+    assert!(
+        predicted >= reused as f64,
+        "the router predicted {predicted} cached tokens where the engine reused {reused}: \
+         the gateway did not know what the engine cached before it started"
+    );
+
+    // An engine that publishes no ZMQ events keeps no snapshot, and says why.
+    let quiet = Server::start(&["engine", "--port", "0", "--zmq-pub", "off"]);
+    assert!(card(&quiet).get("zmq_kv_state_path").is_none());
+    let (status, body) = common::http(quiet.addr(), "GET", "/kv_state", "");
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("--zmq-pub off"), "{body}");
+}
+
+/// A gateway that subscribes after the engine's replay buffer has moved on, to a publisher
+/// with no snapshot to offer (vLLM and SGLang: here the engine's endpoints given by flag, as
+/// for them), cannot learn what the engine cached before: it says so, once, instead of
+/// counting a partial replay as a whole one.
 #[test]
 fn a_late_gateway_whose_replay_does_not_reach_back_says_so() {
     use std::process::Stdio;
@@ -196,8 +262,15 @@ fn a_late_gateway_whose_replay_does_not_reach_back_says_so() {
             &[json!({"role": "user", "content": format!("{i} {long}")})],
         );
     }
+    let card = card(&engine);
+    let worker = format!(
+        "{},zmq={},zmq_replay={}",
+        engine.url,
+        card["zmq_endpoint"].as_str().unwrap(),
+        card["zmq_replay_endpoint"].as_str().unwrap()
+    );
     let mut gateway = common::Running::spawn(
-        &["gateway", "--port", "0", "--worker", &engine.url],
+        &["gateway", "--port", "0", "--worker", &worker],
         Stdio::piped(),
     );
     let lines = gateway.merged_lines();

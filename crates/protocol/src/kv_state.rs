@@ -217,6 +217,38 @@ impl KvStateAssembly {
     }
 }
 
+/// A kvroute engine's answer to `GET /kv_state` (msgpack): its whole cache as the parts
+/// [`state_parts`] makes, and the number of the first ZMQ batch the snapshot does not cover.
+/// vLLM numbers batches, not events, so a ZMQ subscriber resumes its stream at `next_batch`:
+/// batches below it are in the snapshot already.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ZmqKvState {
+    pub next_batch: u64,
+    pub parts: Vec<KvStatePart>,
+}
+
+impl ZmqKvState {
+    pub fn encode(&self) -> Vec<u8> {
+        // Plain integers and arrays to a Vec cannot fail.
+        rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+
+    /// Decodes and assembles the answer for `worker` (checked as NATS parts are).
+    pub fn decode(bytes: &[u8], worker: WorkerId) -> Result<(u64, KvState), KvStateError> {
+        let answer: ZmqKvState =
+            rmp_serde::from_slice(bytes).map_err(|e| KvStateError::Wire(e.to_string()))?;
+        let mut assembly = KvStateAssembly::new(worker);
+        for part in &answer.parts {
+            if let Some(state) = assembly.push(part)? {
+                return Ok((answer.next_batch, state));
+            }
+        }
+        Err(KvStateError::Wire(
+            "the answer has no last part".to_string(),
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -76,7 +76,7 @@ pub mod worker;
 pub use error::{ApiError, ErrorBody, ErrorDetail};
 pub use kv_events::{KvEventBatch, KvWireError, WireBlock, WireKvEvent, WireKvKind};
 pub use kv_state::{
-    KvState, KvStateAssembly, KvStateError, KvStatePart, KvStateRequest, state_parts,
+    KvState, KvStateAssembly, KvStateError, KvStatePart, KvStateRequest, ZmqKvState, state_parts,
 };
 pub use openai::{
     Api, ApiRequest, ChatCompletionRequest, ChoiceOut, ChoiceView, CompletionRequest, FinishReason,

@@ -878,6 +878,18 @@ impl VllmEventStream {
         self.next_frame_seq
     }
 
+    /// The sequence number the next converted event gets: what the index expects of this
+    /// worker after a snapshot replaced its view.
+    pub fn next_event_seq(&self) -> u64 {
+        self.next_event_seq
+    }
+
+    /// Goes on from batch `next_batch`: a snapshot of the publisher's whole cache covered every
+    /// batch before it ([`crate::ZmqKvState`]).
+    pub fn resume_at(&mut self, next_batch: u64) {
+        self.next_frame_seq = Some(next_batch);
+    }
+
     /// Applies one batch of a replay that should fill the frames before `until` (the live
     /// frame that revealed the gap, or the first live frame of a late subscriber).
     ///

@@ -58,6 +58,11 @@ pub struct WorkerCard {
     /// and SGLang's `replay_endpoint`), if it offers one.
     #[serde(alias = "replay_endpoint", skip_serializing_if = "Option::is_none")]
     pub zmq_replay_endpoint: Option<String>,
+    /// The path on its URL that answers, over HTTP, the whole cache its ZMQ stream implies
+    /// ([`crate::ZmqKvState`]; a kvroute engine's `/kv_state`), for a subscriber that joined
+    /// late or lost batches its replay no longer holds. vLLM and SGLang offer none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zmq_kv_state_path: Option<String>,
     /// It returns generated token ids when a request asks (`return_token_ids`), so a
     /// gateway counts tokens exactly even when one chunk carries several.
     pub returns_token_ids: bool,
@@ -273,6 +278,7 @@ mod tests {
             nats_kv_subject: Some("kvroute.demo.kv.3".into()),
             zmq_endpoint: None,
             zmq_replay_endpoint: None,
+            zmq_kv_state_path: None,
             returns_token_ids: true,
             role: WorkerRole::Decode,
             speculative: Some(SpeculativeInfo {
