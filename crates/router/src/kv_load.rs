@@ -52,15 +52,17 @@ use crate::policy::{
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KvLoadParams {
-    /// Expected tokens in a reply, used to price decode load: the starting value when
+    /// Reply tokens whose decode the cost charges: the starting value when
     /// `learn_output_tokens` is on (then the mean of recent replies takes over), the fixed
-    /// value when it is off.
+    /// value when it is off. 100 by default, a horizon rather than a reply length: the load
+    /// the cost reads (running requests, their context) is the load of the next few
+    /// seconds, about 100 decode steps, and pricing a whole reply against it overweights a
+    /// batch that will have turned over (docs/ROUTING.md, "Parameters").
     pub expected_output_tokens: f64,
     /// Learn `expected_output_tokens` from the replies that complete (an exponentially
-    /// weighted mean over about the last [`REPLY_MEMORY`] replies). Off by default: on the
-    /// robustness grid it lowers TTFT p50 with short replies (lock-step, 150 tokens) but
-    /// prices the seed's ~845-token replies higher than 512, which costs chat and think
-    /// cells more than it wins (docs/ROUTING.md, "What did not work").
+    /// weighted mean over about the last [`REPLY_MEMORY`] replies). Off by default: it prices
+    /// long replies (the seed's ~845 tokens) far past the horizon that pays on the robustness
+    /// grid (docs/ROUTING.md, "What did not work").
     pub learn_output_tokens: bool,
     /// Weight of the stall a prefill imposes on the worker's running batch (1 = its full cost
     /// in seconds of everyone's latency; 0 = only the request's own TTFT).
@@ -87,7 +89,7 @@ pub struct KvLoadParams {
 impl Default for KvLoadParams {
     fn default() -> Self {
         Self {
-            expected_output_tokens: 512.0,
+            expected_output_tokens: 100.0,
             learn_output_tokens: false,
             stall_weight: 1.0,
             replication_stall_weight: 0.0,
@@ -629,6 +631,7 @@ mod tests {
     fn learned_short_replies_weigh_queued_prefill_over_decode() {
         let candidates = queue_or_decode();
         let learning = KvLoadParams {
+            expected_output_tokens: 512.0,
             learn_output_tokens: true,
             ..KvLoadParams::default()
         };
@@ -650,7 +653,10 @@ mod tests {
 
     #[test]
     fn reply_lengths_are_ignored_unless_learning_is_on() {
-        let mut policy = KvLoad::new(KvLoadParams::default());
+        let mut policy = KvLoad::new(KvLoadParams {
+            expected_output_tokens: 512.0,
+            ..KvLoadParams::default()
+        });
         for _ in 0..500 {
             policy.observe_reply(20);
         }
