@@ -546,7 +546,7 @@ async fn restore_from_state(
 ) -> Result<Covered, String> {
     let worker = stream.worker();
     let fetch = async {
-        let response = http
+        let mut response = http
             .get(url)
             .send()
             .await
@@ -556,18 +556,25 @@ async fn restore_from_state(
             let body = response.text().await.unwrap_or_default();
             return Err(format!("GET {url}: {status} {}", body.trim()));
         }
+        let too_large = || format!("GET {url}: the answer is over {MAX_STATE_BYTES} bytes");
         if response
             .content_length()
             .is_some_and(|n| n > MAX_STATE_BYTES as u64)
         {
-            return Err(format!(
-                "GET {url}: the answer is over {MAX_STATE_BYTES} bytes"
-            ));
+            return Err(too_large());
         }
-        let body = response
-            .bytes()
+        // Read in chunks, so an answer without a length is bounded too.
+        let mut body = Vec::new();
+        while let Some(chunk) = response
+            .chunk()
             .await
-            .map_err(|e| format!("GET {url}: {e}"))?;
+            .map_err(|e| format!("GET {url}: {e}"))?
+        {
+            if body.len() + chunk.len() > MAX_STATE_BYTES {
+                return Err(too_large());
+            }
+            body.extend_from_slice(&chunk);
+        }
         protocol::ZmqKvState::decode(&body, worker).map_err(|e| e.to_string())
     };
     let (next_batch, mut state) = tokio::time::timeout(STATE_TIMEOUT, fetch)
@@ -751,36 +758,27 @@ pub(crate) struct ZmqSubscriptions {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ZmqSource {
     /// The PUB endpoint.
-    endpoint: String,
+    pub(crate) endpoint: String,
     /// Its replay ROUTER, asked to fill a gap.
-    replay: Option<String>,
+    pub(crate) replay: Option<String>,
     /// Its whole-cache answer over HTTP ([`protocol::ZmqKvState`]).
-    state: Option<String>,
+    pub(crate) state: Option<String>,
 }
 
 /// A worker's event source and the task reading it.
 type Subscription = (ZmqSource, JoinHandle<()>);
 
 impl ZmqSubscriptions {
-    /// Subscribes to `endpoint` (replaying gaps from `replay`) for `worker` unless already
-    /// subscribed there.
-    #[allow(clippy::too_many_arguments)]
+    /// Subscribes to `wanted` for `worker` unless already subscribed there.
     pub(crate) fn ensure(
         &self,
         worker: WorkerId,
-        endpoint: &str,
-        replay: Option<&str>,
-        state: Option<&str>,
+        wanted: ZmqSource,
         block_size: u32,
         http: &reqwest::Client,
         dispatcher: &Arc<Dispatcher>,
         cancel: &CancellationToken,
     ) {
-        let wanted = ZmqSource {
-            endpoint: endpoint.to_string(),
-            replay: replay.map(str::to_string),
-            state: state.map(str::to_string),
-        };
         let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((current, handle)) = tasks.get(&worker) {
             if *current == wanted && !handle.is_finished() {

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{PromptFormat, WorkerSpec};
 use crate::dispatch::{Dispatcher, Origin, RegistryError};
-use crate::events::{WarnBudget, ZmqSubscriptions};
+use crate::events::{WarnBudget, ZmqSource, ZmqSubscriptions};
 use crate::metrics::{EventSource, Metrics};
 
 /// What the gateway knows about a worker: its [`WorkerCard`] resolved against the flags and
@@ -249,11 +249,14 @@ impl RegistryCtx {
     fn start_zmq(&self, info: &WorkerInfo) {
         if let Some(endpoint) = &info.zmq {
             let block_size = u32::try_from(info.block_size).unwrap_or(u32::MAX);
+            let source = ZmqSource {
+                endpoint: endpoint.clone(),
+                replay: info.zmq_replay.clone(),
+                state: info.zmq_state.clone(),
+            };
             self.zmq.ensure(
                 info.id,
-                endpoint,
-                info.zmq_replay.as_deref(),
-                info.zmq_state.as_deref(),
+                source,
                 block_size,
                 &self.http,
                 &self.dispatcher,

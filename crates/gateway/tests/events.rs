@@ -384,6 +384,24 @@ async fn an_oversized_stored_event_and_a_flood_of_garbage_are_refused_and_counte
     gw.shutdown().await;
 }
 
+/// Tokens 0..16 are indexed on `worker` as one prefix of four blocks, and no gap cleared the
+/// worker (`resyncs` is its counter's line prefix): `filler` filled the gap. Returns the key.
+fn assert_first_four_blocks_kept(
+    gw: &Gateway,
+    worker: WorkerId,
+    resyncs: &str,
+    filler: &str,
+) -> router::RoutingKey {
+    let key = gw.dispatcher().key(&tokens(0..16));
+    assert_eq!(
+        gw.dispatcher().overlaps(&key).get(worker),
+        4,
+        "nothing was cleared: {filler} and the live batch on top keep the whole prefix known"
+    );
+    assert_eq!(metric(gw, resyncs), 0.0);
+    key
+}
+
 /// A vLLM (or SGLang) publisher with its replay socket: every batch it numbers is kept in a
 /// bounded buffer, and its ROUTER answers replay requests from there, as their
 /// `ZmqEventPublisher` does. A batch can be numbered and buffered but never reach the
@@ -491,13 +509,7 @@ async fn a_gap_is_filled_from_the_replay_socket_and_cleared_only_when_it_cannot_
         .send(batch_map(vec![stored_map(&[104], Some(103), 12..16)]))
         .await;
     wait_for_blocks(&gw, worker, 4, "the replayed and the live batch").await;
-    let key = gw.dispatcher().key(&tokens(0..16));
-    assert_eq!(
-        gw.dispatcher().overlaps(&key).get(worker),
-        4,
-        "nothing was cleared: the whole prefix is still known"
-    );
-    assert_eq!(metric(&gw, resyncs), 0.0);
+    let key = assert_first_four_blocks_kept(&gw, worker, resyncs, "the replay");
     assert_eq!(metric(&gw, replays), replays_before + 1.0);
     let per_worker = gw
         .metrics_text()
@@ -616,13 +628,7 @@ async fn a_gap_no_replay_fills_is_filled_from_the_workers_cache_snapshot() {
         .send(batch_map(vec![stored_map(&[104], Some(103), 12..16)]))
         .await;
     wait_for_blocks(&gw, worker, 4, "the snapshot and the live batch").await;
-    let key = gw.dispatcher().key(&tokens(0..16));
-    assert_eq!(
-        gw.dispatcher().overlaps(&key).get(worker),
-        4,
-        "the whole prefix is known: the snapshot's blocks and the live one on top"
-    );
-    assert_eq!(metric(&gw, resyncs), 0.0);
+    assert_first_four_blocks_kept(&gw, worker, resyncs, "the snapshot");
     assert_eq!(metric(&gw, replays), 2.0);
     gw.shutdown().await;
 }
