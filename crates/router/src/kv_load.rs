@@ -23,7 +23,9 @@
 //!    - *time to first token*: the worker's pending prefill plus this request's uncached
 //!      tokens, at the worker's prefill rate;
 //!    - *stall*: with chunked prefill, the worker's running batch waits while this request's
-//!      uncached tokens are computed: prefill time × running requests × `stall_weight`;
+//!      uncached tokens are computed: prefill time × `stall_weight` × (the requests still
+//!      waiting for their first token, whose TTFT grows by all of it, + `decode_stall_weight`
+//!      × the decoding ones, for whom it is one late token among many);
 //!    - *decode*: each decode step reads the KV of every running sequence, so the request's
 //!      own reply costs `expected_output_tokens` × (the worker's active tokens + its own new
 //!      active tokens) × the worker's seconds per context token; and it slows each running
@@ -71,10 +73,19 @@ pub struct KvLoadParams {
     /// requests use (a shared document or system prompt): a one-time cost that lets later
     /// requests sharing it go to this worker too.
     pub replication_stall_weight: f64,
+    /// Weight, within the stall, of the running requests that are decoding. Those still
+    /// waiting for their first token count fully: the prefill is added to their TTFT. A
+    /// decoding request gets one token late, a delay its whole reply shares. 0.05 by default,
+    /// measured on the robustness grid (docs/ROUTING.md, "Parameters"): it is what lets a
+    /// turn leave a wave of simultaneous prefills on its history's worker.
+    pub decode_stall_weight: f64,
     /// Fraction of `max_num_seqs` from which the slot penalty starts to grow.
     pub slot_soft_limit: f64,
     /// Seconds of penalty when the last free slot would be taken (quadratic from the soft
-    /// limit up to there).
+    /// limit up to there). 1.5 by default: about half of what moving a 6,000-token history
+    /// off a full batch costs, so the penalty spreads new conversations before the cliff
+    /// without pushing existing ones off their cache (30 until the stall weighed decoding
+    /// requests at 0.05, which it then outweighed: docs/ROUTING.md, "Parameters").
     pub slot_penalty_secs: f64,
     /// Timing used for workers that did not declare theirs.
     pub default_timing: WorkerTiming,
@@ -93,8 +104,9 @@ impl Default for KvLoadParams {
             learn_output_tokens: false,
             stall_weight: 1.0,
             replication_stall_weight: 0.0,
+            decode_stall_weight: 0.05,
             slot_soft_limit: 0.85,
-            slot_penalty_secs: 30.0,
+            slot_penalty_secs: 1.5,
             default_timing: WorkerTiming::H200_LLAMA70B_FP8,
             spread_fresh_requests: false,
         }
@@ -118,6 +130,7 @@ impl KvLoadParams {
             ("expected_output_tokens", self.expected_output_tokens),
             ("stall_weight", self.stall_weight),
             ("replication_stall_weight", self.replication_stall_weight),
+            ("decode_stall_weight", self.decode_stall_weight),
             ("slot_penalty_secs", self.slot_penalty_secs),
             (
                 "default_timing.prefill_secs_per_token",
@@ -212,6 +225,9 @@ impl KvLoad {
             Some(m) => c.load.in_flight.min(m),
             None => c.load.in_flight,
         };
+        let awaiting = c.load.awaiting_first_token.min(running);
+        let stalled =
+            f64::from(awaiting) + params.decode_stall_weight * f64::from(running - awaiting);
         let running = f64::from(running);
         let new_prefill = c.new_prefill_tokens as f64;
         // Uncached tokens of a prefix other requests are using: computing them here
@@ -226,7 +242,7 @@ impl KvLoad {
 
         let ttft = timing.prefill_secs_per_token * (pending + new_prefill);
         let stall = timing.prefill_secs_per_token
-            * running
+            * stalled
             * (params.stall_weight * private + params.replication_stall_weight * replicated);
         let own_decode = out * timing.decode_secs_per_context_token * (context + prompt);
         let imposed_decode = running * (out / 2.0) * timing.decode_secs_per_context_token * prompt;
@@ -410,6 +426,7 @@ mod tests {
                 load: WorkerLoad {
                     in_flight: self.in_flight,
                     pending_prefill_tokens: 0,
+                    awaiting_first_token: 0,
                     active_blocks,
                     context_tokens: context,
                 },
@@ -453,6 +470,49 @@ mod tests {
             Worker::new(3, 20).active(DOC_BLOCKS),
         ];
         assert_eq!(pick(&workers), 1);
+    }
+
+    #[test]
+    fn a_turn_leaves_a_wave_of_prefills_for_a_worker_that_is_only_decoding() {
+        // Worker 1 holds 160 of the request's 200 blocks, but the 12 requests it runs all
+        // came back together and wait for their first token (lock-step clients: equal
+        // replies, no think time); worker 2's 12 are decoding. Joining the wave would make
+        // this turn and those 12 wait for everyone's prefill; recomputing the history on
+        // worker 2 delays each of its decoding requests by one late token.
+        let wave = |awaiting: u32| {
+            let mut history = Worker::new(1, 12).cached(160).candidate();
+            history.load.awaiting_first_token = awaiting;
+            history.load.pending_prefill_tokens = u64::from(awaiting) * 40 * u64::from(BLOCK);
+            [history, Worker::new(2, 12).candidate()]
+        };
+        // Each waiting request is charged the whole prefill of this turn's 40 new blocks, each
+        // decoding one `decode_stall_weight` of it.
+        let params = KvLoadParams::default();
+        let ctx = |candidates| SelectionContext {
+            prompt_tokens: PROMPT_TOKENS,
+            prompt_blocks: PROMPT_BLOCKS,
+            block_size: BLOCK,
+            candidates,
+        };
+        let (mut waiting, decoding) = (wave(12), wave(0));
+        // The same pending prefill either way, so only the stall differs.
+        waiting[0].load.pending_prefill_tokens = 0;
+        let extra = KvLoad::cost(&params, &ctx(&waiting), 0, &waiting[0])
+            - KvLoad::cost(&params, &ctx(&decoding), 0, &decoding[0]);
+        let turn_prefill =
+            40.0 * f64::from(BLOCK) * WorkerTiming::H200_LLAMA70B_FP8.prefill_secs_per_token;
+        let expected = 12.0 * (1.0 - params.decode_stall_weight) * turn_prefill;
+        assert!((extra - expected).abs() < 1e-9, "{extra} vs {expected}");
+        let mut policy = KvLoad::new(params);
+        assert_eq!(choose(&mut policy, &wave(12)), 2);
+        // Without the wave the conversation stays with its history.
+        assert_eq!(choose(&mut policy, &wave(0)), 1);
+        // Pricing a decoding request's delay like a waiting one's keeps it in the wave.
+        let mut flat = KvLoad::new(KvLoadParams {
+            decode_stall_weight: 1.0,
+            ..KvLoadParams::default()
+        });
+        assert_eq!(choose(&mut flat, &wave(12)), 1);
     }
 
     #[test]

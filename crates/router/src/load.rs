@@ -19,6 +19,9 @@ pub struct WorkerLoad {
     /// Prompt tokens the worker still has to prefill: uncached tokens of its requests that
     /// have not produced a first token yet.
     pub pending_prefill_tokens: u64,
+    /// Requests routed to the worker that have not produced a first token yet (in
+    /// `in_flight`).
+    pub awaiting_first_token: u32,
     /// Distinct KV blocks of the worker's in-flight requests' prompts.
     pub active_blocks: u64,
     /// Σ prompt tokens of the worker's in-flight requests: shared prefixes counted once per

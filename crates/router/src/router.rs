@@ -244,6 +244,7 @@ struct Tracked {
     blocks: Vec<SequenceHash>,
     pending_prefill_tokens: u64,
     prompt_tokens: u64,
+    awaiting_first_token: bool,
 }
 
 /// The router: a prefix index, per-worker load accounting and a routing policy.
@@ -658,9 +659,13 @@ impl Router {
             return;
         };
         let pending = std::mem::take(&mut tracked.pending_prefill_tokens);
+        let awaiting = std::mem::take(&mut tracked.awaiting_first_token);
         if let Some(entry) = find_worker(&mut self.workers, tracked.worker) {
             let load = &mut entry.account.load;
             load.pending_prefill_tokens = load.pending_prefill_tokens.saturating_sub(pending);
+            load.awaiting_first_token = load
+                .awaiting_first_token
+                .saturating_sub(u32::from(awaiting));
         }
         self.counters.first_tokens += 1;
     }
@@ -685,6 +690,9 @@ impl Router {
             load.pending_prefill_tokens = load
                 .pending_prefill_tokens
                 .saturating_sub(tracked.pending_prefill_tokens);
+            load.awaiting_first_token = load
+                .awaiting_first_token
+                .saturating_sub(u32::from(tracked.awaiting_first_token));
             load.context_tokens = load.context_tokens.saturating_sub(tracked.prompt_tokens);
             entry
                 .account
@@ -725,6 +733,7 @@ impl Router {
             predict |= entry.cache_view == CacheView::Predicted;
             entry.account.load.in_flight += 1;
             entry.account.load.pending_prefill_tokens += new_prefill_tokens;
+            entry.account.load.awaiting_first_token += 1;
             entry.account.load.context_tokens += key.num_tokens;
             entry
                 .account
@@ -737,6 +746,7 @@ impl Router {
                 blocks: key.seq.clone(),
                 pending_prefill_tokens: new_prefill_tokens,
                 prompt_tokens: key.num_tokens,
+                awaiting_first_token: true,
             },
         );
         if predict {

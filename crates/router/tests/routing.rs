@@ -78,12 +78,17 @@ fn load_accounting_follows_the_request_lifecycle() {
         Some(WorkerLoad {
             in_flight: 1,
             pending_prefill_tokens: tokens.len() as u64,
+            awaiting_first_token: 1,
             active_blocks: 10,
             context_tokens: tokens.len() as u64,
         })
     );
     router.on_first_token(RequestId(9), Nanos::from_millis(200));
     assert_eq!(router.load(d.worker).unwrap().pending_prefill_tokens, 0);
+    assert_eq!(router.load(d.worker).unwrap().awaiting_first_token, 0);
+    // A second first token (a duplicate report) does not count it twice.
+    router.on_first_token(RequestId(9), Nanos::from_millis(210));
+    assert_eq!(router.load(d.worker).unwrap().awaiting_first_token, 0);
     assert_eq!(router.load(d.worker).unwrap().in_flight, 1);
     router.on_finished(RequestId(9), Nanos::from_secs(20));
     assert_eq!(router.load(d.worker), Some(WorkerLoad::default()));
@@ -502,8 +507,8 @@ proptest! {
     fn accounting_matches_a_recount(ops in prop::collection::vec(op(), 1..120), policy in 0usize..3) {
         let policy = PolicyKind::ALL[policy];
         let mut router = router_with_workers(config(policy), 3);
-        // Our model: id → (worker, prompt key, prefill pending).
-        let mut model: std::collections::BTreeMap<u8, (WorkerId, RoutingKey, u64)> = Default::default();
+        // Our model: id → (worker, prompt key, prefill pending, awaiting its first token).
+        let mut model: std::collections::BTreeMap<u8, (WorkerId, RoutingKey, u64, bool)> = Default::default();
         for op in ops {
             match op {
                 Op::Route { id, prompt: p, blocks } => {
@@ -511,7 +516,7 @@ proptest! {
                     match router.route(RequestId(u64::from(id)), &key, Nanos::ZERO) {
                         Ok(d) => {
                             prop_assert!(!model.contains_key(&id));
-                            model.insert(id, (d.worker, key, d.new_prefill_tokens));
+                            model.insert(id, (d.worker, key, d.new_prefill_tokens, true));
                         }
                         Err(RouteError::DuplicateRequest(_)) => prop_assert!(model.contains_key(&id)),
                         Err(RouteError::NoWorkers) => prop_assert_eq!(router.workers().count(), 0),
@@ -520,7 +525,7 @@ proptest! {
                 }
                 Op::FirstToken { id } => {
                     router.on_first_token(RequestId(u64::from(id)), Nanos::ZERO);
-                    if let Some(entry) = model.get_mut(&id) { entry.2 = 0; }
+                    if let Some(entry) = model.get_mut(&id) { entry.2 = 0; entry.3 = false; }
                 }
                 Op::Finish { id } => {
                     router.on_finished(RequestId(u64::from(id)), Nanos::ZERO);
@@ -544,6 +549,7 @@ proptest! {
                 prop_assert_eq!(load, WorkerLoad {
                     in_flight: mine.len() as u32,
                     pending_prefill_tokens: mine.iter().map(|e| e.2).sum(),
+                    awaiting_first_token: mine.iter().filter(|e| e.3).count() as u32,
                     active_blocks: blocks.len() as u64,
                     context_tokens: mine.iter().map(|e| e.1.num_tokens).sum(),
                 });
@@ -586,6 +592,7 @@ fn requests_routed_elsewhere_are_accounted_like_routed_ones() {
         Some(WorkerLoad {
             in_flight: 1,
             pending_prefill_tokens: tokens.len() as u64,
+            awaiting_first_token: 1,
             active_blocks: 20,
             context_tokens: tokens.len() as u64,
         })
