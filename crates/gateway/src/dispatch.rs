@@ -1117,6 +1117,7 @@ impl Dispatcher {
                     routable: w.routable,
                     in_flight: load.in_flight,
                     pending_prefill_tokens: load.pending_prefill_tokens,
+                    awaiting_first_token: load.awaiting_first_token,
                     active_blocks: load.active_blocks,
                     cached_blocks: index.blocks_of(w.info.id),
                     cache_view: core.frontend.cache_view(w.info.id),

@@ -283,6 +283,8 @@ pub struct WorkerSnapshot {
     pub routable: bool,
     pub in_flight: u32,
     pub pending_prefill_tokens: u64,
+    /// In-flight requests still waiting for their first token.
+    pub awaiting_first_token: u32,
     pub active_blocks: u64,
     pub cached_blocks: usize,
     /// Where the router's view of its cache comes from (`None` while out of the router).
@@ -465,7 +467,7 @@ impl Collector for RouterCollector {
         if let Some(r) = &s.replica {
             encode_replica(&mut encoder, r)?;
         }
-        let per_worker: [PerWorkerGauge; 5] = [
+        let per_worker: [PerWorkerGauge; 6] = [
             (
                 "dynamo_component_inflight_requests",
                 "Requests in flight on each worker, as the gateway routed them",
@@ -475,6 +477,11 @@ impl Collector for RouterCollector {
                 "kvroute_worker_pending_prefill_tokens",
                 "Prompt tokens each worker still has to prefill, as the router accounts them",
                 |w| sat(w.pending_prefill_tokens),
+            ),
+            (
+                "kvroute_worker_awaiting_first_token",
+                "Requests on each worker still waiting for their first token, as the router accounts them",
+                |w| i64::from(w.awaiting_first_token),
             ),
             (
                 "kvroute_worker_active_blocks",
@@ -983,6 +990,7 @@ mod tests {
                 routable: true,
                 in_flight: 2,
                 pending_prefill_tokens: 0,
+                awaiting_first_token: 1,
                 active_blocks: 0,
                 cached_blocks: 5,
                 cache_view: Some(router::CacheView::Predicted),
@@ -1020,6 +1028,7 @@ mod tests {
                 "dynamo_component_inflight_requests{worker_id=\"3\",worker=\"http://w:1\",dynamo_component=\"backend\",dynamo_endpoint=\"generate\"} 2",
                 "kvroute_router_decisions_total{policy=\"kv\"} 0",
                 "kvroute_router_kv_resyncs_total{source=\"zmq\"} 0",
+                "kvroute_worker_awaiting_first_token{worker_id=\"3\",worker=\"http://w:1\",dynamo_component=\"backend\",dynamo_endpoint=\"generate\"} 1",
                 "kvroute_worker_cache_view{worker_id=\"3\",worker=\"http://w:1\",view=\"predicted\"} 1",
                 "kvroute_worker_kv_event_age_seconds{worker_id=\"3\",worker=\"http://w:1\"} 1.5",
                 "kvroute_worker_kv_resyncs_total{worker_id=\"3\",worker=\"http://w:1\"} 2",
