@@ -249,6 +249,58 @@ fn an_optional_workload_section_that_is_off_can_be_set_from_the_command_line() {
     );
 }
 
+/// docs/ROUTING.md's lock-step cell ("Why lock-step queues: waves"): 3 H200s, 60 conversations of
+/// 4 turns, each turn adding a quarter of its history, 150-token answers, no think time. Turns
+/// come back in waves; `kv_load`'s default stall weights let a turn leave a worker where a wave
+/// waits, so its TTFT beats round-robin's, and weighing decoding requests like waiting ones
+/// (the former weights) brings the waves back.
+#[test]
+fn kv_load_breaks_up_lock_step_waves() {
+    let ttft = |extra: &[&str]| {
+        let mut args = vec![
+            "sim",
+            "--workers",
+            "3",
+            "--concurrency",
+            "60",
+            "--duration",
+            "150",
+            "--warmup",
+            "30",
+            "--json",
+            "--workload-set",
+            "lockstep.new_tokens_ratio=0.25",
+            "--workload-set",
+            r#"turns={"min":4,"max":4}"#,
+            "--workload-set",
+            r#"think_time_s={"kind":"constant","value":0}"#,
+            "--workload-set",
+            r#"output_tokens={"kind":"constant","value":150}"#,
+        ];
+        args.extend_from_slice(extra);
+        let out = ok(kvroute().args(&args).output().unwrap());
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let t = &v["runs"][0]["ttft_ms"];
+        (t["p50"].as_f64().unwrap(), t["p95"].as_f64().unwrap())
+    };
+    let kv_load = ttft(&[]);
+    let round_robin = ttft(&["--router", "round_robin"]);
+    let former = ttft(&[
+        "--kv-load-set",
+        "decode_stall_weight=1",
+        "--kv-load-set",
+        "slot_penalty_secs=30",
+    ]);
+    assert!(
+        kv_load.0 < round_robin.0 && kv_load.1 < round_robin.1,
+        "kv_load {kv_load:?} vs round_robin {round_robin:?} (TTFT p50, p95 ms)"
+    );
+    assert!(
+        kv_load.1 < 0.9 * former.1,
+        "kv_load {kv_load:?} vs the former stall weights {former:?}"
+    );
+}
+
 #[test]
 fn sim_with_faults_reports_what_happened_and_refuses_what_it_cannot_simulate() {
     let args = [
