@@ -87,14 +87,37 @@ impl Req {
 
     /// Hashes the first `n` full blocks (callers keep `n × block_size ≤ known()`).
     fn ensure_hashes(&mut self, n: usize, block_size: usize, scratch: &mut Vec<u32>) {
+        if self.hashes.len() >= n {
+            return;
+        }
+        // Room for every block the request can fill, once: a turn hashes a few hundred.
+        let all = (self.prompt_len + self.output_len) as usize / block_size;
+        let more = all.max(n) - self.hashes.len();
+        self.hashes.reserve(more);
+        self.locals.reserve(more);
+        let p = self.prompt_len as usize;
         while self.hashes.len() < n {
             let j = self.hashes.len();
             let (start, end) = (j * block_size, (j + 1) * block_size);
-            let local = if end <= self.prompt_len as usize {
+            let local = if end <= p {
                 LocalBlockHash::of_tokens(&self.prompt[start..end])
             } else {
+                // A block that reaches into the output: whole slices, not a token at a time
+                // (a turn's reply fills dozens of blocks).
                 scratch.clear();
-                scratch.extend((start..end).map(|i| self.token(i)));
+                scratch.extend_from_slice(&self.prompt[start.min(p)..p]);
+                let (from, to) = (start.max(p) - p, end - p);
+                match &self.output {
+                    OutputSpec::Tokens(t) => {
+                        let have = t.len().min(to);
+                        scratch.extend_from_slice(&t[from.min(have)..have]);
+                        // Past the given tokens the request reads zeros (`Req::token`).
+                        scratch.resize(end - start, 0);
+                    }
+                    OutputSpec::Count(_) => {
+                        scratch.extend((from..to).map(|k| pseudo_token(self.id, k as u32)));
+                    }
+                }
                 LocalBlockHash::of_tokens(scratch)
             };
             let parent = self.hashes.last().copied();
@@ -407,6 +430,21 @@ impl Engine {
 
     /// Submits a request at `now`. A bad request produces a `Rejected` event, never a panic.
     pub fn submit(&mut self, req: EngineRequest, now: Nanos) {
+        self.submit_hashed(req, Vec::new(), Vec::new(), now);
+    }
+
+    /// [`Engine::submit`] with the prompt's block hashes already computed by the caller (a
+    /// router hashes every prompt to route it; at a thousand workers hashing it again here
+    /// is a measurable share of a simulation). `local` and `seq` must be the local and
+    /// sequence hashes of the prompt's full blocks at this engine's block size; hashes of any
+    /// other length are ignored and the engine hashes the prompt itself.
+    pub fn submit_hashed(
+        &mut self,
+        req: EngineRequest,
+        local: Vec<LocalBlockHash>,
+        seq: Vec<SequenceHash>,
+        now: Nanos,
+    ) {
         let now = self.enter(now);
         let leg = match self.check(&req) {
             Ok(leg) => leg,
@@ -426,7 +464,7 @@ impl Engine {
             Leg::Prefill => 1,
             _ => req.output.len(),
         };
-        let r = Req {
+        let mut r = Req {
             id: req.id,
             serial: self.next_serial,
             prompt: req.prompt,
@@ -448,6 +486,20 @@ impl Engine {
             alpha,
             spec_steps: 0,
         };
+        let full_blocks = (prompt_len / self.block_size) as usize;
+        if local.len() == full_blocks && seq.len() == full_blocks && full_blocks > 0 {
+            r.locals = local;
+            r.hashes = seq;
+            debug_assert!(
+                r.prompt
+                    .chunks_exact(self.block_size as usize)
+                    .map(LocalBlockHash::of_tokens)
+                    .eq(r.locals.iter().copied())
+                    && kv_index::hash::chain_local_hashes(None, r.locals.iter().copied())
+                        .eq(r.hashes.iter().copied()),
+                "submit_hashed: the caller's prompt hashes do not match the prompt"
+            );
+        }
         self.next_serial += 1;
         let slot = match self.free_slots.pop() {
             Some(s) => {

@@ -111,6 +111,61 @@ fn prefix_reuse_across_turns_of_a_conversation() {
     assert_eq!(first_stored.unwrap().map(|p| p.0), Some(want[134]));
 }
 
+/// A router's prompt hashes spare the engine hashing the prompt and change nothing it does;
+/// hashes of another block size are ignored (the engine hashes the prompt itself).
+#[test]
+fn prompt_hashes_from_the_router_give_the_same_run() {
+    let p1 = text(1, 3_500);
+    let a1 = text(2, 830);
+    let mut p2 = p1.clone();
+    p2.extend(&a1);
+    p2.extend(text(3, 100));
+    let a2 = text(4, 40);
+    let turns = |hashed: Option<usize>| {
+        let submit = |id: u64, prompt: &[u32], output: &[u32]| match hashed {
+            None => Action::Submit(req_tokens(id, prompt, output)),
+            Some(block_size) => {
+                let hasher = BlockHasher::new(block_size).expect("block size");
+                let local = hasher.local_hashes(prompt);
+                let seq = hasher.sequence_hashes(prompt);
+                Action::SubmitHashed(req_tokens(id, prompt, output), local, seq)
+            }
+        };
+        let mut e = engine(h200());
+        run(
+            &mut e,
+            vec![
+                (Nanos::ZERO, submit(1, &p1, &a1)),
+                (Nanos::from_secs(100), submit(2, &p2, &a2)),
+            ],
+            true,
+        )
+        .events
+    };
+    let plain = turns(None);
+    assert!(plain.len() > 10, "the run produced events");
+    let block_size = h200().block_size as usize;
+    assert_eq!(turns(Some(block_size)), plain);
+    assert_eq!(turns(Some(block_size * 2)), plain);
+}
+
+/// Hashes of the engine's block size are taken as given (checked against the prompt in debug
+/// builds): these are another prompt's.
+#[cfg(debug_assertions)]
+#[test]
+#[should_panic(expected = "do not match the prompt")]
+fn prompt_hashes_of_the_engines_block_size_are_used() {
+    let hasher = BlockHasher::new(h200().block_size as usize).expect("block size");
+    let other = text(9, 3_500);
+    let mut e = engine(h200());
+    let action = Action::SubmitHashed(
+        req_tokens(1, &text(1, 3_500), &text(2, 10)),
+        hasher.local_hashes(&other),
+        hasher.sequence_hashes(&other),
+    );
+    run(&mut e, vec![(Nanos::ZERO, action)], true);
+}
+
 /// With a pool too small for two conversations, the least recently released blocks go first
 /// and blocks in use are never evicted.
 #[test]

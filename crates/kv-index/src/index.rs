@@ -173,17 +173,21 @@ fn slot_fingerprint(slot: u32) -> u64 {
 }
 
 /// The workers holding one block, sorted by slot. Inline for the common single holder so most
-/// blocks cost no extra allocation.
+/// blocks cost no extra allocation; the shared case is boxed so the block map's buckets stay
+/// 24 bytes (a thousand-worker fleet's map holds tens of millions of them).
 #[derive(Debug, Clone)]
 enum Holders {
     One(Holder),
-    /// Two or more holders, sorted by slot, with the wrapping sum of their slots'
-    /// [`slot_fingerprint`]s: deep in a prefix the whole fleet shares, matching compares the
-    /// set of still-matching workers with each block's holders in O(1) instead of O(workers).
-    Many {
-        holders: Vec<Holder>,
-        fingerprint: u64,
-    },
+    Many(Box<ManyHolders>),
+}
+
+/// Two or more holders, sorted by slot, with the wrapping sum of their slots'
+/// [`slot_fingerprint`]s: deep in a prefix the whole fleet shares, matching compares the set
+/// of still-matching workers with each block's holders in O(1) instead of O(workers).
+#[derive(Debug, Clone)]
+struct ManyHolders {
+    holders: Vec<Holder>,
+    fingerprint: u64,
 }
 
 impl Holders {
@@ -194,7 +198,7 @@ impl Holders {
     fn as_slice(&self) -> &[Holder] {
         match self {
             Holders::One(h) => std::slice::from_ref(h),
-            Holders::Many { holders, .. } => holders,
+            Holders::Many(m) => &m.holders,
         }
     }
 
@@ -202,7 +206,7 @@ impl Holders {
     fn fingerprint(&self) -> u64 {
         match self {
             Holders::One(h) => slot_fingerprint(h.slot),
-            Holders::Many { fingerprint, .. } => *fingerprint,
+            Holders::Many(m) => m.fingerprint,
         }
     }
 
@@ -212,19 +216,16 @@ impl Holders {
             Holders::One(h) => {
                 let new = Holder { slot, count: 1 };
                 let pair = if h.slot < slot { [*h, new] } else { [new, *h] };
-                *self = Holders::Many {
+                *self = Holders::Many(Box::new(ManyHolders {
                     fingerprint: slot_fingerprint(h.slot).wrapping_add(slot_fingerprint(slot)),
                     holders: pair.to_vec(),
-                };
+                }));
             }
-            Holders::Many {
-                holders,
-                fingerprint,
-            } => match holders.binary_search_by_key(&slot, |h| h.slot) {
-                Ok(i) => holders[i].count += 1,
+            Holders::Many(m) => match m.holders.binary_search_by_key(&slot, |h| h.slot) {
+                Ok(i) => m.holders[i].count += 1,
                 Err(i) => {
-                    holders.insert(i, Holder { slot, count: 1 });
-                    *fingerprint = fingerprint.wrapping_add(slot_fingerprint(slot));
+                    m.holders.insert(i, Holder { slot, count: 1 });
+                    m.fingerprint = m.fingerprint.wrapping_add(slot_fingerprint(slot));
                 }
             },
         }
@@ -239,18 +240,15 @@ impl Holders {
                 }
                 h.count == 0
             }
-            Holders::Many {
-                holders,
-                fingerprint,
-            } => {
-                if let Ok(i) = holders.binary_search_by_key(&slot, |h| h.slot) {
-                    holders[i].count -= 1;
-                    if holders[i].count == 0 {
-                        holders.remove(i);
-                        *fingerprint = fingerprint.wrapping_sub(slot_fingerprint(slot));
+            Holders::Many(m) => {
+                if let Ok(i) = m.holders.binary_search_by_key(&slot, |h| h.slot) {
+                    m.holders[i].count -= 1;
+                    if m.holders[i].count == 0 {
+                        m.holders.remove(i);
+                        m.fingerprint = m.fingerprint.wrapping_sub(slot_fingerprint(slot));
                     }
                 }
-                match holders.as_slice() {
+                match m.holders.as_slice() {
                     [] => true,
                     [only] => {
                         *self = Holders::One(*only);

@@ -117,11 +117,13 @@ pub(crate) struct FleetActive {
 }
 
 /// The workers a block is active on, ascending by id. Most blocks (a conversation's own
-/// history) are active on one worker, which needs no allocation.
+/// history) are active on one worker, which needs no allocation; the shared case is boxed so
+/// the map's buckets stay 24 bytes (a thousand busy workers hold millions of active blocks).
 #[derive(Debug)]
 enum Holders {
     One(WorkerId),
-    Many(Vec<WorkerId>),
+    #[allow(clippy::box_collection)]
+    Many(Box<Vec<WorkerId>>),
 }
 
 impl Holders {
@@ -142,7 +144,7 @@ impl FleetActive {
             Entry::Occupied(mut e) => {
                 let holders = e.get_mut();
                 if let Holders::One(w) = *holders {
-                    *holders = Holders::Many(vec![w]);
+                    *holders = Holders::Many(Box::new(vec![w]));
                 }
                 if let Holders::Many(v) = holders {
                     if let Err(i) = v.binary_search(&worker) {

@@ -4,7 +4,9 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use engine::{Engine, EngineEvent, EngineRequest, KvLink, Leg, OutputSpec, Role, TransferStart};
-use kv_index::{BlockHasher, CacheMirror, IndexConfig, KvEvent, SequenceHash, WorkerId};
+use kv_index::{
+    BlockHasher, CacheMirror, IndexConfig, KvEvent, LocalBlockHash, SequenceHash, WorkerId,
+};
 use nanotime::Nanos;
 use router::autoscale::{BucketCounts, FRONTEND_ITL_BUCKETS, FRONTEND_TTFT_BUCKETS};
 use router::{
@@ -120,6 +122,9 @@ struct InFlight {
     available_blocks: u32,
     /// Sequence hash of the prompt's last full block (the oracle chains the output from it).
     prompt_last_block: Option<SequenceHash>,
+    /// The prompt's block hashes as the router computed them, until its first worker takes
+    /// them (engines of the router's block size then skip hashing the prompt again).
+    prompt_hashes: Option<(Vec<LocalBlockHash>, Vec<SequenceHash>)>,
     /// Disaggregated fleets: its route, its prefill worker (split routes), whether its
     /// prefill leg is still running there, and the prompt tokens that leg found cached.
     route: Option<RouteTag>,
@@ -1509,6 +1514,7 @@ impl<W: Workload> Simulation<W> {
             id: seq,
             turn: turn.key,
             prompt_last_block: key.seq.last().copied(),
+            prompt_hashes: Some((key.local.clone(), key.seq.clone())),
             prompt: turn.prompt,
             output: turn.output,
             issued_at: turn.issued_at.min(now),
@@ -2418,6 +2424,16 @@ impl<W: Workload> Simulation<W> {
         f.available_blocks = decision.available_blocks;
         // After a migration the worker gets the prompt followed by the output so far, and
         // generates the rest.
+        // Only the client's own prompt has the router's hashes (a migrated leg's is longer).
+        let same_blocks = self
+            .engines
+            .get(w as usize)
+            .map(|e| e.config().block_size as usize)
+            == Some(self.admission.hasher().block_size());
+        let prompt_hashes = f
+            .prompt_hashes
+            .take()
+            .filter(|_| f.leg_prompt.is_none() && same_blocks);
         let (prompt, output) = match &f.leg_prompt {
             Some(prompt) => (
                 Arc::clone(prompt),
@@ -2449,7 +2465,12 @@ impl<W: Workload> Simulation<W> {
             }
         }
         let engine_now = now.saturating_sub(self.lag(w));
-        self.engines[w as usize].submit(req, engine_now);
+        match prompt_hashes {
+            Some((local, seq)) => {
+                self.engines[w as usize].submit_hashed(req, local, seq, engine_now);
+            }
+            None => self.engines[w as usize].submit(req, engine_now),
+        }
         self.mark_dirty(w);
     }
 

@@ -5,12 +5,14 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use engine::{Engine, EngineConfig, EngineEvent, EngineRequest, Leg, OutputSpec, RequestId};
-use kv_index::{KvEventKind, WorkerId};
+use kv_index::{KvEventKind, LocalBlockHash, SequenceHash, WorkerId};
 use nanotime::Nanos;
 
 #[derive(Debug, Clone)]
 pub enum Action {
     Submit(EngineRequest),
+    /// `Engine::submit_hashed` with these local and sequence hashes of the prompt.
+    SubmitHashed(EngineRequest, Vec<LocalBlockHash>, Vec<SequenceHash>),
     Cancel(RequestId),
 }
 
@@ -112,6 +114,7 @@ pub fn run(engine: &mut Engine, mut actions: Vec<(Nanos, Action)>, check: bool) 
             (_, Some(t)) => {
                 match actions[i].1.clone() {
                     Action::Submit(r) => engine.submit(r, t),
+                    Action::SubmitHashed(r, local, seq) => engine.submit_hashed(r, local, seq, t),
                     Action::Cancel(id) => engine.cancel(id, t),
                 }
                 i += 1;
