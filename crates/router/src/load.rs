@@ -29,28 +29,28 @@ pub struct WorkerLoad {
     pub context_tokens: u64,
 }
 
-/// Per-worker accounting: the load plus the reference-counted set of active blocks.
+/// Per-worker accounting: the load. The worker's reference-counted set of active blocks lives
+/// in the fleet's [`FleetActive`], one map for every worker (a block's entry holds each
+/// worker's count), so accounting a request costs one map operation per prompt block.
 #[derive(Debug, Default)]
 pub(crate) struct WorkerAccount {
     pub(crate) load: WorkerLoad,
-    /// Active block → number of in-flight requests on this worker that hold it. Bounded by the
-    /// router's bound on tracked requests times their prompt blocks.
-    active: FxHashMap<SequenceHash, u32>,
 }
 
 impl WorkerAccount {
-    /// How many leading blocks of `hashes` are already active on this worker.
+    /// How many leading blocks of `hashes` are already active on `worker`.
     ///
     /// The active set is a union of whole prompt prefixes, and equal sequence hashes mean
     /// equal prefixes, so the request blocks found in it always form a leading run: a binary
     /// search finds its length. Routing reads it for every worker at once from
     /// [`FleetActive::prefix_lens`]; this is the reference the tests compare with.
     #[cfg(test)]
-    pub(crate) fn active_prefix_len(&self, hashes: &[SequenceHash]) -> usize {
-        if self.active.is_empty() {
-            return 0;
-        }
-        hashes.partition_point(|h| self.active.contains_key(h))
+    pub(crate) fn active_prefix_len(
+        worker: WorkerId,
+        fleet: &FleetActive,
+        hashes: &[SequenceHash],
+    ) -> usize {
+        hashes.partition_point(|h| fleet.holders(h).iter().any(|&(w, _)| w == worker))
     }
 
     /// Takes a reference on each of `hashes` for this account's `worker`; returns how many
@@ -61,15 +61,7 @@ impl WorkerAccount {
         hashes: &[SequenceHash],
         fleet: &mut FleetActive,
     ) -> u64 {
-        let mut added = 0;
-        for h in hashes {
-            let count = self.active.entry(*h).or_insert(0);
-            if *count == 0 {
-                added += 1;
-                fleet.add(*h, worker);
-            }
-            *count += 1;
-        }
+        let added = hashes.iter().filter(|h| fleet.add(**h, worker)).count() as u64;
         self.load.active_blocks += added;
         added
     }
@@ -81,99 +73,135 @@ impl WorkerAccount {
         hashes: &[SequenceHash],
         fleet: &mut FleetActive,
     ) {
-        for h in hashes {
-            if let Some(count) = self.active.get_mut(h) {
-                *count -= 1;
-                if *count == 0 {
-                    self.active.remove(h);
-                    fleet.remove(*h, worker);
-                    self.load.active_blocks = self.load.active_blocks.saturating_sub(1);
-                }
-            }
-        }
+        let gone = hashes.iter().filter(|h| fleet.remove(**h, worker)).count() as u64;
+        self.load.active_blocks = self.load.active_blocks.saturating_sub(gone);
     }
 
-    /// The worker leaves: its active blocks leave the fleet's lists.
+    /// The worker leaves: its active blocks leave the fleet's lists. (A sweep of the whole
+    /// fleet's active blocks: workers leave far less often than requests come and go.)
     pub(crate) fn forget(&mut self, worker: WorkerId, fleet: &mut FleetActive) {
-        for h in self.active.keys() {
-            fleet.remove(*h, worker);
-        }
-        self.active.clear();
+        fleet.holders.retain(|_, holders| !holders.forget(worker));
+        self.load.active_blocks = 0;
     }
 }
 
-/// For each block active on some worker, the workers it is active on.
+/// For each block active on some worker, the workers it is active on and how many of each
+/// worker's in-flight requests hold it.
 ///
 /// Every worker's active set is closed under prefixes, so the workers holding block `i` of a
 /// request are among those holding block `i − 1`, and a worker's active prefix can only end
 /// where that set shrinks. [`FleetActive::prefix_cuts`] finds those few places with a binary
 /// search over the request's blocks, and [`FleetActive::prefix_lens`] reads every worker's
 /// active prefix off the holder lists there: a decision over a thousand workers costs a few
-/// lookups and a walk over sorted lists instead of hash lookups per worker. Bounded like the
-/// per-worker sets it mirrors (one list entry per active (worker, block)).
+/// lookups and a walk over sorted lists instead of hash lookups per worker. Bounded by the
+/// router's bound on tracked requests times their prompt blocks (one list entry per active
+/// (worker, block)).
 #[derive(Debug, Default)]
 pub(crate) struct FleetActive {
     holders: FxHashMap<SequenceHash, Holders>,
 }
 
-/// The workers a block is active on, ascending by id. Most blocks (a conversation's own
-/// history) are active on one worker, which needs no allocation; the shared case is boxed so
-/// the map's buckets stay 24 bytes (a thousand busy workers hold millions of active blocks).
+/// The workers a block is active on, ascending by id, each with its reference count. Most
+/// blocks (a conversation's own history) are active on one worker, which needs no allocation;
+/// the shared case is boxed so the map's buckets stay small (a thousand busy workers hold
+/// millions of active blocks).
 #[derive(Debug)]
 enum Holders {
-    One(WorkerId),
+    One((WorkerId, u32)),
     #[allow(clippy::box_collection)]
-    Many(Box<Vec<WorkerId>>),
+    Many(Box<Vec<(WorkerId, u32)>>),
 }
 
 impl Holders {
-    fn as_slice(&self) -> &[WorkerId] {
+    fn as_slice(&self) -> &[(WorkerId, u32)] {
         match self {
-            Holders::One(w) => std::slice::from_ref(w),
+            Holders::One(h) => std::slice::from_ref(h),
             Holders::Many(v) => v,
+        }
+    }
+
+    /// Drops every reference of `worker`; true when no holder is left.
+    fn forget(&mut self, worker: WorkerId) -> bool {
+        match self {
+            Holders::One((w, _)) => *w == worker,
+            Holders::Many(v) => {
+                v.retain(|&(w, _)| w != worker);
+                v.is_empty()
+            }
         }
     }
 }
 
 impl FleetActive {
-    fn add(&mut self, h: SequenceHash, worker: WorkerId) {
+    /// Takes a reference on `h` for `worker`; true when the block was not active there.
+    fn add(&mut self, h: SequenceHash, worker: WorkerId) -> bool {
         match self.holders.entry(h) {
             Entry::Vacant(e) => {
-                e.insert(Holders::One(worker));
+                e.insert(Holders::One((worker, 1)));
+                true
             }
             Entry::Occupied(mut e) => {
                 let holders = e.get_mut();
-                if let Holders::One(w) = *holders {
-                    *holders = Holders::Many(Box::new(vec![w]));
+                if let Holders::One((w, count)) = holders {
+                    if *w == worker {
+                        *count += 1;
+                        return false;
+                    }
+                    *holders = Holders::Many(Box::new(vec![(*w, *count)]));
                 }
-                if let Holders::Many(v) = holders {
-                    if let Err(i) = v.binary_search(&worker) {
-                        v.insert(i, worker);
+                let Holders::Many(v) = holders else {
+                    return false;
+                };
+                match v.binary_search_by_key(&worker, |&(w, _)| w) {
+                    Ok(i) => {
+                        v[i].1 += 1;
+                        false
+                    }
+                    Err(i) => {
+                        v.insert(i, (worker, 1));
+                        true
                     }
                 }
             }
         }
     }
 
-    fn remove(&mut self, h: SequenceHash, worker: WorkerId) {
+    /// Drops a reference on `h` for `worker`; true when the block is no longer active there.
+    fn remove(&mut self, h: SequenceHash, worker: WorkerId) -> bool {
         let Entry::Occupied(mut e) = self.holders.entry(h) else {
-            return;
+            return false;
         };
-        let now_empty = match e.get_mut() {
-            Holders::One(w) => *w == worker,
+        let holders = e.get_mut();
+        let (gone, now_empty) = match holders {
+            Holders::One((w, count)) => {
+                if *w != worker {
+                    return false;
+                }
+                *count -= 1;
+                (*count == 0, *count == 0)
+            }
             Holders::Many(v) => {
-                if let Ok(i) = v.binary_search(&worker) {
+                let Ok(i) = v.binary_search_by_key(&worker, |&(w, _)| w) else {
+                    return false;
+                };
+                v[i].1 -= 1;
+                let gone = v[i].1 == 0;
+                if gone {
                     v.remove(i);
                 }
-                v.is_empty()
+                if let [only] = v.as_slice() {
+                    *holders = Holders::One(*only);
+                }
+                (gone, false)
             }
         };
         if now_empty {
             e.remove();
         }
+        gone
     }
 
-    fn holders(&self, h: &SequenceHash) -> &[WorkerId] {
+    fn holders(&self, h: &SequenceHash) -> &[(WorkerId, u32)] {
         self.holders.get(h).map_or(&[], Holders::as_slice)
     }
 
@@ -240,7 +268,7 @@ impl FleetActive {
         // ascending by id, so one merge walk per cut.
         for &s in cuts.iter().rev().filter(|&&s| s > 0) {
             let mut i = 0;
-            for h in self.holders(&hashes[s - 1]) {
+            for (h, _) in self.holders(&hashes[s - 1]) {
                 i = gallop(workers, i, |w| id(w) < *h);
                 if i == workers.len() {
                     break;
@@ -301,14 +329,14 @@ mod tests {
         assert_eq!(account.acquire(w, &hashes(0..10), &mut fleet), 10);
         // A second request sharing the first 6 blocks adds only its 4 own blocks.
         let second: Vec<SequenceHash> = hashes(0..6).into_iter().chain(hashes(100..104)).collect();
-        assert_eq!(account.active_prefix_len(&second), 6);
+        assert_eq!(WorkerAccount::active_prefix_len(w, &fleet, &second), 6);
         assert_eq!(account.acquire(w, &second, &mut fleet), 4);
         assert_eq!(account.load.active_blocks, 14);
         account.release(w, &hashes(0..10), &mut fleet);
         assert_eq!(account.load.active_blocks, 10, "shared blocks stay held");
         account.release(w, &second, &mut fleet);
         assert_eq!(account.load.active_blocks, 0);
-        assert_eq!(account.active_prefix_len(&second), 0);
+        assert_eq!(WorkerAccount::active_prefix_len(w, &fleet, &second), 0);
         assert!(fleet.holders.is_empty());
     }
 
@@ -345,10 +373,10 @@ mod tests {
                 let request = chain(branch, len);
                 fleet.prefix_cuts(&request, &mut cuts);
                 fleet.prefix_lens(&request, &cuts, &ids, |w| *w, &mut lens);
-                for (a, &got) in accounts.iter().zip(&lens) {
+                for (&w, &got) in ids.iter().zip(&lens) {
                     assert_eq!(
                         got,
-                        a.active_prefix_len(&request),
+                        WorkerAccount::active_prefix_len(w, &fleet, &request),
                         "branch {branch}, len {len}, cuts {cuts:?}"
                     );
                 }
