@@ -219,6 +219,8 @@ pub struct Engine {
     c: Counters,
     now: Nanos,
     scratch: Vec<u32>,
+    /// The cached blocks `admit` found for the request it is admitting.
+    hit_blocks: Vec<u32>,
     evicted: Vec<EngineBlockId>,
     /// Speed mode with speculation: per-item state while a stretch is planned, and the
     /// buffers of the last stretch for reuse.
@@ -368,6 +370,7 @@ impl Engine {
             },
             now: Nanos::ZERO,
             scratch: Vec::with_capacity(config.block_size as usize),
+            hit_blocks: Vec::new(),
             evicted: Vec::new(),
             lanes: Vec::new(),
             spec_totals: Vec::new(),
@@ -433,11 +436,13 @@ impl Engine {
         self.submit_hashed(req, Vec::new(), Vec::new(), now);
     }
 
-    /// [`Engine::submit`] with the prompt's block hashes already computed by the caller (a
-    /// router hashes every prompt to route it; at a thousand workers hashing it again here
-    /// is a measurable share of a simulation). `local` and `seq` must be the local and
-    /// sequence hashes of the prompt's full blocks at this engine's block size; hashes of any
-    /// other length are ignored and the engine hashes the prompt itself.
+    /// [`Engine::submit`] with the block hashes already computed by the caller (a router
+    /// hashes every prompt to route it, and a simulator knows the reply it asks for while it
+    /// is still in cache; at a thousand workers hashing both again here is a measurable share
+    /// of a run). `local` and `seq` are the local and sequence hashes, at this engine's block
+    /// size, of the first full blocks of the prompt followed by the output: at least the
+    /// prompt's full blocks, at most those of prompt and output. Any other length is ignored
+    /// and the engine hashes the tokens itself.
     pub fn submit_hashed(
         &mut self,
         req: EngineRequest,
@@ -486,18 +491,22 @@ impl Engine {
             alpha,
             spec_steps: 0,
         };
-        let full_blocks = (prompt_len / self.block_size) as usize;
-        if local.len() == full_blocks && seq.len() == full_blocks && full_blocks > 0 {
+        let bs = self.block_size;
+        let prompt_blocks = (prompt_len / bs) as usize;
+        let all_blocks = ((prompt_len + output_len) / bs) as usize;
+        if local.len() == seq.len() && (prompt_blocks.max(1)..=all_blocks).contains(&local.len()) {
             r.locals = local;
             r.hashes = seq;
             debug_assert!(
-                r.prompt
-                    .chunks_exact(self.block_size as usize)
-                    .map(LocalBlockHash::of_tokens)
-                    .eq(r.locals.iter().copied())
-                    && kv_index::hash::chain_local_hashes(None, r.locals.iter().copied())
-                        .eq(r.hashes.iter().copied()),
-                "submit_hashed: the caller's prompt hashes do not match the prompt"
+                {
+                    let (local, seq) =
+                        (std::mem::take(&mut r.locals), std::mem::take(&mut r.hashes));
+                    r.ensure_hashes(local.len(), bs as usize, &mut self.scratch);
+                    let same = r.locals == local && r.hashes == seq;
+                    (r.locals, r.hashes) = (local, seq);
+                    same
+                },
+                "submit_hashed: the caller's hashes do not match the prompt and output"
             );
         }
         self.next_serial += 1;
@@ -1009,17 +1018,18 @@ impl Engine {
             0
         };
         r.ensure_hashes(max_hit_blocks, bs as usize, &mut self.scratch);
-        let mut hits = 0usize;
+        self.hit_blocks.clear();
         let mut evictable_hits = 0usize;
-        while hits < max_hit_blocks {
-            match self.pool.lookup(r.hashes[hits].0) {
+        while self.hit_blocks.len() < max_hit_blocks {
+            match self.pool.lookup(r.hashes[self.hit_blocks.len()].0) {
                 Some(b) => {
                     evictable_hits += usize::from(self.pool.is_evictable(b));
-                    hits += 1;
+                    self.hit_blocks.push(b);
                 }
                 None => break,
             }
         }
+        let hits = self.hit_blocks.len();
         let hit_tokens = hits as u32 * bs;
         let n = if r.remote {
             0
@@ -1035,11 +1045,9 @@ impl Engine {
         if need > (self.pool.available() as usize).saturating_sub(evictable_hits) {
             return false;
         }
-        for j in 0..hits {
-            if let Some(b) = self.pool.lookup(r.hashes[j].0) {
-                self.pool.acquire(b);
-                r.blocks.push(b);
-            }
+        for &b in &self.hit_blocks {
+            self.pool.acquire(b);
+            r.blocks.push(b);
         }
         r.registered = hits as u32;
         r.computed = hit_tokens;

@@ -122,8 +122,8 @@ struct InFlight {
     available_blocks: u32,
     /// Sequence hash of the prompt's last full block (the oracle chains the output from it).
     prompt_last_block: Option<SequenceHash>,
-    /// The prompt's block hashes as the router computed them, until its first worker takes
-    /// them (engines of the router's block size then skip hashing the prompt again).
+    /// The block hashes of prompt and reply (the prompt's as the router computed them), until
+    /// its first worker takes them (engines of the router's block size then skip hashing).
     prompt_hashes: Option<(Vec<LocalBlockHash>, Vec<SequenceHash>)>,
     /// Disaggregated fleets: its route, its prefill worker (split routes), whether its
     /// prefill leg is still running there, and the prompt tokens that leg found cached.
@@ -530,6 +530,42 @@ impl Admission {
     fn hasher(&self) -> BlockHasher {
         *self.router().hasher()
     }
+}
+
+/// The local and sequence hashes of every full block of `prompt` followed by `output`,
+/// extending the router's `key` of the prompt: hashed at issue, while the reply the workload
+/// just wrote is still in cache, not block by block as the engine decodes it.
+fn turn_hashes(
+    key: &RoutingKey,
+    hasher: BlockHasher,
+    prompt: &[u32],
+    output: &[u32],
+) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+    let bs = hasher.block_size();
+    let all = (prompt.len() + output.len()) / bs;
+    let mut local = Vec::with_capacity(all);
+    let mut seq = Vec::with_capacity(all);
+    local.extend_from_slice(&key.local);
+    seq.extend_from_slice(&key.seq);
+    let mut push = |l: LocalBlockHash| {
+        seq.push(SequenceHash::chain(seq.last().copied(), l));
+        local.push(l);
+    };
+    // The prompt's partial last block, completed by the reply's first tokens.
+    let tail = prompt.get(key.local.len() * bs..).unwrap_or_default();
+    let need = bs - tail.len();
+    let Some((head, rest)) = output.split_at_checked(need) else {
+        return (local, seq);
+    };
+    if tail.is_empty() {
+        push(LocalBlockHash::of_tokens(head));
+    } else {
+        push(LocalBlockHash::of_tokens(&[tail, head].concat()));
+    }
+    for block in rest.chunks_exact(bs) {
+        push(LocalBlockHash::of_tokens(block));
+    }
+    (local, seq)
 }
 
 /// Everything a run produced.
@@ -1514,7 +1550,12 @@ impl<W: Workload> Simulation<W> {
             id: seq,
             turn: turn.key,
             prompt_last_block: key.seq.last().copied(),
-            prompt_hashes: Some((key.local.clone(), key.seq.clone())),
+            prompt_hashes: Some(turn_hashes(
+                &key,
+                self.admission.hasher(),
+                &turn.prompt,
+                &turn.output,
+            )),
             prompt: turn.prompt,
             output: turn.output,
             issued_at: turn.issued_at.min(now),
