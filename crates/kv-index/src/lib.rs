@@ -8,6 +8,9 @@
 //! - [`event`]: KV cache events (stored / removed / cleared) with per-worker sequence numbers.
 //! - [`index`]: [`KvIndex`], the global prefix index fed by those events.
 //! - [`overlap`]: per-worker counts of a request's leading blocks found in cache.
+//! - [`mirror`]: a publisher's copy of its own cache, for consumers that join late.
+//! - [`sync`]: [`StreamSync`], when a consumer asks a worker for that copy and what it holds
+//!   meanwhile: the gap-and-snapshot decision every driver shares.
 //!
 //! # Block hashing (wire contract, version 1)
 //!
@@ -90,6 +93,7 @@ pub mod hash;
 pub mod index;
 pub mod mirror;
 pub mod overlap;
+pub mod sync;
 
 pub use event::{
     BlockContent, EngineBlockId, KvEvent, KvEventKind, RequestId, StoredBlock, WorkerId,
@@ -104,3 +108,4 @@ pub use index::{
 };
 pub use mirror::{CacheMirror, MAX_MIRROR_BLOCKS};
 pub use overlap::OverlapScores;
+pub use sync::{EventSink, Snapshot, StreamSync, SyncStep};
