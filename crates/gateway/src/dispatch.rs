@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kv_index::{KvEvent, WorkerId};
+use kv_index::{FirstWord, KvEvent, StreamSync, SyncStep, WorkerId};
 use nanotime::Nanos;
 use protocol::WorkerRole;
 pub use router::AdmitError;
@@ -228,6 +228,9 @@ struct Core {
     timer_at: Option<Nanos>,
     /// Replica sync with peer gateways, when on.
     replica: Option<ReplicaCore>,
+    /// Per event source, when to ask a worker for its cache snapshot and what its events do
+    /// meanwhile (the simulator's gateways decide with the same core).
+    streams: [StreamSync; EventSource::ALL.len()],
 }
 
 /// This replica's side of the replica sync ([`crate::replicas`]).
@@ -309,6 +312,9 @@ pub struct Dispatcher {
     pub(crate) replica_stats: ReplicaStats,
 }
 
+/// Most batches held per worker while its snapshot comes; past this the wait ends.
+const MAX_HELD_BATCHES: usize = 1_024;
+
 fn lock(core: &Mutex<Core>) -> MutexGuard<'_, Core> {
     // A panic while holding the lock leaves plain data behind; keep serving.
     core.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -334,6 +340,9 @@ impl Dispatcher {
                 ejections: Ejections::new(config.ejection, config.max_workers.max(1)),
                 timer_at: None,
                 replica: None,
+                streams: std::array::from_fn(|_| {
+                    StreamSync::new(config.max_workers.max(1), MAX_HELD_BATCHES, FirstWord::Ask)
+                }),
             }),
             epoch: Instant::now(),
             next_request: AtomicU64::new(1),
@@ -1013,6 +1022,108 @@ impl Dispatcher {
             }
         }
         any_resync
+    }
+
+    /// One batch of `worker`'s events from run `instance`, through `source`'s
+    /// [`StreamSync`]: applied, or held while the worker's snapshot is asked for. Returns
+    /// whether to ask the worker for its snapshot now (and answer with
+    /// [`stream_snapshot`](Self::stream_snapshot)). In approximate mode nothing is asked.
+    pub fn stream_events(
+        &self,
+        source: EventSource,
+        worker: WorkerId,
+        instance: u64,
+        events: &[KvEvent],
+    ) -> bool {
+        self.events.received[source as usize].fetch_add(events.len() as u64, Ordering::Relaxed);
+        if !self.kv_events {
+            return false;
+        }
+        let mut core = lock(&self.core);
+        let core = &mut *core;
+        let step =
+            core.streams[source as usize].on_events(&mut core.frontend, worker, instance, events);
+        self.record_step(core, source, worker, &step)
+    }
+
+    /// `source` heard of `worker` before any event from it (an announcement). Returns whether
+    /// to ask it for its snapshot.
+    pub fn stream_heard(&self, source: EventSource, worker: WorkerId) -> bool {
+        self.kv_events && lock(&self.core).streams[source as usize].heard(worker).ask
+    }
+
+    /// `worker` said goodbye: if it comes back, its snapshot is asked for again.
+    pub fn stream_forget(&self, source: EventSource, worker: WorkerId) {
+        lock(&self.core).streams[source as usize].forget(worker);
+    }
+
+    /// `worker`'s stream lost messages its sequence numbers cannot show (an undecodable
+    /// batch): its blocks are dropped. Returns whether to ask it for its snapshot.
+    pub fn stream_lost(&self, source: EventSource, worker: WorkerId) -> bool {
+        if !self.kv_events {
+            self.resync_worker(source, worker);
+            return false;
+        }
+        let mut core = lock(&self.core);
+        let core = &mut *core;
+        let step = core.streams[source as usize].on_lost(&mut core.frontend, worker);
+        self.record_step(core, source, worker, &step)
+    }
+
+    /// The answer to an ask: `worker`'s snapshot, or `None` when it has none to give. Returns
+    /// whether to ask again (events were lost after the snapshot too).
+    pub fn stream_snapshot(
+        &self,
+        source: EventSource,
+        worker: WorkerId,
+        state: Option<&protocol::KvState>,
+    ) -> bool {
+        let mut core = lock(&self.core);
+        let core = &mut *core;
+        let snapshot = state.map(|s| kv_index::Snapshot {
+            instance: s.instance,
+            next_seq: s.next_seq,
+            stored: &s.stored,
+        });
+        let step = core.streams[source as usize].on_snapshot(&mut core.frontend, worker, snapshot);
+        self.record_step(core, source, worker, &step)
+    }
+
+    /// Counts and logs what one [`StreamSync`] step did; returns whether it asks.
+    fn record_step(
+        &self,
+        core: &mut Core,
+        source: EventSource,
+        worker: WorkerId,
+        step: &SyncStep,
+    ) -> bool {
+        let s = source as usize;
+        if step.restarted {
+            tracing::info!(%worker, ?source, "worker restarted (new instance); cleared its blocks");
+        }
+        if step.resynced > 0 {
+            tracing::warn!(%worker, ?source, "KV events lost; cleared the worker's blocks");
+        }
+        if step.gave_up {
+            tracing::info!(%worker, ?source, "the worker's cache snapshot is too slow to come; its blocks are learnt from its events");
+        }
+        if let Some(blocks) = step.restored {
+            tracing::info!(%worker, ?source, blocks, "learnt the worker's cache from its snapshot");
+            self.events.replays[s].fetch_add(1, Ordering::Relaxed);
+        }
+        if step.stale + step.errors > 0 {
+            tracing::debug!(%worker, stale = step.stale, errors = step.errors, "KV events not applied");
+        }
+        let resyncs = u64::from(step.resynced) + u64::from(step.restarted);
+        self.events.resyncs[s].fetch_add(resyncs, Ordering::Relaxed);
+        if let Some(w) = core.workers.get_mut(&worker) {
+            w.resyncs += resyncs;
+            w.replays += u64::from(step.restored.is_some());
+            if step.applied > 0 || step.restored.is_some() {
+                w.last_event = Some(Instant::now());
+            }
+        }
+        step.ask
     }
 
     /// A worker's event stream lost messages at the transport level (e.g. a ZMQ batch

@@ -127,35 +127,19 @@ impl WarnBudget {
 /// meanwhile) before it applies them and learns that worker's cache from new events only.
 pub(crate) const STATE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Most batches held per worker while its snapshot comes; past this the wait ends.
-const MAX_HELD_BATCHES: usize = 1_024;
-
 /// Snapshots fetched at once: a gateway (re)starting before a thousand engines asks them all
 /// within a heartbeat, and each answer is up to a few MiB until applied.
 const MAX_CONCURRENT_FETCHES: usize = 16;
 
-/// Where a worker's NATS stream stands in this gateway.
-enum StreamSync {
-    /// Its snapshot was asked for: its live batches wait here.
-    Waiting(Vec<KvEventBatch>),
-    /// Snapshot applied (or not to be had): batches go straight to the index.
-    Live,
-}
-
 /// A worker's snapshot as fetched: the cache, or why there is none.
 type FetchedState = (WorkerId, Result<protocol::KvState, String>);
 
-/// The NATS event consumer's state: per worker, its instance and where its stream stands.
+/// The NATS event consumer: decodes, fetches the snapshots the dispatcher's
+/// [`kv_index::StreamSync`] asks for, and hands everything to it.
 struct NatsStreams {
     client: async_nats::Client,
     subjects: Subjects,
     dispatcher: Arc<Dispatcher>,
-    max_workers: usize,
-    /// The last `instance` seen per worker, to notice restarts. Bounded: past the bound the
-    /// map is cleared, which at worst costs one unnecessary clear per worker.
-    instances: BTreeMap<WorkerId, u64>,
-    /// Bounded the same way: past the bound, workers are asked for their snapshot again.
-    streams: BTreeMap<WorkerId, StreamSync>,
     fetched: tokio::sync::mpsc::Sender<FetchedState>,
     /// [`MAX_CONCURRENT_FETCHES`] permits.
     fetching: Arc<tokio::sync::Semaphore>,
@@ -163,12 +147,8 @@ struct NatsStreams {
 }
 
 impl NatsStreams {
-    /// Asks `worker` for its snapshot; its batches wait (after `held`) until it comes.
-    fn ask(&mut self, worker: WorkerId, held: Vec<KvEventBatch>) {
-        if self.streams.len() >= self.max_workers && !self.streams.contains_key(&worker) {
-            self.streams.clear();
-        }
-        self.streams.insert(worker, StreamSync::Waiting(held));
+    /// Asks `worker` for its snapshot; the answer comes back through `fetched`.
+    fn ask(&self, worker: WorkerId) {
         let (client, subject) = (self.client.clone(), self.subjects.kv_state(worker));
         let (fetched, fetching) = (self.fetched.clone(), self.fetching.clone());
         tokio::spawn(async move {
@@ -187,113 +167,59 @@ impl NatsStreams {
     /// idle engine's cache is learnt at once, not when its next event comes.
     fn on_announcement(&mut self, payload: &[u8]) {
         match protocol::WorkerMessage::decode(payload) {
+            // Asked once per worker: heartbeats repeat the announcement.
             Ok(m @ protocol::WorkerMessage::Announce(_))
-                if !self.streams.contains_key(&m.worker()) =>
+                if self.dispatcher.stream_heard(EventSource::Nats, m.worker()) =>
             {
-                self.ask(m.worker(), Vec::new());
+                self.ask(m.worker());
             }
+            // Back later, it is asked again.
             Ok(m @ protocol::WorkerMessage::Goodbye { .. }) => {
-                // Back later, it is asked again.
-                self.streams.remove(&m.worker());
+                self.dispatcher.stream_forget(EventSource::Nats, m.worker());
             }
             _ => {}
         }
     }
 
-    /// A snapshot came (or will not): restore the worker's blocks, then apply the batches
-    /// held meanwhile from the snapshot's sequence number on.
+    /// A snapshot came (or will not).
     fn on_fetched(&mut self, (worker, state): FetchedState) {
-        let Some(StreamSync::Waiting(held)) = self.streams.insert(worker, StreamSync::Live) else {
-            // The wait was given up (too many batches held): the index went on without it.
-            return;
-        };
-        let mut covered = None;
-        match state {
-            Ok(state) => {
-                let blocks = self.dispatcher.restore_worker(EventSource::Nats, &state);
-                tracing::info!(%worker, blocks, "learnt the worker's cache from its snapshot");
-                self.note_instance(worker, state.instance);
-                covered = state.next_seq.map(|next| (state.instance, next));
-            }
-            Err(why) => {
-                tracing::info!(%worker, %why, "no cache snapshot from the worker; its blocks are learnt from its new events")
-            }
+        if let Err(why) = &state {
+            tracing::info!(%worker, %why, "no cache snapshot from the worker; its blocks are learnt from its new events");
         }
-        let mut cleared = false;
-        for mut batch in held {
-            if let Some((instance, next)) = covered
-                && batch.instance == instance
-            {
-                batch.events.retain(|e| e.seq >= next);
-            }
-            cleared |= self.apply(worker, batch);
-        }
-        if cleared && covered.is_some() {
-            // Events were lost after the snapshot too: ask again.
-            self.ask(worker, Vec::new());
+        if self
+            .dispatcher
+            .stream_snapshot(EventSource::Nats, worker, state.as_ref().ok())
+        {
+            self.ask(worker);
         }
     }
 
     /// A decoded batch from `worker`.
     fn on_batch(&mut self, worker: WorkerId, batch: KvEventBatch) {
-        match self.streams.get_mut(&worker) {
-            Some(StreamSync::Live) => {
-                if self.apply(worker, batch) {
-                    // A gap cleared the worker's blocks: its snapshot gives them back.
-                    self.ask(worker, Vec::new());
-                }
-            }
-            Some(StreamSync::Waiting(held)) if held.len() < MAX_HELD_BATCHES => held.push(batch),
-            Some(StreamSync::Waiting(_)) => {
-                // The snapshot is too slow for this stream: go on without it.
-                if let Some(StreamSync::Waiting(held)) =
-                    self.streams.insert(worker, StreamSync::Live)
-                {
-                    for batch in held.into_iter().chain([batch]) {
-                        self.apply(worker, batch);
-                    }
-                }
-            }
-            None => self.ask(worker, vec![batch]),
-        }
-    }
-
-    /// A batch that cannot be used: the worker's blocks cannot be vouched for any more.
-    fn on_bad_batch(&mut self, worker: WorkerId) {
-        self.dispatcher.resync_worker(EventSource::Nats, worker);
-        if matches!(self.streams.get(&worker), Some(StreamSync::Live)) {
-            self.ask(worker, Vec::new());
-        }
-    }
-
-    /// Remembers `worker`'s instance (within the bound); returns the one it had.
-    fn note_instance(&mut self, worker: WorkerId, instance: u64) -> Option<u64> {
-        if self.instances.len() >= self.max_workers && !self.instances.contains_key(&worker) {
-            self.instances.clear();
-        }
-        self.instances.insert(worker, instance)
-    }
-
-    /// One batch of a live stream: a new `instance` is a restart (empty cache). Returns
-    /// whether the worker's blocks were cleared for a gap or a bad batch (not a restart): its
-    /// snapshot would give them back.
-    fn apply(&mut self, worker: WorkerId, batch: KvEventBatch) -> bool {
         let source = EventSource::Nats;
-        let previous = self.note_instance(worker, batch.instance);
-        if previous.is_some_and(|p| p != batch.instance) {
-            tracing::info!(%worker, "worker restarted (new instance); clearing its blocks");
-            self.dispatcher.resync_worker(source, worker);
-        }
         match batch.to_kv_events() {
-            Ok(events) => self.dispatcher.apply_events(source, &events),
+            Ok(events) => {
+                if self
+                    .dispatcher
+                    .stream_events(source, worker, batch.instance, &events)
+                {
+                    self.ask(worker);
+                }
+            }
             Err(e) => {
                 if self.warnings.allow(source) {
                     tracing::warn!(%worker, error = %e, "bad KV event batch; clearing the worker's blocks");
                 }
                 self.dispatcher.count_decode_error(source);
-                self.dispatcher.resync_worker(source, worker);
-                true
+                self.on_bad_batch(worker);
             }
+        }
+    }
+
+    /// A batch that cannot be used: the worker's blocks cannot be vouched for any more.
+    fn on_bad_batch(&mut self, worker: WorkerId) {
+        if self.dispatcher.stream_lost(EventSource::Nats, worker) {
+            self.ask(worker);
         }
     }
 }
@@ -302,13 +228,13 @@ impl NatsStreams {
 ///
 /// The first word from each worker (its announcement or first batch: this gateway may have
 /// started long after the worker cached its blocks), and any gap in its stream, asks the
-/// worker for its whole cache (`protocol::kv_state`) and holds that worker's batches until the
-/// snapshot is applied or [`STATE_TIMEOUT`] passes.
+/// worker for its whole cache (`protocol::kv_state`); that worker's batches are held until the
+/// snapshot is applied or [`STATE_TIMEOUT`] passes ([`kv_index::StreamSync`] decides, in the
+/// dispatcher).
 pub(crate) async fn run_nats_events(
     client: async_nats::Client,
     subjects: Subjects,
     dispatcher: Arc<Dispatcher>,
-    max_workers: usize,
     cancel: CancellationToken,
 ) {
     let mut subscriber = match client.subscribe(subjects.kv_events_all()).await {
@@ -331,9 +257,6 @@ pub(crate) async fn run_nats_events(
         client,
         subjects,
         dispatcher,
-        max_workers,
-        instances: BTreeMap::new(),
-        streams: BTreeMap::new(),
         fetched,
         fetching: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_FETCHES)),
         warnings: WarnBudget::new(),

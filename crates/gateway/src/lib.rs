@@ -282,7 +282,6 @@ impl Gateway {
                 client.clone(),
                 subjects.clone(),
                 dispatcher.clone(),
-                config.max_workers,
                 cancel.clone(),
             )));
             gateway.tasks.push(tokio::spawn(registry::run_discovery(

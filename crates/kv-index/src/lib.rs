@@ -108,4 +108,4 @@ pub use index::{
 };
 pub use mirror::{CacheMirror, MAX_MIRROR_BLOCKS};
 pub use overlap::OverlapScores;
-pub use sync::{EventSink, Snapshot, StreamSync, SyncStep};
+pub use sync::{EventSink, FirstWord, Snapshot, StreamSync, SyncStep};

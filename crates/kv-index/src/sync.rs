@@ -119,22 +119,36 @@ struct Stream {
     waiting: Option<Vec<Held>>,
 }
 
+/// What a worker's first event means to a consumer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstWord {
+    /// The worker may have cached blocks before the consumer heard of it (a gateway that
+    /// starts after its engines): ask for its snapshot.
+    Ask,
+    /// The consumer saw every worker start with an empty cache (a simulated fleet): the
+    /// first event is the baseline. Workers it joins late it asks for with
+    /// [`StreamSync::heard`].
+    Baseline,
+}
+
 /// One consumer's view of every worker's event stream. See the module docs.
 #[derive(Debug)]
 pub struct StreamSync {
     streams: FxHashMap<WorkerId, Stream>,
     max_workers: usize,
     max_held: usize,
+    first_word: FirstWord,
 }
 
 impl StreamSync {
     /// Tracks up to `max_workers` workers (past that the map is cleared, and workers are asked
     /// for their snapshot again), holding up to `max_held` batches per worker.
-    pub fn new(max_workers: usize, max_held: usize) -> Self {
+    pub fn new(max_workers: usize, max_held: usize, first_word: FirstWord) -> Self {
         Self {
             streams: FxHashMap::default(),
             max_workers: max_workers.max(1),
             max_held,
+            first_word,
         }
     }
 
@@ -166,13 +180,6 @@ impl StreamSync {
         (stream, new)
     }
 
-    /// The consumer saw `worker` start with an empty cache (a simulated fleet, a worker it
-    /// launched): its events apply at once, with nothing to ask.
-    pub fn known_empty(&mut self, worker: WorkerId) {
-        let (stream, _) = self.stream(worker);
-        *stream = Stream::default();
-    }
-
     /// The consumer heard of `worker` (an announcement) before any event: ask for its cache
     /// now rather than at its first event. Nothing to do for a worker already tracked.
     pub fn heard(&mut self, worker: WorkerId) -> SyncStep {
@@ -201,10 +208,10 @@ impl StreamSync {
         instance: u64,
         events: &[KvEvent],
     ) -> SyncStep {
-        let max_held = self.max_held;
+        let (max_held, first_word) = (self.max_held, self.first_word);
         let (stream, new) = self.stream(worker);
         let mut step = SyncStep::default();
-        if new {
+        if new && first_word == FirstWord::Ask {
             // The first word: whatever it cached before is unknown here.
             stream.waiting = Some(vec![(instance, events.to_vec())]);
             step.ask = true;
@@ -360,7 +367,7 @@ mod tests {
     fn a_late_consumer_asks_holds_and_then_restores_without_double_applying() {
         let events = stream_of(10);
         let mut idx = index();
-        let mut sync = StreamSync::new(8, 16);
+        let mut sync = StreamSync::new(8, 16, FirstWord::Ask);
         // Joins at event 6: the worker cached 0..6 before.
         let first = sync.on_events(&mut idx, W, 1, &events[6..7]);
         assert!(first.ask && first.holding && first.applied == 0);
@@ -391,13 +398,16 @@ mod tests {
     fn a_gap_drops_the_blocks_and_the_snapshot_gives_them_back() {
         let events = stream_of(10);
         let mut idx = index();
-        let mut sync = StreamSync::new(8, 16);
-        sync.known_empty(W);
+        let mut sync = StreamSync::new(8, 16, FirstWord::Baseline);
         assert_eq!(sync.on_events(&mut idx, W, 1, &events[..4]).applied, 4);
         // Events 4 and 5 are lost.
         let gap = sync.on_events(&mut idx, W, 1, &events[6..7]);
         assert_eq!((gap.resynced, gap.ask, gap.holding), (1, true, true));
-        assert_eq!(idx.blocks_of(W), 0, "the child of an unknown parent is skipped");
+        assert_eq!(
+            idx.blocks_of(W),
+            0,
+            "the child of an unknown parent is skipped"
+        );
         sync.on_events(&mut idx, W, 1, &events[7..8]);
         let mirror = mirror_of(&events[..7]);
         let stored = mirror.snapshot().unwrap();
@@ -418,7 +428,7 @@ mod tests {
     fn a_gap_after_the_snapshot_asks_again_and_a_failed_answer_goes_on_without() {
         let events = stream_of(10);
         let mut idx = index();
-        let mut sync = StreamSync::new(8, 16);
+        let mut sync = StreamSync::new(8, 16, FirstWord::Ask);
         sync.on_events(&mut idx, W, 1, &events[..1]);
         // Held: 1 and 3 (2 is lost after the snapshot's point).
         sync.on_events(&mut idx, W, 1, &events[1..2]);
@@ -451,7 +461,7 @@ mod tests {
     fn too_many_held_batches_end_the_wait_and_apply_them_in_order() {
         let events = stream_of(6);
         let mut idx = index();
-        let mut sync = StreamSync::new(8, 2);
+        let mut sync = StreamSync::new(8, 2, FirstWord::Ask);
         sync.on_events(&mut idx, W, 1, &events[..1]);
         sync.on_events(&mut idx, W, 1, &events[1..2]);
         let full = sync.on_events(&mut idx, W, 1, &events[2..3]);
@@ -465,8 +475,7 @@ mod tests {
     fn a_restart_clears_without_asking_and_a_lost_batch_asks_once() {
         let events = stream_of(4);
         let mut idx = index();
-        let mut sync = StreamSync::new(8, 16);
-        sync.known_empty(W);
+        let mut sync = StreamSync::new(8, 16, FirstWord::Baseline);
         sync.on_events(&mut idx, W, 1, &events[..3]);
         let restart = sync.on_events(&mut idx, W, 2, &events[..1]);
         assert!(restart.restarted && !restart.ask);
@@ -478,8 +487,20 @@ mod tests {
     }
 
     #[test]
+    fn a_consumer_that_saw_the_fleet_start_takes_first_events_as_baselines() {
+        let events = stream_of(4);
+        let mut idx = index();
+        let mut sync = StreamSync::new(8, 16, FirstWord::Baseline);
+        let first = sync.on_events(&mut idx, W, 1, &events[..2]);
+        assert_eq!((first.ask, first.applied), (false, 2));
+        // One it joins late (a restarted replica) it asks for.
+        assert!(sync.heard(WorkerId(9)).ask);
+        assert!(sync.is_waiting(WorkerId(9)));
+    }
+
+    #[test]
     fn an_announcement_asks_once_and_the_map_stays_bounded() {
-        let mut sync = StreamSync::new(2, 4);
+        let mut sync = StreamSync::new(2, 4, FirstWord::Ask);
         assert!(sync.heard(WorkerId(1)).ask);
         assert!(!sync.heard(WorkerId(1)).ask);
         assert!(sync.heard(WorkerId(2)).ask);

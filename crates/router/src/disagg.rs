@@ -332,14 +332,10 @@ impl DisaggFrontend {
     /// cannot be vouched for.
     pub fn clear_worker(&mut self, worker: WorkerId) {
         match self.pools.get(&worker).copied() {
-            Some(pool) => self
-                .pool_mut(pool)
-                .router_mut()
-                .index_mut()
-                .clear_worker(worker),
+            Some(pool) => self.pool_mut(pool).router_mut().clear_worker(worker),
             None => {
-                self.prefill.router_mut().index_mut().clear_worker(worker);
-                self.decode.router_mut().index_mut().clear_worker(worker);
+                self.prefill.router_mut().clear_worker(worker);
+                self.decode.router_mut().clear_worker(worker);
             }
         }
     }
@@ -538,5 +534,25 @@ impl DisaggFrontend {
         self.stages.insert(id, Stage::Prefill(decode));
         // Its events are drained by the caller's `pump` loop.
         self.prefill.submit(id, key, now);
+    }
+}
+
+/// Both pools' indexes: [`kv_index::StreamSync`] drives them as one consumer.
+impl kv_index::EventSink for DisaggFrontend {
+    fn apply_resyncing(&mut self, event: &KvEvent) -> Result<ApplyOutcome, EventError> {
+        self.apply_event_resyncing(event)
+    }
+
+    fn clear_worker(&mut self, worker: WorkerId) {
+        DisaggFrontend::clear_worker(self, worker);
+    }
+
+    fn restore_worker(
+        &mut self,
+        worker: WorkerId,
+        next_seq: Option<u64>,
+        stored: &[kv_index::KvEventKind],
+    ) -> Result<ApplyOutcome, EventError> {
+        DisaggFrontend::restore_worker(self, worker, next_seq, stored)
     }
 }

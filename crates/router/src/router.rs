@@ -523,6 +523,12 @@ impl Router {
         self.index.restore_worker(worker, next_seq, stored)
     }
 
+    /// Drops what the index holds of `worker` and its sequence baseline: its stream lost
+    /// messages, so those blocks cannot be vouched for.
+    pub fn clear_worker(&mut self, worker: WorkerId) {
+        self.index.clear_worker(worker);
+    }
+
     /// The prefix index (read-only), e.g. for metrics.
     pub fn index(&self) -> &KvIndex {
         &self.index
@@ -934,6 +940,29 @@ impl Predictions {
         self.deadline.retain(|(w, _), _| *w != worker);
         self.queue.retain(|e| e.1 != worker);
         self.next_seq.remove(&worker);
+    }
+}
+
+/// A router is where a consumer's events go: [`kv_index::StreamSync`] drives it.
+impl kv_index::EventSink for Router {
+    fn apply_resyncing(
+        &mut self,
+        event: &KvEvent,
+    ) -> Result<kv_index::ApplyOutcome, kv_index::EventError> {
+        self.apply_event_resyncing(event)
+    }
+
+    fn clear_worker(&mut self, worker: WorkerId) {
+        Router::clear_worker(self, worker);
+    }
+
+    fn restore_worker(
+        &mut self,
+        worker: WorkerId,
+        next_seq: Option<u64>,
+        stored: &[KvEventKind],
+    ) -> Result<kv_index::ApplyOutcome, kv_index::EventError> {
+        Router::restore_worker(self, worker, next_seq, stored)
     }
 }
 

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use engine::{Engine, EngineEvent, EngineRequest, KvLink, Leg, OutputSpec, Role, TransferStart};
 use kv_index::{
-    BlockHasher, CacheMirror, IndexConfig, KvEvent, LocalBlockHash, SequenceHash, WorkerId,
+    BlockHasher, CacheMirror, IndexConfig, KvEvent, LocalBlockHash, SequenceHash, StreamSync,
+    WorkerId,
 };
 use nanotime::Nanos;
 use router::autoscale::{BucketCounts, FRONTEND_ITL_BUCKETS, FRONTEND_TTFT_BUCKETS};
@@ -499,11 +500,17 @@ impl Admission {
 
     /// The gateway's gap policy (`KvIndex::apply_resyncing`), in every index that receives
     /// the event; an index a gap cleared restores the worker from `fill` (its cache snapshot).
-    fn apply_event_resyncing(&mut self, ev: &KvEvent, fill: Option<&CacheMirror>) -> EventTally {
+    /// One event through the gateway's gap-and-snapshot decision; `streams` is the one
+    /// gateway's view of the event streams (replicas keep their own).
+    fn apply_event_resyncing(
+        &mut self,
+        ev: &KvEvent,
+        fill: Option<&CacheMirror>,
+        streams: &mut StreamSync,
+    ) -> EventTally {
         match self {
-            Admission::One(f) => EventTally::apply(f.router_mut(), ev, fill),
-            // Faults run on aggregated fleets only.
-            Admission::Two(d) => EventTally::of(d.apply_event_resyncing(ev)),
+            Admission::One(f) => EventTally::deliver(streams, f.router_mut(), ev, fill),
+            Admission::Two(d) => EventTally::deliver(streams, d, ev, fill),
             Admission::Many(m) => m.apply_event_resyncing(ev, fill),
         }
     }
@@ -639,6 +646,9 @@ struct FaultState {
     /// Per live worker, its cache as its own events say (the engine's `CacheMirror`): what it
     /// answers a gateway that lost its events or restarted.
     mirrors: rustc_hash::FxHashMap<WorkerId, CacheMirror>,
+    /// The gateway's view of the workers' event streams: when it asks a worker for its
+    /// snapshot (`kv_index::StreamSync`, as the real gateway decides).
+    kv_streams: StreamSync,
     /// First-byte timeouts so far, per request handle; bounded by the requests in flight.
     timeouts: rustc_hash::FxHashMap<u64, u32>,
     /// Workers that failed a request, out for the ejection time (the gateway's core).
@@ -1044,6 +1054,9 @@ impl<W: Workload> Simulation<W> {
             lag: vec![Nanos::ZERO; self.engines.len()],
             hang: None,
             mirrors: rustc_hash::FxHashMap::default(),
+            kv_streams: crate::replicas::kv_streams(
+                self.admission.router().index().config().max_workers,
+            ),
             timeouts: rustc_hash::FxHashMap::default(),
             ejections: Ejections::new(
                 self.cfg.failover.ejection,
@@ -1503,9 +1516,11 @@ impl<W: Workload> Simulation<W> {
             return;
         }
         if let Some(f) = &mut self.faults {
-            let tally = self
-                .admission
-                .apply_event_resyncing(ev, f.mirrors.get(&ev.worker));
+            let tally = self.admission.apply_event_resyncing(
+                ev,
+                f.mirrors.get(&ev.worker),
+                &mut f.kv_streams,
+            );
             f.report.kv_resyncs += u64::from(tally.resynced);
             f.report.kv_snapshots += u64::from(tally.filled);
             f.report.kv_stale_events += u64::from(tally.stale);
@@ -1810,6 +1825,10 @@ impl<W: Workload> Simulation<W> {
             }
             f.checker.on_worker_gone(WorkerId(u64::from(w)));
             f.mirrors.remove(&WorkerId(u64::from(w)));
+            f.kv_streams.forget(WorkerId(u64::from(w)));
+            if let Admission::Many(m) = &mut self.admission {
+                m.forget_kv_stream(WorkerId(u64::from(w)));
+            }
             if let Some(c) = &mut f.channel {
                 c.forget(WorkerId(u64::from(w)));
             }

@@ -10,12 +10,14 @@
 
 use std::collections::VecDeque;
 
-use kv_index::{ApplyOutcome, CacheMirror, EventError, KvEvent, WorkerId};
+use kv_index::{
+    CacheMirror, EventSink, FirstWord, KvEvent, Snapshot, StreamSync, SyncStep, WorkerId,
+};
 use nanotime::Nanos;
 use router::replica::{PEER_REQUEST_ID_BASE, ReplicaSyncCounters};
 use router::{
     Frontend, FrontendConfig, FrontendEvent, PeerSnapshot, PeerUpdate, ReplicaId, ReplicaSync,
-    ReplicaSyncConfig, RequestId, RouteError, Router, RouterConfig, RouterConfigError, RoutingKey,
+    ReplicaSyncConfig, RequestId, RouteError, RouterConfig, RouterConfigError, RoutingKey,
     WorkerLimits,
 };
 use rustc_hash::FxHashMap;
@@ -95,34 +97,84 @@ pub(crate) struct EventTally {
     pub(crate) filled: u32,
 }
 
-/// `worker`'s blocks in `router`'s index replaced by its snapshot (`mirror`); whether it
-/// applied.
-fn restore_from(router: &mut Router, worker: WorkerId, mirror: &CacheMirror) -> bool {
-    mirror.snapshot().is_some_and(|stored| {
-        router
-            .restore_worker(worker, mirror.next_seq(), &stored)
-            .is_ok()
-    })
+/// Every simulated worker's run: a restarted worker joins under a new id.
+const SIM_INSTANCE: u64 = 0;
+
+/// Batches a consumer holds per worker while its snapshot comes (the gateway's bound; the
+/// simulator answers at once, so it holds one event at most).
+const MAX_HELD_BATCHES: usize = 1_024;
+
+/// One gateway's view of the workers' event streams, as the real gateway keeps it: it saw
+/// the fleet start, so first events are baselines.
+pub(crate) fn kv_streams(max_workers: usize) -> StreamSync {
+    StreamSync::new(max_workers, MAX_HELD_BATCHES, FirstWord::Baseline)
 }
 
 impl EventTally {
-    /// One index's outcome.
-    pub(crate) fn of(outcome: Result<ApplyOutcome, EventError>) -> Self {
+    /// One event through a consumer's gap-and-snapshot decision (`kv_index::StreamSync`,
+    /// the gateway's): when it asks for the worker's snapshot, the worker answers at once
+    /// from its mirror (`fill`; none: the worker has no snapshot to give).
+    pub(crate) fn deliver(
+        streams: &mut StreamSync,
+        sink: &mut impl EventSink,
+        ev: &KvEvent,
+        fill: Option<&CacheMirror>,
+    ) -> Self {
+        let step = streams.on_events(sink, ev.worker, SIM_INSTANCE, std::slice::from_ref(ev));
         let mut t = EventTally::default();
-        t.add(outcome);
+        t.answer(streams, sink, ev.worker, fill, step);
         t
     }
 
-    /// The gap policy in one index; a gap that cleared the worker's blocks is filled from
-    /// its snapshot (`fill`), as the gateway asks a kvroute engine for it.
-    pub(crate) fn apply(router: &mut Router, ev: &KvEvent, fill: Option<&CacheMirror>) -> Self {
-        let outcome = router.apply_event_resyncing(ev);
-        let resynced = matches!(outcome, Ok(o) if o.resynced);
-        let mut t = EventTally::of(outcome);
-        if resynced && fill.is_some_and(|mirror| restore_from(router, ev.worker, mirror)) {
-            t.filled += 1;
-        }
+    /// A consumer that joins late (a restarted replica) asks `worker` for its snapshot.
+    pub(crate) fn ask(
+        streams: &mut StreamSync,
+        sink: &mut impl EventSink,
+        worker: WorkerId,
+        fill: Option<&CacheMirror>,
+    ) -> Self {
+        let step = streams.heard(worker);
+        let mut t = EventTally::default();
+        t.answer(streams, sink, worker, fill, step);
         t
+    }
+
+    /// Counts `step`, and answers its ask from the mirror. The mirror is at or past every
+    /// event delivered, so its snapshot covers what was held and one answer ends the wait;
+    /// a second ask (never expected) gets no snapshot rather than a wait nobody ends.
+    fn answer(
+        &mut self,
+        streams: &mut StreamSync,
+        sink: &mut impl EventSink,
+        worker: WorkerId,
+        fill: Option<&CacheMirror>,
+        mut step: SyncStep,
+    ) {
+        for answers in 0..2 {
+            self.count(&step);
+            if !step.ask {
+                return;
+            }
+            let stored = if answers == 0 {
+                fill.and_then(CacheMirror::snapshot)
+            } else {
+                None
+            };
+            let snapshot = stored.as_deref().map(|stored| Snapshot {
+                instance: SIM_INSTANCE,
+                next_seq: fill.and_then(CacheMirror::next_seq),
+                stored,
+            });
+            step = streams.on_snapshot(sink, worker, snapshot);
+        }
+        self.count(&step);
+    }
+
+    fn count(&mut self, step: &SyncStep) {
+        self.resynced += step.resynced;
+        self.stale += step.stale;
+        self.errors += step.errors;
+        self.filled += u32::from(step.restored.is_some());
     }
 
     fn merge(&mut self, other: EventTally) {
@@ -130,15 +182,6 @@ impl EventTally {
         self.stale += other.stale;
         self.errors += other.errors;
         self.filled += other.filled;
-    }
-
-    fn add(&mut self, outcome: Result<ApplyOutcome, EventError>) {
-        match outcome {
-            Ok(out) if out.resynced => self.resynced += 1,
-            Ok(_) => {}
-            Err(EventError::Stale { .. }) => self.stale += 1,
-            Err(_) => self.errors += 1,
-        }
     }
 }
 
@@ -168,6 +211,9 @@ pub(crate) struct Replicas {
     snapshot_wait: Vec<Option<(Nanos, usize)>>,
     snapshot_timeout: Nanos,
     fault_counters: ReplicaFaultCounters,
+    /// Each replica's view of the workers' KV event streams (when to ask a worker for its
+    /// snapshot: the gateway's decision).
+    kv_streams: Vec<StreamSync>,
     /// Turns between submission and end; bounded by the turns in flight.
     owners: FxHashMap<RequestId, Owner>,
     /// The replica the next turn goes to (round robin).
@@ -208,7 +254,9 @@ impl Replicas {
             ));
         }
         let n = frontends.len();
+        let max_workers = router.index.max_workers;
         Ok(Self {
+            kv_streams: (0..n).map(|_| kv_streams(max_workers)).collect(),
             turns: vec![0; n],
             frontends,
             syncs,
@@ -496,6 +544,7 @@ impl Replicas {
             return;
         }
         self.epochs[r] += 1;
+        self.kv_streams[r] = kv_streams(self.router_configs[r].index.max_workers);
         self.syncs[r] = ReplicaSync::new(
             ReplicaId(r as u32),
             self.epochs[r],
@@ -580,22 +629,36 @@ impl Replicas {
                 }
                 continue;
             }
-            tally.merge(EventTally::apply(self.frontends[r].router_mut(), ev, fill));
+            tally.merge(EventTally::deliver(
+                &mut self.kv_streams[r],
+                self.frontends[r].router_mut(),
+                ev,
+                fill,
+            ));
         }
         tally
     }
 
-    /// Replica `r` learns `worker`'s cache from the worker's snapshot (a restarted replica
-    /// asks each worker it hears of). Returns whether it applied.
+    /// Replica `r`, started again, asks `worker` for its snapshot (`mirror`, answered at
+    /// once). Returns whether it restored one.
     pub(crate) fn restore_worker(
         &mut self,
         r: usize,
         worker: WorkerId,
         mirror: &CacheMirror,
     ) -> bool {
-        self.frontends
-            .get_mut(r)
-            .is_some_and(|f| restore_from(f.router_mut(), worker, mirror))
+        let (Some(f), Some(streams)) = (self.frontends.get_mut(r), self.kv_streams.get_mut(r))
+        else {
+            return false;
+        };
+        EventTally::ask(streams, f.router_mut(), worker, Some(mirror)).filled > 0
+    }
+
+    /// Every replica forgets a worker that is gone.
+    pub(crate) fn forget_kv_stream(&mut self, worker: WorkerId) {
+        for streams in &mut self.kv_streams {
+            streams.forget(worker);
+        }
     }
 
     /// Every replica consumes every worker's events; replica 0's outcome stands for all
