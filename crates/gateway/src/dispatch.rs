@@ -1139,31 +1139,6 @@ impl Dispatcher {
         }
     }
 
-    /// Replaces the index's view of a worker with the worker's snapshot of its cache (a
-    /// subscriber that joined late, over NATS); counted with the replays, which fill the same
-    /// hole on ZMQ. Returns the blocks indexed.
-    pub fn restore_worker(&self, source: EventSource, state: &protocol::KvState) -> usize {
-        self.events.replays[source as usize].fetch_add(1, Ordering::Relaxed);
-        let mut core = lock(&self.core);
-        if let Some(w) = core.workers.get_mut(&state.worker) {
-            w.replays += 1;
-            w.last_event = Some(Instant::now());
-        }
-        if !self.kv_events {
-            return 0;
-        }
-        match core
-            .frontend
-            .restore_worker(state.worker, state.next_seq, &state.stored)
-        {
-            Ok(outcome) => outcome.stored,
-            Err(e) => {
-                tracing::warn!(error = %e, "cache snapshot not applied");
-                0
-            }
-        }
-    }
-
     /// A gap in a worker's event stream was filled by its publisher's replay: nothing cleared.
     pub fn count_replay(&self, source: EventSource, worker: WorkerId) {
         self.events.replays[source as usize].fetch_add(1, Ordering::Relaxed);

@@ -371,8 +371,8 @@ struct Replayed {
 async fn replay(
     endpoint: &str,
     stream: &mut VllmEventStream,
-    from: u64,
-    until: u64,
+    instance: u64,
+    (from, until): (u64, u64),
     dispatcher: &Dispatcher,
 ) -> Result<Replayed, String> {
     let deadline = tokio::time::Instant::now() + REPLAY_TIMEOUT;
@@ -410,7 +410,14 @@ async fn replay(
                     .accept_replayed(&frame, until)
                     .map_err(|e| e.to_string())?
                 {
-                    dispatcher.apply_events(EventSource::Zmq, &accepted.events);
+                    // The stream numbers replayed events on from the live ones: in order,
+                    // so the core applies them (nothing is held while this task waits).
+                    dispatcher.stream_events(
+                        EventSource::Zmq,
+                        stream.worker(),
+                        instance,
+                        &accepted.events,
+                    );
                     applied.batches += 1;
                     applied.first.get_or_insert(frame.seq);
                 }
@@ -459,12 +466,14 @@ impl Covered {
 /// `kv_index::MAX_MIRROR_BLOCKS` blocks).
 const MAX_STATE_BYTES: usize = 64 * kv_index::MAX_MIRROR_BLOCKS;
 
-/// Asks the worker for its whole cache (`GET /kv_state`), replaces the index's view of the
-/// worker with it and resumes `stream` after the batches it covers.
+/// Asks the worker for its whole cache (`GET /kv_state`) and hands it to the dispatcher's
+/// [`kv_index::StreamSync`], which asked for it (it replaces the index's view of the worker);
+/// resumes `stream` after the batches it covers.
 async fn restore_from_state(
     http: &reqwest::Client,
     url: &str,
     stream: &mut VllmEventStream,
+    instance: u64,
     dispatcher: &Dispatcher,
 ) -> Result<Covered, String> {
     let worker = stream.worker();
@@ -503,15 +512,41 @@ async fn restore_from_state(
     let (next_batch, mut state) = tokio::time::timeout(STATE_TIMEOUT, fetch)
         .await
         .map_err(|_| format!("GET {url}: no answer within {STATE_TIMEOUT:?}"))??;
-    // The index numbers this worker's events as the stream converts them.
+    // The index numbers this worker's events as the stream converts them, and the stream
+    // counts the publisher's runs itself (frames carry no instance).
     state.next_seq = Some(stream.next_event_seq());
-    let blocks = dispatcher.restore_worker(EventSource::Zmq, &state);
+    state.instance = instance;
+    if dispatcher.stream_snapshot(EventSource::Zmq, worker, Some(&state)) {
+        // Nothing is held while this task waits, so nothing after the snapshot can show a
+        // gap; should it ask again, the stream goes on from its events.
+        dispatcher.stream_snapshot(EventSource::Zmq, worker, None);
+    }
     stream.resume_at(next_batch);
-    tracing::info!(%worker, blocks, next_batch, "the worker's cache snapshot replaced this gateway's view of it");
+    tracing::info!(%worker, next_batch, "the worker's cache snapshot replaced this gateway's view of it");
     Ok(Covered {
         next_batch,
         until: tokio::time::Instant::now() + COVERED_FOR,
     })
+}
+
+/// Answers the dispatcher's ask for `worker`'s snapshot: its `/kv_state` when it serves one,
+/// else none (the index goes on from the events). Returns the live batches the snapshot
+/// covers, or why there is none.
+async fn answer_ask(
+    http: &reqwest::Client,
+    state_url: Option<&str>,
+    stream: &mut VllmEventStream,
+    instance: u64,
+    dispatcher: &Dispatcher,
+) -> Result<Covered, String> {
+    let fetched = match state_url {
+        Some(url) => restore_from_state(http, url, stream, instance, dispatcher).await,
+        None => Err("the worker serves no cache snapshot".to_string()),
+    };
+    if fetched.is_err() {
+        dispatcher.stream_snapshot(EventSource::Zmq, stream.worker(), None);
+    }
+    fetched
 }
 
 /// Subscribes to one vLLM (or SGLang) publisher and feeds its events as `worker`'s until
@@ -558,17 +593,23 @@ pub(crate) async fn run_zmq_events(
     let mut warnings = WarnBudget::new();
     // Live batches the last snapshot already covers: skipped, not taken for a restart.
     let mut covered: Option<Covered> = None;
-    // Subscribed first, then asked: every batch after the snapshot arrives on the socket.
-    if let Some(url) = &state_url {
-        let restored = tokio::select! {
+    // Counts the publisher's restarts (its sequence going backwards): a new run, whose cache
+    // starts empty, for the dispatcher's `StreamSync`.
+    let mut instance = 0u64;
+    // A new subscription: whatever the worker cached before is unknown here. Subscribed
+    // first, then asked: every batch after the snapshot arrives on the socket.
+    dispatcher.stream_forget(source, worker);
+    if dispatcher.stream_heard(source, worker) {
+        let answered = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = restore_from_state(&http, url, &mut stream, &dispatcher) => r,
+            r = answer_ask(&http, state_url.as_deref(), &mut stream, instance, &dispatcher) => r,
         };
-        match restored {
+        match answered {
             Ok(c) => covered = Some(c),
-            Err(why) => {
+            Err(why) if state_url.is_some() => {
                 tracing::warn!(%worker, %why, "the worker's cache snapshot is not available; replaying its recent KV event batches instead");
             }
+            Err(_) => {}
         }
     }
     loop {
@@ -595,7 +636,13 @@ pub(crate) async fn run_zmq_events(
                     tracing::warn!(%worker, error = %e, "undecodable vLLM KV event frame; clearing the worker's blocks");
                 }
                 dispatcher.count_decode_error(source);
-                dispatcher.resync_worker(source, worker);
+                if dispatcher.stream_lost(source, worker) {
+                    let answered = tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        r = answer_ask(&http, state_url.as_deref(), &mut stream, instance, &dispatcher) => r,
+                    };
+                    covered = answered.ok();
+                }
                 continue;
             }
         };
@@ -611,7 +658,7 @@ pub(crate) async fn run_zmq_events(
         {
             let replayed = tokio::select! {
                 _ = cancel.cancelled() => return,
-                r = replay(replay_endpoint, &mut stream, from, frame.seq, &dispatcher) => r,
+                r = replay(replay_endpoint, &mut stream, instance, (from, frame.seq), &dispatcher) => r,
             };
             match replayed {
                 Ok(Replayed { batches, first }) => {
@@ -631,41 +678,65 @@ pub(crate) async fn run_zmq_events(
                 }
             }
         }
-        // A gap the replay could not fill (or nothing to replay from): the whole cache.
-        if let (Some(url), Continuity::Gap { .. }) = (&state_url, stream.continuity(frame.seq)) {
-            let restored = tokio::select! {
-                _ = cancel.cancelled() => return,
-                r = restore_from_state(&http, url, &mut stream, &dispatcher) => r,
-            };
-            match restored {
-                Ok(c) if c.covers(frame.seq) => {
-                    covered = Some(c);
-                    continue;
-                }
-                Ok(_) => {}
-                Err(why) => {
-                    if warnings.allow(source) {
-                        tracing::warn!(%worker, %why, "the worker's cache snapshot is not available to fill a KV event gap");
+        // A gap the replay could not fill (or nothing to replay from): the worker's blocks
+        // cannot be vouched for; the dispatcher's `StreamSync` drops them and asks for the
+        // whole cache.
+        // Cleared with no snapshot since: this frame's gap needs no second clear.
+        let mut cleared = false;
+        if let Continuity::Gap { .. } = stream.continuity(frame.seq) {
+            if warnings.allow(source) {
+                tracing::warn!(%worker, continuity = ?stream.continuity(frame.seq), "vLLM KV event sequence broken; clearing the worker's blocks");
+            }
+            cleared = true;
+            if dispatcher.stream_lost(source, worker) {
+                let answered = tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    r = answer_ask(&http, state_url.as_deref(), &mut stream, instance, &dispatcher) => r,
+                };
+                match answered {
+                    Ok(c) if c.covers(frame.seq) => {
+                        covered = Some(c);
+                        continue;
+                    }
+                    // The snapshot stops short of this frame: the batches between are lost.
+                    Ok(_) => cleared = false,
+                    Err(why) => {
+                        if state_url.is_some() && warnings.allow(source) {
+                            tracing::warn!(%worker, %why, "the worker's cache snapshot is not available to fill a KV event gap");
+                        }
                     }
                 }
             }
         }
         match stream.accept(&frame) {
             Ok(accepted) => {
-                if accepted.continuity.needs_clear() {
-                    if warnings.allow(source) {
-                        tracing::warn!(%worker, continuity = ?accepted.continuity, "vLLM KV event sequence broken; clearing the worker's blocks");
+                if let Continuity::Restart { .. } = accepted.continuity {
+                    tracing::info!(%worker, continuity = ?accepted.continuity, "vLLM KV event sequence restarted (a new publisher); clearing the worker's blocks");
+                    instance += 1;
+                } else if accepted.continuity.needs_clear() && !cleared {
+                    // A gap that a snapshot answered without reaching this frame.
+                    if dispatcher.stream_lost(source, worker) {
+                        dispatcher.stream_snapshot(source, worker, None);
                     }
-                    dispatcher.resync_worker(source, worker);
                 }
-                dispatcher.apply_events(source, &accepted.events);
+                if dispatcher.stream_events(source, worker, instance, &accepted.events) {
+                    // The events themselves showed a gap (the stream numbers them in order,
+                    // so only after a clear elsewhere): ask, as over NATS.
+                    let answered = tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        r = answer_ask(&http, state_url.as_deref(), &mut stream, instance, &dispatcher) => r,
+                    };
+                    covered = answered.ok();
+                }
             }
             Err(e) => {
                 if warnings.allow(source) {
                     tracing::warn!(%worker, error = %e, "vLLM KV events not usable; clearing the worker's blocks");
                 }
                 dispatcher.count_decode_error(source);
-                dispatcher.resync_worker(source, worker);
+                if dispatcher.stream_lost(source, worker) {
+                    dispatcher.stream_snapshot(source, worker, None);
+                }
             }
         }
     }
