@@ -11,7 +11,10 @@
 use kv_index::WorkerId;
 use rustc_hash::FxHashMap;
 
-use crate::policy::{PolicyKind, PolicyRng, RoutingPolicy, SelectionContext, argmin_random_tie};
+use crate::policy::{
+    KvCost, KvCostParams, PolicyKind, PolicyRng, RoutingPolicy, SelectionContext,
+    argmin_random_tie, softmax_sample,
+};
 
 /// Parameters of SGLang's `cache_aware` policy; defaults are sglang-router 0.3.2's
 /// (`python -m sglang_router.launch_router --help`).
@@ -206,6 +209,68 @@ impl RoutingPolicy for LlmdScorers {
     }
 }
 
+/// Dynamo's `lmetric` worker selection (the `--router-selection-policy lmetric` proposal,
+/// ai-dynamo/dynamo issue #11029 and pull request #11028, June 2026, after Zhang et al.,
+/// "Simple is Better: Multiplication May Be All You Need for LLM Request Scheduling",
+/// arXiv:2603.15202): the same two terms as Dynamo's default cost ([`KvCost`]), multiplied
+/// instead of added:
+///
+/// `cost = prefill_blocks × (decode_blocks + 1)`, lowest wins,
+///
+/// with `prefill_blocks` the worker's prefill still pending first token plus this request's
+/// uncached tokens, over the block size (the proposal requires that prefill-token tracking),
+/// and `decode_blocks` the worker's active blocks with this request's. A scale on either
+/// term does not change the order, so `kv`'s overlap weight does not enter; its temperature
+/// does (0: lowest cost, ties at random; above 0: the same softmax over min-max normalised
+/// costs).
+#[derive(Debug)]
+pub struct Lmetric {
+    temperature: f64,
+    costs: Vec<f64>,
+}
+
+impl Lmetric {
+    pub fn new(params: KvCostParams) -> Self {
+        Self {
+            temperature: params.temperature,
+            costs: Vec::new(),
+        }
+    }
+
+    /// The cost of sending the request to `c`.
+    pub fn cost(block_size: u32, c: &crate::Candidate) -> f64 {
+        let unit = KvCostParams {
+            overlap_weight: 1.0,
+            temperature: 0.0,
+        };
+        // Dynamo's additive cost with weight 1 is prefill + decode: take the prefill term
+        // back out of it, so both policies read one definition of the terms.
+        let decode_blocks = c.potential_active_blocks as f64;
+        let prefill_blocks = KvCost::cost(&unit, block_size, c) - decode_blocks;
+        prefill_blocks * (decode_blocks + 1.0)
+    }
+}
+
+impl RoutingPolicy for Lmetric {
+    fn name(&self) -> &'static str {
+        PolicyKind::Lmetric.name()
+    }
+
+    /// Reply lengths do not enter this policy.
+    fn observe_reply(&mut self, _output_tokens: u32) {}
+
+    fn select(&mut self, ctx: &SelectionContext<'_>, rng: &mut PolicyRng) -> usize {
+        self.costs.clear();
+        self.costs
+            .extend(ctx.candidates.iter().map(|c| Self::cost(ctx.block_size, c)));
+        if self.temperature > 0.0 {
+            softmax_sample(&self.costs, self.temperature, rng)
+        } else {
+            argmin_random_tie(&self.costs, rng)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -287,5 +352,28 @@ mod tests {
         let mut full = with(candidate(1, 0, 0));
         full.load.active_blocks = 900;
         assert_eq!(pick(&mut p, &[full, idle]), 2);
+    }
+
+    #[test]
+    fn lmetric_multiplies_prefill_by_decode_so_a_busy_cached_worker_can_lose() {
+        let mut p = Lmetric::new(KvCostParams::default());
+        let with_active = |mut c: Candidate, active: u64| {
+            c.potential_active_blocks = active;
+            c
+        };
+        // 90 of 100 blocks cached: 10 × (200 + 1) = 2,010 against 100 × (50 + 1) = 5,100.
+        let cached = with_active(candidate(1, 90, 4), 200);
+        let idle = with_active(candidate(2, 0, 0), 50);
+        assert_eq!(pick(&mut p, &[cached, idle]), 1);
+        // Ten times the decode load: 10 × 2,001 = 20,010 > 5,100, the idle worker wins,
+        // where Dynamo's sum (10 + 2,000 against 100 + 50) had already chosen it.
+        let overloaded = with_active(candidate(1, 90, 40), 2_000);
+        assert_eq!(pick(&mut p, &[overloaded, idle]), 2);
+        // Pending prefill counts as the request's own: 10 blocks cached but 2,000 tokens
+        // queued on worker 1 ((10 + 125) × 201) lose to the idle worker.
+        let mut queued = with_active(candidate(1, 90, 4), 200);
+        queued.load.pending_prefill_tokens = 2_000;
+        assert_eq!(pick(&mut p, &[queued, idle]), 2);
+        assert!((Lmetric::cost(BLOCK, &cached) - 2_010.0).abs() < 1e-9);
     }
 }

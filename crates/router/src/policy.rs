@@ -98,16 +98,19 @@ pub enum PolicyKind {
     SglangCacheAware,
     /// llm-d's default scorer stack, from its documentation ([`LlmdScorers`](crate::peers::LlmdScorers)).
     LlmdDefault,
+    /// Dynamo's proposed `lmetric` selection, from its public proposal ([`Lmetric`](crate::peers::Lmetric)).
+    Lmetric,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 6] = [
+    pub const ALL: [PolicyKind; 7] = [
         PolicyKind::RoundRobin,
         PolicyKind::Random,
         PolicyKind::Kv,
         PolicyKind::KvLoad,
         PolicyKind::SglangCacheAware,
         PolicyKind::LlmdDefault,
+        PolicyKind::Lmetric,
     ];
 
     /// The policy a router uses when none is named: kvroute's own.
@@ -121,6 +124,7 @@ impl PolicyKind {
             PolicyKind::KvLoad => "kv_load",
             PolicyKind::SglangCacheAware => "sglang_cache_aware",
             PolicyKind::LlmdDefault => "llmd_default",
+            PolicyKind::Lmetric => "lmetric",
         }
     }
 
@@ -135,6 +139,9 @@ impl PolicyKind {
                 Box::new(crate::peers::SglangCacheAware::new(params.sglang))
             }
             PolicyKind::LlmdDefault => Box::new(crate::peers::LlmdScorers::new(params.llmd)),
+            // Shares `kv`'s temperature: the proposal adds a selection policy to Dynamo's
+            // router, not a new set of knobs.
+            PolicyKind::Lmetric => Box::new(crate::peers::Lmetric::new(params.kv)),
         }
     }
 }
@@ -188,6 +195,7 @@ impl FromStr for PolicyKind {
             "kv_load" | "kvload" => Ok(PolicyKind::KvLoad),
             "sglang_cache_aware" | "cache_aware" => Ok(PolicyKind::SglangCacheAware),
             "llmd_default" | "llmd" => Ok(PolicyKind::LlmdDefault),
+            "lmetric" => Ok(PolicyKind::Lmetric),
             _ => Err(UnknownPolicy(s.to_string())),
         }
     }
