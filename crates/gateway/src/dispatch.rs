@@ -315,6 +315,14 @@ pub struct Dispatcher {
 /// Most batches held per worker while its snapshot comes; past this the wait ends.
 const MAX_HELD_BATCHES: usize = 1_024;
 
+/// A gap in a worker's own sequence numbers: its blocks were cleared (one line per gap, as a
+/// gap is a lost message, not a flood of bad ones).
+fn warn_gap(source: EventSource, worker: WorkerId, step: &SyncStep) {
+    if step.resynced > 0 {
+        tracing::warn!(%worker, ?source, "KV event gap; cleared the worker's blocks");
+    }
+}
+
 fn lock(core: &Mutex<Core>) -> MutexGuard<'_, Core> {
     // A panic while holding the lock leaves plain data behind; keep serving.
     core.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -1043,6 +1051,7 @@ impl Dispatcher {
         let core = &mut *core;
         let step =
             core.streams[source as usize].on_events(&mut core.frontend, worker, instance, events);
+        warn_gap(source, worker, &step);
         self.record_step(core, source, worker, &step)
     }
 
@@ -1086,10 +1095,12 @@ impl Dispatcher {
             stored: &s.stored,
         });
         let step = core.streams[source as usize].on_snapshot(&mut core.frontend, worker, snapshot);
+        warn_gap(source, worker, &step);
         self.record_step(core, source, worker, &step)
     }
 
-    /// Counts and logs what one [`StreamSync`] step did; returns whether it asks.
+    /// Counts and logs what one [`StreamSync`] step did (a lost batch's clear is logged by
+    /// its caller, within its warning budget); returns whether it asks.
     fn record_step(
         &self,
         core: &mut Core,
@@ -1100,9 +1111,6 @@ impl Dispatcher {
         let s = source as usize;
         if step.restarted {
             tracing::info!(%worker, ?source, "worker restarted (new instance); cleared its blocks");
-        }
-        if step.resynced > 0 {
-            tracing::warn!(%worker, ?source, "KV events lost; cleared the worker's blocks");
         }
         if step.gave_up {
             tracing::info!(%worker, ?source, "the worker's cache snapshot is too slow to come; its blocks are learnt from its events");

@@ -636,12 +636,10 @@ pub(crate) async fn run_zmq_events(
                     tracing::warn!(%worker, error = %e, "undecodable vLLM KV event frame; clearing the worker's blocks");
                 }
                 dispatcher.count_decode_error(source);
+                // Cleared, and not asked: a flood of garbage must not become a flood of
+                // snapshot fetches. A later gap asks.
                 if dispatcher.stream_lost(source, worker) {
-                    let answered = tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        r = answer_ask(&http, state_url.as_deref(), &mut stream, instance, &dispatcher) => r,
-                    };
-                    covered = answered.ok();
+                    dispatcher.stream_snapshot(source, worker, None);
                 }
                 continue;
             }
