@@ -430,4 +430,12 @@ fn print_verdicts(results: &report::BenchResults) {
         PolicyKind::DEFAULT.name(),
         verdicts.len()
     );
+    let others: Vec<String> = report::robustness::wins_by_router(results)
+        .into_iter()
+        .filter(|(router, _)| *router != PolicyKind::DEFAULT.name())
+        .map(|(router, won)| format!("{router} {won}"))
+        .collect();
+    if !others.is_empty() {
+        println!("by the same verdict: {}", others.join(", "));
+    }
 }

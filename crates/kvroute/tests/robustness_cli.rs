@@ -103,6 +103,22 @@ fn a_small_grid_writes_cells_goodput_and_a_verdict_byte_identically() {
         .find(|l| l.contains("**kv_load**"))
         .expect("the default policy's row");
     assert!(ours.contains('✓') || ours.contains('✗'), "{ours}");
+    // The other routers are judged by the same verdict, each out of the one cell-level.
+    let others = report
+        .lines()
+        .find(|l| l.starts_with("Every other router by the same verdict"))
+        .expect("the other routers' tally");
+    for router in ["round_robin", "kv"] {
+        assert!(
+            others.contains(&format!("`{router}` 0")) || others.contains(&format!("`{router}` 1")),
+            "{router} in {others}"
+        );
+    }
+    assert!(!others.contains("`kv_load`"), "{others}");
+    assert!(
+        stdout.contains("by the same verdict: round_robin "),
+        "{stdout}"
+    );
 }
 
 #[test]

@@ -112,7 +112,14 @@ impl Verdict {
 /// rival was not run there.
 pub fn verdict(results: &BenchResults, cell: &str, level: u32) -> Option<Verdict> {
     let meta = results.bench.robustness.as_ref()?;
-    let ours = row(results, cell, &meta.default_router, level)?;
+    verdict_of(results, &meta.default_router, cell, level)
+}
+
+/// The default's verdict applied to `router` (the comparison of every router by one rule).
+/// The goodput rival is not judged against itself: its goodput criterion is skipped.
+pub fn verdict_of(results: &BenchResults, router: &str, cell: &str, level: u32) -> Option<Verdict> {
+    let meta = results.bench.robustness.as_ref()?;
+    let ours = row(results, cell, router, level)?;
     let base = row(results, cell, &meta.baseline_router, level)?;
     let rival = row(results, cell, &meta.goodput_rival, level)?;
     let tol = meta.tolerance;
@@ -160,13 +167,36 @@ pub fn verdict(results: &BenchResults, cell: &str, level: u32) -> Option<Verdict
         .and_then(|s| s.goodput_share)
         .is_some_and(|share| share >= 1.0);
     // A tie only counts when nothing was left to win: every request met both objectives.
-    if o < r || (o == r && !everything_met) {
+    if router != meta.goodput_rival && (o < r || (o == r && !everything_met)) {
         misses.push(format!(
             "goodput {:.2} vs {} {:.2} req/s",
             o, rival.router, r
         ));
     }
     Some(Verdict { misses })
+}
+
+/// For every router run, how many cell-levels it wins by the default's verdict, in the
+/// order of the bench's router list.
+pub fn wins_by_router(results: &BenchResults) -> Vec<(&str, usize)> {
+    let Some(meta) = &results.bench.robustness else {
+        return Vec::new();
+    };
+    results
+        .bench
+        .routers
+        .iter()
+        .map(|router| {
+            let won = meta
+                .cells
+                .iter()
+                .flat_map(|c| c.levels.iter().map(move |&l| (c, l)))
+                .filter_map(|(c, l)| verdict_of(results, router, &c.name, l))
+                .filter(Verdict::wins)
+                .count();
+            (router.as_str(), won)
+        })
+        .collect()
 }
 
 /// Every (cell, level) of the grid with its verdict, in run order.
@@ -230,6 +260,20 @@ pub fn markdown(results: &BenchResults, _plots: &[String]) -> String {
         meta.default_router,
         all.len()
     );
+    let others: Vec<String> = wins_by_router(results)
+        .into_iter()
+        .filter(|(router, _)| *router != meta.default_router)
+        .map(|(router, won)| format!("`{router}` {won}"))
+        .collect();
+    if !others.is_empty() {
+        let _ = writeln!(
+            out,
+            "Every other router by the same verdict (`{}` without the goodput criterion, \
+             which would judge it against itself): {}.\n",
+            meta.goodput_rival,
+            others.join(", ")
+        );
+    }
     for family in &meta.families {
         let _ = writeln!(out, "## {}\n\n{}\n", family.name, family.description);
         let cells: Vec<&CellMeta> = meta
