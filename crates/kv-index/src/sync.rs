@@ -357,10 +357,17 @@ mod tests {
         KvIndex::new(IndexConfig::default())
     }
 
-    fn mirror_of(events: &[KvEvent]) -> CacheMirror {
-        let mut m = CacheMirror::default();
-        m.apply(events);
-        m
+    /// Answers the ask with the snapshot of a worker that published `events` (instance 1).
+    fn answer_from(sync: &mut StreamSync, idx: &mut KvIndex, events: &[KvEvent]) -> SyncStep {
+        let mut mirror = CacheMirror::default();
+        mirror.apply(events);
+        let stored = mirror.snapshot().unwrap();
+        let snapshot = Snapshot {
+            instance: 1,
+            next_seq: mirror.next_seq(),
+            stored: &stored,
+        };
+        sync.on_snapshot(idx, W, Some(snapshot))
     }
 
     #[test]
@@ -374,17 +381,7 @@ mod tests {
         assert!(!sync.on_events(&mut idx, W, 1, &events[7..8]).ask);
         assert_eq!(idx.blocks_of(W), 0, "nothing applied while waiting");
         // The snapshot was taken after event 6: it covers 0..=6.
-        let mirror = mirror_of(&events[..7]);
-        let stored = mirror.snapshot().unwrap();
-        let step = sync.on_snapshot(
-            &mut idx,
-            W,
-            Some(Snapshot {
-                instance: 1,
-                next_seq: mirror.next_seq(),
-                stored: &stored,
-            }),
-        );
+        let step = answer_from(&mut sync, &mut idx, &events[..7]);
         assert_eq!(step.restored, Some(7));
         assert_eq!((step.covered, step.applied, step.ask), (1, 1, false));
         assert_eq!(idx.blocks_of(W), 8);
@@ -409,17 +406,7 @@ mod tests {
             "the child of an unknown parent is skipped"
         );
         sync.on_events(&mut idx, W, 1, &events[7..8]);
-        let mirror = mirror_of(&events[..7]);
-        let stored = mirror.snapshot().unwrap();
-        let step = sync.on_snapshot(
-            &mut idx,
-            W,
-            Some(Snapshot {
-                instance: 1,
-                next_seq: mirror.next_seq(),
-                stored: &stored,
-            }),
-        );
+        let step = answer_from(&mut sync, &mut idx, &events[..7]);
         assert_eq!((step.applied, step.ask), (1, false));
         assert_eq!(idx.blocks_of(W), 8);
     }
@@ -433,17 +420,7 @@ mod tests {
         // Held: 1 and 3 (2 is lost after the snapshot's point).
         sync.on_events(&mut idx, W, 1, &events[1..2]);
         sync.on_events(&mut idx, W, 1, &events[3..4]);
-        let mirror = mirror_of(&events[..1]);
-        let stored = mirror.snapshot().unwrap();
-        let step = sync.on_snapshot(
-            &mut idx,
-            W,
-            Some(Snapshot {
-                instance: 1,
-                next_seq: mirror.next_seq(),
-                stored: &stored,
-            }),
-        );
+        let step = answer_from(&mut sync, &mut idx, &events[..1]);
         assert_eq!((step.resynced, step.ask), (1, true));
         assert!(sync.is_waiting(W));
         let none = sync.on_snapshot(&mut idx, W, None);

@@ -13,7 +13,7 @@ use rustc_hash::FxHashMap;
 
 use crate::policy::{
     KvCost, KvCostParams, PolicyKind, PolicyRng, RoutingPolicy, SelectionContext,
-    argmin_random_tie, softmax_sample,
+    argmin_random_tie, pick_lowest,
 };
 
 /// Parameters of SGLang's `cache_aware` policy; defaults are sglang-router 0.3.2's
@@ -263,11 +263,7 @@ impl RoutingPolicy for Lmetric {
         self.costs.clear();
         self.costs
             .extend(ctx.candidates.iter().map(|c| Self::cost(ctx.block_size, c)));
-        if self.temperature > 0.0 {
-            softmax_sample(&self.costs, self.temperature, rng)
-        } else {
-            argmin_random_tie(&self.costs, rng)
-        }
+        pick_lowest(&self.costs, self.temperature, rng)
     }
 }
 

@@ -318,11 +318,17 @@ impl RoutingPolicy for KvCost {
                 .iter()
                 .map(|c| Self::cost(&self.params, ctx.block_size, c)),
         );
-        if self.params.temperature > 0.0 {
-            softmax_sample(&self.costs, self.params.temperature, rng)
-        } else {
-            argmin_random_tie(&self.costs, rng)
-        }
+        pick_lowest(&self.costs, self.params.temperature, rng)
+    }
+}
+
+/// Dynamo's pick over costs: the lowest (ties at random) at temperature 0, else a softmax
+/// sample over min-max normalised costs ([`softmax_sample`]).
+pub fn pick_lowest(costs: &[f64], temperature: f64, rng: &mut PolicyRng) -> usize {
+    if temperature > 0.0 {
+        softmax_sample(costs, temperature, rng)
+    } else {
+        argmin_random_tie(costs, rng)
     }
 }
 
