@@ -89,8 +89,6 @@ pub struct SyncStep {
     pub restored: Option<usize>,
     /// Held events the snapshot already covered, dropped.
     pub covered: u32,
-    /// Events are now held for this worker until its snapshot comes.
-    pub holding: bool,
     /// The wait for a snapshot ended without one (too many held batches).
     pub gave_up: bool,
 }
@@ -190,7 +188,6 @@ impl StreamSync {
         stream.waiting = Some(Vec::new());
         SyncStep {
             ask: true,
-            holding: true,
             ..SyncStep::default()
         }
     }
@@ -215,13 +212,11 @@ impl StreamSync {
             // The first word: whatever it cached before is unknown here.
             stream.waiting = Some(vec![(instance, events.to_vec())]);
             step.ask = true;
-            step.holding = true;
             return step;
         }
         match &mut stream.waiting {
             Some(held) if held.len() < max_held => {
                 held.push((instance, events.to_vec()));
-                step.holding = true;
             }
             Some(_) => {
                 // The snapshot is too slow for this stream: go on without it.
@@ -237,7 +232,6 @@ impl StreamSync {
                     // A gap dropped the worker's blocks: its snapshot gives them back.
                     stream.waiting = Some(Vec::new());
                     step.ask = true;
-                    step.holding = true;
                 }
             }
         }
@@ -252,7 +246,6 @@ impl StreamSync {
         let (stream, _) = self.stream(worker);
         let mut step = SyncStep {
             resynced: 1,
-            holding: true,
             ..SyncStep::default()
         };
         if stream.waiting.is_none() {
@@ -302,7 +295,6 @@ impl StreamSync {
             // Events were lost after the snapshot too: ask again.
             stream.waiting = Some(Vec::new());
             step.ask = true;
-            step.holding = true;
         }
         step
     }
@@ -377,7 +369,7 @@ mod tests {
         let mut sync = StreamSync::new(8, 16, FirstWord::Ask);
         // Joins at event 6: the worker cached 0..6 before.
         let first = sync.on_events(&mut idx, W, 1, &events[6..7]);
-        assert!(first.ask && first.holding && first.applied == 0);
+        assert!(first.ask && sync.is_waiting(W) && first.applied == 0);
         assert!(!sync.on_events(&mut idx, W, 1, &events[7..8]).ask);
         assert_eq!(idx.blocks_of(W), 0, "nothing applied while waiting");
         // The snapshot was taken after event 6: it covers 0..=6.
@@ -387,7 +379,10 @@ mod tests {
         assert_eq!(idx.blocks_of(W), 8);
         assert_eq!(idx.next_seq(W), Some(8));
         let live = sync.on_events(&mut idx, W, 1, &events[8..]);
-        assert_eq!((live.applied, live.ask, live.holding), (2, false, false));
+        assert_eq!(
+            (live.applied, live.ask, sync.is_waiting(W)),
+            (2, false, false)
+        );
         idx.check_invariants();
     }
 
@@ -399,7 +394,7 @@ mod tests {
         assert_eq!(sync.on_events(&mut idx, W, 1, &events[..4]).applied, 4);
         // Events 4 and 5 are lost.
         let gap = sync.on_events(&mut idx, W, 1, &events[6..7]);
-        assert_eq!((gap.resynced, gap.ask, gap.holding), (1, true, true));
+        assert_eq!((gap.resynced, gap.ask, sync.is_waiting(W)), (1, true, true));
         assert_eq!(
             idx.blocks_of(W),
             0,

@@ -239,15 +239,8 @@ impl Lmetric {
 
     /// The cost of sending the request to `c`.
     pub fn cost(block_size: u32, c: &crate::Candidate) -> f64 {
-        let unit = KvCostParams {
-            overlap_weight: 1.0,
-            temperature: 0.0,
-        };
-        // Dynamo's additive cost with weight 1 is prefill + decode: take the prefill term
-        // back out of it, so both policies read one definition of the terms.
         let decode_blocks = c.potential_active_blocks as f64;
-        let prefill_blocks = KvCost::cost(&unit, block_size, c) - decode_blocks;
-        prefill_blocks * (decode_blocks + 1.0)
+        KvCost::prefill_blocks(block_size, c) * (decode_blocks + 1.0)
     }
 }
 

@@ -297,9 +297,15 @@ impl KvCost {
 
     /// The cost of sending the request to `c`.
     pub fn cost(params: &KvCostParams, block_size: u32, c: &Candidate) -> f64 {
+        params.overlap_weight * Self::prefill_blocks(block_size, c)
+            + c.potential_active_blocks as f64
+    }
+
+    /// The prefill term: the worker's prefill still pending first token plus the request's
+    /// uncached tokens on it, over the block size (fractional, as Dynamo divides).
+    pub fn prefill_blocks(block_size: u32, c: &Candidate) -> f64 {
         let prefill_tokens = c.load.pending_prefill_tokens + c.new_prefill_tokens;
-        let prefill_blocks = prefill_tokens as f64 / f64::from(block_size.max(1));
-        params.overlap_weight * prefill_blocks + c.potential_active_blocks as f64
+        prefill_tokens as f64 / f64::from(block_size.max(1))
     }
 }
 

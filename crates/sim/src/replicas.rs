@@ -148,26 +148,23 @@ impl EventTally {
         sink: &mut impl EventSink,
         worker: WorkerId,
         fill: Option<&CacheMirror>,
-        mut step: SyncStep,
+        step: SyncStep,
     ) {
-        for answers in 0..2 {
-            self.count(&step);
-            if !step.ask {
-                return;
-            }
-            let stored = if answers == 0 {
-                fill.and_then(CacheMirror::snapshot)
-            } else {
-                None
-            };
-            let snapshot = stored.as_deref().map(|stored| Snapshot {
-                instance: SIM_INSTANCE,
-                next_seq: fill.and_then(CacheMirror::next_seq),
-                stored,
-            });
-            step = streams.on_snapshot(sink, worker, snapshot);
-        }
         self.count(&step);
+        if !step.ask {
+            return;
+        }
+        let stored = fill.and_then(CacheMirror::snapshot);
+        let snapshot = stored.as_deref().map(|stored| Snapshot {
+            instance: SIM_INSTANCE,
+            next_seq: fill.and_then(CacheMirror::next_seq),
+            stored,
+        });
+        let answered = streams.on_snapshot(sink, worker, snapshot);
+        self.count(&answered);
+        if answered.ask {
+            self.count(&streams.on_snapshot(sink, worker, None));
+        }
     }
 
     fn count(&mut self, step: &SyncStep) {
