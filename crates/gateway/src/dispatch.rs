@@ -1061,6 +1061,19 @@ impl Dispatcher {
         self.kv_events && lock(&self.core).streams[source as usize].heard(worker).ask
     }
 
+    /// `source` announced that `worker` now runs `instance` (a restart): its blocks are
+    /// dropped now, once; the new run's first batch does not drop (or count) them again.
+    pub fn stream_restarted(&self, source: EventSource, worker: WorkerId, instance: u64) {
+        if !self.kv_events {
+            self.resync_worker(source, worker);
+            return;
+        }
+        let mut core = lock(&self.core);
+        let core = &mut *core;
+        let step = core.streams[source as usize].restarted(&mut core.frontend, worker, instance);
+        self.record_step(core, source, worker, &step);
+    }
+
     /// `worker` said goodbye: if it comes back, its snapshot is asked for again.
     pub fn stream_forget(&self, source: EventSource, worker: WorkerId) {
         lock(&self.core).streams[source as usize].forget(worker);

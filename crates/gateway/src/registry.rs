@@ -579,9 +579,14 @@ fn accept(
     };
     if ctx.dispatcher.origin(id) == Some(Origin::Static) {
         // Also a `--worker`: the flag's entry stays; a restart still drops what the index
-        // held for it.
-        if replaced {
-            ctx.dispatcher.resync_worker(EventSource::Nats, id);
+        // held for it (through its event stream, so its first batch does not drop it again).
+        match known {
+            Some(k) if k.instance != a.card.instance => {
+                ctx.dispatcher
+                    .stream_restarted(EventSource::Nats, id, a.card.instance);
+            }
+            Some(_) if replaced => ctx.dispatcher.resync_worker(EventSource::Nats, id),
+            _ => {}
         }
         registered.insert(id, entry);
         return;

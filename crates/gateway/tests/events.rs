@@ -724,3 +724,79 @@ async fn a_late_gateway_replays_the_engines_buffer_instead_of_starting_cold() {
     cold.shutdown().await;
     shut_down(replaying, vec![engine]).await;
 }
+
+/// A `--worker` that crashes and comes back on its URL as a new run, announced over NATS: its
+/// blocks are dropped once, at the announcement, and the new run's first batch neither drops
+/// them again nor counts a second resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_static_workers_restart_announced_over_nats_clears_it_once() {
+    use common::fake_worker::{FakeWorker, Script};
+    use protocol::{WorkerAnnounce, WorkerCard, WorkerMessage};
+
+    let nats = NatsServer::start();
+    let worker = WorkerId(41);
+    let card = |instance: u64| serde_json::json!({"worker": 41, "instance": instance, "block_size": BLOCK});
+    let first = FakeWorker::start_with_info(Script::Complete { tokens: 1 }, Some(card(1))).await;
+    let gw = gateway(GatewayConfig {
+        nats_url: Some(nats.url()),
+        namespace: "rs".into(),
+        workers: vec![WorkerSpec::new(first.url())],
+        ..config()
+    })
+    .await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let announce = |instance: u64| {
+        let message = WorkerMessage::Announce(WorkerAnnounce {
+            card: WorkerCard {
+                worker: Some(worker),
+                instance,
+                url: first.url(),
+                model: MODEL.into(),
+                block_size: Some(BLOCK as u32),
+                ..WorkerCard::default()
+            },
+            lease_ms: 60_000,
+            token: None,
+        });
+        let client = client.clone();
+        async move {
+            client
+                .publish("kvroute.rs.workers", message.encode().unwrap().into())
+                .await
+                .unwrap();
+            client.flush().await.unwrap();
+        }
+    };
+    let publish = |events: Vec<KvEvent>, instance: u64| {
+        let client = client.clone();
+        async move {
+            let batch = protocol::KvEventBatch::from_events(worker, instance, &events).unwrap();
+            client
+                .publish("kvroute.rs.kv.41", batch.encode().into())
+                .await
+                .unwrap();
+            client.flush().await.unwrap();
+        }
+    };
+    announce(1).await;
+    publish(vec![stored(worker, 0, &tokens(0..8))], 1).await;
+    wait_for_blocks(&gw, worker, 2, "the first run's blocks").await;
+    let resyncs = "kvroute_router_kv_resyncs_total{source=\"nats\"} ";
+    assert_eq!(metric(&gw, resyncs), 0.0);
+
+    // A crash (no goodbye), then a new run on the same URL.
+    let addr = first.addr;
+    first.kill();
+    let _second = FakeWorker::start_at(addr, Script::Complete { tokens: 1 }, Some(card(2))).await;
+    announce(2).await;
+    wait_for_blocks(&gw, worker, 0, "the restart's clear").await;
+    publish(vec![stored(worker, 0, &tokens(300..304))], 2).await;
+    wait_for_blocks(&gw, worker, 1, "the new run's first block").await;
+    assert_eq!(metric(&gw, resyncs), 1.0, "one restart, one resync");
+    assert_eq!(
+        gw.dispatcher().routable_workers(),
+        vec![worker],
+        "the flag's worker stays"
+    );
+    gw.shutdown().await;
+}

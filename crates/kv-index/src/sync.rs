@@ -192,6 +192,32 @@ impl StreamSync {
         }
     }
 
+    /// The consumer learnt out of band (an announcement) that `worker` now runs `instance`.
+    /// A new run starts with an empty cache, so its blocks are dropped now, not at the run's
+    /// first batch, and that batch does not drop them (or count the restart) a second time.
+    /// Held batches of earlier runs go with them; an ask in flight stays in flight. Nothing to
+    /// do when the stream is already on `instance`.
+    pub fn restarted(
+        &mut self,
+        sink: &mut impl EventSink,
+        worker: WorkerId,
+        instance: u64,
+    ) -> SyncStep {
+        let (stream, _) = self.stream(worker);
+        if stream.instance == Some(instance) {
+            return SyncStep::default();
+        }
+        sink.clear_worker(worker);
+        stream.instance = Some(instance);
+        if let Some(held) = &mut stream.waiting {
+            held.retain(|(from, _)| *from == instance);
+        }
+        SyncStep {
+            restarted: true,
+            ..SyncStep::default()
+        }
+    }
+
     /// `worker` left (a goodbye, a crash): forget it; if it comes back it is asked again.
     pub fn forget(&mut self, worker: WorkerId) {
         self.streams.remove(&worker);
@@ -456,6 +482,34 @@ mod tests {
         assert!(lost.ask);
         assert_eq!(idx.blocks_of(W), 0);
         assert!(!sync.on_lost(&mut idx, W).ask, "already asked");
+    }
+
+    #[test]
+    fn a_restart_heard_of_first_clears_once_whichever_word_comes_first() {
+        let events = stream_of(4);
+        let mut idx = index();
+        let mut sync = StreamSync::new(8, 16, FirstWord::Baseline);
+        sync.on_events(&mut idx, W, 1, &events[..3]);
+        // The announcement of run 2 comes before its first batch.
+        let heard = sync.restarted(&mut idx, W, 2);
+        assert!(heard.restarted && !heard.ask);
+        assert_eq!(idx.blocks_of(W), 0, "the old run's blocks are gone at once");
+        let first = sync.on_events(&mut idx, W, 2, &events[..1]);
+        assert!(!first.restarted, "the clear is not repeated");
+        assert_eq!((first.applied, idx.blocks_of(W)), (1, 1));
+        // Run 3's batch comes before its announcement: the announcement changes nothing.
+        assert!(sync.on_events(&mut idx, W, 3, &events[..2]).restarted);
+        assert_eq!(sync.restarted(&mut idx, W, 3), SyncStep::default());
+        assert_eq!(idx.blocks_of(W), 2);
+        // A restart while the snapshot is asked for drops the old run's held batches.
+        assert!(sync.on_lost(&mut idx, W).ask);
+        sync.on_events(&mut idx, W, 3, &events[2..3]);
+        sync.restarted(&mut idx, W, 4);
+        sync.on_events(&mut idx, W, 4, &events[..1]);
+        let answer = sync.on_snapshot(&mut idx, W, None);
+        assert_eq!((answer.applied, answer.restarted), (1, false));
+        assert_eq!(idx.blocks_of(W), 1);
+        idx.check_invariants();
     }
 
     #[test]

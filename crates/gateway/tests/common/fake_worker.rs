@@ -60,6 +60,11 @@ impl FakeWorker {
 
     /// A fake worker whose `/info` answers `info` (a worker card), when given.
     pub async fn start_with_info(script: Script, info: Option<Value>) -> FakeWorker {
+        FakeWorker::start_at("127.0.0.1:0".parse().unwrap(), script, info).await
+    }
+
+    /// The same, listening on `addr` (a restart on a [`kill`](Self::kill)ed worker's port).
+    pub async fn start_at(addr: SocketAddr, script: Script, info: Option<Value>) -> FakeWorker {
         let requests = Arc::new(Mutex::new(Vec::new()));
         let state = FakeState {
             script,
@@ -72,7 +77,19 @@ impl FakeWorker {
             app = app.route("/info", get(move || async move { axum::Json(info) }));
         }
         let app = app.with_state(state);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // A killed worker's listener closes when its aborted task is dropped, shortly after.
+        let mut tries = 0;
+        let listener = loop {
+            match tokio::net::TcpListener::bind(addr).await {
+                Ok(l) => break l,
+                Err(e) if tries < 100 => {
+                    tries += 1;
+                    tracing::debug!(%addr, %e, "port still taken; retrying");
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("cannot listen on {addr}: {e}"),
+            }
+        };
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
