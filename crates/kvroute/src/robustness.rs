@@ -292,6 +292,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .transpose()?;
     // Each cell: its shared cluster with the cell's workload, and its benchmark.
     let mut cells: Vec<(CellMeta, Cluster, BenchSpec)> = Vec::new();
+    // The trace's requests that can meet the objectives at all, per profile (the fleet and
+    // the speed do not change what one request alone on a warm worker gets).
+    let mut within_alone: Vec<(String, sim::trace::SloCeiling)> = Vec::new();
     for family in &families {
         for w in &family.workloads {
             for ((workers, profile), shared) in &clusters {
@@ -301,6 +304,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 };
                 let levels: Vec<u32> = per_worker.iter().map(|l| l * workers).collect();
                 let mut cluster = shared.clone();
+                let mut goodput_ceiling = None;
                 let durations = match (&w.source, &trace) {
                     (Source::Chat(config), _) => {
                         config
@@ -314,6 +318,23 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                         cluster.replay = Some((Arc::clone(trace), speed));
                         // The whole replay is measured, with its drain.
                         let span = sim::trace::replay_span(trace, speed);
+                        let alone = match within_alone.iter().find(|(p, _)| p == profile) {
+                            Some((_, c)) => *c,
+                            None => {
+                                let c =
+                                    sim::trace::slo_ceiling(&cluster.base, Arc::clone(trace), SLO)
+                                        .with_context(|| {
+                                            format!("the trace's SLO ceiling on {profile}")
+                                        })?;
+                                within_alone.push((profile.clone(), c));
+                                c
+                            }
+                        };
+                        goodput_ceiling = Some(report::robustness::GoodputCeiling {
+                            requests: alone.requests,
+                            within: alone.within,
+                            rps: alone.goodput_rps(span),
+                        });
                         (0.0, span.as_secs_f64())
                     }
                     (Source::Trace(_), None) => bail!("the trace was not loaded"),
@@ -327,6 +348,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                     workers: *workers,
                     profile: profile.clone(),
                     levels,
+                    goodput_ceiling,
                 };
                 cells.push((meta, cluster, spec));
             }

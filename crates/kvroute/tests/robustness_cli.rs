@@ -94,6 +94,10 @@ fn a_small_grid_writes_cells_goodput_and_a_verdict_byte_identically() {
     let meta = &results["bench"]["robustness"];
     assert_eq!(meta["default_router"], "kv_load");
     assert_eq!(meta["cells"][0]["name"], "chat/3w/dynamo-mocker");
+    assert!(
+        meta["cells"][0]["goodput_ceiling"].is_null(),
+        "a closed-loop chat has no ceiling of its own"
+    );
 
     let report = std::fs::read_to_string(a.join("report.md")).unwrap();
     assert!(report.contains("## chat"), "{report}");
@@ -187,6 +191,18 @@ fn the_trace_family_replays_the_shipped_trace_at_three_speeds() {
         let cell = format!("trace-{speed}x/3w/dynamo-mocker");
         let rows: Vec<_> = summary.iter().filter(|r| r["cell"] == cell).collect();
         assert_eq!(rows.len(), 2, "{cell}");
+        // The goodput ceiling: what each request gets alone on a warm worker.
+        let meta = results["bench"]["robustness"]["cells"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == cell)
+            .unwrap_or_else(|| panic!("{cell} in the cells' meta"));
+        let ceiling = &meta["goodput_ceiling"];
+        let within = ceiling["within"].as_u64().unwrap();
+        assert_eq!(ceiling["requests"], 2000, "{ceiling}");
+        assert!(within > 0 && within < 2000, "{ceiling}");
+        let ceiling_rps = ceiling["rps"].as_f64().unwrap();
         for row in rows {
             assert!(row["requests"].as_f64().unwrap() > 0.0, "{row}");
             let hit = row["kv_hit_rate"].as_f64().unwrap();
@@ -195,11 +211,20 @@ fn the_trace_family_replays_the_shipped_trace_at_three_speeds() {
                 hit <= oracle + 1e-9,
                 "{cell}: hit {hit} above the oracle {oracle}"
             );
+            let goodput = row["goodput_rps"].as_f64().unwrap();
+            assert!(
+                goodput <= ceiling_rps + 1e-9,
+                "{cell}: goodput {goodput} above its ceiling {ceiling}"
+            );
         }
     }
     let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
     assert!(
         report.contains("## trace") && report.contains("Mooncake"),
         "{report}"
+    );
+    assert!(
+        report.contains("| trace-1x/3w/dynamo-mocker | 1725 of 2000 |"),
+        "the ceilings' table: {report}"
     );
 }

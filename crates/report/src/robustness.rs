@@ -47,6 +47,19 @@ pub struct CellMeta {
     pub profile: String,
     /// Concurrency levels run, in order.
     pub levels: Vec<u32>,
+    /// The goodput no router can exceed in this cell, where one is known (the trace's cells).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goodput_ceiling: Option<GoodputCeiling>,
+}
+
+/// A cell's goodput ceiling: how many of its requests meet both objectives when each is
+/// served alone on an idle worker holding every block of the requests before it (what no
+/// router, fleet or load can improve on), over the cell's window.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GoodputCeiling {
+    pub requests: u64,
+    pub within: u64,
+    pub rps: f64,
 }
 
 /// One cell's results, as `kvroute bench` aggregates one benchmark.
@@ -289,7 +302,7 @@ pub fn markdown(results: &BenchResults, _plots: &[String]) -> String {
             "| cell | conc | router | TTFT p50 ms | TTFT p95 ms | TOPS | goodput req/s | hit % (oracle) | verdict |\n",
         );
         out.push_str("|:---|---:|:---|---:|---:|---:|---:|---:|:---|\n");
-        for c in cells {
+        for c in &cells {
             for &level in &c.levels {
                 let verdict = verdict(results, &c.name, level);
                 for router in routers {
@@ -326,6 +339,52 @@ pub fn markdown(results: &BenchResults, _plots: &[String]) -> String {
             }
         }
         out.push('\n');
+        ceilings(&mut out, results, &cells);
     }
     out
+}
+
+/// The family's goodput ceilings, beside the best goodput any router reached.
+fn ceilings(out: &mut String, results: &BenchResults, cells: &[&CellMeta]) {
+    let bounded: Vec<(&CellMeta, GoodputCeiling)> = cells
+        .iter()
+        .filter_map(|c| c.goodput_ceiling.map(|g| (*c, g)))
+        .collect();
+    if bounded.is_empty() {
+        return;
+    }
+    out.push_str(
+        "Goodput ceilings: each request served alone, on an idle worker whose cache holds every \
+         block of the requests before it, behind the same serving path. No router, fleet size \
+         or load can do better, so a request that misses an objective there misses it in every \
+         run (`sim::trace::slo_ceiling`).\n\n",
+    );
+    out.push_str(
+        "| cell | requests within both objectives alone | ceiling req/s | best goodput req/s (router) |\n",
+    );
+    out.push_str("|:---|---:|---:|:---|\n");
+    for (c, g) in bounded {
+        let rows: Vec<&Row> = results
+            .summary
+            .iter()
+            .filter(|r| r.cell.as_deref() == Some(c.name.as_str()))
+            .collect();
+        let top = rows.iter().map(|r| goodput(r)).fold(f64::NAN, f64::max);
+        let leaders: Vec<&str> = rows
+            .iter()
+            .filter(|r| goodput(r) == top)
+            .map(|r| r.router.as_str())
+            .collect();
+        let best = match leaders.as_slice() {
+            [] => "—".to_string(),
+            [_, _, ..] if leaders.len() == rows.len() => format!("{top:.2} (every router)"),
+            _ => format!("{top:.2} (`{}`)", leaders.join("`, `")),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} of {} | {:.2} | {best} |",
+            c.name, g.within, g.requests, g.rps
+        );
+    }
+    out.push('\n');
 }

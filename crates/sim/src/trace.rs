@@ -10,7 +10,8 @@
 //!
 //! [`run_trace_job`] runs one trace replay as a benchmark job (what `kvroute sim --trace` and
 //! a bench cell at 1×, 2× or 4× speed call); [`replay_span`] is the virtual time a replay
-//! needs.
+//! needs. [`slo_ceiling`] is what no router can beat: each request served alone, with every
+//! block of the requests before it cached.
 
 use std::sync::Arc;
 
@@ -19,7 +20,8 @@ pub use workload::replay::{ReplayStats, TraceReplay};
 use workload::{PromptSynth, Speed, Trace};
 
 use crate::bench::{BenchJob, BenchSpec, JobResult, run_job};
-use crate::driver::SimError;
+use crate::config::{Phase, ReplicaSetup, SimConfig};
+use crate::driver::{SimError, Simulation};
 use crate::workload::{ServingPath, Turn, TurnKey, Workload};
 
 /// Virtual time after the last arrival that a default replay keeps running, so that the
@@ -119,6 +121,140 @@ pub fn run_trace_job(
     run_job(spec, job, workload, progress)
 }
 
+/// How many of a trace's requests can meet the objectives at all on a profile: each served
+/// alone, in trace order, on an idle worker whose cache holds every block of the requests
+/// before it (the oracle's infinite shared cache), behind the same serving path. No router,
+/// fleet size or load gives a request a larger cached prefix, an emptier batch or a shorter
+/// prefill, so a request that misses an objective here misses it in every run, and
+/// `within / window` bounds the goodput of every run of the trace
+/// ([`SloCeiling::goodput_rps`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SloCeiling {
+    pub requests: u64,
+    /// Requests within both objectives.
+    pub within: u64,
+    /// Requests whose TTFT misses its objective even so.
+    pub ttft_misses: u64,
+    /// Requests whose mean ITL misses its objective even so.
+    pub itl_misses: u64,
+}
+
+impl SloCeiling {
+    /// The goodput no run can exceed when it measures the whole trace over `window`.
+    pub fn goodput_rps(&self, window: Nanos) -> f64 {
+        self.within as f64 / window.as_secs_f64().max(f64::MIN_POSITIVE)
+    }
+}
+
+/// Computes [`SloCeiling`] for `trace` on `cfg`'s profile, engine settings and serving path
+/// against `slo`. One simulated worker with room for every block of the trace, so nothing is
+/// evicted; the rest of `cfg` (fleet, router, faults) does not apply.
+pub fn slo_ceiling(
+    cfg: &SimConfig,
+    trace: Arc<Trace>,
+    slo: report::Slo,
+) -> Result<SloCeiling, SimError> {
+    let mut cfg = cfg.clone();
+    cfg.workers = 1;
+    cfg.max_workers = None;
+    cfg.disagg = None;
+    cfg.replicas = ReplicaSetup::default();
+    cfg.oracle = false;
+    cfg.keep_all_records = true;
+    cfg.slo = Some(slo);
+    let block = u64::from(cfg.engine.block_size.max(1));
+    let tokens = trace.total_input_tokens() + trace.total_output_tokens();
+    // Every token's block, plus a partial block per request: an upper bound on what the
+    // trace ever holds.
+    let blocks = tokens / block + 2 * trace.len() as u64;
+    cfg.engine.num_gpu_blocks_override = Some(u32::try_from(blocks).unwrap_or(u32::MAX));
+    let requests = trace.len() as u64;
+    let workload = ServingPath::new(OneAtATime::new(trace), cfg.path_latency);
+    // One phase that outlasts the trace: the run ends when its last request has.
+    let phases = vec![Phase {
+        concurrency: 1,
+        warmup: Nanos::ZERO,
+        window: Nanos::from_secs(u64::from(u32::MAX)),
+        snapshots: 1,
+        lookback: None,
+    }];
+    let out = Simulation::new(cfg, workload, phases)?.run(|_| {})?;
+    let mut ceiling = SloCeiling {
+        requests,
+        within: 0,
+        ttft_misses: 0,
+        itl_misses: 0,
+    };
+    for r in &out.records {
+        let ttft_ok = r.ttft().is_some_and(|t| t.as_millis_f64() <= slo.ttft_ms);
+        let itl_ok = r.itl_secs().is_none_or(|s| s * 1e3 <= slo.itl_ms);
+        ceiling.ttft_misses += u64::from(!ttft_ok);
+        ceiling.itl_misses += u64::from(!itl_ok);
+        ceiling.within += u64::from(r.meets(&slo));
+    }
+    Ok(ceiling)
+}
+
+/// A trace's requests one at a time, in order: the next is issued the instant the previous
+/// ends, so each runs alone.
+#[derive(Debug)]
+struct OneAtATime {
+    trace: Arc<Trace>,
+    synth: PromptSynth,
+    next: usize,
+    /// When the next request may be issued (`None` while one is in flight).
+    ready_at: Option<Nanos>,
+}
+
+impl OneAtATime {
+    fn new(trace: Arc<Trace>) -> Self {
+        Self {
+            trace,
+            synth: PromptSynth::default(),
+            next: 0,
+            ready_at: Some(Nanos::ZERO),
+        }
+    }
+}
+
+impl Workload for OneAtATime {
+    fn poll_timeout(&self) -> Option<Nanos> {
+        None
+    }
+
+    fn handle_timeout(&mut self, _now: Nanos) {}
+
+    fn poll_request(&mut self) -> Option<Turn> {
+        let record = self.trace.records().get(self.next)?;
+        let at = self.ready_at.take()?;
+        let turn = Turn {
+            key: TurnKey {
+                conversation: self.next as u64,
+                turn: 0,
+            },
+            prompt: Arc::from(self.synth.prompt_tokens(record)),
+            output: Arc::from(self.synth.reply_tokens(record)),
+            issued_at: at,
+        };
+        self.next += 1;
+        Some(turn)
+    }
+
+    fn on_turn_finished(&mut self, _key: TurnKey, now: Nanos) {
+        self.ready_at = Some(now);
+    }
+
+    fn on_turn_failed(&mut self, _key: TurnKey, now: Nanos) {
+        self.ready_at = Some(now);
+    }
+
+    fn set_concurrency(&mut self, _n: u32, _now: Nanos) {}
+
+    fn active_conversations(&self) -> u32 {
+        u32::from(self.ready_at.is_none())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,5 +335,80 @@ mod tests {
         assert_eq!((a2.key.conversation, a2.key.turn), (3, 2));
         assert_eq!(a2.issued_at, Nanos::from_millis(4_100));
         assert_eq!(w.poll_timeout(), None);
+    }
+
+    /// Four requests at once: a short one, one extending it, one whose 8k-token prompt takes
+    /// longer than the TTFT objective to prefill on an H200, and one extending that.
+    fn ceiling_trace() -> Arc<Trace> {
+        let ids = |r: std::ops::Range<u32>| r.map(|i| i.to_string()).collect::<Vec<_>>().join(", ");
+        let line = |input: u32, hash_ids: String| {
+            format!(
+                r#"{{"timestamp": 0, "input_length": {input}, "output_length": 10, "hash_ids": [{hash_ids}]}}"#
+            )
+        };
+        let lines = [
+            line(1024, ids(1..3)),
+            line(1536, ids(1..4)),
+            line(8192, ids(10..26)),
+            line(8704, ids(10..27)),
+        ];
+        Arc::new(Trace::parse(&lines.join("\n")).unwrap())
+    }
+
+    fn h200(workers: u32) -> SimConfig {
+        let mut cfg = SimConfig::new(
+            workers,
+            engine::HardwareProfile::h200_llama70b_fp8(),
+            router::PolicyKind::KvLoad,
+        );
+        cfg.path_latency = Nanos::from_millis(200);
+        cfg
+    }
+
+    const SLO: report::Slo = report::Slo {
+        ttft_ms: 600.0,
+        itl_ms: 60.0,
+    };
+
+    #[test]
+    fn the_slo_ceiling_serves_each_request_alone_on_a_warm_cache_and_no_run_beats_it() {
+        let trace = ceiling_trace();
+        let ceiling = slo_ceiling(&h200(3), Arc::clone(&trace), SLO).unwrap();
+        // Alone, the long prompt's prefill misses 600 ms; its extension finds it cached.
+        assert_eq!(
+            ceiling,
+            SloCeiling {
+                requests: 4,
+                within: 3,
+                ttft_misses: 1,
+                itl_misses: 0,
+            }
+        );
+        assert!((ceiling.goodput_rps(Nanos::from_secs(2)) - 1.5).abs() < 1e-12);
+        // Sent together, as the trace has them, the extension cannot reuse a prefix still
+        // being computed: no fleet does better than the ceiling.
+        for workers in [1, 2] {
+            let mut cfg = h200(workers);
+            cfg.keep_all_records = true;
+            cfg.slo = Some(SLO);
+            let workload = ServingPath::new(
+                TraceWorkload::new(Arc::clone(&trace), Speed::REAL_TIME, PromptSynth::default()),
+                cfg.path_latency,
+            );
+            let phase = Phase {
+                concurrency: 1,
+                warmup: Nanos::ZERO,
+                window: Nanos::from_secs(60),
+                snapshots: 1,
+                lookback: None,
+            };
+            let out = Simulation::new(cfg, workload, vec![phase])
+                .unwrap()
+                .run(|_| {})
+                .unwrap();
+            assert_eq!(out.records.len(), 4);
+            let within = out.records.iter().filter(|r| r.meets(&SLO)).count() as u64;
+            assert!(within <= ceiling.within, "{workers} workers: {within}");
+        }
     }
 }
