@@ -333,7 +333,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                         goodput_ceiling = Some(report::robustness::GoodputCeiling {
                             requests: alone.requests,
                             within: alone.within,
-                            rps: alone.goodput_rps(span),
+                            rps: round3(alone.goodput_rps(span)),
+                            prefill_load: round3(
+                                alone.prefill_load(*workers, speed.scale(trace.duration())),
+                            ),
                         });
                         (0.0, span.as_secs_f64())
                     }
@@ -410,6 +413,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         simulated / wall.max(1e-9)
     );
     Ok(())
+}
+
+/// `x` to three decimals, as results.json keeps its figures.
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
 }
 
 /// The trace cells' slice of the shipped trace: at the path from the current directory (the

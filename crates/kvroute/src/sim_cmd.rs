@@ -716,7 +716,18 @@ pub fn run(args: SimArgs) -> Result<()> {
         }
     }
     let replay = match &traffic {
-        Traffic::Trace { loaded, stats } => Some(TraceReport::new(loaded, *stats, &results)),
+        Traffic::Trace { loaded, stats } => {
+            let ceiling =
+                sim::trace::slo_ceiling(&spec.base, Arc::clone(&loaded.trace), TRACE_OBJECTIVES)
+                    .context("the trace's ceiling")?;
+            let workers = spec.base.workers;
+            Some(TraceReport::new(
+                loaded,
+                *stats,
+                &results,
+                (ceiling, workers),
+            ))
+        }
         Traffic::Chat { .. } => None,
     };
     let wall = started.elapsed().as_secs_f64();
@@ -806,10 +817,28 @@ struct TraceReport {
     oracle_prefix_hit_rate: f64,
     /// `kv_hit_rate / oracle_prefix_hit_rate`.
     share_of_bound: Option<f64>,
+    /// What no routing can beat ([`sim::trace::slo_ceiling`]): at most this many requests meet
+    /// seed 002's objectives (each served alone with the oracle's cache).
+    objectives: report::Slo,
+    within_objectives_alone: u64,
+    /// The GPU time the requests need to prefill alone over the fleet's while they arrive:
+    /// above 1 no routing keeps up.
+    least_prefill_load: f64,
 }
 
+/// The objectives a trace replay's ceiling is counted against: seed 002's, the dashboard's.
+const TRACE_OBJECTIVES: report::Slo = report::Slo {
+    ttft_ms: report::SLO_TTFT_P95_MS,
+    itl_ms: report::SLO_TPOT_P95_MS,
+};
+
 impl TraceReport {
-    fn new(loaded: &LoadedTrace, stats: ReplayStats, results: &BenchResults) -> TraceReport {
+    fn new(
+        loaded: &LoadedTrace,
+        stats: ReplayStats,
+        results: &BenchResults,
+        (ceiling, workers): (sim::trace::SloCeiling, u32),
+    ) -> TraceReport {
         let kv_hit_rate = results.summary.first().and_then(|r| r.metrics.kv_hit_rate);
         let bound = report::percentiles::round(loaded.trace.oracle_prefix_hit_rate(), 4);
         TraceReport {
@@ -829,6 +858,12 @@ impl TraceReport {
             share_of_bound: kv_hit_rate
                 .filter(|_| bound > 0.0)
                 .map(|h| report::percentiles::round(h / bound, 4)),
+            objectives: TRACE_OBJECTIVES,
+            within_objectives_alone: ceiling.within,
+            least_prefill_load: report::percentiles::round(
+                ceiling.prefill_load(workers, loaded.speed.scale(loaded.trace.duration())),
+                3,
+            ),
         }
     }
 
@@ -843,6 +878,20 @@ impl TraceReport {
             opt(self.kv_hit_rate.map(|h| h * 100.0), 1) + "%",
             self.oracle_prefix_hit_rate * 100.0,
             opt(self.share_of_bound.map(|s| s * 100.0), 0) + "%"
+        );
+        println!(
+            "  under any routing at most {} of {} requests meet TTFT ≤ {:.0} ms and mean ITL \
+             ≤ {:.0} ms (each alone, with that cache); least prefill load {:.2}{}",
+            self.within_objectives_alone,
+            self.requests,
+            self.objectives.ttft_ms,
+            self.objectives.itl_ms,
+            self.least_prefill_load,
+            if self.least_prefill_load > 1.0 {
+                " (above 1: this fleet cannot keep up with the trace, whatever the routing)"
+            } else {
+                ""
+            }
         );
     }
 }

@@ -224,7 +224,7 @@ fn the_trace_family_replays_the_shipped_trace_at_three_speeds() {
         "{report}"
     );
     assert!(
-        report.contains("| trace-1x/3w/dynamo-mocker | 1725 of 2000 |"),
+        report.contains("| trace-1x/3w/dynamo-mocker | 1757 of 2000 |"),
         "the ceilings' table: {report}"
     );
 }

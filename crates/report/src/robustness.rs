@@ -54,12 +54,16 @@ pub struct CellMeta {
 
 /// A cell's goodput ceiling: how many of its requests meet both objectives when each is
 /// served alone on an idle worker holding every block of the requests before it (what no
-/// router, fleet or load can improve on), over the cell's window.
+/// router, fleet or load can improve on; `sim::trace::slo_ceiling`), over the cell's window.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct GoodputCeiling {
     pub requests: u64,
     pub within: u64,
     pub rps: f64,
+    /// The least prefill time the requests need (each alone, cached as the oracle caches)
+    /// over the fleet's GPU time while they arrive: above 1 the fleet cannot keep up with
+    /// them whatever the routing.
+    pub prefill_load: f64,
 }
 
 /// One cell's results, as `kvroute bench` aggregates one benchmark.
@@ -355,14 +359,17 @@ fn ceilings(out: &mut String, results: &BenchResults, cells: &[&CellMeta]) {
     }
     out.push_str(
         "Goodput ceilings: each request served alone, on an idle worker whose cache holds every \
-         block of the requests before it, behind the same serving path. No router, fleet size \
-         or load can do better, so a request that misses an objective there misses it in every \
-         run (`sim::trace::slo_ceiling`).\n\n",
+         block of the requests before it, behind the same serving path, and counted within the \
+         objectives with a slack on TTFT for how its prompt's prefill is cut into chunks \
+         (`sim::trace::slo_ceiling`, `CHUNKING_SLACK`). No router, fleet size or load does \
+         better. The least prefill load is the GPU time those requests need to prefill alone \
+         over the fleet's while they arrive: above 1 the fleet cannot keep up with the trace \
+         even caching as the oracle does, whatever the routing.\n\n",
     );
     out.push_str(
-        "| cell | requests within both objectives alone | ceiling req/s | best goodput req/s (router) |\n",
+        "| cell | requests within both objectives alone | ceiling req/s | best goodput req/s (router) | least prefill load |\n",
     );
-    out.push_str("|:---|---:|---:|:---|\n");
+    out.push_str("|:---|---:|---:|:---|---:|\n");
     for (c, g) in bounded {
         let rows: Vec<&Row> = results
             .summary
@@ -382,8 +389,8 @@ fn ceilings(out: &mut String, results: &BenchResults, cells: &[&CellMeta]) {
         };
         let _ = writeln!(
             out,
-            "| {} | {} of {} | {:.2} | {best} |",
-            c.name, g.within, g.requests, g.rps
+            "| {} | {} of {} | {:.2} | {best} | {:.2} |",
+            c.name, g.within, g.requests, g.rps, g.prefill_load
         );
     }
     out.push('\n');

@@ -95,6 +95,12 @@ pub struct KvLoadParams {
     /// the lock-step TTFT p50 on 3 H200s but does not win the robustness grid
     /// (docs/ROUTING.md, "What did not work").
     pub spread_fresh_requests: bool,
+    /// Multiply the request's prefill terms (its TTFT and the stall it imposes) by
+    /// `1 + prefill_load_factor × a`, `a` the share of the worker's KV capacity its in-flight
+    /// requests would use with this one: the additive form of Dynamo's `lmetric` (prefill
+    /// times decode load). 0 (off) by default: it does not win more of the robustness grid
+    /// (docs/ROUTING.md, "What did not work").
+    pub prefill_load_factor: f64,
 }
 
 impl Default for KvLoadParams {
@@ -109,6 +115,7 @@ impl Default for KvLoadParams {
             slot_penalty_secs: 1.5,
             default_timing: WorkerTiming::H200_LLAMA70B_FP8,
             spread_fresh_requests: false,
+            prefill_load_factor: 0.0,
         }
     }
 }
@@ -132,6 +139,7 @@ impl KvLoadParams {
             ("replication_stall_weight", self.replication_stall_weight),
             ("decode_stall_weight", self.decode_stall_weight),
             ("slot_penalty_secs", self.slot_penalty_secs),
+            ("prefill_load_factor", self.prefill_load_factor),
             (
                 "default_timing.prefill_secs_per_token",
                 self.default_timing.prefill_secs_per_token,
@@ -246,7 +254,8 @@ impl KvLoad {
             * (params.stall_weight * private + params.replication_stall_weight * replicated);
         let own_decode = out * timing.decode_secs_per_context_token * (context + prompt);
         let imposed_decode = running * (out / 2.0) * timing.decode_secs_per_context_token * prompt;
-        ttft + stall + own_decode + imposed_decode + Self::slot_penalty(params, c)
+        let prefill = (ttft + stall) * Self::prefill_scale(params, c);
+        prefill + own_decode + imposed_decode + Self::slot_penalty(params, c)
     }
 
     /// With `spread_fresh_requests`: when every eligible worker holds the same prefix of the
@@ -280,6 +289,17 @@ impl KvLoad {
             .unwrap_or(lowest);
         self.last_fresh_worker = Some(worker_of(next));
         Some(next)
+    }
+
+    /// `1 + prefill_load_factor ×` the share of `c`'s KV capacity its in-flight requests
+    /// would use with this one (1 when the factor is 0 or the capacity unknown).
+    fn prefill_scale(params: &KvLoadParams, c: &Candidate) -> f64 {
+        match c.limits.kv_capacity_blocks {
+            Some(cap) if cap > 0 && params.prefill_load_factor > 0.0 => {
+                1.0 + params.prefill_load_factor * c.potential_active_blocks as f64 / cap as f64
+            }
+            _ => 1.0,
+        }
     }
 
     /// Quadratic penalty from `slot_soft_limit × max_num_seqs` to the last slot.
@@ -673,6 +693,40 @@ mod tests {
             (0.8..1.0).contains(&cost),
             "6,400 tokens take about 0.9 s: {cost}"
         );
+    }
+
+    #[test]
+    fn the_prefill_load_factor_scales_the_prefill_by_the_kv_share_in_use() {
+        let params = |factor| KvLoadParams {
+            expected_output_tokens: 0.0,
+            slot_soft_limit: 1.0,
+            prefill_load_factor: factor,
+            ..KvLoadParams::default()
+        };
+        let idle = Worker {
+            context_per_request: 0,
+            ..Worker::new(1, 0)
+        };
+        let candidates = [idle.candidate()];
+        let ctx = SelectionContext {
+            prompt_tokens: PROMPT_TOKENS,
+            prompt_blocks: PROMPT_BLOCKS,
+            block_size: BLOCK,
+            candidates: &candidates,
+        };
+        let off = KvLoad::cost(&params(0.0), &ctx, 0, &candidates[0]);
+        let on = KvLoad::cost(&params(2.0), &ctx, 0, &candidates[0]);
+        // The request alone would use 200 of the worker's 13,022 blocks.
+        let share = f64::from(PROMPT_BLOCKS) / 13_022.0;
+        assert!(
+            (on - off * (1.0 + 2.0 * share)).abs() < 1e-12,
+            "{on} vs {off}"
+        );
+        // At λ = 1 a conversation still stays with its history on a busy worker: the load
+        // multiplies a prefill of 50 blocks there, against 200 elsewhere.
+        let workers = [Worker::new(1, 40).active(150), Worker::new(2, 2)];
+        assert_eq!(pick_with(params(1.0), &workers), 1);
+        assert!(params(-1.0).validate().is_err());
     }
 
     /// Two workers that cache nothing of the request: `queued` has prefill waiting but little
