@@ -171,7 +171,9 @@ fn families() -> Vec<Family> {
                 "Mooncake's FAST'25 conversation trace ({TRACE_FILE}): its first \
                  {TRACE_REQUESTS} requests (about 10 minutes), open loop at their recorded \
                  times × {} speed; prompts synthesized so that equal hash ids are equal \
-                 512-token blocks. One level: the trace sets the load.",
+                 512-token blocks. One level: the trace sets the load. Each run is measured \
+                 whole, from the first arrival to 60 s after the last, as one window (not the \
+                 chat's snapshots).",
                 TRACE_SPEEDS.map(|s| s.to_string()).join(", ")
             ),
             workloads: TRACE_SPEEDS
@@ -342,8 +344,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                     }
                     (Source::Trace(_), None) => bail!("the trace was not loaded"),
                 };
-                let spec =
+                let mut spec =
                     args.spec_with(routers.clone(), &cluster, levels.clone(), sweeps, durations)?;
+                if matches!(w.source, Source::Trace(_)) {
+                    // The whole replay is one measurement, as `sim --trace` reads it: the
+                    // chat's snapshots of the last minute would sample a third of it, the last
+                    // one mostly its drain.
+                    spec.snapshots = 1;
+                    spec.lookback = Some(spec.window);
+                }
                 let meta = CellMeta {
                     name: format!("{}/{workers}w/{profile}", w.name),
                     family: family.name.to_string(),

@@ -82,9 +82,15 @@ fn kv_aware_routing_gets_closer_to_the_trace_bound_than_round_robin_and_never_pa
     let within = rr["trace"]["within_objectives_alone"].as_u64().unwrap();
     assert!(within > 0 && within <= 300, "{within}");
     let load = rr["trace"]["least_prefill_load"].as_f64().unwrap();
-    assert!(load > 0.0 && load < 1.0, "8 workers keep up with the slice: {load}");
+    assert!(
+        load > 0.0 && load < 1.0,
+        "8 workers keep up with the slice: {load}"
+    );
     for run in [&kv_load, &kv] {
-        assert_eq!(run["trace"]["within_objectives_alone"].as_u64(), Some(within));
+        assert_eq!(
+            run["trace"]["within_objectives_alone"].as_u64(),
+            Some(within)
+        );
         assert_eq!(run["trace"]["least_prefill_load"].as_f64(), Some(load));
     }
     let hit = |run: &serde_json::Value| run["trace"]["kv_hit_rate"].as_f64().unwrap();
