@@ -320,6 +320,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                         cluster.replay = Some((Arc::clone(trace), speed));
                         // The whole replay is measured, with its drain.
                         let span = sim::trace::replay_span(trace, speed);
+                        // The shipped trace has no sessions, which `slo_ceiling` needs.
                         let alone = match within_alone.iter().find(|(p, _)| p == profile) {
                             Some((_, c)) => *c,
                             None => {

@@ -717,9 +717,13 @@ pub fn run(args: SimArgs) -> Result<()> {
     }
     let replay = match &traffic {
         Traffic::Trace { loaded, stats } => {
-            let ceiling =
-                sim::trace::slo_ceiling(&spec.base, Arc::clone(&loaded.trace), TRACE_OBJECTIVES)
-                    .context("the trace's ceiling")?;
+            // Sessions make the order of requests depend on the run: no ceiling then.
+            let ceiling = (loaded.trace.session_count() == 0)
+                .then(|| {
+                    sim::trace::slo_ceiling(&spec.base, Arc::clone(&loaded.trace), TRACE_OBJECTIVES)
+                })
+                .transpose()
+                .context("the trace's ceiling")?;
             let workers = spec.base.workers;
             Some(TraceReport::new(
                 loaded,
@@ -819,11 +823,12 @@ struct TraceReport {
     share_of_bound: Option<f64>,
     /// What no routing can beat ([`sim::trace::slo_ceiling`]): at most this many requests meet
     /// seed 002's objectives (each served alone with the oracle's cache).
-    objectives: report::Slo,
-    within_objectives_alone: u64,
+    /// `None` for a trace with sessions, whose order of requests depends on the run.
+    objectives: Option<report::Slo>,
+    within_objectives_alone: Option<u64>,
     /// The GPU time the requests need to prefill alone over the fleet's while they arrive:
     /// above 1 no routing keeps up.
-    least_prefill_load: f64,
+    least_prefill_load: Option<f64>,
 }
 
 /// The objectives a trace replay's ceiling is counted against: seed 002's, the dashboard's.
@@ -837,7 +842,7 @@ impl TraceReport {
         loaded: &LoadedTrace,
         stats: ReplayStats,
         results: &BenchResults,
-        (ceiling, workers): (sim::trace::SloCeiling, u32),
+        (ceiling, workers): (Option<sim::trace::SloCeiling>, u32),
     ) -> TraceReport {
         let kv_hit_rate = results.summary.first().and_then(|r| r.metrics.kv_hit_rate);
         let bound = report::percentiles::round(loaded.trace.oracle_prefix_hit_rate(), 4);
@@ -858,12 +863,14 @@ impl TraceReport {
             share_of_bound: kv_hit_rate
                 .filter(|_| bound > 0.0)
                 .map(|h| report::percentiles::round(h / bound, 4)),
-            objectives: TRACE_OBJECTIVES,
-            within_objectives_alone: ceiling.within,
-            least_prefill_load: report::percentiles::round(
-                ceiling.prefill_load(workers, loaded.speed.scale(loaded.trace.duration())),
-                3,
-            ),
+            objectives: ceiling.map(|_| TRACE_OBJECTIVES),
+            within_objectives_alone: ceiling.map(|c| c.within),
+            least_prefill_load: ceiling.map(|c| {
+                report::percentiles::round(
+                    c.prefill_load(workers, loaded.speed.scale(loaded.trace.duration())),
+                    3,
+                )
+            }),
         }
     }
 
@@ -879,15 +886,24 @@ impl TraceReport {
             self.oracle_prefix_hit_rate * 100.0,
             opt(self.share_of_bound.map(|s| s * 100.0), 0) + "%"
         );
-        println!(
-            "  under any routing at most {} of {} requests meet TTFT ≤ {:.0} ms and mean ITL \
-             ≤ {:.0} ms (each alone, with that cache); least prefill load {:.2}{}",
+        let (Some(within), Some(slo), Some(load)) = (
             self.within_objectives_alone,
-            self.requests,
-            self.objectives.ttft_ms,
-            self.objectives.itl_ms,
+            self.objectives,
             self.least_prefill_load,
-            if self.least_prefill_load > 1.0 {
+        ) else {
+            println!(
+                "  (no ceiling for a trace with sessions: the order of its requests depends on \
+                 the run)"
+            );
+            return;
+        };
+        println!(
+            "  under any routing at most {within} of {} requests meet TTFT ≤ {:.0} ms and mean \
+             ITL ≤ {:.0} ms (each alone, with that cache); least prefill load {load:.2}{}",
+            self.requests,
+            slo.ttft_ms,
+            slo.itl_ms,
+            if load > 1.0 {
                 " (above 1: this fleet cannot keep up with the trace, whatever the routing)"
             } else {
                 ""

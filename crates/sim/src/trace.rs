@@ -123,11 +123,13 @@ pub fn run_trace_job(
 
 /// How many of a trace's requests can meet the objectives at all on a profile: each served
 /// alone, in trace order, on an idle worker whose cache holds every block of the requests
-/// before it (the oracle's infinite shared cache), behind the same serving path. No router,
-/// fleet size or load gives a request a larger cached prefix or an emptier batch, so a
-/// request that misses an objective here by more than [`CHUNKING_SLACK`] misses it in every
-/// run, and `within / window` bounds the goodput of every run of the trace
-/// ([`SloCeiling::goodput_rps`]).
+/// before it (the oracle's infinite shared cache), behind the same serving path. A replay
+/// sends the requests in that order (those at one instant too), so no router, fleet size or
+/// load gives a request a larger cached prefix or an emptier batch: a request that misses an
+/// objective here by more than [`CHUNKING_SLACK`] misses it in every run, and
+/// `within / window` bounds the goodput of every run of the trace
+/// ([`SloCeiling::goodput_rps`]). Not for a trace with sessions: a session's request goes
+/// out when its previous one ends, which may be after requests later in the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SloCeiling {
     pub requests: u64,
@@ -138,7 +140,7 @@ pub struct SloCeiling {
     pub ttft_misses: u64,
     /// Requests whose mean ITL misses its objective even so.
     pub itl_misses: u64,
-    /// Seconds of prefill the requests need alone, from reaching the worker to their first
+    /// The prefill time the requests need alone, from reaching the worker to their first
     /// token: the least GPU time any fleet spends prefilling the trace.
     pub prefill: Nanos,
 }
