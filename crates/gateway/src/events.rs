@@ -1,11 +1,14 @@
 //! KV event ingestion: in-process, NATS (our msgpack format) and ZMQ SUB (vLLM's format,
 //! which SGLang's publisher shares: `protocol::vllm` reads both).
 //!
-//! Every source ends in [`Dispatcher::apply_events`], which applies events under the core
-//! lock and turns a sequence gap into a clear of that worker's blocks plus a counted resync.
-//! Transport-level losses get the same treatment: a vLLM batch-number gap or restart
-//! ([`protocol::vllm::Continuity`]), a frame that cannot be converted, or a NATS batch from a
-//! new worker `instance` (a restart: empty cache, sequence numbers from 0).
+//! NATS and ZMQ batches go through the dispatcher's `kv_index::StreamSync`, one per source
+//! ([`Dispatcher::stream_events`] and its siblings), which applies them under the core lock,
+//! turns a sequence gap into a clear of that worker's blocks plus a counted resync, and says
+//! when to ask the worker for its cache snapshot. Transport-level losses get the same
+//! treatment: a vLLM batch-number gap or restart ([`protocol::vllm::Continuity`]), a frame
+//! that cannot be converted, or a batch from a new worker `instance` (a restart: empty cache,
+//! sequence numbers from 0). The in-process sink loses nothing and has no snapshot to ask
+//! for: it applies with the index's gap policy alone ([`Dispatcher::apply_events`]).
 //!
 //! A ZMQ publisher with a replay socket (vLLM's and SGLang's `replay_endpoint`; `kvroute
 //! engine --zmq-replay`) is asked to fill a gap before anything is cleared: a DEALER requests
