@@ -232,6 +232,27 @@ async fn vllm_zmq_frames_of_both_encodings_feed_the_index_and_a_gap_clears_it() 
     gw.shutdown().await;
 }
 
+/// Publishes `payload` on `subject` and waits until the server has it.
+async fn publish_to(client: &async_nats::Client, subject: &str, payload: Vec<u8>) {
+    client
+        .publish(subject.to_owned(), payload.into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+}
+
+/// `worker`'s `events` of run `instance`, as one NATS batch on `subject`.
+async fn publish_batch(
+    client: &async_nats::Client,
+    subject: &str,
+    worker: WorkerId,
+    instance: u64,
+    events: &[KvEvent],
+) {
+    let batch = protocol::KvEventBatch::from_events(worker, instance, events).unwrap();
+    publish_to(client, subject, batch.encode()).await;
+}
+
 fn stored(worker: WorkerId, seq: u64, prompt: &[u32]) -> KvEvent {
     KvEvent {
         worker,
@@ -253,14 +274,7 @@ async fn nats_batches_feed_the_index_and_gaps_and_restarts_clear_the_worker() {
     let worker = WorkerId(3);
     let publish = |events: Vec<KvEvent>, instance: u64| {
         let client = client.clone();
-        async move {
-            let batch = protocol::KvEventBatch::from_events(worker, instance, &events).unwrap();
-            client
-                .publish("kvroute.ev.kv.3", batch.encode().into())
-                .await
-                .unwrap();
-            client.flush().await.unwrap();
-        }
+        async move { publish_batch(&client, "kvroute.ev.kv.3", worker, instance, &events).await }
     };
     publish(
         vec![
@@ -759,24 +773,11 @@ async fn a_static_workers_restart_announced_over_nats_clears_it_once() {
             token: None,
         });
         let client = client.clone();
-        async move {
-            client
-                .publish("kvroute.rs.workers", message.encode().unwrap().into())
-                .await
-                .unwrap();
-            client.flush().await.unwrap();
-        }
+        async move { publish_to(&client, "kvroute.rs.workers", message.encode().unwrap()).await }
     };
     let publish = |events: Vec<KvEvent>, instance: u64| {
         let client = client.clone();
-        async move {
-            let batch = protocol::KvEventBatch::from_events(worker, instance, &events).unwrap();
-            client
-                .publish("kvroute.rs.kv.41", batch.encode().into())
-                .await
-                .unwrap();
-            client.flush().await.unwrap();
-        }
+        async move { publish_batch(&client, "kvroute.rs.kv.41", worker, instance, &events).await }
     };
     announce(1).await;
     publish(vec![stored(worker, 0, &tokens(0..8))], 1).await;

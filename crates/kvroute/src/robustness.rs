@@ -47,10 +47,7 @@ const GROUPS: SystemGroups = SystemGroups {
     tokens: 6_000,
 };
 /// Goodput's objectives: seed 002's, per request (TTFT 600 ms, mean ITL 60 ms).
-const SLO: report::Slo = report::Slo {
-    ttft_ms: report::SLO_TTFT_P95_MS,
-    itl_ms: report::SLO_TPOT_P95_MS,
-};
+const SLO: report::Slo = report::Slo::SEED_002;
 /// The public trace's cells: Mooncake's conversation trace (shipped in `traces/`), its first
 /// requests replayed open loop at these speeds. A slice keeps the grid inside its time budget;
 /// its oracle bound is printed with each run of `kvroute sim --trace`.

@@ -832,10 +832,7 @@ struct TraceReport {
 }
 
 /// The objectives a trace replay's ceiling is counted against: seed 002's, the dashboard's.
-const TRACE_OBJECTIVES: report::Slo = report::Slo {
-    ttft_ms: report::SLO_TTFT_P95_MS,
-    itl_ms: report::SLO_TPOT_P95_MS,
-};
+const TRACE_OBJECTIVES: report::Slo = report::Slo::SEED_002;
 
 impl TraceReport {
     fn new(

@@ -145,6 +145,13 @@ pub struct Slo {
 }
 
 impl Slo {
+    /// Seed 002's objectives (the dashboard's colours) held per request: TTFT 600 ms and mean
+    /// ITL 60 ms (its TPOT p95 objective).
+    pub const SEED_002: Slo = Slo {
+        ttft_ms: crate::seed002::SLO_TTFT_P95_MS,
+        itl_ms: crate::seed002::SLO_TPOT_P95_MS,
+    };
+
     /// Seed 004's scaling thresholds, read as per-request objectives: TTFT 500 ms (the prefill
     /// pool's KEDA trigger) and ITL 50 ms (the decode pool's).
     pub const SEED_004: Slo = Slo {

@@ -666,12 +666,13 @@ mod tests {
         assert_eq!(pick(&[busy, idle(2)]), 2);
     }
 
-    #[test]
-    fn cost_is_in_seconds_from_the_worker_timing() {
+    /// The cost of the request on an idle worker that caches none of it, with no decode
+    /// horizon and no slot penalty, the other parameters as `params` sets them.
+    fn cost_alone(params: KvLoadParams) -> f64 {
         let params = KvLoadParams {
             expected_output_tokens: 0.0,
             slot_soft_limit: 1.0,
-            ..KvLoadParams::default()
+            ..params
         };
         let idle = Worker {
             context_per_request: 0,
@@ -684,8 +685,13 @@ mod tests {
             block_size: BLOCK,
             candidates: &candidates,
         };
+        KvLoad::cost(&params, &ctx, 0, &candidates[0])
+    }
+
+    #[test]
+    fn cost_is_in_seconds_from_the_worker_timing() {
         // Nothing running, nothing cached: the cost is the request's own prefill time.
-        let cost = KvLoad::cost(&params, &ctx, 0, &candidates[0]);
+        let cost = cost_alone(KvLoadParams::default());
         let expected =
             PROMPT_TOKENS as f64 * WorkerTiming::H200_LLAMA70B_FP8.prefill_secs_per_token;
         assert!((cost - expected).abs() < 1e-9, "{cost} vs {expected}");
@@ -698,24 +704,11 @@ mod tests {
     #[test]
     fn the_prefill_load_factor_scales_the_prefill_by_the_kv_share_in_use() {
         let params = |factor| KvLoadParams {
-            expected_output_tokens: 0.0,
-            slot_soft_limit: 1.0,
             prefill_load_factor: factor,
             ..KvLoadParams::default()
         };
-        let idle = Worker {
-            context_per_request: 0,
-            ..Worker::new(1, 0)
-        };
-        let candidates = [idle.candidate()];
-        let ctx = SelectionContext {
-            prompt_tokens: PROMPT_TOKENS,
-            prompt_blocks: PROMPT_BLOCKS,
-            block_size: BLOCK,
-            candidates: &candidates,
-        };
-        let off = KvLoad::cost(&params(0.0), &ctx, 0, &candidates[0]);
-        let on = KvLoad::cost(&params(2.0), &ctx, 0, &candidates[0]);
+        let off = cost_alone(params(0.0));
+        let on = cost_alone(params(2.0));
         // The request alone would use 200 of the worker's 13,022 blocks.
         let share = f64::from(PROMPT_BLOCKS) / 13_022.0;
         assert!(
@@ -725,7 +718,12 @@ mod tests {
         // At λ = 1 a conversation still stays with its history on a busy worker: the load
         // multiplies a prefill of 50 blocks there, against 200 elsewhere.
         let workers = [Worker::new(1, 40).active(150), Worker::new(2, 2)];
-        assert_eq!(pick_with(params(1.0), &workers), 1);
+        let prefill_only = KvLoadParams {
+            expected_output_tokens: 0.0,
+            slot_soft_limit: 1.0,
+            ..params(1.0)
+        };
+        assert_eq!(pick_with(prefill_only, &workers), 1);
         assert!(params(-1.0).validate().is_err());
     }
 
