@@ -5,7 +5,8 @@
 //! [`describe`]: what the card declares, with `--worker` flags winning.
 //!
 //! - Static workers stay known for the gateway's life; a failed health check (or a failed
-//!   request) takes one out of the routing set, a passing one brings it back.
+//!   request, or a goodbye over NATS) takes one out of the routing set, a passing one brings
+//!   it back.
 //! - Dynamic workers announce themselves on `kvroute.<ns>.workers` with a lease and repeat the
 //!   announcement as a heartbeat. A worker leaves when its lease runs out, when it says
 //!   goodbye, or when it fails a health check or a request; a new `instance` (a restart) drops
@@ -542,10 +543,17 @@ pub(crate) async fn run_discovery(
                     continue;
                 }
                 registered.remove(&id);
-                if ctx.dispatcher.remove_worker(id) {
-                    tracing::info!(worker = %id, "worker said goodbye; removed");
+                if ctx.dispatcher.origin(id) == Some(Origin::Static) {
+                    // A `--worker` stays known for the gateway's life: out of the routing set
+                    // until its health check passes again, as after a failed one.
+                    ctx.dispatcher.set_routable(id, false);
+                    tracing::info!(worker = %id, "worker said goodbye; out of the routing set until healthy");
+                } else {
+                    if ctx.dispatcher.remove_worker(id) {
+                        tracing::info!(worker = %id, "worker said goodbye; removed");
+                    }
+                    ctx.zmq.stop(id);
                 }
-                ctx.zmq.stop(id);
             }
         }
         warnings.tick(REGISTRATIONS);

@@ -247,3 +247,56 @@ async fn with_a_registration_token_only_workers_carrying_it_register() {
     .await;
     shut_down(gw, engines).await;
 }
+
+/// A `--worker` that also announces itself over NATS stays a `--worker` when it says goodbye
+/// (a clean shutdown): out of the routing set while it is gone, back through its health check
+/// when it restarts on its URL. (The goodbye used to forget it: it came back only by
+/// announcing itself again, as a worker with a lease, and never without NATS.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_static_worker_that_says_goodbye_stays_static_and_comes_back_when_healthy() {
+    let nats = NatsServer::start();
+    let namespace = "bye";
+    let worker = WorkerId(31);
+    let first = engine_with_token(31, &nats, namespace, None).await;
+    let addr = first.local_addr();
+    let gw = gateway(GatewayConfig {
+        nats_url: Some(nats.url()),
+        namespace: namespace.into(),
+        ..gateway_config(&[&first])
+    })
+    .await;
+    wait_for("the worker", Duration::from_secs(5), || {
+        gw.dispatcher().routable_workers() == vec![worker]
+    })
+    .await;
+    // Its heartbeats (every third of its 1 s lease) register the running instance, whose
+    // goodbye is then taken.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    first.shutdown().await;
+    wait_for("out of the routing set", Duration::from_secs(5), || {
+        gw.dispatcher().routable_workers().is_empty()
+    })
+    .await;
+    assert_eq!(refused(&gw), 0, "the goodbye was taken");
+    assert_eq!(
+        gw.dispatcher().origin(worker),
+        Some(gateway::dispatch::Origin::Static),
+        "still known as a --worker"
+    );
+    let second = start_engine(EngineServerConfig {
+        listen: addr,
+        ..engine_config(31)
+    })
+    .await;
+    wait_for("its health check", Duration::from_secs(10), || {
+        gw.dispatcher().routable_workers() == vec![worker]
+    })
+    .await;
+    assert_eq!(
+        gw.dispatcher().origin(worker),
+        Some(gateway::dispatch::Origin::Static)
+    );
+    let s = short_chat_stream(&gw.url()).await;
+    assert!(s.done && s.error().is_none(), "{s:?}");
+    shut_down(gw, vec![second]).await;
+}
