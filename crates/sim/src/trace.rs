@@ -185,6 +185,9 @@ pub fn slo_ceiling(
     cfg.oracle = false;
     cfg.keep_all_records = true;
     cfg.slo = Some(slo);
+    // One worker takes every request: the router needs no view of its cache, and an index of
+    // the whole trace's blocks would double the run's memory.
+    cfg.router.kv_source = router::KvSource::Approximate { ttl: Nanos(1) };
     let block = u64::from(cfg.engine.block_size.max(1));
     let tokens = trace.total_input_tokens() + trace.total_output_tokens();
     // Every token's block, plus a partial block per request: an upper bound on what the
