@@ -333,9 +333,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                         goodput_ceiling = Some(report::robustness::GoodputCeiling {
                             requests: alone.requests,
                             within: alone.within,
-                            rps: round3(alone.goodput_rps(span)),
-                            prefill_load: round3(
+                            rps: report::percentiles::round(alone.goodput_rps(span), 3),
+                            prefill_load: report::percentiles::round(
                                 alone.prefill_load(*workers, speed.scale(trace.duration())),
+                                3,
                             ),
                         });
                         (0.0, span.as_secs_f64())
@@ -420,11 +421,6 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         simulated / wall.max(1e-9)
     );
     Ok(())
-}
-
-/// `x` to three decimals, as results.json keeps its figures.
-fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
 }
 
 /// The trace cells' slice of the shipped trace: at the path from the current directory (the
