@@ -13,17 +13,17 @@
 //! A ZMQ publisher with a replay socket (vLLM's and SGLang's `replay_endpoint`; `kvroute
 //! engine --zmq-replay`) is asked to fill a gap before anything is cleared: a DEALER requests
 //! the batches from the first missing one, they are applied in order, and only a replay that
-//! fails, times out ([`REPLAY_TIMEOUT`]) or no longer reaches back falls back to the clear.
+//! fails, times out (`REPLAY_TIMEOUT`) or no longer reaches back falls back to the clear.
 //! A subscriber that joins late (its first batch is not the publisher's first) replays the
 //! publisher's buffer too, so a gateway restart does not start from a cold view. Over NATS a
 //! kvroute engine answers the same need with its whole cache: the first announcement or batch
 //! this gateway hears from a worker, and a gap that cleared its blocks, ask it for a snapshot
 //! (`protocol::kv_state`), and its batches wait until the snapshot is applied
-//! ([`NatsStreams`]). Replays that filled their gap and snapshots applied are counted
+//! (`NatsStreams`). Replays that filled their gap and snapshots applied are counted
 //! (`kvroute_worker_kv_replays_total`), resyncs as before.
 //!
 //! Bad input is counted in the metrics (`decode_errors`, `resyncs`) frame by frame, but logged
-//! sparingly ([`WarnBudget`]): a flood of garbage frames writes a few lines and a periodic
+//! sparingly (`WarnBudget`): a flood of garbage frames writes a few lines and a periodic
 //! summary, not a line per frame. A stored event over `protocol::kv_events::MAX_STORED_BLOCKS`
 //! blocks or `MAX_STORED_TOKENS` tokens is refused like any other bad frame.
 

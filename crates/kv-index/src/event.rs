@@ -8,7 +8,7 @@
 //!
 //! Blocks are named in events by the engine's own block id ([`EngineBlockId`]: vLLM's block
 //! hash, SGLang's node id, or our engine simulator's sequence hash). The index never trusts the
-//! engine's hash function: it recomputes [`SequenceHash`](crate::SequenceHash)es from the
+//! engine's hash function: it recomputes [`SequenceHash`]es from the
 //! blocks' tokens (or local hashes) and the parent chain, and keeps a per-worker map from engine
 //! block id to sequence hash to resolve parents and removals.
 

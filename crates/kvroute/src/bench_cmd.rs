@@ -23,6 +23,10 @@ const SEED_002_LEVELS: [u32; 7] = [60, 80, 100, 120, 140, 160, 180];
 const PHASE_LEVELS: [u32; 5] = [20, 40, 60, 90, 120];
 /// `--phases`' default sweeps: four phases on two setups are eight benchmarks.
 const PHASE_SWEEPS: u32 = 2;
+/// Snapshots a window is read as, and how far each looks back: the seed's Prometheus summary
+/// window.
+const DEFAULT_SNAPSHOTS: u32 = 3;
+const DEFAULT_LOOKBACK_SECS: f64 = 60.0;
 /// `--disagg`'s default levels and sweeps, and its GPUs per layout.
 const DISAGG_LEVELS: [u32; 5] = [20, 40, 80, 120, 160];
 const DISAGG_SWEEPS: u32 = 2;
@@ -124,13 +128,14 @@ pub struct BenchArgs {
     /// grid's, 120).
     #[arg(long)]
     pub window: Option<f64>,
-    /// Snapshots the window is read as (averaged).
-    #[arg(long, default_value_t = 3)]
-    pub snapshots: u32,
+    /// Snapshots the window is read as (averaged) [default: 3; the robustness grid's trace
+    /// cells are always read whole, as one].
+    #[arg(long)]
+    pub snapshots: Option<u32>,
     /// Seconds each snapshot's percentiles look back: 60 is the seed's Prometheus summary
-    /// window; window / snapshots makes the snapshots tile the window.
-    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
-    pub lookback: f64,
+    /// window; window / snapshots makes the snapshots tile the window [default: 60].
+    #[arg(long, value_name = "SECONDS")]
+    pub lookback: Option<f64>,
     /// Routers to compare; the first is the baseline of the Δ columns.
     #[arg(long, value_delimiter = ',', value_parser = parse_router, help = format!("Routers to compare, comma-separated ({}); the first is the baseline [default: round_robin,kv,kv_load; with --suite robustness every router]", router_names()))]
     pub routers: Option<Vec<PolicyKind>>,
@@ -251,8 +256,11 @@ impl BenchArgs {
             sweeps,
             warmup: secs(self.warmup.unwrap_or(durations.0), "--warmup")?,
             window: secs(self.window.unwrap_or(durations.1), "--window")?,
-            snapshots: self.snapshots,
-            lookback: Some(secs(self.lookback, "--lookback")?),
+            snapshots: self.snapshots.unwrap_or(DEFAULT_SNAPSHOTS),
+            lookback: Some(secs(
+                self.lookback.unwrap_or(DEFAULT_LOOKBACK_SECS),
+                "--lookback",
+            )?),
             seed: self.cluster.seed,
             continuous: !self.cold,
             base: cluster.base.clone(),

@@ -1,5 +1,9 @@
 //! `kvroute`: one binary, one subcommand per tool.
 
+// The argument structs' doc comments are clap's `--help` text, written for a terminal: their
+// brackets and URLs are meant literally, not as rustdoc links.
+#![allow(rustdoc::broken_intra_doc_links, rustdoc::bare_urls)]
+
 use std::io::Read;
 use std::process::ExitCode;
 

@@ -283,12 +283,17 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
     }
     // The trace, read once when a trace family is selected.
-    let trace = families
+    let has_trace = families
         .iter()
         .flat_map(|f| &f.workloads)
-        .any(|w| matches!(w.source, Source::Trace(_)))
-        .then(load_trace)
-        .transpose()?;
+        .any(|w| matches!(w.source, Source::Trace(_)));
+    if has_trace && (args.snapshots.is_some() || args.lookback.is_some()) {
+        eprintln!(
+            "bench --suite robustness: --snapshots and --lookback apply to the other families; \
+             the trace cells are measured whole, as one window over the replay"
+        );
+    }
+    let trace = has_trace.then(load_trace).transpose()?;
     // Each cell: its shared cluster with the cell's workload, and its benchmark.
     let mut cells: Vec<(CellMeta, Cluster, BenchSpec)> = Vec::new();
     // The trace's requests that can meet the objectives at all, per profile (the fleet and

@@ -156,11 +156,12 @@ fn bad_grid_flags_fail_with_a_clear_error() {
 
 /// The trace family replays the shipped Mooncake trace at 1×, 2× and 4×: one level each (the
 /// trace sets the load), each run measured whole, rows for every router, requests served, and
-/// no goodput above the cell's ceiling.
+/// no goodput above the cell's ceiling. `--snapshots` does not cut the replay into snapshots,
+/// and the command says so.
 #[test]
 fn the_trace_family_replays_the_shipped_trace_at_three_speeds() {
     let dir = out_dir("trace");
-    ok(kvroute()
+    let out = ok(kvroute()
         .args([
             "bench",
             "--suite",
@@ -173,11 +174,21 @@ fn the_trace_family_replays_the_shipped_trace_at_three_speeds() {
             "dynamo-mocker",
             "--routers",
             "round_robin,kv_load",
+            "--snapshots",
+            "2",
             "--out",
         ])
         .arg(&dir)
         .output()
         .unwrap());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr
+            .matches("the trace cells are measured whole, as one window")
+            .count(),
+        1,
+        "{stderr}"
+    );
     let results: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("results.json")).unwrap()).unwrap();
     let summary = results["summary"].as_array().unwrap();

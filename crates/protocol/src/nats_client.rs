@@ -264,7 +264,7 @@ impl NatsStatus {
 }
 
 /// The `RUST_LOG`-style directive that turns off async-nats's connection lines, which
-/// [`connect`]'s error and [`log_connection_event`] say in kvroute's words (default logging).
+/// [`connect`]'s error and `log_connection_event` say in kvroute's words (default logging).
 pub const QUIET_NATS_LOGS: &str = "async_nats::connector=off";
 
 /// What [`log_connection_event`] remembers: whether the connection is lost, how many

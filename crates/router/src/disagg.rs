@@ -247,7 +247,7 @@ impl DisaggFrontend {
     }
 
     /// Sets where the router's view of `worker`'s cache comes from, in its pool
-    /// ([`Router::set_cache_view`]); `false` for an unknown worker.
+    /// ([`Router::set_cache_view`](crate::Router::set_cache_view)); `false` for an unknown worker.
     pub fn set_cache_view(&mut self, worker: WorkerId, view: CacheView) -> bool {
         let Some(pool) = self.pools.get(&worker).copied() else {
             return false;

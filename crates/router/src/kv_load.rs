@@ -62,7 +62,7 @@ pub struct KvLoadParams {
     /// batch that will have turned over (docs/ROUTING.md, "Parameters").
     pub expected_output_tokens: f64,
     /// Learn `expected_output_tokens` from the replies that complete (an exponentially
-    /// weighted mean over about the last [`REPLY_MEMORY`] replies). Off by default: it prices
+    /// weighted mean over about the last `REPLY_MEMORY` (64) replies). Off by default: it prices
     /// long replies (the seed's ~845 tokens) far past the horizon that pays on the robustness
     /// grid (docs/ROUTING.md, "What did not work").
     pub learn_output_tokens: bool,
