@@ -316,6 +316,11 @@ pub struct SimArgs {
     pub timeline: Option<PathBuf>,
     #[command(flatten)]
     pub trace: crate::trace_args::TraceArgs,
+    /// With --trace: skip the goodput ceiling (how many requests any routing could serve
+    /// within the objectives, and the least prefill load), a second simulation of every
+    /// request alone that adds about a third to a replay's time.
+    #[arg(long, requires = "trace")]
+    pub no_ceiling: bool,
     #[command(flatten)]
     pub disagg: DisaggArgs,
     #[command(flatten)]
@@ -718,12 +723,16 @@ pub fn run(args: SimArgs) -> Result<()> {
     let replay = match &traffic {
         Traffic::Trace { loaded, stats } => {
             // Sessions make the order of requests depend on the run: no ceiling then.
-            let ceiling = (loaded.trace.session_count() == 0)
-                .then(|| {
-                    sim::trace::slo_ceiling(&spec.base, Arc::clone(&loaded.trace), TRACE_OBJECTIVES)
-                })
-                .transpose()
-                .context("the trace's ceiling")?;
+            let ceiling = match (args.no_ceiling, loaded.trace.session_count()) {
+                (true, _) => Err(NoCeiling::NotAsked),
+                (false, 0) => Ok(sim::trace::slo_ceiling(
+                    &spec.base,
+                    Arc::clone(&loaded.trace),
+                    TRACE_OBJECTIVES,
+                )
+                .context("the trace's ceiling")?),
+                (false, _) => Err(NoCeiling::Sessions),
+            };
             let workers = spec.base.workers;
             Some(TraceReport::new(
                 loaded,
@@ -823,12 +832,26 @@ struct TraceReport {
     share_of_bound: Option<f64>,
     /// What no routing can beat ([`sim::trace::slo_ceiling`]): at most this many requests meet
     /// seed 002's objectives (each served alone with the oracle's cache).
-    /// `None` for a trace with sessions, whose order of requests depends on the run.
+    /// `None` for a trace with sessions, whose order of requests depends on the run, and with
+    /// `--no-ceiling` (`no_ceiling` says which).
     objectives: Option<report::Slo>,
     within_objectives_alone: Option<u64>,
     /// The GPU time the requests need to prefill alone over the fleet's while they arrive:
     /// above 1 no routing keeps up.
     least_prefill_load: Option<f64>,
+    /// Why the three fields above are `None`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    no_ceiling: Option<NoCeiling>,
+}
+
+/// Why a trace replay reports no goodput ceiling.
+#[derive(Debug, Clone, Copy, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum NoCeiling {
+    /// The trace has sessions: the order of its requests depends on the run.
+    Sessions,
+    /// `--no-ceiling`.
+    NotAsked,
 }
 
 /// The objectives a trace replay's ceiling is counted against: seed 002's, the dashboard's.
@@ -839,8 +862,12 @@ impl TraceReport {
         loaded: &LoadedTrace,
         stats: ReplayStats,
         results: &BenchResults,
-        (ceiling, workers): (Option<sim::trace::SloCeiling>, u32),
+        (ceiling, workers): (Result<sim::trace::SloCeiling, NoCeiling>, u32),
     ) -> TraceReport {
+        let (no_ceiling, ceiling) = match ceiling {
+            Ok(c) => (None, Some(c)),
+            Err(why) => (Some(why), None),
+        };
         let kv_hit_rate = results.summary.first().and_then(|r| r.metrics.kv_hit_rate);
         let bound = report::percentiles::round(loaded.trace.oracle_prefix_hit_rate(), 4);
         TraceReport {
@@ -868,6 +895,7 @@ impl TraceReport {
                     3,
                 )
             }),
+            no_ceiling,
         }
     }
 
@@ -888,10 +916,13 @@ impl TraceReport {
             self.objectives,
             self.least_prefill_load,
         ) else {
-            println!(
-                "  (no ceiling for a trace with sessions: the order of its requests depends on \
-                 the run)"
-            );
+            match self.no_ceiling {
+                Some(NoCeiling::NotAsked) => {}
+                _ => println!(
+                    "  (no ceiling for a trace with sessions: the order of its requests depends \
+                     on the run)"
+                ),
+            }
             return;
         };
         println!(

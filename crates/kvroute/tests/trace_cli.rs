@@ -32,8 +32,12 @@ fn temp_file(name: &str, text: &str) -> String {
 
 /// `kvroute sim --trace` on the shipped trace's first 300 requests (102 s) on 8 workers.
 fn replay(router: &str) -> serde_json::Value {
+    replay_with(router, &[])
+}
+
+fn replay_with(router: &str, flags: &[&str]) -> serde_json::Value {
     let trace = shipped();
-    let out = stdout_of(&[
+    let mut args = vec![
         "sim",
         "--trace",
         &trace,
@@ -46,7 +50,9 @@ fn replay(router: &str) -> serde_json::Value {
         "--seed",
         "3",
         "--json",
-    ]);
+    ];
+    args.extend_from_slice(flags);
+    let out = stdout_of(&args);
     serde_json::from_str(&out).expect("--json prints JSON")
 }
 
@@ -103,6 +109,20 @@ fn kv_aware_routing_gets_closer_to_the_trace_bound_than_round_robin_and_never_pa
     );
     // Same seed, same bytes.
     assert_eq!(replay("kv_load"), kv_load);
+    // --no-ceiling skips the ceiling and changes nothing else.
+    let mut without = replay_with("kv_load", &["--no-ceiling"]);
+    let t = &mut without["trace"];
+    assert_eq!(t["no_ceiling"], "not_asked", "{t}");
+    for field in [
+        "objectives",
+        "within_objectives_alone",
+        "least_prefill_load",
+    ] {
+        assert!(t[field].is_null(), "{field}: {t}");
+        t[field] = kv_load["trace"][field].clone();
+    }
+    t.as_object_mut().map(|t| t.remove("no_ceiling"));
+    assert_eq!(without, kv_load);
 }
 
 #[test]
@@ -153,6 +173,7 @@ fn sessions_follow_their_previous_request_and_every_request_finishes() {
     // No ceiling: a session's request goes out when its previous one ends, so the order of
     // requests depends on the run.
     assert!(t["within_objectives_alone"].is_null(), "{t}");
+    assert_eq!(t["no_ceiling"], "sessions", "{t}");
     let text = stdout_of(&["sim", "--trace", &file, "--router", "kv_load"]);
     assert!(
         text.contains("no ceiling for a trace with sessions"),
