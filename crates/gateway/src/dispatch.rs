@@ -28,8 +28,9 @@ use protocol::WorkerRole;
 pub use router::AdmitError;
 pub use router::LocalReason;
 use router::{
-    CacheView, DisaggConfig, DisaggEvent, DisaggFrontend, Ejections, PeerSnapshot, PeerUpdate,
-    Pool, ReplicaId, ReplicaSync, RequestId, Route, RouteDecision, RouteError, RoutingKey,
+    CacheView, DeadlineVerdict, DisaggConfig, DisaggEvent, DisaggFrontend, Ejections, PeerSnapshot,
+    PeerUpdate, Pool, ReplicaId, ReplicaSync, RequestId, Route, RouteDecision, RouteError,
+    RoutingKey,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -59,6 +60,28 @@ struct WorkerEntry {
     resyncs: u64,
     /// Event gaps its publisher's replay filled.
     replays: u64,
+    /// When it last sent output on any request ([`OutputClock`]), shared with its tickets.
+    last_output: Arc<OutputClock>,
+}
+
+/// When a worker last sent output on any of its requests, in router time: set by every relay
+/// reading from it without taking the dispatcher's lock, read at a request's deadline to tell
+/// a busy worker from a silent one ([`router::judge_deadline`]).
+#[derive(Debug, Default)]
+pub struct OutputClock(AtomicU64);
+
+impl OutputClock {
+    fn set(&self, now: Nanos) {
+        // 0 means "never": a reading at time 0 counts as 1 ns.
+        self.0.store(now.0.max(1), Ordering::Relaxed);
+    }
+
+    fn get(&self) -> Option<Nanos> {
+        match self.0.load(Ordering::Relaxed) {
+            0 => None,
+            t => Some(Nanos(t)),
+        }
+    }
 }
 
 /// Where the router's view of a worker's cache comes from: its events when it announced an
@@ -104,6 +127,8 @@ pub struct Ticket {
     dispatcher: Arc<Dispatcher>,
     pub id: RequestId,
     pub worker: Arc<WorkerInfo>,
+    /// The worker's [`OutputClock`].
+    last_output: Arc<OutputClock>,
     pub decision: RouteDecision,
     /// The request waited in the frontend queue.
     pub queued: bool,
@@ -118,6 +143,30 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// The worker sent output on this request (any bytes of its reply).
+    pub fn output_seen(&self) {
+        self.last_output.set(self.dispatcher.now());
+    }
+
+    /// The request waited `timeout` for its worker (first bytes, or the next chunk): whether
+    /// the worker is silent (eject it, route again) or only busy, and then how long to wait
+    /// before judging again ([`router::judge_deadline`]; `recheck` is the health-check
+    /// interval).
+    pub fn judge_deadline(&self, timeout: Duration, recheck: Duration) -> Option<Duration> {
+        let now = self.dispatcher.now();
+        let healthy = self.dispatcher.is_routable(self.worker.id);
+        match router::judge_deadline(
+            healthy,
+            self.last_output.get(),
+            now,
+            timeout.into(),
+            recheck.into(),
+        ) {
+            DeadlineVerdict::Silent => None,
+            DeadlineVerdict::WaitUntil(t) => Some(Duration::from(t.saturating_sub(now))),
+        }
+    }
+
     /// The worker produced the request's first token: its prefill is done.
     pub fn first_token(&mut self) {
         if !self.first_token_seen {
@@ -199,6 +248,7 @@ impl Drop for Ticket {
 #[derive(Debug)]
 struct Assigned {
     worker: Arc<WorkerInfo>,
+    last_output: Arc<OutputClock>,
     decision: RouteDecision,
     prefill: Option<(Arc<WorkerInfo>, RouteDecision)>,
     reason: Option<LocalReason>,
@@ -428,6 +478,7 @@ impl Dispatcher {
             dispatcher: self.clone(),
             id,
             worker: assigned.worker,
+            last_output: assigned.last_output,
             decision: assigned.decision,
             queued,
             first_token_seen: false,
@@ -454,19 +505,26 @@ impl Dispatcher {
             Route::Split { prefill, .. } => Some(*prefill),
             Route::Local { .. } => None,
         };
-        let worker = core.workers.get(&decode.worker).map(|w| w.info.clone());
+        let worker = core
+            .workers
+            .get(&decode.worker)
+            .map(|w| (w.info.clone(), w.last_output.clone()));
         let prefill_worker =
             prefill.and_then(|p| core.workers.get(&p.worker).map(|w| w.info.clone()));
         match (worker, route) {
-            (Some(worker), Route::Local { decode, reason }) => Ok(Assigned {
+            (Some((worker, last_output)), Route::Local { decode, reason }) => Ok(Assigned {
                 worker,
+                last_output,
                 decision: decode,
                 prefill: None,
                 reason: Some(reason),
             }),
-            (Some(worker), Route::Split { prefill, decode }) if prefill_worker.is_some() => {
+            (Some((worker, last_output)), Route::Split { prefill, decode })
+                if prefill_worker.is_some() =>
+            {
                 Ok(Assigned {
                     worker,
+                    last_output,
                     decision: decode,
                     prefill: prefill_worker.map(|w| (w, prefill)),
                     reason: None,
@@ -804,10 +862,12 @@ impl Dispatcher {
         }
         let limits = info.limits;
         let was_routable = core.workers.get(&id).is_some_and(|w| w.routable);
-        let (last_event, resyncs, replays) = core
+        let (last_event, resyncs, replays, last_output) = core
             .workers
             .get(&id)
-            .map_or((None, 0, 0), |w| (w.last_event, w.resyncs, w.replays));
+            .map_or((None, 0, 0, Arc::default()), |w| {
+                (w.last_event, w.resyncs, w.replays, w.last_output.clone())
+            });
         let view = initial_cache_view(&info, origin);
         // An ejected worker stays out until its ejection is over, healthy or not.
         let routable = routable && core.ejections.may_return(id, self.now());
@@ -820,6 +880,7 @@ impl Dispatcher {
                 last_event,
                 resyncs,
                 replays,
+                last_output,
             },
         );
         if routable {
@@ -901,6 +962,14 @@ impl Dispatcher {
             Some(_) => true,
             None => false,
         }
+    }
+
+    /// Whether `worker` is in the routing set (known, healthy and not ejected).
+    pub fn is_routable(&self, worker: WorkerId) -> bool {
+        lock(&self.core)
+            .workers
+            .get(&worker)
+            .is_some_and(|w| w.routable)
     }
 
     /// How a known worker joined.

@@ -329,6 +329,7 @@ impl Gateway {
             max_body_bytes: config.max_body_bytes,
             max_response_bytes: config.max_response_bytes,
             timeouts: config.timeouts,
+            health_interval: config.health_interval,
             migration_limit: config.migration_limit,
             started: SystemTime::now()
                 .duration_since(UNIX_EPOCH)

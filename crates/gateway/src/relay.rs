@@ -250,8 +250,11 @@ pub enum Ending {
 /// Deadlines and caps of one relay.
 #[derive(Debug, Clone, Copy)]
 pub struct RelayLimits {
-    /// Longest silence between two upstream reads.
+    /// Longest silence between two upstream reads (while the worker is silent on every
+    /// request: a busy one is waited for, [`crate::dispatch::Ticket::judge_deadline`]).
     pub stall: Duration,
+    /// How often a stream past its stall deadline on a busy worker is judged again.
+    pub recheck: Duration,
     /// Most text bytes gathered for a non-streamed reply.
     pub max_response_bytes: usize,
 }
@@ -265,6 +268,7 @@ pub struct Relay {
     /// Reset before each read: the stream's only timer.
     stall: std::pin::Pin<Box<tokio::time::Sleep>>,
     stall_after: Duration,
+    recheck: Duration,
     /// Apart from [`Output`] so that an event borrowed from it can be handled.
     decoder: SseDecoder,
     output: Output,
@@ -317,6 +321,7 @@ impl Relay {
             resend,
             stall: Box::pin(tokio::time::sleep(limits.stall)),
             stall_after: limits.stall,
+            recheck: limits.recheck,
             decoder: SseDecoder::new(MAX_EVENT_BYTES),
             output: Output {
                 ctx,
@@ -439,6 +444,9 @@ impl Relay {
     }
 
     async fn next_output(&mut self) -> Option<Bytes> {
+        // How long the next read may take: the stall timeout, or, past it on a busy worker,
+        // until it is judged again.
+        let mut wait = self.stall_after;
         loop {
             while self.output.ending.is_none() {
                 match self.decoder.next_event() {
@@ -453,6 +461,7 @@ impl Relay {
                     return Some(self.output.take_frame());
                 }
                 if self.migrate().await {
+                    wait = self.stall_after;
                     continue;
                 }
                 self.output.finish();
@@ -468,13 +477,23 @@ impl Relay {
             let (read, timed) = match self.first.take() {
                 Some(bytes) => (Some(Ok(bytes)), true),
                 None => {
-                    let deadline = tokio::time::Instant::now() + self.stall_after;
+                    let deadline = tokio::time::Instant::now() + wait;
                     self.stall.as_mut().reset(deadline);
                     tokio::select! {
                         biased;
-                        read = self.body.next() => (read, false),
+                        read = self.body.next() => {
+                            wait = self.stall_after;
+                            (read, false)
+                        }
                         () = self.stall.as_mut() => {
-                            output.stalled(self.stall_after);
+                            let busy = output
+                                .ticket
+                                .as_ref()
+                                .and_then(|t| t.judge_deadline(self.stall_after, self.recheck));
+                            match busy {
+                                Some(more) => wait = more,
+                                None => output.stalled(self.stall_after),
+                            }
                             continue;
                         }
                     }
@@ -482,6 +501,9 @@ impl Relay {
             };
             match read {
                 Some(Ok(bytes)) => {
+                    if let Some(ticket) = &output.ticket {
+                        ticket.output_seen();
+                    }
                     // Only the read that brings the first token is timed.
                     if output.record.first_token.is_none() && !timed {
                         output.last_read = Some(Instant::now());

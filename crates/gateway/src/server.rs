@@ -44,6 +44,9 @@ pub(crate) struct AppState {
     pub max_body_bytes: usize,
     pub max_response_bytes: usize,
     pub timeouts: Timeouts,
+    /// How often workers' health is checked: how often a request waiting on a busy worker
+    /// past its deadline is judged again.
+    pub health_interval: Duration,
     /// Times a request may be resent after its worker failed mid-stream.
     pub migration_limit: u32,
     pub started: u64,
@@ -482,6 +485,7 @@ async fn serve(state: Arc<AppState>, parsed: Parsed, mut record: RequestRecord) 
         predicted_cached_tokens: u32::try_from(predicted).unwrap_or(u32::MAX),
     };
     let limits = RelayLimits {
+        recheck: state.health_interval,
         stall: state.timeouts.stall,
         max_response_bytes: state.max_response_bytes,
     };
@@ -595,7 +599,7 @@ async fn open(state: &AppState, parsed: &Parsed, started: Instant) -> Result<Ope
             .header(header::CONTENT_TYPE, "application/json")
             .body(body)
             .send();
-        let response = match tokio::time::timeout_at(deadline, sent).await {
+        let response = match wait_for_worker(state, &ticket, deadline, sent).await {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 tracing::warn!(worker = %ticket.worker.id, error = %e, "worker unreachable; routing again");
@@ -610,7 +614,7 @@ async fn open(state: &AppState, parsed: &Parsed, started: Instant) -> Result<Ope
             },
         };
         if !response.status().is_success() {
-            return match tokio::time::timeout_at(deadline, read_error(response)).await {
+            return match wait_for_worker(state, &ticket, deadline, read_error(response)).await {
                 Ok(error) => Err(error),
                 Err(_) => match silent_worker(state, &ticket, &mut timeouts) {
                     Some(error) => Err(error),
@@ -619,8 +623,11 @@ async fn open(state: &AppState, parsed: &Parsed, started: Instant) -> Result<Ope
             };
         }
         let mut upstream = response.bytes_stream().boxed();
-        let first = match tokio::time::timeout_at(deadline, upstream.next()).await {
-            Ok(Some(Ok(bytes))) => Some(bytes),
+        let first = match wait_for_worker(state, &ticket, deadline, upstream.next()).await {
+            Ok(Some(Ok(bytes))) => {
+                ticket.output_seen();
+                Some(bytes)
+            }
             // A broken or empty stream: the relay reports it as today.
             Ok(Some(Err(e))) => {
                 upstream = futures::stream::once(async { Err(e) }).boxed();
@@ -726,12 +733,36 @@ impl Resend for Migrator {
     }
 }
 
+/// Awaits `reply` from `ticket`'s worker until `deadline`, the first-byte deadline. Past it the
+/// worker is judged ([`Ticket::judge_deadline`]): a busy worker (still streaming its other
+/// requests) is waited for, judged again later; a silent one gives `Err`.
+async fn wait_for_worker<F: std::future::Future>(
+    state: &AppState,
+    ticket: &Ticket,
+    deadline: tokio::time::Instant,
+    reply: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let mut reply = std::pin::pin!(reply);
+    let mut deadline = deadline;
+    loop {
+        match tokio::time::timeout_at(deadline, reply.as_mut()).await {
+            Ok(out) => return Ok(out),
+            Err(elapsed) => {
+                match ticket.judge_deadline(state.timeouts.first_byte, state.health_interval) {
+                    Some(wait) => deadline = tokio::time::Instant::now() + wait,
+                    None => return Err(elapsed),
+                }
+            }
+        }
+    }
+}
+
 /// A worker sent nothing by the first-byte deadline: it is ejected (health checks bring it
 /// back) and the request is routed again, or, past `first_byte_retries`
 /// ([`router::FailoverConfig`], the simulator's too), answered with 504.
 fn silent_worker(state: &AppState, ticket: &Ticket, timeouts: &mut u32) -> Option<ApiError> {
     let after = state.timeouts.first_byte;
-    tracing::warn!(worker = %ticket.worker.id, ?after, "worker sent nothing in time; ejected, routing again");
+    tracing::warn!(worker = %ticket.worker.id, ?after, "worker sent nothing on any request in time; ejected, routing again");
     state.metrics.worker_timeouts.inc();
     ticket.worker_failed();
     *timeouts += 1;

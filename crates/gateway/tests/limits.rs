@@ -241,6 +241,61 @@ async fn a_worker_that_never_answers_costs_one_timeout_and_a_retry() {
     gw.shutdown().await;
 }
 
+/// A worker that is only busy is not a silent one: a burst of long prompts queues on one real
+/// engine (in real time) for several first-byte timeouts, while the engine streams the replies
+/// it has reached. Every request is answered, nothing is counted as a timeout, and the worker
+/// stays in the routing set (it used to be ejected at the first deadline, and the burst got
+/// 503s for the next 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_worker_is_waited_for_past_the_first_byte_timeout_and_never_ejected() {
+    // Eight times real time: an engine step with a full prefill chunk takes a fraction of a
+    // second, so the worker streams something within every 1 s timeout while its queue is
+    // several seconds long.
+    let engine = slow_engine(8.0).await;
+    let gw = gateway(GatewayConfig {
+        timeouts: short_timeouts(),
+        ..gateway_config(&[&engine])
+    })
+    .await;
+    let started = Instant::now();
+    let replies = futures::future::join_all((0..32).map(|c| {
+        let url = gw.url();
+        async move {
+            // About 5,000 tokens each: the burst's prefill is several seconds of the engine's.
+            let prompt = passage(c, 3_700);
+            let request = chat(&[("user", &prompt)], 5, c % 2 == 0);
+            if c % 2 == 0 {
+                let reply = post_stream(&url, "/v1/chat/completions", &request).await;
+                (reply.status, reply.error().cloned())
+            } else {
+                let (status, _, body) = post_json(&url, "/v1/chat/completions", &request).await;
+                (status, (status != 200).then_some(body))
+            }
+        }
+    }))
+    .await;
+    let took = started.elapsed();
+    for (status, error) in &replies {
+        assert_eq!((*status, error), (200, &None), "{replies:?}");
+    }
+    assert!(
+        took > Duration::from_millis(1_500),
+        "the burst did not queue past the 1 s first-byte timeout ({took:?}): the test proves nothing"
+    );
+    let metrics = gw.metrics_text();
+    assert!(
+        metrics.contains("kvroute_gateway_worker_timeouts_total 0"),
+        "{metrics}"
+    );
+    assert_eq!(
+        gw.dispatcher().routable_workers(),
+        vec![kv_index::WorkerId(0)],
+        "the busy worker was ejected"
+    );
+    gw.shutdown().await;
+    engine.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_stalls_ends_with_an_error_event() {
     let stalling = FakeWorker::start(Script::StallAfter { tokens: 3 }).await;

@@ -123,8 +123,8 @@ pub use frontend::{AdmitError, Frontend, FrontendConfig, FrontendEvent};
 pub use kv_load::{KvLoad, KvLoadParamError, KvLoadParams};
 pub use load::WorkerLoad;
 pub use migration::{
-    ChoiceOutput, ChunkIds, Continuation, Decision, FailoverConfig, FailureReason,
-    MAX_MIGRATED_CHOICES, MigrationState, NotMigrated, TokenUsage,
+    ChoiceOutput, ChunkIds, Continuation, DeadlineVerdict, Decision, FailoverConfig, FailureReason,
+    MAX_MIGRATED_CHOICES, MigrationState, NotMigrated, TokenUsage, judge_deadline,
 };
 pub use policy::{
     Candidate, KvCost, KvCostParams, PolicyKind, PolicyParams, PolicyRng, Random, RoundRobin,

@@ -58,6 +58,39 @@ impl Default for FailoverConfig {
     }
 }
 
+/// What a request's deadline (first byte, or stall mid-stream) says about its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadlineVerdict {
+    /// Stopped or wedged: eject it and route the request again (or migrate it).
+    Silent,
+    /// Busy, not silent: it is still streaming its other requests (queueing, a long prefill
+    /// batch), so the request waits, and is judged again at this time.
+    WaitUntil(Nanos),
+}
+
+/// Judges a worker at one of its requests' deadlines (`now`, past the request's own
+/// `timeout`). The worker is silent when its health check fails (`healthy` false) or it sent
+/// nothing on any of its requests for the whole `timeout` (`last_output`: its latest output,
+/// `None`: none yet). Otherwise it is busy: a request waiting behind others on a loaded worker
+/// is not a sign of a dead one, and ejecting it would only move its queue to workers as
+/// loaded, so that a burst would eject the whole fleet. The request is judged again when the
+/// worker will have been silent for `timeout`, or at the next health check (`recheck`),
+/// whichever is first.
+pub fn judge_deadline(
+    healthy: bool,
+    last_output: Option<Nanos>,
+    now: Nanos,
+    timeout: Nanos,
+    recheck: Nanos,
+) -> DeadlineVerdict {
+    match last_output {
+        Some(last) if healthy && last + timeout > now => {
+            DeadlineVerdict::WaitUntil((last + timeout).min(now + recheck.max(Nanos(1))))
+        }
+        _ => DeadlineVerdict::Silent,
+    }
+}
+
 /// Why a worker failed a request mid-stream: the error event the client gets when the request
 /// does not migrate, and the label migrations are counted under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -401,6 +434,41 @@ impl MigrationState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_deadline_ejects_only_a_silent_or_unhealthy_worker() {
+        let s = Nanos::from_secs;
+        let (timeout, recheck) = (s(60), s(2));
+        // Output 10 s ago: busy; judged again at the next health check.
+        assert_eq!(
+            judge_deadline(true, Some(s(90)), s(100), timeout, recheck),
+            DeadlineVerdict::WaitUntil(s(102))
+        );
+        // Output 59 s ago: judged again when it will have been silent for the timeout.
+        assert_eq!(
+            judge_deadline(true, Some(s(41)), s(100), timeout, recheck),
+            DeadlineVerdict::WaitUntil(s(101))
+        );
+        // Silent for the whole timeout, or never sent anything: silent.
+        assert_eq!(
+            judge_deadline(true, Some(s(40)), s(100), timeout, recheck),
+            DeadlineVerdict::Silent
+        );
+        assert_eq!(
+            judge_deadline(true, None, s(100), timeout, recheck),
+            DeadlineVerdict::Silent
+        );
+        // Failing its health check: silent however recent its output.
+        assert_eq!(
+            judge_deadline(false, Some(s(100)), s(100), timeout, recheck),
+            DeadlineVerdict::Silent
+        );
+        // A zero recheck still moves time forward.
+        assert_eq!(
+            judge_deadline(true, Some(s(100)), s(100), timeout, Nanos::ZERO),
+            DeadlineVerdict::WaitUntil(Nanos(s(100).0 + 1))
+        );
+    }
 
     fn chunk(text: &str, ids: &[u32]) -> ChoiceOutput<'static> {
         ChoiceOutput {

@@ -653,6 +653,9 @@ struct FaultState {
     timeouts: rustc_hash::FxHashMap<u64, u32>,
     /// Workers that failed a request, out for the ejection time (the gateway's core).
     ejections: Ejections,
+    /// When each worker last produced output on any request (by worker index; `None`: not
+    /// yet): a deadline ejects only a silent worker (`router::judge_deadline`).
+    last_output: Vec<Option<Nanos>>,
     step: u64,
     /// The first invariant violation seen inside an event handler.
     violation: Option<String>,
@@ -682,6 +685,18 @@ impl FaultState {
         self.hang
             .as_ref()
             .is_some_and(|h| h.ejected && h.worker == worker)
+    }
+
+    fn saw_output(&mut self, worker: u32, at: Nanos) {
+        let w = worker as usize;
+        if self.last_output.len() <= w {
+            self.last_output.resize(w + 1, None);
+        }
+        self.last_output[w] = Some(at);
+    }
+
+    fn last_output(&self, worker: u32) -> Option<Nanos> {
+        self.last_output.get(worker as usize).copied().flatten()
     }
 }
 
@@ -1062,6 +1077,7 @@ impl<W: Workload> Simulation<W> {
                 self.cfg.failover.ejection,
                 self.cfg.max_workers.unwrap_or(self.cfg.workers) as usize + 1,
             ),
+            last_output: Vec::new(),
             step: 0,
             violation: None,
         };
@@ -1930,6 +1946,31 @@ impl<W: Workload> Simulation<W> {
             return;
         }
         let first_byte = !turn.leg_first_token;
+        // The gateway's judgement: a worker still streaming other requests is busy, not
+        // silent, and the request waits (the simulated worker is stopped, so it is silent
+        // once its health check fails or its last output is a timeout old).
+        let failover = self.cfg.failover;
+        let timeout = if first_byte {
+            failover.first_byte_timeout
+        } else {
+            failover.stall_timeout
+        };
+        if let router::DeadlineVerdict::WaitUntil(at) = router::judge_deadline(
+            !f.ejected(w),
+            f.last_output(w),
+            now,
+            timeout,
+            failover.health_interval,
+        ) {
+            if let Some(f) = self.faults.as_mut() {
+                f.schedule(at, FaultAction::Deadline(id, w));
+                self.timers.arm(Source::Fault, f.next_action());
+            }
+            return;
+        }
+        let Some(turn) = self.in_flight.get_mut(id) else {
+            return;
+        };
         turn.worker = None;
         let prompt = Arc::clone(turn.leg_prompt.as_ref().unwrap_or(&turn.prompt));
         let why = if first_byte {
@@ -2865,6 +2906,9 @@ impl<W: Workload> Simulation<W> {
         // previous worker's last token (the stall included) is an inter-token gap.
         let (start, end) = (start + f.leg_offset, end + f.leg_offset);
         let count = end.saturating_sub(start);
+        if let (Some(faults), Some(w), true) = (&mut self.faults, f.worker, count > 0) {
+            faults.saw_output(w, at);
+        }
         let prev = match f.last_token_at {
             Some(p) if start > 0 => p,
             _ => at,

@@ -24,7 +24,9 @@
 //!   each request routed to it waits its own deadline: `first_byte_timeout` before its
 //!   worker's first token (then it is routed again, at most `first_byte_retries` times; one
 //!   more timeout fails it, the gateway's 504), `stall_timeout` after its last token (then
-//!   it is migrated as above, or fails with `worker_timeout`). A request's timeout ejects
+//!   it is migrated as above, or fails with `worker_timeout`), judged as the gateway judges
+//!   it ([`router::judge_deadline`]: silent once its health check failed or its last output
+//!   on any request is a timeout old; until then the request waits). A request's timeout ejects
 //!   the worker for the ejection time ([`router::Ejections`]). When the process continues,
 //!   its engine picks up where it stopped (it is shifted in time by the hang), cancels the
 //!   requests whose clients gave up or moved, and the first passing health check once its
