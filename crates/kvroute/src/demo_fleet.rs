@@ -169,7 +169,10 @@ impl DemoFleet {
                 })
                 .collect();
             if let Err(e) = file.write(&engines) {
-                eprintln!("kvroute demo: Prometheus will not see the pools' new size: {e:#}");
+                eprintln!(
+                    "kvroute demo: Prometheus will not see the pools' new size: {}",
+                    crate::error_chain(&e)
+                );
             }
         }
         let staying = || state.workers.iter().filter(|w| !leaving.contains(&w.id));
@@ -213,7 +216,7 @@ impl DemoFleet {
                     .template
                     .start(id, role(pool))
                     .await
-                    .map_err(|e| format!("{e:#}"))?;
+                    .map_err(|e| crate::error_chain(&e))?;
                 if let Err(e) = gateway.add_worker(&WorkerSpec::new(engine.url())).await {
                     engine.shutdown().await;
                     return Err(format!("registering worker-{id}: {e}"));

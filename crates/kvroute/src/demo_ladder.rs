@@ -128,7 +128,10 @@ impl DemoLadder {
             match start_cluster(&template, &roles, &setup.router, self.gateway_port).await {
                 Ok(cluster) => return Ok(cluster),
                 Err(e) if attempt < BIND_ATTEMPTS => {
-                    eprintln!("kvroute demo: starting phase {phase} (attempt {attempt}): {e:#}");
+                    eprintln!(
+                        "kvroute demo: starting phase {phase} (attempt {attempt}): {}",
+                        crate::error_chain(&e)
+                    );
                     attempt += 1;
                     tokio::time::sleep(BIND_RETRY).await;
                 }
@@ -158,12 +161,17 @@ impl DemoLadder {
                 Ok(cluster) => (
                     previous.clone(),
                     cluster,
-                    Some(format!("{e:#}; phase {previous} runs again")),
+                    Some(format!(
+                        "{}; phase {previous} runs again",
+                        crate::error_chain(&e)
+                    )),
                 ),
                 Err(again) => {
                     return Err(format!(
-                        "{e:#}; restarting phase {previous} failed too ({again:#}): the demo \
-                         has no cluster, restart it"
+                        "{}; restarting phase {previous} failed too ({}): the demo has no \
+                         cluster, restart it",
+                        crate::error_chain(&e),
+                        crate::error_chain(&again)
                     ));
                 }
             },
@@ -207,7 +215,10 @@ impl DemoLadder {
             })
             .collect();
         if let Err(e) = file.write(&engines) {
-            eprintln!("kvroute demo: Prometheus will not see the new phase's workers: {e:#}");
+            eprintln!(
+                "kvroute demo: Prometheus will not see the new phase's workers: {}",
+                crate::error_chain(&e)
+            );
         }
     }
 }

@@ -4,9 +4,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
-use engine::{EngineConfig, HardwareProfile};
-use engine_server::{EngineServer, EngineServerConfig, EventEncoding, NatsConfig, ReplyLength};
+use anyhow::{Context, Result, anyhow, bail};
+use engine::{EngineConfig, EngineConfigError, HardwareProfile, ProfileError};
+use engine_server::{
+    EngineServer, EngineServerConfig, EventEncoding, NatsConfig, ReplyLength, ServerError,
+};
 use kv_index::WorkerId;
 use text::{ChatTemplate, Preprocessor, TemplateError, Tokenizer};
 
@@ -103,7 +105,7 @@ pub struct EngineArgs {
     /// KV pool size in blocks, instead of the profile's memory arithmetic.
     #[arg(long)]
     num_gpu_blocks: Option<u32>,
-    /// Most requests waiting for admission; more are refused with 429.
+    /// Most requests waiting for admission (at least 1); more are refused with 429.
     #[arg(long, default_value_t = 65_536)]
     max_waiting: u32,
     /// Mean length of replies when the request does not force one (tokens).
@@ -155,12 +157,12 @@ fn parse_role(value: &str) -> Result<engine_server::WorkerRole, String> {
 
 fn load_profile(args: &EngineArgs) -> Result<HardwareProfile> {
     let Some(path) = &args.profile_file else {
-        return HardwareProfile::builtin(&args.profile).with_context(|| {
-            format!(
-                "unknown profile {:?}; built-ins: {}",
-                args.profile,
-                HardwareProfile::builtin_names().join(", ")
-            )
+        return HardwareProfile::builtin(&args.profile).map_err(|e| match e {
+            ProfileError::UnknownBuiltin { name, known } => anyhow!(
+                "unknown profile {name:?} (--profile); the built-in profiles are {known} \
+                 (`kvroute profiles` lists them), or give your own file with --profile-file"
+            ),
+            other => other.into(),
         });
     };
     let text = std::fs::read_to_string(path)
@@ -176,6 +178,26 @@ fn load_profile(args: &EngineArgs) -> Result<HardwareProfile> {
 pub fn config(args: &EngineArgs) -> Result<EngineServerConfig> {
     if !(args.speedup.is_finite() && args.speedup > 0.0) {
         bail!("--speedup must be a positive number, got {}", args.speedup);
+    }
+    // Zero is no size: refused here in the flag's name, before the engine would refuse it in
+    // its own field's (or, for --max-waiting, accept it and answer every request 429).
+    for (flag, value, what) in [
+        ("--block-size", args.block_size, "tokens per KV block"),
+        ("--max-num-seqs", args.max_num_seqs, "sequences in a batch"),
+        (
+            "--num-gpu-blocks",
+            args.num_gpu_blocks,
+            "blocks in the KV pool; leave the flag out to size the pool from the profile's memory",
+        ),
+        (
+            "--max-waiting",
+            Some(args.max_waiting),
+            "requests waiting for admission; with 0 every request would be refused with 429",
+        ),
+    ] {
+        if value == Some(0) {
+            bail!("{flag} must be at least 1 ({what})");
+        }
     }
     let profile = load_profile(args)?;
     let mut engine = EngineConfig::from_profile(profile);
@@ -349,7 +371,18 @@ pub fn run(args: EngineArgs) -> Result<()> {
     });
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
-        let server = EngineServer::bind(config).await?;
+        let server = EngineServer::bind(config).await.map_err(|e| match e {
+            ServerError::Bind { addr, source } => {
+                crate::listener_args::cannot_listen(addr, &source, "--port", Some("--host"))
+            }
+            // The engine's advice names its configuration field; here the flag sets it.
+            ServerError::Engine(EngineConfigError::NoKvCapacity { profile }) => anyhow!(
+                "the KV pool has no blocks: profile {profile:?} leaves no GPU memory for the \
+                 cache; give the pool a size with --num-gpu-blocks N (or the profile file's \
+                 engine_defaults.num_gpu_blocks), or fix the profile's memory fields"
+            ),
+            other => other.into(),
+        })?;
         let info = server.info();
         println!(
             "kvroute engine: worker {} ({} on {}, {} KV blocks of {} tokens) listening on {}",

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-use gateway::{BlockSizeSource, Gateway, GatewayConfig, ReplicaSettings, Timeouts, WorkerSpec};
+use gateway::{
+    BlockSizeSource, Gateway, GatewayConfig, GatewayError, ReplicaSettings, Timeouts, WorkerSpec,
+};
 use nanotime::Nanos;
 use router::{KvCostParams, KvSource, PolicyKind, PolicyParams, RouterConfig};
 
@@ -134,11 +136,14 @@ pub struct GatewayArgs {
     #[arg(long, default_value_t = Timeouts::default().connect.as_secs_f64())]
     connect_timeout: f64,
     /// Seconds from sending a request to a worker to its first bytes (headers and first
-    /// event: queueing and prefill). A worker that misses it is ejected until its health
-    /// check passes, and the request is retried once on another worker.
+    /// event: queueing and prefill). Missed by a worker that sent nothing on any of its
+    /// requests for that long (or fails its health check), the worker is ejected until its
+    /// health check passes and the request is retried once on another worker; a worker still
+    /// streaming other requests is busy, and the request waits.
     #[arg(long, default_value_t = Timeouts::default().first_byte.as_secs_f64())]
     first_byte_timeout: f64,
-    /// Seconds a worker's stream may stay silent between two chunks; then the worker is
+    /// Seconds a worker's stream may stay silent between two chunks (while the worker is
+    /// silent on every request: a busy one is waited for); then the worker is
     /// ejected and the request migrated to another worker (or, past --migration-limit, the
     /// stream ends with an error event).
     #[arg(long, default_value_t = Timeouts::default().stall.as_secs_f64())]
@@ -311,7 +316,12 @@ pub fn run(args: GatewayArgs) -> Result<()> {
             .as_deref()
             .map(protocol::nats_client::redact);
         let approximate = matches!(config.router.kv_source, KvSource::Approximate { .. });
-        let mut gateway = Gateway::bind(config).await?;
+        let mut gateway = Gateway::bind(config).await.map_err(|e| match e {
+            GatewayError::Bind { addr, source } => {
+                crate::listener_args::cannot_listen(addr, &source, "--port", Some("--host"))
+            }
+            other => other.into(),
+        })?;
         let workers = gateway.dispatcher().workers();
         let routable = workers.iter().filter(|w| w.2).count();
         println!(

@@ -30,3 +30,31 @@ impl ConnectionArgs {
         ))
     }
 }
+
+/// A listener that could not bind `addr`: the system's reason, once, and what to do about it,
+/// naming the flags that chose the address (`port_flag`; `host_flag`, `None` where the
+/// address is not the user's choice).
+pub fn cannot_listen(
+    addr: std::net::SocketAddr,
+    source: &std::io::Error,
+    port_flag: &str,
+    host_flag: Option<&str>,
+) -> anyhow::Error {
+    use std::io::ErrorKind;
+    let advice = match (source.kind(), host_flag) {
+        (ErrorKind::AddrInUse, _) => format!(
+            "another process is listening there: stop it, or pick another port with {port_flag}"
+        ),
+        (ErrorKind::PermissionDenied, _) if addr.port() < 1024 => format!(
+            "ports below 1024 need extra privileges: pick one from 1024 up with {port_flag}"
+        ),
+        (ErrorKind::AddrNotAvailable, Some(host_flag)) => format!(
+            "{} is not an address of this machine: give one of its own with {host_flag} \
+             (0.0.0.0 listens on all of them)",
+            addr.ip()
+        ),
+        (_, Some(host_flag)) => format!("check {host_flag} and {port_flag}"),
+        (_, None) => format!("check {port_flag}"),
+    };
+    anyhow::anyhow!("cannot listen on {addr}: {source}; {advice}")
+}

@@ -8,7 +8,7 @@ use std::io::Read;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use kv_index::BlockHasher;
 
 /// mimalloc instead of glibc malloc: same results, about a quarter less CPU on the
@@ -100,8 +100,52 @@ struct HashArgs {
     tokens: Vec<String>,
 }
 
+/// The command line as clap reads it, where every option's value may start with a minus
+/// sign: `--speedup -1` reaches the flag's own check ("--speedup must be a positive number")
+/// instead of clap's "unexpected argument '-1' found".
+fn command() -> clap::Command {
+    fn negative_values(command: clap::Command) -> clap::Command {
+        command
+            .mut_args(|arg| {
+                if arg.get_action().takes_values() {
+                    arg.allow_negative_numbers(true)
+                } else {
+                    arg
+                }
+            })
+            .mut_subcommands(negative_values)
+    }
+    negative_values(Cli::command())
+}
+
+fn parse_cli() -> Cli {
+    let mut command = command();
+    let matches = command.get_matches_mut();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut command).exit())
+}
+
+/// An error and its causes, as `{:#}` prints them (`outer: inner: root`), less each cause whose
+/// text is already in what comes before it: an error whose message quotes its source (a
+/// thiserror `#[error("…: {0}")]` on a `#[from]` field, a `source` field named in the
+/// message, a context built with `format!("…: {e}")`) would otherwise print its reason twice.
+pub(crate) fn error_chain(err: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        let text = text.trim_end();
+        if text.is_empty() || out.contains(text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(text);
+    }
+    out
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse_cli();
     let result = match cli.command {
         Command::Hash(args) => hash(args),
         Command::Profiles(args) => profiles::run(args),
@@ -121,7 +165,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_chain(&err));
             ExitCode::FAILURE
         }
     }
@@ -221,6 +265,32 @@ fn server_runtime() -> Result<tokio::runtime::Runtime> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cause whose text its error already quotes is left out; others are kept, in order.
+    #[test]
+    fn an_error_chain_says_each_reason_once() {
+        let io = || std::io::Error::new(std::io::ErrorKind::AddrInUse, "address in use\n");
+        let quoting = anyhow::Error::new(io()).context(format!("cannot listen on x: {}", io()));
+        assert_eq!(error_chain(&quoting), "cannot listen on x: address in use");
+        let plain = anyhow::Error::new(io()).context("cannot listen on x");
+        assert_eq!(error_chain(&plain), "cannot listen on x: address in use");
+        let nested = quoting.context("starting the gateway");
+        assert_eq!(
+            error_chain(&nested),
+            "starting the gateway: cannot listen on x: address in use"
+        );
+    }
+
+    /// Every option takes a value with a leading minus, for its own check to judge.
+    #[test]
+    fn negative_numbers_are_values() {
+        command().debug_assert();
+        let cli = command()
+            .try_get_matches_from(["kvroute", "demo", "--speedup", "-1"])
+            .expect("-1 is --speedup's value");
+        let demo = cli.subcommand_matches("demo").expect("demo");
+        assert_eq!(demo.get_one::<f64>("speedup"), Some(&-1.0));
+    }
 
     /// The option index is mimalloc's enum position, not a name: a mimalloc that moved it would
     /// silently set another option. Its own default and a neighbour's pin it (run the test
