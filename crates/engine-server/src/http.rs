@@ -17,7 +17,7 @@ use protocol::http::{check_model, json_response, read_json_within};
 use protocol::{
     Api, ApiError, ApiRequest, ChatCompletionRequest, ChoiceOut, CompletionRequest, FinishReason,
     KvTransferParams, Model, ModelList, Prompt, ResponseHead, SamplingParams, TokenIds, Usage,
-    WorkerCard, WorkerRole, sse,
+    WorkerCard, WorkerRole, openai::Stop, sse,
 };
 use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
@@ -25,7 +25,9 @@ use tokio::sync::{mpsc, watch};
 use crate::config::ReplyLength;
 use crate::driver::{Clock, Command, FinishInfo, Progress, RequestState, Snapshot, Submission};
 use crate::metrics::ServerMetrics;
-use crate::replies::{ChatPromptError, LengthRequest, PlannedReply, TextAssets, plan_reply};
+use crate::replies::{
+    ChatPromptError, LengthRequest, PlannedReply, StopHold, TextAssets, plan_reply,
+};
 
 /// Shared by every handler.
 pub struct AppState {
@@ -62,10 +64,51 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/kv_state", get(kv_state))
         .route("/tokenize", post(tokenize))
         .route("/metrics", get(metrics));
-    crate::compat::routes(api)
+    let app = crate::compat::routes(api)
         .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .with_state(state);
+    // axum sets the `Allow` of its 405 outside a route's own layers: the body is written
+    // around the whole router, where the header is known.
+    Router::new()
+        .fallback_service(app)
+        .layer(axum::middleware::map_response(method_not_allowed))
         .layer(axum::middleware::from_fn(protocol::listener::limit_headers))
-        .with_state(state)
+}
+
+/// axum answers a method a path does not serve (`PUT /v1/chat/completions`, `POST
+/// /v1/models`) with 405, its `Allow` header and an empty body: this gives it OpenAI error
+/// JSON, as the gateway answers it, keeping `Allow`.
+async fn method_not_allowed(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+    response: Response,
+) -> Response {
+    if response.status() != StatusCode::METHOD_NOT_ALLOWED {
+        return response;
+    }
+    let allow = response.headers().get(header::ALLOW).cloned();
+    let allowed: Vec<&str> = allow
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                // GET implies HEAD: not worth a word.
+                .filter(|m| !m.is_empty() && *m != "HEAD")
+                .collect()
+        })
+        .unwrap_or_default();
+    let allowed = if allowed.is_empty() {
+        "another method".to_owned()
+    } else {
+        allowed.join(" or ")
+    };
+    let mut answer =
+        ApiError::method_not_allowed(method.as_str(), uri.path(), &allowed).into_response();
+    if let Some(allow) = allow {
+        answer.headers_mut().insert(header::ALLOW, allow);
+    }
+    answer
 }
 
 fn unix_now() -> u64 {
@@ -220,6 +263,7 @@ async fn serve(
     if params.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid_param("n", "only n = 1 is supported"));
     }
+    let stops = stop_strings(params.stop.as_ref())?;
     let max_tokens = params.max_output_tokens();
     if max_tokens == Some(0) {
         return Err(ApiError::invalid_param(
@@ -242,7 +286,7 @@ async fn serve(
     let leg = request_leg(state.info.role, params)?;
     let room = context - prompt.len() as u32;
     let request_seed = params.seed.unwrap_or(0).rotate_left(17);
-    let reply = plan_reply(
+    let mut reply = plan_reply(
         &state.assets,
         &prompt,
         &LengthRequest {
@@ -254,6 +298,11 @@ async fn serve(
         state.seed ^ request_seed,
     )
     .map_err(ApiError::internal)?;
+    // The reply is planned whole, so a stop string is found before the engine runs it: the
+    // engine generates the tokens up to the one completing it and no more, finishing the
+    // request there (no simulated GPU time after it), as a real engine does once it decodes
+    // the stop string.
+    reply.stop_at(&stops);
 
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let (progress_tx, mut progress) = watch::channel(Progress::new());
@@ -323,6 +372,8 @@ async fn serve(
             reply,
             meta,
             sent: 0,
+            sent_text: 0,
+            hold: (!stops.is_empty()).then(|| StopHold::new(&stops)),
             phase: Phase::Streaming,
             guard,
         };
@@ -359,6 +410,36 @@ async fn serve(
         meta.full_response(&reply, &finish)?
     };
     Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
+}
+
+/// OpenAI's limit on `stop` strings.
+const MAX_STOP_STRINGS: usize = 4;
+
+/// OpenAI's `stop`: a string or a list of at most four, none empty (400 naming `stop`
+/// otherwise; a value of another type is refused when the body is read). The reply's text is
+/// matched, which the engine has whatever the prompt's form (text or token ids).
+fn stop_strings(stop: Option<&Stop>) -> Result<Vec<&str>, ApiError> {
+    let stops: Vec<&str> = match stop {
+        None => Vec::new(),
+        Some(Stop::One(one)) => vec![one.as_str()],
+        Some(Stop::Many(many)) => many.iter().map(String::as_str).collect(),
+    };
+    if stops.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid_param(
+            "stop",
+            format!(
+                "`stop` takes at most {MAX_STOP_STRINGS} strings; this request has {}",
+                stops.len()
+            ),
+        ));
+    }
+    if stops.iter().any(|s| s.is_empty()) {
+        return Err(ApiError::invalid_param(
+            "stop",
+            "`stop` strings must not be empty",
+        ));
+    }
+    Ok(stops)
 }
 
 /// The leg a request runs as here, from its `kv_transfer_params` as vLLM's disaggregated
@@ -468,21 +549,22 @@ fn finish_reason(reply: &PlannedReply) -> FinishReason {
 }
 
 impl ResponseMeta {
-    /// The reply's tokens `from..to`: their text and, when asked for, their ids.
+    /// A choice of the reply's tokens `from..to` (their ids, when asked for) and of the bytes
+    /// `text` of its text (behind the tokens' own while a stream holds back a possible stop
+    /// string).
     fn choice<'a>(
         &self,
         reply: &'a PlannedReply,
-        from: u32,
-        to: u32,
+        (from, to): (u32, u32),
+        text: std::ops::Range<usize>,
         finish: Option<FinishReason>,
     ) -> ChoiceOut<'a> {
-        let done = reply.text_upto(from).len();
         ChoiceOut {
             index: 0,
             // The role rides on the first content chunk, so the first event a client sees is
             // the first token (TTFT measured on it is right).
             role: (from == 0).then_some("assistant"),
-            content: Some(&reply.text_upto(to)[done..]),
+            content: Some(reply.text.get(text).unwrap_or_default()),
             logprobs: None,
             finish_reason: finish.map(FinishReason::as_str),
             token_ids: self
@@ -496,7 +578,12 @@ impl ResponseMeta {
         reply: &PlannedReply,
         finish: &FinishInfo,
     ) -> Result<Vec<u8>, ApiError> {
-        let choice = self.choice(reply, 0, finish.output_tokens, Some(finish_reason(reply)));
+        let choice = self.choice(
+            reply,
+            (0, finish.output_tokens),
+            0..reply.text_upto(finish.output_tokens).len(),
+            Some(finish_reason(reply)),
+        );
         self.head
             .response_json(std::iter::once(choice), Some(&usage(finish)))
             .map_err(|e| ApiError::internal(format!("could not write the response: {e}")))
@@ -513,7 +600,12 @@ impl ResponseMeta {
         let written = |e: serde_json::Error| {
             ApiError::internal(format!("could not write the prefill response: {e}"))
         };
-        let choice = self.choice(reply, 0, finish.output_tokens, Some(FinishReason::Length));
+        let choice = self.choice(
+            reply,
+            (0, finish.output_tokens),
+            0..reply.text_upto(finish.output_tokens).len(),
+            Some(FinishReason::Length),
+        );
         let body = self
             .head
             .response_json(std::iter::once(choice), Some(&usage(finish)))
@@ -525,16 +617,17 @@ impl ResponseMeta {
         serde_json::to_vec(&response).map_err(written)
     }
 
-    /// Appends one chunk: new text (tokens `from..to`), an optional finish reason.
+    /// Appends one chunk: tokens `from..to`, the reply's new text `text`, an optional finish
+    /// reason.
     fn write_chunk(
         &self,
         out: &mut BytesMut,
         reply: &PlannedReply,
-        from: u32,
-        to: u32,
+        tokens: (u32, u32),
+        text: std::ops::Range<usize>,
         finish: Option<FinishReason>,
     ) -> Result<(), serde_json::Error> {
-        let choice = self.choice(reply, from, to, finish);
+        let choice = self.choice(reply, tokens, text, finish);
         self.head.write_chunk(out, std::iter::once(choice), None)
     }
 
@@ -561,7 +654,13 @@ struct Relay {
     progress: watch::Receiver<Progress>,
     reply: Arc<PlannedReply>,
     meta: ResponseMeta,
+    /// Tokens sent.
     sent: u32,
+    /// Bytes of the reply's text sent.
+    sent_text: usize,
+    /// With `stop` strings: the text that may begin one is held back until the next tokens
+    /// show it does not (or the reply ends before it).
+    hold: Option<StopHold>,
     phase: Phase,
     guard: CancelGuard,
 }
@@ -583,9 +682,14 @@ impl Relay {
                 RequestState::Finished(finish) => {
                     let last = finish.output_tokens.max(self.sent);
                     let reason = Some(finish_reason(&self.reply));
-                    let mut written =
-                        self.meta
-                            .write_chunk(&mut out, &self.reply, self.sent, last, reason);
+                    let text = self.sent_text..self.reply.text_upto(last).len();
+                    let mut written = self.meta.write_chunk(
+                        &mut out,
+                        &self.reply,
+                        (self.sent, last),
+                        text,
+                        reason,
+                    );
                     if written.is_ok() && self.meta.include_usage {
                         written = self.meta.write_usage_chunk(&mut out, &finish);
                     }
@@ -603,15 +707,29 @@ impl Relay {
                 }
                 RequestState::Submitted | RequestState::Accepted => {
                     if produced > self.sent {
-                        let written =
-                            self.meta
-                                .write_chunk(&mut out, &self.reply, self.sent, produced, None);
-                        if let Err(e) = written {
-                            return self
-                                .fail(ApiError::internal(format!("could not write a chunk: {e}")));
+                        let upto = self.reply.text_upto(produced);
+                        let end = match &mut self.hold {
+                            None => upto.len(),
+                            Some(hold) => floor_char_boundary(upto, hold.sendable(upto)),
+                        };
+                        // All the new text held back: its tokens go with the next chunk.
+                        if self.hold.is_none() || end > self.sent_text {
+                            let written = self.meta.write_chunk(
+                                &mut out,
+                                &self.reply,
+                                (self.sent, produced),
+                                self.sent_text..end,
+                                None,
+                            );
+                            if let Err(e) = written {
+                                return self.fail(ApiError::internal(format!(
+                                    "could not write a chunk: {e}"
+                                )));
+                            }
+                            self.sent = produced;
+                            self.sent_text = end;
+                            return Some((Ok(out.freeze()), self));
                         }
-                        self.sent = produced;
-                        return Some((Ok(out.freeze()), self));
                     }
                 }
             }
@@ -634,6 +752,15 @@ impl Relay {
         self.phase = Phase::Done;
         Some((Ok(out.freeze()), self))
     }
+}
+
+/// `at`, or the character boundary before it.
+fn floor_char_boundary(text: &str, mut at: usize) -> usize {
+    at = at.min(text.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {

@@ -13,8 +13,16 @@
 //! (Llama-3 template), both streaming (SSE, `stream_options.include_usage`) or not;
 //! `GET /v1/models`, `GET /health`, `GET /info` (its [`protocol::WorkerCard`]),
 //! `POST /tokenize`, `GET /metrics` (see [`metrics`]). Errors are OpenAI error JSON: bad
-//! JSON 400, prompt over the context 400 `context_length_exceeded`, unknown model 404, body
-//! over the limit 413, engine queue full 429.
+//! JSON 400, prompt over the context 400 `context_length_exceeded`, unknown model 404, a
+//! method the path does not serve 405 `method_not_allowed` (with `Allow`), body over the
+//! limit 413, engine queue full 429.
+//!
+//! OpenAI's `stop` (a string or up to four; an empty one, or more, is a 400 naming `stop`)
+//! ends a reply just before the first stop string its text completes, whatever the prompt's
+//! form (the reply's text is always known, token-id prompts included): `finish_reason` is
+//! `stop`, and the engine generates, and usage and `token_ids` count, the tokens up to the one
+//! completing it, no more. A stream holds back text that may begin a stop string until the
+//! next tokens show whether it does, so no part of one is ever sent.
 //!
 //! # Invariants
 //!

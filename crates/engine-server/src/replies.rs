@@ -143,13 +143,133 @@ pub struct PlannedReply {
 }
 
 impl PlannedReply {
-    /// The text of tokens `0..count`.
+    /// The text of tokens `0..count` (never past the end of `text`, which a stop string cuts
+    /// short of its tokens' text: [`PlannedReply::stop_at`]).
     pub fn text_upto(&self, count: u32) -> &str {
         let end = (count as usize)
             .min(self.text_end.len())
             .checked_sub(1)
             .map_or(0, |last| self.text_end[last] as usize);
-        &self.text[..end]
+        &self.text[..end.min(self.text.len())]
+    }
+
+    /// Applies OpenAI's `stop`: where the reply's text first completes one of `stops`, the
+    /// reply ends. Its tokens are cut after the one that completes the stop string (those the
+    /// engine generates, and usage counts, as a real engine stops once it has decoded it),
+    /// its text just before the stop string (not returned), and it ends with `stop`, not
+    /// `length`. Among stop strings completed by the same token, the one that starts first
+    /// wins. Nothing changes when no stop string occurs. Returns whether one did.
+    pub fn stop_at(&mut self, stops: &[&str]) -> bool {
+        // (tokens up to the one completing it, where the stop string starts)
+        let mut first: Option<(usize, usize)> = None;
+        for stop in stops.iter().filter(|s| !s.is_empty()) {
+            let Some(start) = self.text.find(stop) else {
+                continue;
+            };
+            let end = start + stop.len();
+            // The first token whose text reaches the end of the match; all of them when
+            // the token offsets fall short of the text (a lossy decode).
+            let tokens = self
+                .text_end
+                .partition_point(|&e| (e as usize) < end)
+                .saturating_add(1)
+                .min(self.text_end.len());
+            if first.is_none_or(|best| (tokens, start) < best) {
+                first = Some((tokens, start));
+            }
+        }
+        let Some((tokens, start)) = first else {
+            return false;
+        };
+        self.ids = self.ids[..tokens].into();
+        self.text_end.truncate(tokens);
+        self.text.truncate(start);
+        self.truncated = false;
+        true
+    }
+}
+
+/// What a stream may send of a reply's text while the reply goes on: all but its longest
+/// ending that begins one of the stop strings (one the next tokens may complete, whose text
+/// must then never have been sent). Scans each byte once, whatever the stop strings' length
+/// (Knuth–Morris–Pratt, one matcher per stop string).
+pub struct StopHold {
+    matchers: Vec<Matcher>,
+    /// Bytes of the text scanned so far.
+    scanned: usize,
+}
+
+struct Matcher {
+    pattern: Box<[u8]>,
+    /// `fail[i]`: the longest proper prefix of `pattern[..=i]` that is also its suffix.
+    fail: Vec<usize>,
+    /// The longest prefix of `pattern` the text scanned so far ends with.
+    matched: usize,
+}
+
+impl Matcher {
+    fn new(pattern: &str) -> Matcher {
+        let pattern: Box<[u8]> = pattern.as_bytes().into();
+        let mut fail = vec![0; pattern.len()];
+        let mut k = 0;
+        for i in 1..pattern.len() {
+            while k > 0 && pattern[i] != pattern[k] {
+                k = fail[k - 1];
+            }
+            if pattern[i] == pattern[k] {
+                k += 1;
+            }
+            fail[i] = k;
+        }
+        Matcher {
+            pattern,
+            fail,
+            matched: 0,
+        }
+    }
+
+    fn push(&mut self, byte: u8) {
+        let mut k = self.matched;
+        while k > 0 && self.pattern[k] != byte {
+            k = self.fail[k - 1];
+        }
+        if self.pattern[k] == byte {
+            k += 1;
+        }
+        if k == self.pattern.len() {
+            // A whole stop string: the reply was cut before it (`PlannedReply::stop_at`), so
+            // this is not reached; hold only what could begin another occurrence.
+            k = self.fail[k - 1];
+        }
+        self.matched = k;
+    }
+}
+
+impl StopHold {
+    /// For `stops` (empty strings ignored).
+    pub fn new(stops: &[&str]) -> StopHold {
+        StopHold {
+            matchers: stops
+                .iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| Matcher::new(s))
+                .collect(),
+            scanned: 0,
+        }
+    }
+
+    /// How many bytes of `text` (the reply's text so far, each call's extending the last's)
+    /// may be sent.
+    pub fn sendable(&mut self, text: &str) -> usize {
+        let bytes = text.as_bytes();
+        for &byte in &bytes[self.scanned.min(bytes.len())..] {
+            for matcher in &mut self.matchers {
+                matcher.push(byte);
+            }
+        }
+        self.scanned = self.scanned.max(bytes.len());
+        let held = self.matchers.iter().map(|m| m.matched).max().unwrap_or(0);
+        bytes.len().saturating_sub(held)
     }
 }
 
@@ -342,6 +462,88 @@ mod tests {
             .chat_prompt_ending(std::slice::from_ref(&question), ChatEnding::Closed)
             .unwrap();
         assert!(prompt.starts_with(&closed) && prompt.len() > closed.len());
+    }
+
+    /// The longest ending of `text` that is a proper prefix of a stop string, the slow way.
+    fn held_naively(text: &str, stops: &[&str]) -> usize {
+        stops
+            .iter()
+            .flat_map(|stop| (1..stop.len()).map(move |n| &stop[..n]))
+            .filter(|prefix| text.ends_with(prefix))
+            .map(str::len)
+            .max()
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn held_text_is_the_longest_ending_that_begins_a_stop_string() {
+        let stops = ["abab", "aab", "ba", "xyz"];
+        // Every text of a's and b's up to 9 letters, fed a letter at a time.
+        for len in 1..=9u32 {
+            for bits in 0..(1u32 << len) {
+                let text: String = (0..len)
+                    .map(|i| if bits >> i & 1 == 1 { 'b' } else { 'a' })
+                    .collect();
+                let mut hold = StopHold::new(&stops);
+                for end in 1..=text.len() {
+                    let sent = hold.sendable(&text[..end]);
+                    assert_eq!(
+                        end - sent,
+                        held_naively(&text[..end], &stops),
+                        "{:?}",
+                        &text[..end]
+                    );
+                }
+            }
+        }
+        // Fed several bytes at once, and a multi-byte stop string.
+        let mut hold = StopHold::new(&["é€x"]);
+        assert_eq!(hold.sendable("caf"), 3);
+        assert_eq!(hold.sendable("café€"), "caf".len());
+        assert_eq!(hold.sendable("café€y"), "café€y".len());
+        // Without stop strings, everything.
+        assert_eq!(StopHold::new(&[]).sendable("abc"), 3);
+    }
+
+    #[test]
+    fn a_stop_string_cuts_the_text_before_it_and_the_tokens_after_the_one_completing_it() {
+        let assets = &TextAssets::builtin().unwrap();
+        let prompt = assets.encode("Tell me about caching.");
+        let length = LengthRequest {
+            max_tokens: Some(80),
+            ignore_eos: true,
+            room: 1_000,
+        };
+        let plan = || plan_reply(assets, &prompt, &length, ReplyLength::default(), 7).unwrap();
+        let full = plan();
+        // Six bytes of the second half that occur nowhere earlier, nor do their last three.
+        let text = &full.text;
+        let first = (text.len() / 2..text.len() - 6)
+            .find(|&i| {
+                text.get(i..i + 6).is_some_and(|s| text.find(s) == Some(i))
+                    && text
+                        .get(i + 3..i + 6)
+                        .is_some_and(|s| text.find(s) == Some(i + 3))
+            })
+            .expect("a fresh stop string in the second half");
+        let stop = &text[first..first + 6];
+        let mut cut = plan();
+        assert!(cut.stop_at(&["no such text", stop]));
+        assert_eq!(cut.text, full.text[..first]);
+        assert!(!cut.truncated);
+        let tokens = cut.ids.len();
+        assert_eq!(cut.ids[..], full.ids[..tokens]);
+        assert!(full.text_upto(tokens as u32).len() >= first + stop.len());
+        assert!(full.text_upto(tokens as u32 - 1).len() < first + stop.len());
+        assert_eq!(cut.text_upto(tokens as u32), cut.text);
+        // Two stop strings completed by the same token: the one starting first.
+        let mut both = plan();
+        assert!(both.stop_at(&[&stop[3..], stop]));
+        assert_eq!(both.text, full.text[..first]);
+        // None occurring: nothing changes.
+        let mut same = plan();
+        assert!(!same.stop_at(&["no such text"]));
+        assert_eq!((same.text, same.ids.len()), (full.text.clone(), 80));
     }
 
     #[test]

@@ -492,3 +492,58 @@ async fn a_chat_can_continue_its_final_message() {
     assert_eq!(status, 400);
     assert_eq!(error["param"], "continue_final_message", "{error}");
 }
+
+/// A method a path does not serve: 405 with OpenAI error JSON, as the gateway answers it, and
+/// the `Allow` header naming what it serves.
+#[tokio::test]
+async fn a_wrong_method_is_a_405_in_openai_json_with_allow() {
+    let (_server, base) = start(config(1_000.0)).await;
+    for (method, path, allow, says) in [
+        (
+            reqwest::Method::PUT,
+            "/v1/chat/completions",
+            "POST",
+            "PUT is not allowed on /v1/chat/completions; use POST.",
+        ),
+        (
+            reqwest::Method::GET,
+            "/v1/completions",
+            "POST",
+            "GET is not allowed on /v1/completions; use POST.",
+        ),
+        (
+            reqwest::Method::POST,
+            "/v1/models",
+            "GET,HEAD",
+            "POST is not allowed on /v1/models; use GET.",
+        ),
+        (
+            reqwest::Method::DELETE,
+            "/health",
+            "GET,HEAD",
+            "DELETE is not allowed on /health; use GET.",
+        ),
+    ] {
+        let response = client()
+            .request(method.clone(), format!("{base}{path}"))
+            .send()
+            .await
+            .expect("request sent");
+        assert_eq!(response.headers()["allow"], allow, "{method} {path}");
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/json",
+            "{method} {path}"
+        );
+        let (status, error) = error_of(response).await;
+        assert_eq!(status, 405, "{method} {path}: {error}");
+        assert_eq!(error["code"], "method_not_allowed", "{method} {path}");
+        assert_eq!(error["type"], "invalid_request_error", "{method} {path}");
+        assert_eq!(error["message"], says, "{method} {path}");
+    }
+    // The right methods still work behind the same router; an unknown path is still a 404.
+    let models: Value = get_json(&format!("{base}/v1/models")).await;
+    assert_eq!(models["data"][0]["id"], MODEL);
+    let (status, _) = error_of(client().get(format!("{base}/v9")).send().await.unwrap()).await;
+    assert_eq!(status, 404);
+}

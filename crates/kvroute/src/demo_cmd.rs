@@ -107,7 +107,7 @@ pub struct DriveArgs {
     #[arg(long, default_value_t = 60.0)]
     window: f64,
     /// Run this many (modelled) seconds after the start, write --report, and exit: a
-    /// measurement instead of a demo.
+    /// measurement instead of a demo. The exit status is 1 if any request failed.
     #[arg(long, requires = "start")]
     run_for: Option<f64>,
     /// With --run-for: where to write the final status (the API's JSON).
@@ -134,7 +134,21 @@ pub struct DriveArgs {
 }
 
 impl DriveArgs {
+    /// The workload and dashboard settings, checked; `time_scale` is --speedup.
     fn drive(&self, time_scale: f64) -> Result<DriveConfig> {
+        if !(1..=loadgen::MAX_CONCURRENCY).contains(&self.concurrency) {
+            bail!(
+                "--concurrency must be between 1 and {} conversations, got {}",
+                loadgen::MAX_CONCURRENCY,
+                self.concurrency
+            );
+        }
+        if !(time_scale.is_finite() && time_scale > 0.0) {
+            bail!(
+                "--speedup must be a positive number (model seconds per wall second), got \
+                 {time_scale}"
+            );
+        }
         if !(self.think_time.is_finite() && self.think_time >= 0.0) {
             bail!(
                 "--think-time must be a number of seconds ≥ 0, got {}",
@@ -288,7 +302,8 @@ pub struct LoadgenArgs {
     /// not a loopback address. Open the dashboard as http://HOST:PORT/?token=TOKEN.
     #[arg(long, env = "KVROUTE_API_TOKEN", hide_env_values = true)]
     api_token: Option<String>,
-    /// Base URL of the OpenAI-compatible endpoint to load (a gateway, vLLM, …), without /v1.
+    /// Base URL of the OpenAI-compatible endpoint to load (a gateway, vLLM, …), without /v1
+    /// (a final /v1, as in OpenAI SDKs' base URLs, is dropped).
     #[arg(long)]
     target: String,
     /// The model name sent in requests.
@@ -326,7 +341,7 @@ pub struct LoadgenArgs {
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     trace_max_open: u64,
     /// With --trace: replay it without the dashboard, printing progress to stderr every 5 s and
-    /// the summary to stdout, and exit when the replay ends.
+    /// the summary to stdout, and exit when the replay ends (status 1 if any request failed).
     #[arg(long, requires = "trace")]
     headless: bool,
     /// With --trace: replay it headless and print the summary as JSON (implies --headless).
@@ -478,11 +493,35 @@ struct GatewayFlags {
     args: gateway_cmd::GatewayArgs,
 }
 
-pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
-    let target = args.target.trim_end_matches('/').to_owned();
-    if !(target.starts_with("http://") || target.starts_with("https://")) {
-        bail!("--target must be an http:// or https:// URL, got {target:?}");
+/// --target as the base URL the load generator puts `/v1/…` under: without a trailing `/`,
+/// and without a final `/v1` path segment, which OpenAI SDKs' base URLs end in and users paste
+/// (requests would go to `/v1/v1/…` and all fail with 404); a note on stderr says so once.
+fn base_url(command: &str, target: &str) -> String {
+    let trimmed = target.trim_end_matches('/');
+    let path_start = trimmed
+        .find("://")
+        .map(|i| i + 3)
+        .and_then(|authority| trimmed[authority..].find('/').map(|p| authority + p));
+    match (path_start, trimmed.strip_suffix("/v1")) {
+        (Some(path), Some(base)) if base.len() >= path => {
+            eprintln!(
+                "kvroute {command}: note: --target {target} ends in /v1; using {base} (the load \
+                 generator adds /v1/… to it)"
+            );
+            base.to_owned()
+        }
+        _ => trimmed.to_owned(),
     }
+}
+
+pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
+    if !(args.target.starts_with("http://") || args.target.starts_with("https://")) {
+        bail!(
+            "--target must be an http:// or https:// URL, got {:?}",
+            args.target.trim_end_matches('/')
+        );
+    }
+    let target = base_url("loadgen", &args.target);
     // A missing or garbled trace is refused here, before anything listens.
     let trace = args.trace.load()?;
     if let Some(loaded) = &trace {
@@ -525,7 +564,7 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
     };
     let runtime = crate::server_runtime()?;
     runtime.block_on(async {
-        let loadgen = Loadgen::bind(config).await?;
+        let loadgen = Loadgen::bind(config).await.map_err(dashboard_bind_error)?;
         println!("kvroute loadgen: dashboard on {}", loadgen.url());
         if args.api_token.is_some() {
             println!(
@@ -554,7 +593,7 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
                 args.trace_max_open,
             ))
         });
-        run_or_wait(&loadgen, &args.drive, args.speedup).await?;
+        let failures = run_or_wait(&loadgen, &args.drive, args.speedup).await?;
         if let Some(task) = summaries {
             task.abort();
         }
@@ -570,7 +609,7 @@ pub fn run_loadgen(args: LoadgenArgs) -> Result<()> {
                 &handle.status().replay,
             );
         }
-        Ok(())
+        failures.check()
     })
 }
 
@@ -684,7 +723,18 @@ fn replay_trace(args: &LoadgenArgs, target: &str, loaded: &LoadedTrace) -> Resul
     } else {
         print_trace_summary(&loaded.describe(), args.trace_max_open, &status);
     }
-    Ok(())
+    let s = &status.stats;
+    Failures {
+        failed: s.failed,
+        of: s.finished + s.failed,
+        example: None,
+        see: if args.json {
+            " (why: `errors` in the JSON above)"
+        } else {
+            " (why: the errors above)"
+        },
+    }
+    .check()
 }
 
 /// A replay's summary on stdout: counts, TTFT, the server's hit rate beside the bound, errors.
@@ -843,7 +893,13 @@ pub(crate) async fn start_cluster(
     {
         Ok(config) => Gateway::bind(config)
             .await
-            .with_context(|| format!("starting the {router} gateway on port {gateway_port}")),
+            .map_err(|e| match e {
+                gateway::GatewayError::Bind { addr, source } => {
+                    crate::listener_args::cannot_listen(addr, &source, "--gateway-port", None)
+                }
+                other => other.into(),
+            })
+            .with_context(|| format!("starting the {router} gateway")),
         Err(e) => Err(e),
     };
     match gateway {
@@ -862,10 +918,66 @@ pub(crate) async fn start_cluster(
     }
 }
 
+/// The dashboard's listener error, with what to do when it is its address that failed.
+fn dashboard_bind_error(e: loadgen::LoadgenError) -> anyhow::Error {
+    match e {
+        loadgen::LoadgenError::Bind { addr, source } => {
+            crate::listener_args::cannot_listen(addr, &source, "--port", Some("--host"))
+        }
+        other => other.into(),
+    }
+}
+
+impl DemoArgs {
+    /// Refuses two listeners of the demo on one port (0, any free port, never clashes): the
+    /// dashboard (--port), the gateways (--gateway-port, and the next port with --compare) and
+    /// Prometheus (--prometheus-port).
+    fn check_ports(&self) -> Result<()> {
+        let mut ports: Vec<(u16, String)> = Vec::new();
+        if self.target.is_none() && self.gateway_port != 0 {
+            ports.push((self.gateway_port, "--gateway-port (the gateway)".to_owned()));
+            if self.compare.is_some() {
+                let Some(second) = self.gateway_port.checked_add(1) else {
+                    bail!(
+                        "--gateway-port {} is too high for two gateways: --compare puts the \
+                         second on the next port",
+                        self.gateway_port
+                    );
+                };
+                ports.push((
+                    second,
+                    format!("the second gateway of --compare (--gateway-port + 1 = {second})"),
+                ));
+            }
+        }
+        if self.port != 0 {
+            ports.push((self.port, "--port (the dashboard)".to_owned()));
+        }
+        if self.prometheus && self.prometheus_port != 0 {
+            ports.push((
+                self.prometheus_port,
+                "--prometheus-port (Prometheus)".to_owned(),
+            ));
+        }
+        for (i, (port, first)) in ports.iter().enumerate() {
+            if let Some((_, second)) = ports[i + 1..].iter().find(|(p, _)| p == port) {
+                bail!(
+                    "port {port} is given twice: to {first} and to {second}; each needs a port \
+                     of its own, so change one of them"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 pub fn run_demo(args: DemoArgs) -> Result<()> {
     if args.workers == 0 || args.workers > 64 {
         bail!("--workers must be between 1 and 64, got {}", args.workers);
     }
+    args.check_ports()?;
+    // Bad workload, dashboard or --speedup flags fail here, before anything starts or prints.
+    let drive = args.drive.drive(args.speedup)?;
     if args.disaggregated() {
         for (flag, n) in [
             ("--prefill-workers", args.prefill_workers),
@@ -907,7 +1019,6 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             .parse::<PolicyKind>()
             .map_err(|e| anyhow::anyhow!("router {router:?}: {e}"))?;
     }
-    let drive = args.drive.drive(args.speedup)?;
     // The recorded comparison should be of this very cluster: unless one is given, simulate it
     // now (about a second), on localhost (no serving path outside the GPUs).
     let baseline =
@@ -981,7 +1092,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             lanes.push(LaneSpec::for_gateway(
                 "live",
                 None,
-                target,
+                &base_url("demo", target),
                 "llama-3.1-70b-instruct",
             ));
         } else {
@@ -1094,7 +1205,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                 }),
             ..LoadgenConfig::new(lanes)
         };
-        let loadgen = Loadgen::bind(config).await?;
+        let loadgen = Loadgen::bind(config).await.map_err(dashboard_bind_error)?;
         // Started last, when every address it scrapes is bound; kept until the end (drop
         // stops it).
         let _prometheus = match (prometheus_port, scraped) {
@@ -1139,7 +1250,7 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
                 loadgen.url()
             );
         }
-        run_or_wait(&loadgen, &args.drive, args.speedup).await?;
+        let failures = run_or_wait(&loadgen, &args.drive, args.speedup).await?;
         println!("kvroute demo: shutting down");
         loadgen.shutdown().await;
         if let Some(fleet) = fleet {
@@ -1155,16 +1266,49 @@ pub fn run_demo(args: DemoArgs) -> Result<()> {
             }
         }
         println!("kvroute demo: stopped");
-        Ok(())
+        failures.check()
     })
 }
 
-/// Waits for Ctrl-C, or with --run-for measures for that long (modelled seconds, `speedup`
-/// times faster in wall time), prints the figures and writes --report.
-async fn run_or_wait(loadgen: &Loadgen, drive: &DriveArgs, speedup: f64) -> Result<()> {
+/// The requests of a measurement that failed, to be told last (after the figures, the report
+/// and the shutdown) and to make the exit status non-zero: a script or CI job must tell a
+/// failed run from a good one.
+#[derive(Default)]
+struct Failures {
+    failed: u64,
+    of: u64,
+    /// Why, if the figures printed before did not say it.
+    example: Option<String>,
+    /// Where the reasons are.
+    see: &'static str,
+}
+
+impl Failures {
+    /// An error, the process's last line on stderr, when any request failed.
+    fn check(self) -> Result<()> {
+        if self.failed == 0 {
+            return Ok(());
+        }
+        let why = match self.example {
+            Some(example) => format!("; the latest: {example}"),
+            None => String::new(),
+        };
+        bail!(
+            "{} of {} requests failed{why}{}",
+            self.failed,
+            self.of,
+            self.see
+        )
+    }
+}
+
+/// Waits for Ctrl-C (the dashboard: whatever failed, the exit status is 0), or with
+/// --run-for measures for that long (modelled seconds, `speedup` times faster in wall time),
+/// prints the figures, writes --report and returns the requests that failed.
+async fn run_or_wait(loadgen: &Loadgen, drive: &DriveArgs, speedup: f64) -> Result<Failures> {
     let Some(run_for) = drive.run_for else {
         gateway_cmd::shutdown_signal().await;
-        return Ok(());
+        return Ok(Failures::default());
     };
     let wall = Duration::from_secs_f64(run_for / speedup);
     tokio::select! {
@@ -1199,5 +1343,12 @@ async fn run_or_wait(loadgen: &Loadgen, drive: &DriveArgs, speedup: f64) -> Resu
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
         println!("report: {}", path.display());
     }
-    Ok(())
+    let failed: u64 = status.lanes.iter().map(|l| l.metrics.errors).sum();
+    let finished: u64 = status.lanes.iter().map(|l| l.metrics.requests).sum();
+    Ok(Failures {
+        failed,
+        of: failed + finished,
+        example: loadgen.app().recent_errors(1).pop(),
+        see: "",
+    })
 }

@@ -100,6 +100,15 @@ fn error_message(body: &[u8]) -> String {
     }
 }
 
+/// What a 404 says besides the server's message: the URL asked, and the two usual causes (a
+/// target with a path, `/v1` above all, and a model the server does not serve).
+fn not_found_hint(url: &str) -> String {
+    format!(
+        " (POST {url}: is the target the server's base URL, without /v1 or another path, and \
+         the model one it serves?)"
+    )
+}
+
 /// Posts `body` (a chat request with `"stream": true`) to `url` and reads the stream to its
 /// end, measuring TTFT, ITL and E2E from the moment the request is sent. `max_text` bounds
 /// the reply text kept (bytes); tokens are still counted past it.
@@ -147,9 +156,13 @@ async fn stream_inner(
                 break;
             }
         }
+        let mut message = error_message(&body);
+        if status == reqwest::StatusCode::NOT_FOUND {
+            message.push_str(&not_found_hint(url));
+        }
         return Err(TurnError::Status {
             status: status.as_u16(),
-            message: error_message(&body),
+            message,
         });
     }
     let worker = response

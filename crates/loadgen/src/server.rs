@@ -137,6 +137,29 @@ impl App {
         self.lanes.iter().any(|l| lock(&l.state).running)
     }
 
+    /// Up to `limit` distinct messages of the failed turns the conversations kept show,
+    /// newest conversation first: why the lanes' `errors` failed (a headless run names one).
+    pub fn recent_errors(&self, limit: usize) -> Vec<String> {
+        let mut errors: Vec<String> = Vec::new();
+        for lane in &self.lanes {
+            let state = lock(&lane.state);
+            let failed = state
+                .store
+                .newest(usize::MAX)
+                .filter(|c| c.status == ConversationStatus::Error)
+                .flat_map(|c| c.turns.iter().filter_map(|t| t.error.as_deref()));
+            for error in failed {
+                if errors.len() >= limit {
+                    return errors;
+                }
+                if !errors.iter().any(|e| e == error) {
+                    errors.push(error.to_owned());
+                }
+            }
+        }
+        errors
+    }
+
     /// The workers' metrics endpoints after the fleet changed (the GPU view follows it).
     pub fn set_worker_metrics(&self, workers: Vec<(String, String)>) {
         for lane in &self.lanes {
