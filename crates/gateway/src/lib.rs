@@ -186,14 +186,27 @@ impl Gateway {
         // Workers started with the gateway may not listen yet: rather than pick a default
         // block size a worker then contradicts, give them a while to answer.
         let deadline = tokio::time::Instant::now() + config.block_size_wait;
+        let none_up = |probes: &[registry::Probe]| {
+            !probes.is_empty() && probes.iter().all(|p| matches!(p, registry::Probe::Down(_)))
+        };
+        if config.block_size_from_workers && none_up(&probes) {
+            // Said at once and once: the gateway does not listen while it waits.
+            let why = probes.iter().find_map(|p| match p {
+                registry::Probe::Down(why) => Some(why.as_str()),
+                _ => None,
+            });
+            tracing::warn!(
+                wait_s = config.block_size_wait.as_secs_f64(),
+                first = ?config.workers.first().map(|w| &w.url),
+                why = why.unwrap_or_default(),
+                "no worker answers /info yet; waiting for one to learn the KV block size \
+                 before listening (--kv-block-size N starts at once)"
+            );
+        }
         while config.block_size_from_workers
-            && probes.iter().all(|p| matches!(p, registry::Probe::Down(_)))
-            && !probes.is_empty()
+            && none_up(&probes)
             && tokio::time::Instant::now() < deadline
         {
-            tracing::info!(
-                "no worker answers /info yet; waiting for one to learn the KV block size"
-            );
             tokio::time::sleep(Duration::from_millis(500)).await;
             probes = probe_all().await;
         }

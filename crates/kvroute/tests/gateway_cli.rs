@@ -2,9 +2,10 @@
 //! processes behind it, one of them killed mid-stream, registration over a real nats-server,
 //! and a graceful stop on SIGTERM.
 
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{Server, failure, get_json, get_text, kvroute};
+use common::{Running, Server, failure, get_json, get_text, kvroute};
 use futures::StreamExt;
 mod common;
 // The gateway's tests' nats-server harness, shared rather than copied.
@@ -232,4 +233,30 @@ async fn engines_register_over_nats_and_a_killed_one_expires() {
     // SIGKILL: no goodbye; the lease runs out.
     engines[0].running.kill();
     wait_health(&gateway.url, 1).await;
+}
+
+/// A gateway whose only worker does not answer waits for it before listening (to learn the KV
+/// block size), and says so at once rather than after the wait.
+#[test]
+fn a_gateway_waiting_for_its_workers_says_so_at_once() {
+    let mut gateway = Running::spawn(
+        &["gateway", "--port", "0", "--worker", "http://127.0.0.1:1"],
+        Stdio::piped(),
+    );
+    let lines = gateway.merged_lines();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut seen = Vec::new();
+    let said = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) if line.contains("waiting for one to learn the KV block size") => {
+                break Some(line);
+            }
+            Ok(line) => seen.push(line),
+            Err(_) => break None,
+        }
+    };
+    gateway.kill();
+    let said = said.unwrap_or_else(|| panic!("nothing said within 10 s: {seen:?}"));
+    assert!(said.contains("--kv-block-size"), "{said}");
 }
