@@ -263,8 +263,7 @@ async fn bad_stop_values_are_400s_naming_the_field() {
                 error["error"]["type"], "invalid_request_error",
                 "{path} {stop}: {error}"
             );
-            // A value of another type fails as the body is read: serde's message names the
-            // field's type, `Stop`.
+            // A value of another type fails as the body is read, with `Stop`'s own message.
             let message = error["error"]["message"].as_str().unwrap().to_lowercase();
             assert!(message.contains(says), "{path} {stop}: {error}");
             if stop.is_array() && stop.as_array().unwrap().iter().all(Value::is_string)

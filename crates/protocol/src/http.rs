@@ -8,16 +8,42 @@ use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
 
-/// Parses a request body: 400 with serde's message (which names the field and its position)
-/// when it is not JSON or not the expected shape.
+/// Parses a request body: 400 when it is not JSON (with serde's position of the error) or
+/// not the expected shape (naming the field, as OpenAI's `param`, e.g. `messages[0].content`).
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(bytes).map_err(|e| {
+    let not_json = |e: serde_json::Error| {
+        ApiError::invalid_request(format!("The request body is not valid JSON: {e}"))
+    };
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let e = e.into_inner();
         if e.is_syntax() || e.is_eof() {
-            ApiError::invalid_request(format!("The request body is not valid JSON: {e}"))
-        } else {
-            ApiError::invalid_request(format!("Invalid request: {e}"))
+            return not_json(e);
         }
-    })
+        let message = shape_message(&e);
+        if path.is_empty() || path == "." {
+            ApiError::invalid_request(format!("Invalid request: {message}"))
+        } else {
+            ApiError::invalid_param(&path, format!("Invalid request: `{path}`: {message}"))
+        }
+    })?;
+    // Anything after the value (serde_json's `from_slice` refuses it too).
+    de.end().map_err(not_json)?;
+    Ok(value)
+}
+
+/// serde's message for a body of the wrong shape, without what only matters to a parser: the
+/// position (the field is named instead) and the name of a Rust type.
+fn shape_message(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    let suffix = format!(" at line {} column {}", e.line(), e.column());
+    let text = text.strip_suffix(&suffix).unwrap_or(&text);
+    if text.starts_with("data did not match any variant of untagged enum") {
+        "has none of the accepted types (see the OpenAI API reference for this field)".to_string()
+    } else {
+        text.to_string()
+    }
 }
 
 /// 404 `model_not_found` unless `requested` is the model this server serves.
@@ -143,6 +169,34 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.status, 400);
         assert!(err.message().contains("prompt token ids"), "{err}");
+    }
+
+    #[test]
+    fn a_body_of_the_wrong_shape_names_the_field_without_positions_or_rust_types() {
+        let error = |body: &str| {
+            let e = parse_json::<crate::ChatCompletionRequest>(body.as_bytes()).unwrap_err();
+            assert_eq!(e.status, 400, "{e}");
+            let message = e.message().to_string();
+            assert!(
+                !message.contains(" at line ") && !message.contains("untagged enum"),
+                "{message}"
+            );
+            (e.detail.param.clone(), message)
+        };
+        let (param, message) =
+            error(r#"{"model": "m", "messages": [{"role": "user", "content": 5}]}"#);
+        assert_eq!(param.as_deref(), Some("messages[0].content"), "{message}");
+        assert!(message.contains("`messages[0].content`"), "{message}");
+        let (_, message) = error(
+            r#"{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 5}"#,
+        );
+        assert!(message.contains("between 0 and 2"), "{message}");
+        let (param, message) = error(r#"{"model": "m", "messages": "hi"}"#);
+        assert_eq!(param.as_deref(), Some("messages"), "{message}");
+        // Something after the body is not JSON either.
+        let e = parse_json::<crate::CompletionRequest>(br#"{"model": "m", "prompt": "hi"} x"#)
+            .unwrap_err();
+        assert!(e.message().contains("not valid JSON"), "{e}");
     }
 
     #[test]
