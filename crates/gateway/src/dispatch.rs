@@ -939,7 +939,9 @@ impl Dispatcher {
                     core.frontend.set_cache_view(worker, view);
                 }
                 Self::resync_replicas(&core);
-                tracing::info!(%worker, "worker healthy; back in the routing set");
+                // At the level of the warning that took it out, so that a log read at the
+                // default level (warn) shows the worker come back too.
+                tracing::warn!(%worker, "worker healthy; back in the routing set");
             }
         } else {
             core.frontend.remove_worker(worker, self.now());
