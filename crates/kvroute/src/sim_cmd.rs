@@ -904,6 +904,17 @@ impl TraceReport {
             "\ntrace: {} of {} requests issued ({} finished, {} failed) over {:.0} s at {}× speed",
             self.issued, self.requests, self.finished, self.failed, self.span_s, self.speed
         );
+        let unfinished = self.issued.saturating_sub(self.finished + self.failed);
+        if unfinished > 0 {
+            // The figures above cover finished requests only: say how many did not.
+            println!(
+                "  note: {unfinished} of them were still running when the run ended, so the \
+                 latencies, rates and hit rates above cover the {} that finished (the summary's \
+                 oracle too, in engine blocks); --duration longer than the trace's {:.0} s lets \
+                 more finish",
+                self.finished, self.span_s
+            );
+        }
         println!(
             "  prefix-hit rate {} of prompt tokens; the trace's oracle bound {:.1}% (infinite \
              cache, any worker): {} of the bound",

@@ -541,3 +541,37 @@ fn loadgen_replays_a_trace_under_the_dashboard_and_reports_it_in_the_status() {
     let exit = loadgen.stop(libc::SIGINT, Duration::from_secs(20));
     assert!(exit.success(), "{exit}");
 }
+
+/// A replay that ends with requests still running says so beside its figures, which cover
+/// only the finished ones; one where every request finished does not.
+#[test]
+fn a_replay_that_ends_with_requests_running_says_its_figures_cover_the_finished() {
+    let trace = shipped();
+    let overloaded = stdout_of(&[
+        "sim",
+        "--trace",
+        &trace,
+        "--trace-limit",
+        "500",
+        "--workers",
+        "4",
+    ]);
+    let note = overloaded
+        .lines()
+        .find(|l| l.contains("still running when the run ended"))
+        .unwrap_or_else(|| panic!("no note: {overloaded}"));
+    assert!(note.contains("cover the"), "{note}");
+    let served = stdout_of(&[
+        "sim",
+        "--trace",
+        &trace,
+        "--trace-limit",
+        "50",
+        "--workers",
+        "8",
+    ]);
+    assert!(
+        !served.contains("still running when the run ended") && served.contains("(50 finished"),
+        "{served}"
+    );
+}
