@@ -71,44 +71,10 @@ pub fn router(state: Arc<AppState>) -> Router {
     // around the whole router, where the header is known.
     Router::new()
         .fallback_service(app)
-        .layer(axum::middleware::map_response(method_not_allowed))
+        .layer(axum::middleware::map_response(
+            protocol::http::method_not_allowed_json,
+        ))
         .layer(axum::middleware::from_fn(protocol::listener::limit_headers))
-}
-
-/// axum answers a method a path does not serve (`PUT /v1/chat/completions`, `POST
-/// /v1/models`) with 405, its `Allow` header and an empty body: this gives it OpenAI error
-/// JSON, as the gateway answers it, keeping `Allow`.
-async fn method_not_allowed(
-    method: axum::http::Method,
-    uri: axum::http::Uri,
-    response: Response,
-) -> Response {
-    if response.status() != StatusCode::METHOD_NOT_ALLOWED {
-        return response;
-    }
-    let allow = response.headers().get(header::ALLOW).cloned();
-    let allowed: Vec<&str> = allow
-        .as_ref()
-        .and_then(|v| v.to_str().ok())
-        .map(|v| {
-            v.split(',')
-                .map(str::trim)
-                // GET implies HEAD: not worth a word.
-                .filter(|m| !m.is_empty() && *m != "HEAD")
-                .collect()
-        })
-        .unwrap_or_default();
-    let allowed = if allowed.is_empty() {
-        "another method".to_owned()
-    } else {
-        allowed.join(" or ")
-    };
-    let mut answer =
-        ApiError::method_not_allowed(method.as_str(), uri.path(), &allowed).into_response();
-    if let Some(allow) = allow {
-        answer.headers_mut().insert(header::ALLOW, allow);
-    }
-    answer
 }
 
 fn unix_now() -> u64 {

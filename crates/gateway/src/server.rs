@@ -56,7 +56,7 @@ pub(crate) struct AppState {
 }
 
 pub(crate) fn routes(state: Arc<AppState>) -> HttpRouter {
-    HttpRouter::new()
+    let app = HttpRouter::new()
         .route(
             "/v1/chat/completions",
             post(handle::<ChatCompletionRequest>),
@@ -66,23 +66,15 @@ pub(crate) fn routes(state: Arc<AppState>) -> HttpRouter {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state);
+    // axum sets the `Allow` of its 405 outside a route's own layers: the body is written
+    // around the whole router, where the header is known (as the engine server does).
+    HttpRouter::new()
+        .fallback_service(app)
+        .layer(axum::middleware::map_response(
+            protocol::http::method_not_allowed_json,
+        ))
         .layer(axum::middleware::from_fn(protocol::listener::limit_headers))
-        .with_state(state)
-}
-
-async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
-    let allowed = if uri.path().starts_with("/v1/") && uri.path().ends_with("completions") {
-        "POST"
-    } else {
-        "GET"
-    };
-    let mut response =
-        ApiError::method_not_allowed(method.as_str(), uri.path(), allowed).into_response();
-    response
-        .headers_mut()
-        .insert(header::ALLOW, HeaderValue::from_static(allowed));
-    response
 }
 
 fn unix_now() -> u64 {

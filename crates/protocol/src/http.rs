@@ -56,7 +56,9 @@ pub fn check_model(served: &str, requested: &str) -> Result<(), ApiError> {
 }
 
 #[cfg(feature = "axum")]
-pub use with_axum::{json_response, read_body, read_json, read_json_within};
+pub use with_axum::{
+    json_response, method_not_allowed_json, read_body, read_json, read_json_within,
+};
 
 #[cfg(feature = "axum")]
 mod with_axum {
@@ -67,6 +69,43 @@ mod with_axum {
     use serde::Serialize;
 
     use crate::error::ApiError;
+
+    /// axum answers a method a path does not serve (`PUT /v1/chat/completions`, `POST
+    /// /v1/models`) with 405, its `Allow` header and an empty body: this gives it OpenAI error
+    /// JSON, keeping `Allow`. A response mapper (`axum::middleware::map_response`) for the
+    /// outside of the whole router, where axum has set `Allow`.
+    pub async fn method_not_allowed_json(
+        method: axum::http::Method,
+        uri: axum::http::Uri,
+        response: Response,
+    ) -> Response {
+        if response.status() != StatusCode::METHOD_NOT_ALLOWED {
+            return response;
+        }
+        let allow = response.headers().get(header::ALLOW).cloned();
+        let allowed: Vec<&str> = allow
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .map(|v| {
+                v.split(',')
+                    .map(str::trim)
+                    // GET implies HEAD: not worth a word.
+                    .filter(|m| !m.is_empty() && *m != "HEAD")
+                    .collect()
+            })
+            .unwrap_or_default();
+        let allowed = if allowed.is_empty() {
+            "another method".to_owned()
+        } else {
+            allowed.join(" or ")
+        };
+        let mut answer =
+            ApiError::method_not_allowed(method.as_str(), uri.path(), &allowed).into_response();
+        if let Some(allow) = allow {
+            answer.headers_mut().insert(header::ALLOW, allow);
+        }
+        answer
+    }
 
     /// Reads a request body of at most `limit` bytes: 413 beyond it (by `Content-Length`
     /// before reading, or by counting), 400 when the body cannot be read.
