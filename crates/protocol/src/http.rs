@@ -33,17 +33,13 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     Ok(value)
 }
 
-/// serde's message for a body of the wrong shape, without what only matters to a parser: the
-/// position (the field is named instead) and the name of a Rust type.
+/// serde's message for a body of the wrong shape, without its position (the field is named
+/// instead). Untagged enums of the request say what they accept (`#[serde(expecting)]`), so
+/// no Rust type name shows.
 fn shape_message(e: &serde_json::Error) -> String {
     let text = e.to_string();
     let suffix = format!(" at line {} column {}", e.line(), e.column());
-    let text = text.strip_suffix(&suffix).unwrap_or(&text);
-    if text.starts_with("data did not match any variant of untagged enum") {
-        "has none of the accepted types (see the OpenAI API reference for this field)".to_string()
-    } else {
-        text.to_string()
-    }
+    text.strip_suffix(&suffix).unwrap_or(&text).to_string()
 }
 
 /// 404 `model_not_found` unless `requested` is the model this server serves.

@@ -35,30 +35,11 @@ pub struct StreamOptions {
 }
 
 /// `stop`: one string or several.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged, expecting = "`stop` must be a string or a list of strings")]
 pub enum Stop {
     One(String),
     Many(Vec<String>),
-}
-
-impl<'de> Deserialize<'de> for Stop {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Either {
-            One(String),
-            Many(Vec<String>),
-        }
-        // One message that names the field, not serde's "did not match any variant".
-        match Either::deserialize(d) {
-            Ok(Either::One(s)) => Ok(Stop::One(s)),
-            Ok(Either::Many(v)) => Ok(Stop::Many(v)),
-            Err(_) => Err(serde::de::Error::custom(
-                "`stop` must be a string or a list of strings",
-            )),
-        }
-    }
 }
 
 /// The sampling and length fields shared by both request kinds.
@@ -174,30 +155,14 @@ pub struct ContentPart {
 }
 
 /// A message's `content`: a string or a list of parts.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a message's `content` must be a string or a list of content parts ({\"type\": \"text\", \"text\": ...})"
+)]
 pub enum MessageContent {
     Text(String),
     Parts(Vec<ContentPart>),
-}
-
-impl<'de> Deserialize<'de> for MessageContent {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Either {
-            Text(String),
-            Parts(Vec<ContentPart>),
-        }
-        match Either::deserialize(d) {
-            Ok(Either::Text(s)) => Ok(MessageContent::Text(s)),
-            Ok(Either::Parts(p)) => Ok(MessageContent::Parts(p)),
-            Err(_) => Err(serde::de::Error::custom(
-                "a message's `content` must be a string or a list of content parts \
-                 ({\"type\": \"text\", \"text\": ...})",
-            )),
-        }
-    }
 }
 
 /// The roles OpenAI's chat API accepts.
