@@ -498,12 +498,12 @@ struct GatewayFlags {
 /// (requests would go to `/v1/v1/…` and all fail with 404); a note on stderr says so once.
 fn base_url(command: &str, target: &str) -> String {
     let trimmed = target.trim_end_matches('/');
-    let path_start = trimmed
-        .find("://")
-        .map(|i| i + 3)
-        .and_then(|authority| trimmed[authority..].find('/').map(|p| authority + p));
-    match (path_start, trimmed.strip_suffix("/v1")) {
-        (Some(path), Some(base)) if base.len() >= path => {
+    // The URL's last path segment, not a host or query that happens to end so.
+    let ends_in_v1 = reqwest::Url::parse(trimmed).is_ok_and(|url| {
+        url.query().is_none() && url.path_segments().and_then(|mut s| s.next_back()) == Some("v1")
+    });
+    match trimmed.strip_suffix("/v1") {
+        Some(base) if ends_in_v1 => {
             eprintln!(
                 "kvroute {command}: note: --target {target} ends in /v1; using {base} (the load \
                  generator adds /v1/… to it)"
